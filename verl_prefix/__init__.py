@@ -1,0 +1,32 @@
+"""verl-prefix: shared-prefix reuse for GRPO actor updates, as a verl engine backend.
+
+Importing the package registers the ``prefix_fsdp2`` engine with verl's ``EngineRegistry``. It is also
+a ``verl.plugins`` entry point, so ``import verl`` does this in the driver and in every Ray worker;
+the CPU platform activates here when ``VERL_PLATFORM=cpu`` is set.
+"""
+
+from verl_prefix.platform_cpu import cpu_platform_requested, ensure_cpu_platform
+
+if cpu_platform_requested():
+    ensure_cpu_platform()
+
+from verl_prefix.config import PREFIX_BACKEND, PrefixFSDPEngineConfig, PrefixReuseConfig  # noqa: E402
+from verl_prefix.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E402
+
+register()
+
+
+def is_registered() -> bool:
+    """True when ``prefix_fsdp2`` is in verl's engine registry (plugin failures are silent in verl)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    return PREFIX_BACKEND in EngineRegistry._engines.get("language_model", {})
+
+
+__all__ = [
+    "PREFIX_BACKEND",
+    "PrefixFSDPEngineConfig",
+    "PrefixFSDPEngineWithLMHead",
+    "PrefixReuseConfig",
+    "is_registered",
+]

@@ -1,0 +1,377 @@
+"""The ``prefix_fsdp2`` engine backend: verl's FSDP2 engine with the A/B/C schedule per uid group.
+
+Everything verl already does stays verl's: model build, FSDP2 wrapping, ``ppo_loss`` (called per
+suffix micro-batch on that micro-batch's rows, with the mini-batch's global normalisation attached
+exactly as the stock engine attaches it), optimizer step, checkpointing. Only
+``forward_backward_batch`` changes. Rows that cannot reuse run through the stock ``forward_step``
+and are counted under ``prefix/fallback_<reason>``; a whole mini-batch that cannot reuse runs the
+stock method and is counted the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func
+
+from verl_prefix.config import PREFIX_BACKEND, PrefixReuseConfig
+from verl_prefix.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch, validate_batch
+from verl_prefix.lockstep import agree_on_schedule, filler_group
+from verl_prefix.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
+from verl_prefix.schedule import infer_group, train_group
+
+logger = logging.getLogger(__name__)
+
+
+def row_layout(data: TensorDict) -> RowLayout:
+    """Per-row token ids, positions, prompt/response lengths and uids of a verl mini-batch."""
+    input_ids = list(data["input_ids"].unbind())
+    position_ids = list(data["position_ids"].unbind())
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        prompt_lens = prompts.offsets().diff().tolist()
+        response_lens = responses.offsets().diff().tolist()
+    else:
+        mask = data["attention_mask"]
+        prompt_lens = mask[:, : prompts.shape[1]].sum(dim=1).tolist()
+        response_lens = mask[:, prompts.shape[1] :].sum(dim=1).tolist()
+    return RowLayout(input_ids, position_ids, prompt_lens, response_lens, uids_of(data))
+
+
+def uids_of(data: TensorDict) -> list[str]:
+    if "uid" not in data.keys():
+        raise ValueError("prefix reuse needs the `uid` of every sample (GRPO's group id); the batch has none")
+    uids = tu.get(data, "uid")
+    uids = uids.tolist() if hasattr(uids, "tolist") else list(uids)
+    if len(uids) != len(data):
+        raise ValueError(f"batch has {len(data)} samples but {len(uids)} uids")
+    return [str(u) for u in uids]
+
+
+def _per_row_temperature(data: TensorDict) -> torch.Tensor:
+    temperature = data["temperature"]
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == len(data):
+        return temperature.float().flatten()
+    return torch.full((len(data),), float(temperature))
+
+
+def _full_length(values: list[torch.Tensor], layout: RowLayout, rows: list[int]) -> torch.Tensor:
+    """Place response values into verl's full-sequence nested layout (prompt+response per row).
+
+    Position ``p`` holds what predicts token ``p+1``, so row i's response values sit at
+    ``[P-1, P-1+S)``; positions the schedule never computes hold zeros.
+    """
+    pieces, lengths = [], []
+    for i, v in zip(rows, values):
+        p, s = layout.prompt_lens[i], layout.response_lens[i]
+        pieces += [v.new_zeros(p - 1), v, v.new_zeros(1)]
+        lengths.append(p + s)
+    flat = torch.cat(pieces)
+    offsets = torch.tensor([0] + lengths, device=flat.device).cumsum(0)
+    return torch.nested.nested_tensor_from_jagged(flat, offsets)
+
+
+class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+    """Drop-in for verl's ``FSDPEngineWithLMHead`` selected by ``actor.strategy=prefix_fsdp2``."""
+
+    def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
+        reuse = getattr(engine_config, "prefix_reuse", None)
+        if getattr(engine_config, "strategy", None) == PREFIX_BACKEND:
+            # verl's FSDP code branches on strategy == "fsdp2"; keep the caller's object untouched.
+            engine_config = copy.copy(engine_config)
+            object.__setattr__(engine_config, "strategy", "fsdp2")
+        super().__init__(model_config, engine_config, *args, **kwargs)
+        self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
+
+    # -- what can reuse ---------------------------------------------------------------------------
+
+    def _model_fallback_reason(self, forward_only: bool) -> str | None:
+        """A reason the whole mini-batch must run dense, or None."""
+        if not self.reuse_config.enable:
+            return "disabled"
+        if forward_only and not self.reuse_config.forward_only_reuse:
+            return "forward_only_disabled"
+        if self.use_ulysses_sp:
+            return "ulysses"
+        if base_attention_implementation(self.module) not in PREFIX_ATTENTION_NAMES:
+            return "attn_implementation"
+        config = self.module.config.get_text_config()
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+            getattr(config, "layer_types", None) or []
+        ):
+            return "sliding_window"
+        if not forward_only and self._has_active_dropout():
+            return "dropout"
+        return None
+
+    def _has_active_dropout(self) -> bool:
+        """Reuse shares one prefix dropout sample across the group: a different distribution (trap 7)."""
+        if not self.module.training:
+            return False
+        for module in self.module.modules():
+            if isinstance(module, torch.nn.Dropout) and module.p > 0:
+                return True
+            p = getattr(module, "attention_dropout", 0.0)
+            if isinstance(p, float) and p > 0:
+                return True
+        return False
+
+    def _batch_fallback_reason(self, data: TensorDict) -> str | None:
+        flags = {
+            "fused_kernels": "use_fused_kernels",
+            "sum_pi_squared": "calculate_sum_pi_squared",
+            "distillation": "distillation_use_topk",
+        }
+        for reason, key in flags.items():
+            if tu.get_non_tensor_data(data=data, key=key, default=False):
+                return reason
+        if data["position_ids"].dim() == 3 or "multi_modal_inputs" in data.keys():
+            return "multimodal"
+        return None
+
+    def _check_dense_is_exact(self, data: TensorDict) -> None:
+        """Packed (remove-padding) dense micro-batches need varlen attention or they attend across samples."""
+        use_rmpad = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
+        attn = base_attention_implementation(self.module)
+        if use_rmpad and not attn.startswith("flash_attention"):
+            raise ValueError(
+                f"use_remove_padding=True with attn_implementation={attn!r} packs samples into one row "
+                "without varlen attention, so they attend to each other (wrong log-probs in the stock "
+                "engine too). Set actor_rollout_ref.model.use_remove_padding=False or use flash_attention_2."
+            )
+
+    # -- the mini-batch -----------------------------------------------------------------------------
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        reason = self._model_fallback_reason(forward_only) or self._batch_fallback_reason(data)
+        if reason is not None:
+            output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            output["metrics"].update(_fallback_metrics({reason: len(data)}, groups=0))
+            return output
+        self._check_dense_is_exact(data)
+        return self._reuse_batch(data, loss_function, forward_only)
+
+    def _attach_global_normalisation(self, data: TensorDict) -> None:
+        """What the stock engine attaches before splitting: loss terms are shares of the mini-batch."""
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+    def _plan(self, data: TensorDict, layout: RowLayout, forward_only: bool) -> BatchPlan:
+        use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False)
+        max_rows = self.reuse_config.suffix_micro_batch_size
+        if max_rows is None and not use_dynamic_bsz:
+            max_rows = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1))
+        max_tokens = self.reuse_config.suffix_token_budget
+        if max_tokens is None and use_dynamic_bsz:
+            max_tokens = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=0)) or None
+        return plan_batch(layout, max_rows=max_rows, max_tokens=max_tokens,
+                          min_prefix_len=self.reuse_config.min_prefix_len,
+                          min_group_size=self.reuse_config.min_group_size)
+
+    def _autocast(self) -> Callable[[], AbstractContextManager]:
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        if dtype == torch.float32 or dtype == torch.float64:
+            return nullcontext
+        return lambda: torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        scaler = getattr(self, "scaler", None)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def _reuse_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        self._attach_global_normalisation(data)
+        layout = row_layout(data)
+        if forward_only:
+            validate_batch(layout)
+        else:
+            validate_batch(layout, data["advantages"].to_padded_tensor(0.0) if data["advantages"].is_nested
+                           else data["advantages"], None)
+        plan = self._plan(data, layout, forward_only)
+        dense_rows = plan.all_dense_rows
+        dense_chunks = self._dense_chunks(data, dense_rows)
+        lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
+
+        device = torch.device(get_device_name(), get_device_id()) if get_device_name() != "cpu" else torch.device("cpu")
+        temperature = _per_row_temperature(data)
+        calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        output_lst: list[dict] = []
+        order: list[list[int]] = []
+        micro_data = data.to(device) if device.type != "cpu" else data
+
+        def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
+            keep = forward_only or return_model_output
+            output_lst.append({"model_output": detach_tree(model_output) if keep else {}, "loss": loss,
+                               "metrics": metrics})
+            order.append(rows)
+
+        for slot in range(lockstep.num_groups):
+            group = plan.groups[slot] if slot < len(plan.groups) else None
+            num_micro = lockstep.micro_batches[slot]
+            if group is None:
+                self._dummy_group(num_micro, forward_only, device)
+                continue
+            group = _pad_micro_batches(group, num_micro)
+            if forward_only:
+                self._infer_group(micro_data, layout, group, temperature, calculate_entropy, device, loss_function,
+                                  record)
+            else:
+                self._train_group(micro_data, layout, group, temperature, calculate_entropy, device, loss_function,
+                                  record)
+
+        for k in range(lockstep.num_dense_chunks):
+            rows = dense_chunks[k] if k < len(dense_chunks) else None
+            if rows is None:
+                self._dummy_dense(forward_only, device)
+                continue
+            micro = tu.index_select_tensor_dict(micro_data, rows)
+            ctx = torch.no_grad() if forward_only else nullcontext()
+            with ctx:
+                loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
+                if not forward_only:
+                    self._backward(loss)
+            record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
+
+        output = postprocess_batch_func(output_lst=[o for o in output_lst], indices=order, data=_static_bsz(data))
+        if output["model_output"]:
+            output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
+        output["metrics"].update(_fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
+        output["metrics"].update(_token_metrics(layout, plan))
+        return output
+
+    def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
+        """Dense rows in micro-batches of verl's size; the loss is globally normalised, so the split is free."""
+        if not rows:
+            return []
+        size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def _train_group(self, data: TensorDict, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor,
+                     calculate_entropy: bool, device: torch.device, loss_function: Callable,
+                     record: Callable) -> None:
+        pending: list[tuple[list[int], dict, dict]] = []
+
+        def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+            model_output = {"log_probs": _full_length(log_probs, layout, rows)}
+            if entropy is not None:
+                model_output["entropy"] = _full_length(entropy, layout, rows)
+            micro = tu.index_select_tensor_dict(data, rows)
+            loss, metrics = loss_function(model_output=model_output, data=micro,
+                                          dp_group=self.get_data_parallel_group())
+            pending.append((rows, model_output, metrics))
+            return loss
+
+        losses = train_group(self.module, layout, group, temperature, loss_fn, calculate_entropy=calculate_entropy,
+                             device=device, autocast=self._autocast(), backward=self._backward,
+                             early_exit=self.reuse_config.early_exit)
+        for (rows, model_output, metrics), loss in zip(pending, losses):
+            record(rows, model_output, loss.item(), metrics)
+
+    def _infer_group(self, data: TensorDict, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor,
+                     calculate_entropy: bool, device: torch.device, loss_function: Callable | None,
+                     record: Callable) -> None:
+        results = infer_group(self.module, layout, group, temperature, calculate_entropy=calculate_entropy,
+                              device=device, autocast=self._autocast())
+        for rows in group.micro_batches:
+            log_probs = [results[i][0] for i in rows]
+            model_output = {"log_probs": _full_length(log_probs, layout, rows)}
+            if calculate_entropy:
+                model_output["entropy"] = _full_length([results[i][1] for i in rows], layout, rows)
+            metrics: dict = {}
+            loss = 1.0
+            if loss_function is not None:
+                micro = tu.index_select_tensor_dict(data, rows)
+                loss_t, metrics = loss_function(model_output=model_output, data=micro,
+                                                dp_group=self.get_data_parallel_group())
+                loss = loss_t.detach().item()
+            record(rows, model_output, loss, metrics)
+
+    # -- lockstep fillers: FSDP collectives must match across ranks -----------------------------------
+
+    def _dummy_group(self, num_micro: int, forward_only: bool, device: torch.device) -> None:
+        layout, group = filler_group(num_micro)
+        temperature = torch.ones(len(layout))
+        if forward_only:
+            infer_group(self.module, layout, group, temperature, calculate_entropy=False, device=device,
+                        autocast=self._autocast())
+            return
+        train_group(self.module, layout, group, temperature, _no_loss,
+                    calculate_entropy=False, device=device, autocast=self._autocast(), backward=self._backward,
+                    early_exit=self.reuse_config.early_exit)
+
+    def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        ctx = torch.no_grad() if forward_only else nullcontext()
+        with ctx, self._autocast()():
+            logits = self.module(input_ids=ids, position_ids=torch.arange(2, device=device)[None],
+                                 use_cache=False).logits
+            if not forward_only:
+                self._backward(logits.sum() * 0.0)
+
+
+def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+    raise AssertionError("a filler group has no real micro-batches")
+
+
+def _pad_micro_batches(group: GroupPlan, count: int) -> GroupPlan:
+    """The same group with zero-loss filler micro-batches up to the count all ranks agreed on."""
+    missing = count - len(group.micro_batches)
+    if missing <= 0:
+        return group
+    return GroupPlan(group.uid, group.rows, group.prompt_len, group.micro_batches, filler_micro_batches=missing)
+
+
+def _static_bsz(data: TensorDict) -> TensorDict:
+    """postprocess_batch_func reorders only under dynamic bsz; we always reorder ourselves."""
+    view = data.select()  # empty view keeps batch size; carry only the flags postprocess reads
+    tu.assign_non_tensor(view, use_dynamic_bsz=False)
+    return view
+
+
+def _fallback_metrics(dense_rows: dict[str, list[int]] | dict[str, int], groups: int) -> dict[str, float]:
+    metrics = {"prefix/groups": float(groups)}
+    for reason, rows in dense_rows.items():
+        metrics[f"prefix/fallback_{reason}"] = float(rows if isinstance(rows, int) else len(rows))
+    return metrics
+
+
+def _token_metrics(layout: RowLayout, plan: BatchPlan) -> dict[str, float]:
+    """Logical tokens are what dense would compute; physical what the schedule did compute."""
+    logical = physical = 0
+    for group in plan.groups:
+        suffix = sum(layout.response_lens[i] for i in group.rows)
+        logical += len(group.rows) * group.prompt_len + suffix
+        physical += group.prefix_len + suffix
+    for i in plan.all_dense_rows:
+        logical += layout.prompt_lens[i] + layout.response_lens[i]
+        physical += layout.prompt_lens[i] + layout.response_lens[i]
+    return {
+        "prefix/logical_tokens": float(logical),
+        "prefix/physical_tokens": float(physical),
+        "prefix/reuse_factor": logical / max(physical, 1),
+    }
+
+
+def register() -> None:
+    """Register ``prefix_fsdp2`` for every device verl's FSDP engine runs on (idempotent)."""
+    registered = EngineRegistry._engines.get("language_model", {}).get(PREFIX_BACKEND, {})
+    devices = [d for d in ("cuda", "npu", "cpu") if d not in registered]
+    if devices:
+        EngineRegistry.register(model_type="language_model", backend=PREFIX_BACKEND, device=devices)(
+            PrefixFSDPEngineWithLMHead
+        )

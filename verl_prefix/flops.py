@@ -1,0 +1,82 @@
+"""A FLOP model of dense vs reuse for one GRPO mini-batch, to print beside every measured ratio.
+
+Counts the three costs that matter: linear layers (per token), attention score/value products (per
+query-key pair) and the LM head (per token that gets logits). The naive token ratio
+G(P+S)/(P+G*S) overstates the gain because the LM head and suffix-to-prefix attention do not shrink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: object) -> ModelShape:
+        heads = config.num_attention_heads
+        return cls(
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", heads),
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab=config.vocab_size,
+        )
+
+    @property
+    def linear_per_token(self) -> float:
+        """Forward FLOPs of every decoder linear layer for one token (2 per multiply-add)."""
+        q_o = 2 * self.hidden * self.heads * self.head_dim
+        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return 2.0 * self.layers * (q_o + k_v + mlp)
+
+    @property
+    def attention_per_pair(self) -> float:
+        """Forward FLOPs of QK^T and AV for one (query, key) pair over all layers and heads."""
+        return 4.0 * self.layers * self.heads * self.head_dim
+
+    @property
+    def head_per_token(self) -> float:
+        return 2.0 * self.hidden * self.vocab
+
+
+def _causal_pairs(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def dense_flops(shape: ModelShape, prompt_len: int, response_lens: list[int]) -> float:
+    """Forward FLOPs of the stock engine for one group (logits over every position, as verl computes)."""
+    total = 0.0
+    for s in response_lens:
+        n = prompt_len + s
+        total += n * (shape.linear_per_token + shape.head_per_token) + _causal_pairs(n) * shape.attention_per_pair
+    return total
+
+
+def reuse_flops(shape: ModelShape, prompt_len: int, response_lens: list[int]) -> float:
+    """Forward FLOPs of phases A and B for one group: the prefix once, each suffix against it."""
+    prefix = prompt_len - 1
+    total = prefix * shape.linear_per_token + _causal_pairs(prefix) * shape.attention_per_pair
+    for s in response_lens:
+        total += s * (shape.linear_per_token + shape.head_per_token)
+        total += (s * prefix + _causal_pairs(s)) * shape.attention_per_pair
+    return total
+
+
+def predicted_speedup(shape: ModelShape, groups: list[tuple[int, list[int]]]) -> float:
+    """Dense / reuse FLOPs over ``(prompt_len, response_lens)`` groups. Backward is ~2x forward on both
+    sides, so the same ratio holds for an update and for a forward-only pass."""
+    dense = sum(dense_flops(shape, p, s) for p, s in groups)
+    reuse = sum(reuse_flops(shape, p, s) for p, s in groups)
+    return dense / reuse

@@ -1,0 +1,153 @@
+"""Regroup a per-rank mini-batch by ``uid``, validate it, and plan suffix micro-batches.
+
+Pure bookkeeping on token ids and lengths: no model, no verl engine. Every check raises with the
+sample indices a user needs to find the bad rows; nothing is dropped or repaired silently.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The rows of one mini-batch, unpadded: ``input_ids[i]`` is prompt followed by response."""
+
+    input_ids: list[torch.Tensor]
+    position_ids: list[torch.Tensor]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    uids: list[str]
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        sizes = {len(self.position_ids), len(self.prompt_lens), len(self.response_lens), len(self.uids)}
+        if sizes != {n}:
+            raise ValueError(f"row layout fields disagree on the number of samples: {sizes | {n}}")
+        for i, (ids, p, s) in enumerate(zip(self.input_ids, self.prompt_lens, self.response_lens)):
+            if ids.numel() != p + s:
+                raise ValueError(f"sample {i}: {ids.numel()} tokens but prompt {p} + response {s}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class GroupPlan:
+    """One uid group that runs the A/B/C schedule: its prefix is ``prompt[:-1]`` of any member."""
+
+    uid: str
+    rows: list[int]
+    prompt_len: int
+    micro_batches: list[list[int]] = field(default_factory=list)
+    # zero-loss micro-batches over rows[0] that only keep data-parallel ranks in lockstep
+    filler_micro_batches: int = 0
+
+    @property
+    def prefix_len(self) -> int:
+        return self.prompt_len - 1
+
+
+@dataclass
+class BatchPlan:
+    """Reuse groups in execution order, and the rows that run dense keyed by the reason why."""
+
+    groups: list[GroupPlan]
+    dense_rows: dict[str, list[int]]
+
+    @property
+    def all_dense_rows(self) -> list[int]:
+        return sorted(i for rows in self.dense_rows.values() for i in rows)
+
+
+def group_rows_by_uid(uids: list[str]) -> OrderedDict[str, list[int]]:
+    """Rows of each uid in first-appearance order; works whether or not groups arrive contiguous."""
+    groups: OrderedDict[str, list[int]] = OrderedDict()
+    for i, uid in enumerate(uids):
+        groups.setdefault(str(uid), []).append(i)
+    return groups
+
+
+def _fmt(rows: list[int], limit: int = 16) -> str:
+    shown = ", ".join(map(str, rows[:limit]))
+    return f"[{shown}{', ...' if len(rows) > limit else ''}]"
+
+
+def validate_batch(layout: RowLayout, advantages: torch.Tensor | None = None,
+                   response_mask: torch.Tensor | None = None) -> None:
+    """Refuse input that would train on garbage: empty responses, non-finite advantages, and samples
+    that share a uid but not their prompt (reuse would silently train them on another prompt)."""
+    empty = [i for i, s in enumerate(layout.response_lens) if s <= 0]
+    if empty:
+        raise ValueError(f"samples {_fmt(empty)} have empty responses; prefix reuse needs at least one token")
+    empty_prompt = [i for i, p in enumerate(layout.prompt_lens) if p <= 0]
+    if empty_prompt:
+        raise ValueError(f"samples {_fmt(empty_prompt)} have empty prompts")
+    if advantages is not None:
+        values = advantages if response_mask is None else advantages.masked_fill(~response_mask.bool(), 0.0)
+        bad = (~torch.isfinite(values)).reshape(values.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"samples {_fmt(bad)} have non-finite advantages (NaN or inf)")
+    for uid, rows in group_rows_by_uid(layout.uids).items():
+        first = rows[0]
+        p = layout.prompt_lens[first]
+        ref_ids = layout.input_ids[first][:p]
+        ref_pos = layout.position_ids[first][..., :p]
+        for i in rows[1:]:
+            same = layout.prompt_lens[i] == p and torch.equal(layout.input_ids[i][:p], ref_ids)
+            if not same:
+                raise ValueError(
+                    f"samples {first} and {i} share uid {uid!r} but not their prompt tokens; "
+                    "a uid must name one prompt (check the rollout's uid assignment)"
+                )
+            if not torch.equal(layout.position_ids[i][..., :p], ref_pos):
+                raise ValueError(f"samples {first} and {i} share uid {uid!r} but not their prompt positions")
+
+
+def plan_suffix_micro_batches(rows: list[int], response_lens: list[int], max_rows: int | None,
+                              max_tokens: int | None) -> list[list[int]]:
+    """Split a group's suffix rows into micro-batches, longest first so padding stays small.
+
+    A micro-batch holds at most ``max_rows`` rows and at most ``max_tokens`` padded suffix tokens
+    (rows x longest suffix). A single row over the token budget still forms its own micro-batch.
+    """
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"suffix micro-batch size must be >= 1, got {max_rows}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"suffix token budget must be >= 1, got {max_tokens}")
+    ordered = sorted(rows, key=lambda i: (-response_lens[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in ordered:
+        longest = max([response_lens[j] for j in current] + [response_lens[i]])
+        too_many = max_rows is not None and len(current) + 1 > max_rows
+        too_long = max_tokens is not None and (len(current) + 1) * longest > max_tokens
+        if current and (too_many or too_long):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def plan_batch(layout: RowLayout, *, max_rows: int | None, max_tokens: int | None, min_prefix_len: int,
+               min_group_size: int) -> BatchPlan:
+    """Decide per uid group whether it reuses its prefix, and plan its suffix micro-batches."""
+    groups: list[GroupPlan] = []
+    dense: dict[str, list[int]] = {}
+    for uid, rows in group_rows_by_uid(layout.uids).items():
+        prompt_len = layout.prompt_lens[rows[0]]
+        if prompt_len - 1 < max(min_prefix_len, 1):
+            dense.setdefault("short_prefix", []).extend(rows)
+            continue
+        if len(rows) < min_group_size:
+            dense.setdefault("small_group", []).extend(rows)
+            continue
+        plan = GroupPlan(uid=uid, rows=rows, prompt_len=prompt_len)
+        plan.micro_batches = plan_suffix_micro_batches(rows, layout.response_lens, max_rows, max_tokens)
+        groups.append(plan)
+    return BatchPlan(groups=groups, dense_rows=dense)

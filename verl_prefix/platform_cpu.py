@@ -1,0 +1,240 @@
+"""verl on CPU: a platform plugin selected by ``VERL_PLATFORM=cpu``.
+
+verl 0.9.1 resolves its device through ``verl.plugin.platform``; on a machine without a GPU the
+auto-detection falls back to "nvidia" (device "cuda"), and the FSDP engines are registered only for
+cuda/npu. This module registers a "cpu" platform (gloo, no-op streams/memory stats) and, when
+activated, registers verl's stock FSDP engines for device "cpu" so that ``EngineRegistry.new`` finds
+them. Importing it is harmless on a GPU machine: the platform is never auto-detected, only chosen
+through the environment variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform, set_platform
+
+logger = logging.getLogger(__name__)
+
+PLATFORM_NAME = "cpu"
+
+
+class _CPUDeviceModule(types.ModuleType):
+    """Stands in for ``torch.cuda`` where verl calls ``get_torch_device().<fn>()``.
+
+    CPU has no caching allocator, so allocator statistics read 0 (not measured) rather than
+    raising; ``mem_get_info`` reports host memory. Anything not defined here falls through to
+    ``torch.cpu`` (streams, events, synchronize, device_count).
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # keep module identity (__file__, __path__...) our own
+            raise AttributeError(name)
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def current_device() -> str:
+        # verl passes this to ``.to()`` / ``torch.device()``; an int would mean cuda:N.
+        return "cpu"
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def ipc_collect() -> None:
+        return None
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def memory_reserved(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_reserved(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        torch.manual_seed(seed)
+
+
+_DEVICE_MODULE = _CPUDeviceModule("verl_prefix_cpu_device")
+
+
+@PlatformRegistry.register(platform=PLATFORM_NAME)
+class PlatformCPU(PlatformBase):
+    """verl platform for host CPU: device "cpu", gloo collectives, no profiler ranges."""
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self) -> types.ModuleType:
+        return _DEVICE_MODULE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        # Never auto-detected: only VERL_PLATFORM=cpu selects it.
+        return False
+
+    def current_device(self) -> str:  # type: ignore[override]
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        # No device visibility on CPU; a name nobody sets keeps verl's env plumbing inert.
+        return "VERL_CPU_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str) -> Iterator[None]:
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+        # Ray actors on CPU ask for nothing beyond their default CPU.
+        return {}
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None
+
+
+def cpu_platform_requested() -> bool:
+    """True when the environment asks verl to run on CPU."""
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
+
+
+def _register_cpu_engines() -> None:
+    """Register verl's stock FSDP engines for device "cpu" (verl registers them for cuda/npu only)."""
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        for backend in ("fsdp", "fsdp2"):
+            # EngineRegistry.register asserts on duplicates, so only add missing keys.
+            if PLATFORM_NAME in EngineRegistry._engines.get(model_type, {}).get(backend, {}):
+                continue
+            EngineRegistry.register(model_type=model_type, backend=backend, device=PLATFORM_NAME)(engine_cls)
+
+
+def ensure_cpu_platform() -> None:
+    """Make verl in this process run on CPU; idempotent.
+
+    Sets ``VERL_PLATFORM=cpu`` (refusing a conflicting value), replaces an already-resolved
+    non-CPU platform singleton, and registers the FSDP engines for device "cpu".
+    """
+    current = os.environ.get("VERL_PLATFORM", "").strip().lower()
+    if current and current != PLATFORM_NAME:
+        raise RuntimeError(f"ensure_cpu_platform: VERL_PLATFORM={current!r} conflicts with the CPU platform")
+    os.environ["VERL_PLATFORM"] = PLATFORM_NAME
+    if get_platform().device_name != "cpu":
+        logger.warning("verl platform was resolved before VERL_PLATFORM=cpu took effect; replacing it")
+        set_platform(PlatformCPU())
+    _register_cpu_engines()

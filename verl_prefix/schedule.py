@@ -1,0 +1,189 @@
+"""The three-phase prefix-reuse schedule for one uid group, training and forward-only.
+
+A: the prefix ``prompt[:-1]`` runs once with grad, its per-layer K/V captured (early exit after the
+   last layer's K/V). B: suffix rows ``[prompt[-1]] + response[:-1]`` run as ordinary micro-batches
+   against detached prefix leaves; each micro-batch's loss is backpropagated at once and the leaves
+   accumulate dK/dV. C: one backward through the prefix graph seeded with the accumulated dK/dV.
+
+The model is any HF causal LM (or an FSDP2 wrapper of one) called through its root ``forward``, so
+wrappers see ordinary forward/backward hooks. Loss, normalisation and outputs are the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+from verl_prefix.grouping import GroupPlan, RowLayout
+from verl_prefix.prefix_kv import CaptureContext, PrefixCaptured, PrefixKV, ServeContext, prefix_attention_mode
+
+# loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
+# log-probs of rows[k] (length = its response), entropy likewise or None.
+LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], torch.Tensor]
+
+
+@dataclass
+class SuffixBatch:
+    """A right-padded suffix micro-batch of one group; row k covers positions P-1 .. P+S_k-2."""
+
+    rows: list[int]
+    input_ids: torch.Tensor  # [B, S_max]: prompt[-1] + response[:-1]
+    position_ids: torch.Tensor  # [B, S_max]
+    labels: torch.Tensor  # [B, S_max]: the response tokens each position predicts
+    valid: torch.Tensor  # [B, S_max] bool
+    lengths: list[int]
+
+
+def suffix_positions(positions: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
+    """The positions of ``[prompt[-1]] + response[:-1]``: the suffix starts at P-1, not P (trap 4)."""
+    return positions[..., prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def build_suffix_batch(layout: RowLayout, rows: list[int], prompt_len: int, device: torch.device) -> SuffixBatch:
+    lengths = [layout.response_lens[i] for i in rows]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pos = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for k, (i, s) in enumerate(zip(rows, lengths)):
+        tokens = layout.input_ids[i]
+        ids[k, :s] = tokens[prompt_len - 1 : prompt_len - 1 + s]
+        labels[k, :s] = tokens[prompt_len : prompt_len + s]
+        pos[k, :s] = suffix_positions(layout.position_ids[i], prompt_len, s)
+        pos[k, s:] = pos[k, s - 1] + torch.arange(1, width - s + 1)
+        valid[k, :s] = True
+    return SuffixBatch(rows, ids.to(device), pos.to(device), labels.to(device), valid.to(device), lengths)
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.num_hidden_layers)
+
+
+def prefix_forward(model: nn.Module, prefix_ids: torch.Tensor, prefix_positions: torch.Tensor,
+                   early_exit: bool = True) -> PrefixKV:
+    """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V."""
+    ctx = CaptureContext(num_decoder_layers(model), early_exit=early_exit)
+    try:
+        model(input_ids=prefix_ids[None], position_ids=prefix_positions[None], use_cache=False,
+              logits_to_keep=1, prefix_ctx=ctx)
+    except PrefixCaptured:
+        pass
+    if not ctx.kv.complete:
+        raise RuntimeError("phase A did not capture K/V for every layer; is the model a supported decoder?")
+    return ctx.kv
+
+
+def suffix_forward(model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, temperature: torch.Tensor,
+                   calculate_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does."""
+    ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device)
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, prefix_ctx=ctx)
+    logits = out.logits[batch.valid]  # [N, V], valid tokens only, row-major like verl's packed layout
+    row_temperature = torch.repeat_interleave(temperature.to(logits.device, torch.float32),
+                                              torch.tensor(batch.lengths, device=logits.device))
+    logits = logits / row_temperature.to(logits.dtype).unsqueeze(-1)
+    entropy = entropy_from_logits(logits) if calculate_entropy else None
+    log_probs = logprobs_from_logits(logits, batch.labels[batch.valid], inplace_backward=not calculate_entropy)
+    split = list(log_probs.split(batch.lengths))
+    return split, (list(entropy.split(batch.lengths)) if entropy is not None else None)
+
+
+def _unshard_interrupted(model: nn.Module, interrupted: nn.Module | None) -> None:
+    """FSDP2 unshards a module for backward from a hook its post-forward registers; early exit skipped
+    that post-forward, so the FSDP unit owning the last layer is unsharded here by hand. Its
+    post-backward (reduce-scatter, reshard) still runs from FSDP2's own hooks."""
+    if interrupted is None:
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    target = next((name for name, m in model.named_modules() if m is interrupted), None)
+    if target is None:
+        return
+    owner = None
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and (name == "" or target == name or target.startswith(name + ".")):
+            owner = module  # preorder: the last match is the nearest ancestor
+    if owner is not None:
+        owner.unshard()
+
+
+def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None = None) -> None:
+    """Phase C: one backward through the prefix, seeded with the dK/dV every suffix left on the leaves."""
+    if model is not None:
+        _unshard_interrupted(model, prefix.interrupted)
+    roots, grads = [], []
+    for root, leaf in zip(prefix.tensors(), leaves.tensors()):
+        if leaf.grad is not None:
+            roots.append(root)
+            grads.append(leaf.grad)
+    if roots:
+        torch.autograd.backward(roots, grad_tensors=grads)
+
+
+def _prefix_of(layout: RowLayout, group: GroupPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    first = group.rows[0]
+    ids = layout.input_ids[first][: group.prefix_len].to(device)
+    pos = layout.position_ids[first][..., : group.prefix_len].to(device)
+    return ids, pos
+
+
+def train_group(model: nn.Module, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor,
+                loss_fn: LossFn, *, calculate_entropy: bool, device: torch.device,
+                autocast: Callable[[], AbstractContextManager] = nullcontext,
+                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+                early_exit: bool = True) -> list[torch.Tensor]:
+    """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
+
+    ``temperature`` holds one value per mini-batch row. ``backward`` lets a caller scale the loss.
+    """
+    prefix_ids, prefix_pos = _prefix_of(layout, group, device)
+    losses = []
+    with prefix_attention_mode(model):
+        with autocast():
+            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit)
+        leaves = prefix.as_leaves(requires_grad=True)
+        for rows in group.micro_batches:
+            batch = build_suffix_batch(layout, rows, group.prompt_len, device)
+            with autocast():
+                log_probs, entropy = suffix_forward(model, leaves, batch, temperature[rows], calculate_entropy)
+                loss = loss_fn(rows, log_probs, entropy)
+            backward(loss)
+            losses.append(loss.detach())
+        for _ in range(group.filler_micro_batches):
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
+            with autocast():
+                log_probs, _ = suffix_forward(model, leaves, batch, temperature[group.rows[:1]], False)
+            backward(log_probs[0].sum() * 0.0)
+        prefix_backward(prefix, leaves, model)
+    return losses
+
+
+@torch.no_grad()
+def infer_group(model: nn.Module, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor, *,
+                calculate_entropy: bool, device: torch.device,
+                autocast: Callable[[], AbstractContextManager] = nullcontext,
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
+    prefix_ids, prefix_pos = _prefix_of(layout, group, device)
+    results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    with prefix_attention_mode(model), autocast():
+        prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
+        for rows in group.micro_batches:
+            batch = build_suffix_batch(layout, rows, group.prompt_len, device)
+            log_probs, entropy = suffix_forward(model, prefix, batch, temperature[rows], calculate_entropy)
+            for k, i in enumerate(rows):
+                results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
+        for _ in range(group.filler_micro_batches):
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
+            suffix_forward(model, prefix, batch, temperature[group.rows[:1]], False)
+    return results
