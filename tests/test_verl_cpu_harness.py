@@ -125,4 +125,4 @@ def test_fp64_engine(tiny_qwen3_dir):
     assert {p.dtype for p in engine.module.parameters()} == {torch.float64}
     res = T.run_train_step(engine, loss_fn, _batch(use_kl=False), capture_grads=True)
     assert {g.dtype for g in res["grads"].values()} == {torch.float64}
-    assert T.promote_fp64_norms(engine.module) == 2 * 2 + 1 + 2 * 2  # layer norms, final norm, q/k norms
+    assert all(torch.isfinite(g).all() for g in res["grads"].values())

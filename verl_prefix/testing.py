@@ -142,29 +142,6 @@ def _allow_fp64_precision() -> None:
     PrecisionType.to_dtype = staticmethod(to_dtype)
 
 
-def _rmsnorm_native_dtype(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dtype != torch.float64:
-        return type(self).forward(self, hidden_states)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def promote_fp64_norms(module: torch.nn.Module) -> int:
-    """Make HF RMSNorms of an fp64 model compute in fp64 (HF upcasts to fp32 only); returns the count.
-
-    Without it an fp64 comparison of two exact schedules shows ~1e-7 differences that are fp32
-    rounding inside the norms, not bugs. Same formula and operation order as HF otherwise.
-    """
-    import types
-
-    count = 0
-    for sub in module.modules():
-        if type(sub).__name__.endswith("RMSNorm") and hasattr(sub, "variance_epsilon"):
-            sub.forward = types.MethodType(_rmsnorm_native_dtype, sub)
-            count += 1
-    return count
-
-
 def compose_ppo_config(overrides: Sequence[str] = ()) -> Any:
     """verl's ``ppo_trainer`` Hydra config, composed as ``verl.trainer.main_ppo`` does."""
     from hydra import compose, initialize_config_module
@@ -384,7 +361,7 @@ def make_grpo_batch(
         left = [torch.cat([torch.full((p_max - len(p),), pad_token_id), p]) for p in prompts]
         prompts_pad = torch.stack(left)
         responses_pad = _pad_right(responses, r_max, pad_token_id)
-        prompt_mask = (torch.arange(p_max)[None, :] >= (p_max - torch.tensor([len(p) for p in prompts]))[:, None]).long()
+        prompt_mask = (prompts_pad != pad_token_id).long()
         attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
         position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
         tensors = {
@@ -447,12 +424,25 @@ def params_of(engine: Any) -> dict[str, torch.Tensor]:
     return {n: _full(p) for n, p in engine.module.named_parameters()}
 
 
+def reduce_step_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """One float per metric, as the worker (``Metric.aggregate_dp``) and trainer (``reduce_metrics``) do."""
+    from verl.utils.metric import Metric
+    from verl.utils.metric.utils import reduce_metrics
+
+    flat = {}
+    for key, val in metrics.items():
+        vals = val if isinstance(val, list) else [val]
+        flat[key] = Metric.aggregate_dp(vals) if isinstance(vals[0], Metric) else vals
+    return {k: float(v) for k, v in reduce_metrics(flat).items()}
+
+
 def run_train_step(engine: Any, loss_fn: Callable, batch: TensorDict, *, capture_grads: bool = False) -> dict:
     """One actor update on one mini-batch, as ``TrainingWorker.train_batch`` runs it.
 
     Returns ``loss`` (sum of micro-batch losses: each is already a share of the mini-batch total),
     ``grad_norm`` (pre-clip), ``lr`` when the scheduler stepped, the engine's raw per-micro-batch
-    ``metrics``, and with ``capture_grads`` the full gradients taken just before the optimizer step.
+    ``metrics`` and ``reduced_metrics`` (one float each, reduced as verl does for one DP rank), and
+    with ``capture_grads`` the full gradients taken just before the optimizer step.
     """
     from verl.utils import tensordict_utils as tu
 
@@ -478,6 +468,7 @@ def run_train_step(engine: Any, loss_fn: Callable, batch: TensorDict, *, capture
             del engine.optimizer_step
     result: dict[str, Any] = {"loss": float(sum(output["loss"])), "metrics": output["metrics"]}
     result["grad_norm"] = output["metrics"].pop("grad_norm", None)
+    result["reduced_metrics"] = reduce_step_metrics(output["metrics"])
     if tu.get(data, key="update_lr_scheduler", default=False):
         result["lr"] = engine.lr_scheduler_step()
     if capture_grads:

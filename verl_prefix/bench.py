@@ -1,0 +1,395 @@
+"""Dense ``fsdp2`` vs ``prefix_fsdp2`` on identical GRPO batches: time, FLOP prediction and gradient agreement.
+
+Both engines are verl's real engines built from one model directory, so they hold the same weights, and
+they see the same batch interleaved rep by rep, so machine noise hits both alike. The optimizer never
+steps: weights stay identical and every rep measures the same work. Medians and ratios are reported
+because shared machines are noisy.
+
+The caller must have chosen verl's platform (``VERL_PLATFORM=cpu`` without CUDA) before verl is
+imported; ``verl_prefix.cli`` does that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_prefix import testing as T
+from verl_prefix.flops import ModelShape, predicted_speedup
+
+WARMUP = 1
+
+
+class BenchError(ValueError):
+    """A user mistake or an unmet requirement (no CUDA for the gpu preset): one line, no traceback."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a random-init Qwen3-style model, as ``testing.write_tiny_model`` takes it."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured configuration: a model, a dtype and one GRPO mini-batch shape."""
+
+    name: str
+    model: ModelSpec
+    num_groups: int
+    group_size: int
+    prompt_len: int
+    response_len_range: tuple[int, int]
+    micro_batch_size: int = 4
+    dtype: str = "float32"
+    min_prefix_len: int = 32
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Preset:
+    cells: tuple[Cell, ...]
+    reps: int
+    needs_cuda: bool = False
+    description: str = ""
+
+
+SMOKE_MODEL = ModelSpec(
+    hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, vocab_size=1024
+)
+# ~29.6M parameters (untied embeddings), the model DESIGN.md's CPU measurements use.
+MODEL_29M = ModelSpec(
+    hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1792, vocab_size=8192
+)
+# bf16 on GPU: fp32 master weights, bf16 compute, fp32 gradient reduction (verl's usual mixed precision).
+_BF16 = (
+    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}",
+)
+
+
+def _cpu_cells() -> tuple[Cell, ...]:
+    pairs = [(2048, 128), (1024, 256), (512, 512), (256, 1024)]
+    cells = [Cell(f"P{p}/S{s}/G8", MODEL_29M, 1, 8, p, (s, s)) for p, s in pairs]
+    cells += [Cell(f"P1024/S256/G{g}", MODEL_29M, 1, g, 1024, (256, 256)) for g in (4, 16)]
+    return tuple(cells)
+
+
+PRESETS: dict[str, Preset] = {
+    "smoke": Preset(
+        cells=(Cell("P384/S24-48/G8", SMOKE_MODEL, 2, 8, 384, (24, 48)),),
+        reps=5,
+        description="1M-param Qwen3-style model, fp32, one 2x8 GRPO mini-batch; about a minute on 2 cores",
+    ),
+    "cpu": Preset(
+        cells=_cpu_cells(),
+        reps=3,
+        description="29M-param Qwen3-style model, fp32, one group per cell; slow (hours on 2 cores)",
+    ),
+    "gpu": Preset(
+        cells=tuple(
+            Cell(f"P{p}/S{s}/G16", MODEL_29M, 1, 16, p, (s, s), dtype="bfloat16", overrides=_BF16)
+            for p, s in ((10240, 2048), (2048, 10240))
+        ),
+        reps=5,
+        needs_cuda=True,
+        description="29M-param Qwen3-style model, bf16 mixed precision, G=16, long prompts/responses",
+    ),
+}
+
+
+@dataclass
+class _Timings:
+    dense: list[float] = field(default_factory=list)
+    prefix: list[float] = field(default_factory=list)
+
+    def summary(self, prefix: str) -> dict[str, Any]:
+        ratios = [d / p for d, p in zip(self.dense, self.prefix)]
+        dense_med, prefix_med = statistics.median(self.dense), statistics.median(self.prefix)
+        return {
+            f"{prefix}dense_s": self.dense,
+            f"{prefix}prefix_s": self.prefix,
+            f"{prefix}dense_median_s": dense_med,
+            f"{prefix}prefix_median_s": prefix_med,
+            f"{prefix}ratio_median": statistics.median(ratios),
+            f"{prefix}ratio_of_medians": dense_med / prefix_med,
+        }
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: timings mean nothing without it."""
+    import transformers
+    import verl
+
+    cpu_model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "node": platform.node(),
+        "platform": platform.platform(),
+        "processor": cpu_model or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "verl": getattr(verl, "__version__", "unknown"),
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def _sync() -> None:
+    from verl.utils.device import get_torch_device
+
+    get_torch_device().synchronize()
+
+
+def _train_data(engine: Any, batch: Any) -> Any:
+    """The mini-batch as ``TrainingWorker.train_batch`` hands it to the engine (worker defaults added)."""
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.copy()
+    for key, val in T._worker_defaults(engine, infer=False).items():
+        if key not in data.keys():
+            tu.assign_non_tensor(data, **{key: val})
+    tu.maybe_fix_3d_position_ids(data)
+    return data
+
+
+def _infer_data(engine: Any, batch: Any) -> Any:
+    """The batch as the actor's ``compute_log_prob`` hands it to the engine (old log-probs, with entropy)."""
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.copy()
+    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, **T._worker_defaults(engine, infer=True))
+    tu.maybe_fix_3d_position_ids(data)
+    return data
+
+
+def _time_update(engine: Any, loss_fn: Callable, batch: Any, *, capture_grads: bool = False) -> tuple[float, dict]:
+    """Seconds for one update's zero_grad + forward/backward, no optimizer step (weights stay identical).
+
+    With ``capture_grads`` the output also holds ``grads``, copied inside the train context because
+    leaving it zeroes them.
+    """
+    data = _train_data(engine, batch)
+    gc.collect()
+    with engine.train_mode(disable_auto_offload=True):
+        _sync()
+        start = time.perf_counter()
+        engine.optimizer_zero_grad()
+        output = engine.forward_backward_batch(data, loss_fn)
+        _sync()
+        elapsed = time.perf_counter() - start
+        if capture_grads:
+            output["grads"] = T.grads_of(engine)
+    return elapsed, output
+
+
+def _time_infer(engine: Any, batch: Any) -> float:
+    """Seconds for one forward-only log-prob pass over the batch."""
+    data = _infer_data(engine, batch)
+    gc.collect()
+    with engine.eval_mode(disable_auto_offload=True):
+        _sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            engine.forward_backward_batch(data, None, forward_only=True)
+        _sync()
+        return time.perf_counter() - start
+
+
+def max_rel_grad_diff(dense: dict[str, torch.Tensor], prefix: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest ``||g_p - g_d|| / ||g_d||`` over parameters: the reuse schedule must not change gradients."""
+    if not dense:
+        raise RuntimeError("no parameter gradients captured")
+    if dense.keys() != prefix.keys():
+        missing = sorted(set(dense) ^ set(prefix))
+        raise RuntimeError(f"engines disagree on which parameters have gradients: {missing[:5]}")
+    worst, worst_name = 0.0, ""
+    for name, gd in dense.items():
+        gd64, gp64 = gd.double(), prefix[name].double()
+        num = float(torch.linalg.vector_norm(gp64 - gd64))
+        den = float(torch.linalg.vector_norm(gd64))
+        rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+        if rel > worst or not worst_name:
+            worst, worst_name = rel, name
+    return worst, worst_name
+
+
+def _prefix_metrics(output: dict) -> dict[str, float]:
+    """The engine's ``prefix/*`` counters for one mini-batch (reuse factor, fallbacks)."""
+    return T.reduce_step_metrics({k: v for k, v in output["metrics"].items() if k.startswith("prefix/")})
+
+
+def measure_cell(cell: Cell, model_dir: Path, *, reps: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build both engines from ``model_dir``, run ``WARMUP + reps`` interleaved reps, summarise one cell."""
+    from transformers import AutoConfig
+
+    import verl_prefix
+
+    batch = T.make_grpo_batch(
+        num_groups=cell.num_groups,
+        group_size=cell.group_size,
+        prompt_lens=cell.prompt_len,
+        response_len_range=cell.response_len_range,
+        vocab_size=cell.model.vocab_size,
+        seed=0,
+    )
+    dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
+    engines = {}
+    for backend in ("fsdp2", "prefix_fsdp2"):
+        engines[backend] = T.build_verl_engine(
+            model_dir,
+            backend=backend,
+            dtype=dtype,
+            micro_batch_size_per_gpu=cell.micro_batch_size,
+            overrides=cell.overrides,
+        )
+    dense, dense_loss, _ = engines["fsdp2"]
+    prefix, prefix_loss, _ = engines["prefix_fsdp2"]
+    prefix.reuse_config = verl_prefix.PrefixReuseConfig(
+        min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size
+    )
+
+    train, infer = _Timings(), _Timings()
+    grad_diff, grad_param, reuse = math.nan, "", {}
+    for rep in range(WARMUP + reps):
+        t_dense, out_dense = _time_update(dense, dense_loss, batch, capture_grads=rep == 0)
+        t_prefix, out_prefix = _time_update(prefix, prefix_loss, batch, capture_grads=rep == 0)
+        if rep == 0:
+            grad_diff, grad_param = max_rel_grad_diff(out_dense["grads"], out_prefix["grads"])
+            reuse = _prefix_metrics(out_prefix)
+        del out_dense, out_prefix
+        i_dense = _time_infer(dense, batch)
+        i_prefix = _time_infer(prefix, batch)
+        tag = "warm-up" if rep < WARMUP else f"rep {rep - WARMUP + 1}/{reps}"
+        log(
+            f"  {cell.name} {tag}: update dense {t_dense:.3f}s prefix {t_prefix:.3f}s | "
+            f"forward-only dense {i_dense:.3f}s prefix {i_prefix:.3f}s"
+        )
+        if rep >= WARMUP:
+            train.dense.append(t_dense)
+            train.prefix.append(t_prefix)
+            infer.dense.append(i_dense)
+            infer.prefix.append(i_prefix)
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    prompt_lens = [int(p.numel()) for p in batch["prompts"].unbind()]
+    response_lens = [int(r.numel()) for r in batch["responses"].unbind()]
+    groups = [
+        (prompt_lens[g * cell.group_size], response_lens[g * cell.group_size : (g + 1) * cell.group_size])
+        for g in range(cell.num_groups)
+    ]
+    params = sum(p.numel() for p in T.params_of(dense).values())
+    del engines, dense, prefix
+    gc.collect()
+    return {
+        "cell": cell.name,
+        "model": {**dataclasses.asdict(cell.model), "params": int(params)},
+        "dtype": cell.dtype,
+        "num_groups": cell.num_groups,
+        "group_size": cell.group_size,
+        "prompt_len": cell.prompt_len,
+        "response_lens": response_lens,
+        "micro_batch_size": cell.micro_batch_size,
+        "reps": reps,
+        "warmup": WARMUP,
+        **train.summary(""),
+        **infer.summary("infer_"),
+        "predicted_speedup": predicted_speedup(ModelShape.from_config(hf_config), groups),
+        "max_rel_grad_diff": grad_diff,
+        "max_rel_grad_diff_param": grad_param,
+        "prefix_metrics": reuse,
+    }
+
+
+def run_bench(
+    preset: str,
+    *,
+    reps: int | None = None,
+    out_json: Path | None = None,
+    cells: tuple[Cell, ...] | None = None,
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Run a preset's cells (or ``cells``, which tests use for a minuscule model) and optionally save JSON."""
+    if preset not in PRESETS and cells is None:
+        raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    spec = PRESETS.get(preset)
+    if reps is None:
+        reps = spec.reps if spec else 2
+    if reps < 1:
+        raise BenchError(f"reps must be >= 1, got {reps}")
+    if spec is not None and spec.needs_cuda and not torch.cuda.is_available():
+        raise BenchError(f"preset {preset!r} needs a CUDA GPU (torch.cuda.is_available() is False)")
+    todo = cells if cells is not None else spec.cells
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "preset": preset,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command or shlex.join(sys.argv),
+        "machine": machine_info(),
+        "cells": [],
+    }
+    models: dict[ModelSpec, Path] = {}
+    with tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
+        for cell in todo:
+            if cell.model not in models:
+                models[cell.model] = T.write_tiny_model(
+                    Path(tmp) / f"model{len(models)}", "qwen3", **dataclasses.asdict(cell.model)
+                )
+            result["cells"].append(measure_cell(cell, models[cell.model], reps=reps, log=log))
+    result["wall_s"] = time.perf_counter() - started
+    if out_json is not None:
+        out_json = Path(out_json)
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+TABLE_HEADER = (
+    "| cell | params | dense update (s) | prefix update (s) | speedup median | speedup of medians "
+    "| FLOP model | forward-only speedup | max rel grad diff |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def markdown_table(result: dict) -> str:
+    """The result as a markdown table, one row per cell (what the CLI prints and docs embed)."""
+    rows = [TABLE_HEADER]
+    for c in result["cells"]:
+        rows.append(
+            f"| {c['cell']} | {c['model']['params'] / 1e6:.2f}M | {c['dense_median_s']:.3f} | "
+            f"{c['prefix_median_s']:.3f} | {c['ratio_median']:.2f}x | {c['ratio_of_medians']:.2f}x | "
+            f"{c['predicted_speedup']:.2f}x | {c['infer_ratio_median']:.2f}x | {c['max_rel_grad_diff']:.1e} |"
+        )
+    return "\n".join(rows)
