@@ -15,8 +15,16 @@ GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
 
 
 def grpo_batch(**overrides):
-    args = dict(num_groups=3, group_size=4, prompt_lens=[9, 5, 12], response_len_range=(1, 7), vocab_size=VOCAB,
-                seed=3, use_kl=True, calculate_entropy=True)
+    args = dict(
+        num_groups=3,
+        group_size=4,
+        prompt_lens=[9, 5, 12],
+        response_len_range=(1, 7),
+        vocab_size=VOCAB,
+        seed=3,
+        use_kl=True,
+        calculate_entropy=True,
+    )
     args.update(overrides)
     return T.make_grpo_batch(**args)
 
@@ -52,8 +60,15 @@ def compare_update(model_dir, batch, dtype="float64", reuse=None, **kwargs):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_update_matches_stock_engine(tiny_model, family, attn, dtype):
     model_dir = tiny_model(family, tie_word_embeddings=family == "llama")
-    grads, update, dense, prefix = compare_update(model_dir, grpo_batch(), dtype=dtype, attn_implementation=attn,
-                                                  micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
+    grads, update, dense, prefix = compare_update(
+        model_dir,
+        grpo_batch(),
+        dtype=dtype,
+        attn_implementation=attn,
+        micro_batch_size_per_gpu=2,
+        use_kl_loss=True,
+        entropy_coeff=0.01,
+    )
     assert grads < GRAD_TOL[dtype]
     if dtype == "float64":
         assert update < 1e-9  # Adam's first step is ~lr*sign(g): fp32 noise can flip near-zero elements
@@ -65,21 +80,33 @@ def test_update_matches_stock_engine(tiny_model, family, attn, dtype):
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])  # micro-batch counts 8, 4, 2, 1 for G = 8
 def test_every_suffix_partition(tiny_model, rows):
     batch = grpo_batch(num_groups=2, group_size=8, prompt_lens=[10, 6], response_len_range=(1, 9))
-    grads, update, _, _ = compare_update(tiny_model("qwen3"), batch, reuse=PrefixReuseConfig(
-        min_prefix_len=2, suffix_micro_batch_size=rows), micro_batch_size_per_gpu=4, use_kl_loss=True,
-        entropy_coeff=0.01)
+    grads, update, _, _ = compare_update(
+        tiny_model("qwen3"),
+        batch,
+        reuse=PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=rows),
+        micro_batch_size_per_gpu=4,
+        use_kl_loss=True,
+        entropy_coeff=0.01,
+    )
     assert grads < 1e-10 and update < 1e-9
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_every_loss_agg_mode(tiny_model, mode):
     # seq-mean-token-sum-norm divides by each micro-batch's padded width unless loss_scale_factor is set,
     # so even the stock engine changes with the micro-batch split; verl documents the constant.
     overrides = ["actor_rollout_ref.actor.loss_scale_factor=16"] if mode.endswith("-norm") else []
-    grads, update, _, _ = compare_update(tiny_model("qwen3"), grpo_batch(), loss_agg_mode=mode,
-                                         micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01,
-                                         overrides=overrides)
+    grads, update, _, _ = compare_update(
+        tiny_model("qwen3"),
+        grpo_batch(),
+        loss_agg_mode=mode,
+        micro_batch_size_per_gpu=2,
+        use_kl_loss=True,
+        entropy_coeff=0.01,
+        overrides=overrides,
+    )
     assert grads < 1e-10 and update < 1e-9
 
 
@@ -88,23 +115,38 @@ def test_every_loss_agg_mode(tiny_model, mode):
 WHOLE_BATCH_LOSSES = {"clip_cov", "kl_cov"}
 
 
-@pytest.mark.parametrize("loss_mode", ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
-                                       "geo_mean", "dro", "cispo"])
+@pytest.mark.parametrize(
+    "loss_mode",
+    ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo"],
+)
 def test_every_policy_loss(tiny_model, loss_mode):
     batch = grpo_batch(num_groups=1, group_size=6, prompt_lens=9) if loss_mode in WHOLE_BATCH_LOSSES else grpo_batch()
     mbs = 6 if loss_mode in WHOLE_BATCH_LOSSES else 2
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=mbs)
     overrides = ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if loss_mode == "dro" else []
-    grads, _, _, _ = compare_update(tiny_model("qwen3"), batch, reuse=reuse, policy_loss_mode=loss_mode,
-                                    micro_batch_size_per_gpu=mbs, use_kl_loss=True, entropy_coeff=0.01,
-                                    overrides=overrides)
+    grads, _, _, _ = compare_update(
+        tiny_model("qwen3"),
+        batch,
+        reuse=reuse,
+        policy_loss_mode=loss_mode,
+        micro_batch_size_per_gpu=mbs,
+        use_kl_loss=True,
+        entropy_coeff=0.01,
+        overrides=overrides,
+    )
     assert grads < 1e-10
 
 
 def test_dynamic_batch_size_and_gradient_checkpointing(tiny_model):
-    grads, update, _, prefix = compare_update(tiny_model("qwen3"), grpo_batch(), use_dynamic_bsz=True,
-                                              max_token_len_per_gpu=40, gradient_checkpointing=True,
-                                              use_kl_loss=True, entropy_coeff=0.01)
+    grads, update, _, prefix = compare_update(
+        tiny_model("qwen3"),
+        grpo_batch(),
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=40,
+        gradient_checkpointing=True,
+        use_kl_loss=True,
+        entropy_coeff=0.01,
+    )
     assert grads < 1e-10 and update < 1e-9
     assert prefix["metrics"]["prefix/groups"] == 3.0
 
@@ -125,8 +167,9 @@ def test_token_metrics_count_what_reuse_saved(tiny_model):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_infer_batch_matches_stock(tiny_model, dtype, attn):
-    (d_engine, _, _), (p_engine, _, _) = engines(tiny_model("qwen3"), dtype=dtype, attn_implementation=attn,
-                                                 micro_batch_size_per_gpu=2)
+    (d_engine, _, _), (p_engine, _, _) = engines(
+        tiny_model("qwen3"), dtype=dtype, attn_implementation=attn, micro_batch_size_per_gpu=2
+    )
     batch = grpo_batch()
     with promote_fp32_upcasts():
         dense = T.run_infer(d_engine, batch, calculate_entropy=True)

@@ -25,10 +25,12 @@ def grpo_batch(**overrides):
 
 
 def run_both(model_dir, batch, reuse: PrefixReuseConfig, **kwargs):
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2,
-                                           **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype="float64",
-                                            micro_batch_size_per_gpu=2, **kwargs)
+    dense, d_loss, _ = T.build_verl_engine(
+        model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2, **kwargs
+    )
+    prefix, p_loss, _ = T.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, **kwargs
+    )
     prefix.reuse_config = reuse
     with promote_fp32_upcasts():
         want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
@@ -58,8 +60,11 @@ def test_disabled_runs_the_stock_path_and_is_counted(tiny_model):
 
 def test_dropout_runs_dense_and_is_counted(tiny_model):
     # Dropout is random, so compare nothing but the decision: one prefix dropout sample would be shared.
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2",
-                                             overrides=["+actor_rollout_ref.model.override_config.attention_dropout=0.1"])
+    engine, loss_fn, _ = T.build_verl_engine(
+        tiny_model("qwen3"),
+        backend="prefix_fsdp2",
+        overrides=["+actor_rollout_ref.model.override_config.attention_dropout=0.1"],
+    )
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     result = T.run_train_step(engine, loss_fn, grpo_batch())
     assert result["metrics"]["prefix/fallback_dropout"] == 8.0
@@ -81,9 +86,11 @@ def test_sum_pi_squared_runs_dense_and_is_counted(tiny_model):
 
 
 def test_sliding_window_runs_dense_and_is_counted(tiny_model):
-    overrides = ["+actor_rollout_ref.model.override_config.use_sliding_window=true",
-                 "+actor_rollout_ref.model.override_config.sliding_window=4",
-                 "+actor_rollout_ref.model.override_config.max_window_layers=0"]
+    overrides = [
+        "+actor_rollout_ref.model.override_config.use_sliding_window=true",
+        "+actor_rollout_ref.model.override_config.sliding_window=4",
+        "+actor_rollout_ref.model.override_config.max_window_layers=0",
+    ]
     metrics = run_both(tiny_model("qwen2"), grpo_batch(), PrefixReuseConfig(min_prefix_len=2), overrides=overrides)
     assert metrics["prefix/fallback_sliding_window"] == 8.0
 
@@ -94,8 +101,9 @@ def test_unsupported_attention_runs_dense_and_is_counted(tiny_model, monkeypatch
     assert metrics["prefix/fallback_attn_implementation"] == 8.0
 
 
-@pytest.mark.parametrize("flag, reason", [("use_fused_kernels", "fused_kernels"),
-                                          ("distillation_use_topk", "distillation")])
+@pytest.mark.parametrize(
+    "flag, reason", [("use_fused_kernels", "fused_kernels"), ("distillation_use_topk", "distillation")]
+)
 def test_batch_features_the_schedule_does_not_cover_are_named(tiny_model, flag, reason):
     engine, _, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     batch = grpo_batch()
@@ -105,11 +113,20 @@ def test_batch_features_the_schedule_does_not_cover_are_named(tiny_model, flag, 
     assert engine._model_fallback_reason(forward_only=False) == "ulysses"
 
 
-def test_remove_padding_without_varlen_attention_is_an_error(tiny_model):
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", use_remove_padding=True)
-    engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    with pytest.raises(ValueError, match="use_remove_padding"):
-        T.run_train_step(engine, loss_fn, grpo_batch())
+def test_remove_padding_dense_rows_match_the_padded_stock_engine(tiny_model):
+    """Reuse pads inside a group; its dense rows go through verl's packed path. Both must agree with
+    the stock engine without remove-padding (transformers finds packed sequences by position ids)."""
+    model_dir = tiny_model("qwen3")
+    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
+    prefix, p_loss, _ = T.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, use_remove_padding=True
+    )
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=6)  # the P=5 group runs dense, packed
+    with promote_fp32_upcasts():
+        want = T.run_train_step(dense, d_loss, grpo_batch(), capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, grpo_batch(), capture_grads=True)
+    assert got["metrics"]["prefix/fallback_short_prefix"] == 4.0
+    assert max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items()) < 1e-10
 
 
 # -- bad input ----------------------------------------------------------------------------------------------

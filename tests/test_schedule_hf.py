@@ -20,8 +20,15 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 def tiny_model(family: str, attn: str, dtype: torch.dtype, *, tied: bool = False, checkpointing: bool = False):
     torch.manual_seed(0)
     config = CONFIGS[family](
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, tie_word_embeddings=tied, attn_implementation=attn,
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        tie_word_embeddings=tied,
+        attn_implementation=attn,
         initializer_range=0.2,
     )
     model = AutoModelForCausalLM.from_config(config).to(dtype)
@@ -84,8 +91,15 @@ def reuse_grads(model, layout, weights, *, max_rows=None, with_entropy=False, mi
     plan = plan_batch(layout, max_rows=max_rows, max_tokens=None, min_prefix_len=1, min_group_size=min_group_size)
     assert not plan.dense_rows
     for group in plan.groups:
-        train_group(model, layout, group, torch.ones(len(layout)), weighted_loss(weights),
-                    calculate_entropy=with_entropy, device=torch.device("cpu"))
+        train_group(
+            model,
+            layout,
+            group,
+            torch.ones(len(layout)),
+            weighted_loss(weights),
+            calculate_entropy=with_entropy,
+            device=torch.device("cpu"),
+        )
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -126,13 +140,18 @@ def test_shuffled_groups_are_regrouped():
     model = tiny_model("llama", "sdpa", torch.float64)
     layout = make_layout([(7, [3, 5, 2]), (5, [4, 6])])
     perm = [3, 0, 4, 2, 1]
-    shuffled = RowLayout(*[[field[i] for i in perm] for field in
-                           (layout.input_ids, layout.position_ids, layout.prompt_lens, layout.response_lens,
-                            layout.uids)])
+    shuffled = RowLayout(
+        *[
+            [field[i] for i in perm]
+            for field in (layout.input_ids, layout.position_ids, layout.prompt_lens, layout.response_lens, layout.uids)
+        ]
+    )
     weights = token_weights(shuffled, torch.float64)
     with promote_fp32_upcasts():
-        assert worst_relative(reuse_grads(model, shuffled, weights, max_rows=2),
-                              dense_grads(model, shuffled, weights)) < 1e-10
+        assert (
+            worst_relative(reuse_grads(model, shuffled, weights, max_rows=2), dense_grads(model, shuffled, weights))
+            < 1e-10
+        )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -144,8 +163,11 @@ def test_forward_only_matches_dense_log_probs_and_entropy(attn):
         want_lp, want_ent = dense_response_outputs(model, layout)
         got = {}
         for group in plan.groups:
-            got.update(infer_group(model, layout, group, torch.ones(len(layout)), calculate_entropy=True,
-                                   device=torch.device("cpu")))
+            got.update(
+                infer_group(
+                    model, layout, group, torch.ones(len(layout)), calculate_entropy=True, device=torch.device("cpu")
+                )
+            )
     for i in range(len(layout)):
         torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)
@@ -157,8 +179,9 @@ def test_temperature_scales_logits_per_row():
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
     temperature = torch.tensor([0.7, 1.3])
     with promote_fp32_upcasts(), torch.no_grad():
-        got = infer_group(model, layout, plan.groups[0], temperature, calculate_entropy=False,
-                          device=torch.device("cpu"))
+        got = infer_group(
+            model, layout, plan.groups[0], temperature, calculate_entropy=False, device=torch.device("cpu")
+        )
         for i, (ids, p, s) in enumerate(zip(layout.input_ids, layout.prompt_lens, layout.response_lens)):
             logits = model(input_ids=ids[None]).logits[0, p - 1 : p - 1 + s] / temperature[i].double()
             want = torch.log_softmax(logits, -1).gather(-1, ids[p:, None]).squeeze(-1)
@@ -173,8 +196,16 @@ def test_early_exit_off_gives_the_same_gradients():
     with promote_fp32_upcasts():
         want = dense_grads(model, layout, weights)
         model.zero_grad()
-        train_group(model, layout, plan.groups[0], torch.ones(len(layout)), weighted_loss(weights),
-                    calculate_entropy=False, device=torch.device("cpu"), early_exit=False)
+        train_group(
+            model,
+            layout,
+            plan.groups[0],
+            torch.ones(len(layout)),
+            weighted_loss(weights),
+            calculate_entropy=False,
+            device=torch.device("cpu"),
+            early_exit=False,
+        )
         got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert worst_relative(got, want) < 1e-10
 

@@ -73,6 +73,9 @@ class Preset:
     cells: tuple[Cell, ...]
     reps: int
     needs_cuda: bool = False
+    # CPU presets pin 1 torch thread: on the shared 2-vCPU dev VM, 2 threads made the same update
+    # 1-80x slower from rep to rep (OpenMP barriers wait on preempted vCPUs); 1 thread was steady.
+    threads: int | None = None
     description: str = ""
 
 
@@ -99,13 +102,15 @@ def _cpu_cells() -> tuple[Cell, ...]:
 
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
-        cells=(Cell("P384/S24-48/G8", SMOKE_MODEL, 2, 8, 384, (24, 48)),),
+        cells=(Cell("P512/S32-64/G8", SMOKE_MODEL, 2, 8, 512, (32, 64)),),
         reps=5,
-        description="1M-param Qwen3-style model, fp32, one 2x8 GRPO mini-batch; about a minute on 2 cores",
+        threads=1,
+        description="1M-param Qwen3-style model, fp32, one 2x8 GRPO mini-batch; about 25 s on 2 cores",
     ),
     "cpu": Preset(
         cells=_cpu_cells(),
         reps=3,
+        threads=1,
         description="29M-param Qwen3-style model, fp32, one group per cell; slow (hours on 2 cores)",
     ),
     "gpu": Preset(
@@ -201,7 +206,6 @@ def _time_update(engine: Any, loss_fn: Callable, batch: Any, *, capture_grads: b
     leaving it zeroes them.
     """
     data = _train_data(engine, batch)
-    gc.collect()
     with engine.train_mode(disable_auto_offload=True):
         _sync()
         start = time.perf_counter()
@@ -217,7 +221,6 @@ def _time_update(engine: Any, loss_fn: Callable, batch: Any, *, capture_grads: b
 def _time_infer(engine: Any, batch: Any) -> float:
     """Seconds for one forward-only log-prob pass over the batch."""
     data = _infer_data(engine, batch)
-    gc.collect()
     with engine.eval_mode(disable_auto_offload=True):
         _sync()
         start = time.perf_counter()
@@ -283,6 +286,7 @@ def measure_cell(cell: Cell, model_dir: Path, *, reps: int, log: Callable[[str],
     train, infer = _Timings(), _Timings()
     grad_diff, grad_param, reuse = math.nan, "", {}
     for rep in range(WARMUP + reps):
+        gc.collect()  # outside the timed regions: a collection mid-rep would land on one engine only
         t_dense, out_dense = _time_update(dense, dense_loss, batch, capture_grads=rep == 0)
         t_prefix, out_prefix = _time_update(prefix, prefix_loss, batch, capture_grads=rep == 0)
         if rep == 0:
@@ -332,26 +336,58 @@ def measure_cell(cell: Cell, model_dir: Path, *, reps: int, log: Callable[[str],
     }
 
 
+def resolve_preset(preset: str | Preset, reps: int | None = None, threads: int | None = None) -> tuple[Preset, int]:
+    """Validate a request before anything slow or any file is touched: ``(preset, reps)`` or ``BenchError``."""
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        name, preset = preset, PRESETS[preset]
+    else:
+        name = "custom"
+    reps = preset.reps if reps is None else reps
+    if reps < 1:
+        raise BenchError(f"reps must be >= 1, got {reps}")
+    if threads is not None and threads < 1:
+        raise BenchError(f"threads must be >= 1, got {threads}")
+    if preset.needs_cuda and not torch.cuda.is_available():
+        raise BenchError(f"preset {name!r} needs a CUDA GPU (torch.cuda.is_available() is False)")
+    return preset, reps
+
+
 def run_bench(
-    preset: str,
+    preset: str | Preset,
     *,
     reps: int | None = None,
     out_json: Path | None = None,
-    cells: tuple[Cell, ...] | None = None,
+    threads: int | None = None,
     command: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Run a preset's cells (or ``cells``, which tests use for a minuscule model) and optionally save JSON."""
-    if preset not in PRESETS and cells is None:
-        raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    spec = PRESETS.get(preset)
-    if reps is None:
-        reps = spec.reps if spec else 2
-    if reps < 1:
-        raise BenchError(f"reps must be >= 1, got {reps}")
-    if spec is not None and spec.needs_cuda and not torch.cuda.is_available():
-        raise BenchError(f"preset {preset!r} needs a CUDA GPU (torch.cuda.is_available() is False)")
-    todo = cells if cells is not None else spec.cells
+    """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON.
+
+    ``threads`` (default: the preset's) sets ``torch.set_num_threads`` for the run and is restored after.
+    """
+    spec, reps = resolve_preset(preset, reps, threads)
+    name = preset if isinstance(preset, str) else "custom"
+    threads = spec.threads if threads is None else threads
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run_cells(name, spec.cells, reps=reps, out_json=out_json, command=command, log=log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_cells(
+    preset: str,
+    cells: tuple[Cell, ...],
+    *,
+    reps: int,
+    out_json: Path | None,
+    command: str | None,
+    log: Callable[[str], None],
+) -> dict:
     started = time.perf_counter()
     result: dict[str, Any] = {
         "preset": preset,
@@ -362,7 +398,7 @@ def run_bench(
     }
     models: dict[ModelSpec, Path] = {}
     with tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
-        for cell in todo:
+        for cell in cells:
             if cell.model not in models:
                 models[cell.model] = T.write_tiny_model(
                     Path(tmp) / f"model{len(models)}", "qwen3", **dataclasses.asdict(cell.model)

@@ -6,6 +6,7 @@ User mistakes print one line to stderr and exit 2, so scripts can tell them from
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shlex
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--preset", choices=PRESET_NAMES, default="smoke", help="which cells to run (default smoke)")
     bench.add_argument("--reps", type=_positive_int, default=None, help="timed reps per cell after 1 warm-up")
+    bench.add_argument(
+        "--threads", type=_positive_int, default=None, help="torch CPU threads (default: the preset's, 1 on CPU)"
+    )
     bench.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<preset>.json)")
     bench.add_argument("--table", type=Path, default=None, help="markdown file to write/update with the table")
     return parser
@@ -76,8 +80,13 @@ def _select_platform() -> None:
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from verl_prefix.bench import BenchError, markdown_table, run_bench
+    from verl_prefix.bench import BenchError, markdown_table, resolve_preset, run_bench
 
+    try:
+        resolve_preset(args.preset, args.reps, args.threads)
+    except BenchError as exc:
+        print(f"verl-prefix: error: {exc}", file=sys.stderr)
+        return 2
     out = args.out if args.out is not None else Path("bench/results") / f"{args.preset}.json"
     for path in (out, args.table):
         if path is not None and path.exists() and path.is_dir():
@@ -90,7 +99,12 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     try:
         result = run_bench(
-            args.preset, reps=args.reps, out_json=out, command=shlex.join(["verl-prefix", *argv]), log=print
+            args.preset,
+            reps=args.reps,
+            threads=args.threads,
+            out_json=out,
+            command=shlex.join(["verl-prefix", *argv]),
+            log=functools.partial(print, flush=True),
         )
     except BenchError as exc:
         print(f"verl-prefix: error: {exc}", file=sys.stderr)

@@ -40,7 +40,9 @@ class PrefixReuseConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         if self.suffix_micro_batch_size is not None and self.suffix_micro_batch_size < 1:
-            raise ValueError(f"prefix_reuse.suffix_micro_batch_size must be >= 1 or null, got {self.suffix_micro_batch_size}")
+            raise ValueError(
+                f"prefix_reuse.suffix_micro_batch_size must be >= 1 or null, got {self.suffix_micro_batch_size}"
+            )
         if self.suffix_token_budget is not None and self.suffix_token_budget < 1:
             raise ValueError(f"prefix_reuse.suffix_token_budget must be >= 1 or null, got {self.suffix_token_budget}")
         if self.min_prefix_len < 1:

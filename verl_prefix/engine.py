@@ -141,17 +141,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return "multimodal"
         return None
 
-    def _check_dense_is_exact(self, data: TensorDict) -> None:
-        """Packed (remove-padding) dense micro-batches need varlen attention or they attend across samples."""
-        use_rmpad = tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True)
-        attn = base_attention_implementation(self.module)
-        if use_rmpad and not attn.startswith("flash_attention"):
-            raise ValueError(
-                f"use_remove_padding=True with attn_implementation={attn!r} packs samples into one row "
-                "without varlen attention, so they attend to each other (wrong log-probs in the stock "
-                "engine too). Set actor_rollout_ref.model.use_remove_padding=False or use flash_attention_2."
-            )
-
     # -- the mini-batch -----------------------------------------------------------------------------
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
@@ -160,7 +149,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
             output["metrics"].update(_fallback_metrics({reason: len(data)}, groups=0))
             return output
-        self._check_dense_is_exact(data)
         return self._reuse_batch(data, loss_function, forward_only)
 
     def _attach_global_normalisation(self, data: TensorDict) -> None:
@@ -179,9 +167,13 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         max_tokens = self.reuse_config.suffix_token_budget
         if max_tokens is None and use_dynamic_bsz:
             max_tokens = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=0)) or None
-        return plan_batch(layout, max_rows=max_rows, max_tokens=max_tokens,
-                          min_prefix_len=self.reuse_config.min_prefix_len,
-                          min_group_size=self.reuse_config.min_group_size)
+        return plan_batch(
+            layout,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            min_prefix_len=self.reuse_config.min_prefix_len,
+            min_group_size=self.reuse_config.min_group_size,
+        )
 
     def _autocast(self) -> Callable[[], AbstractContextManager]:
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
@@ -199,8 +191,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if forward_only:
             validate_batch(layout)
         else:
-            validate_batch(layout, data["advantages"].to_padded_tensor(0.0) if data["advantages"].is_nested
-                           else data["advantages"], None)
+            validate_batch(
+                layout,
+                data["advantages"].to_padded_tensor(0.0) if data["advantages"].is_nested else data["advantages"],
+                None,
+            )
         plan = self._plan(data, layout, forward_only)
         dense_rows = plan.all_dense_rows
         dense_chunks = self._dense_chunks(data, dense_rows)
@@ -216,8 +211,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
             keep = forward_only or return_model_output
-            output_lst.append({"model_output": detach_tree(model_output) if keep else {}, "loss": loss,
-                               "metrics": metrics})
+            output_lst.append(
+                {"model_output": detach_tree(model_output) if keep else {}, "loss": loss, "metrics": metrics}
+            )
             order.append(rows)
 
         for slot in range(lockstep.num_groups):
@@ -228,11 +224,13 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 continue
             group = _pad_micro_batches(group, num_micro)
             if forward_only:
-                self._infer_group(micro_data, layout, group, temperature, calculate_entropy, device, loss_function,
-                                  record)
+                self._infer_group(
+                    micro_data, layout, group, temperature, calculate_entropy, device, loss_function, record
+                )
             else:
-                self._train_group(micro_data, layout, group, temperature, calculate_entropy, device, loss_function,
-                                  record)
+                self._train_group(
+                    micro_data, layout, group, temperature, calculate_entropy, device, loss_function, record
+                )
 
         for k in range(lockstep.num_dense_chunks):
             rows = dense_chunks[k] if k < len(dense_chunks) else None
@@ -261,9 +259,17 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
         return [rows[i : i + size] for i in range(0, len(rows), size)]
 
-    def _train_group(self, data: TensorDict, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor,
-                     calculate_entropy: bool, device: torch.device, loss_function: Callable,
-                     record: Callable) -> None:
+    def _train_group(
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        group: GroupPlan,
+        temperature: torch.Tensor,
+        calculate_entropy: bool,
+        device: torch.device,
+        loss_function: Callable,
+        record: Callable,
+    ) -> None:
         pending: list[tuple[list[int], dict, dict]] = []
 
         def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
@@ -271,22 +277,47 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if entropy is not None:
                 model_output["entropy"] = _full_length(entropy, layout, rows)
             micro = tu.index_select_tensor_dict(data, rows)
-            loss, metrics = loss_function(model_output=model_output, data=micro,
-                                          dp_group=self.get_data_parallel_group())
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
+            )
             pending.append((rows, model_output, metrics))
             return loss
 
-        losses = train_group(self.module, layout, group, temperature, loss_fn, calculate_entropy=calculate_entropy,
-                             device=device, autocast=self._autocast(), backward=self._backward,
-                             early_exit=self.reuse_config.early_exit)
+        losses = train_group(
+            self.module,
+            layout,
+            group,
+            temperature,
+            loss_fn,
+            calculate_entropy=calculate_entropy,
+            device=device,
+            autocast=self._autocast(),
+            backward=self._backward,
+            early_exit=self.reuse_config.early_exit,
+        )
         for (rows, model_output, metrics), loss in zip(pending, losses):
             record(rows, model_output, loss.item(), metrics)
 
-    def _infer_group(self, data: TensorDict, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor,
-                     calculate_entropy: bool, device: torch.device, loss_function: Callable | None,
-                     record: Callable) -> None:
-        results = infer_group(self.module, layout, group, temperature, calculate_entropy=calculate_entropy,
-                              device=device, autocast=self._autocast())
+    def _infer_group(
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        group: GroupPlan,
+        temperature: torch.Tensor,
+        calculate_entropy: bool,
+        device: torch.device,
+        loss_function: Callable | None,
+        record: Callable,
+    ) -> None:
+        results = infer_group(
+            self.module,
+            layout,
+            group,
+            temperature,
+            calculate_entropy=calculate_entropy,
+            device=device,
+            autocast=self._autocast(),
+        )
         for rows in group.micro_batches:
             log_probs = [results[i][0] for i in rows]
             model_output = {"log_probs": _full_length(log_probs, layout, rows)}
@@ -296,8 +327,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             loss = 1.0
             if loss_function is not None:
                 micro = tu.index_select_tensor_dict(data, rows)
-                loss_t, metrics = loss_function(model_output=model_output, data=micro,
-                                                dp_group=self.get_data_parallel_group())
+                loss_t, metrics = loss_function(
+                    model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
+                )
                 loss = loss_t.detach().item()
             record(rows, model_output, loss, metrics)
 
@@ -307,19 +339,36 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         layout, group = filler_group(num_micro)
         temperature = torch.ones(len(layout))
         if forward_only:
-            infer_group(self.module, layout, group, temperature, calculate_entropy=False, device=device,
-                        autocast=self._autocast())
+            infer_group(
+                self.module,
+                layout,
+                group,
+                temperature,
+                calculate_entropy=False,
+                device=device,
+                autocast=self._autocast(),
+            )
             return
-        train_group(self.module, layout, group, temperature, _no_loss,
-                    calculate_entropy=False, device=device, autocast=self._autocast(), backward=self._backward,
-                    early_exit=self.reuse_config.early_exit)
+        train_group(
+            self.module,
+            layout,
+            group,
+            temperature,
+            _no_loss,
+            calculate_entropy=False,
+            device=device,
+            autocast=self._autocast(),
+            backward=self._backward,
+            early_exit=self.reuse_config.early_exit,
+        )
 
     def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         ctx = torch.no_grad() if forward_only else nullcontext()
         with ctx, self._autocast()():
-            logits = self.module(input_ids=ids, position_ids=torch.arange(2, device=device)[None],
-                                 use_cache=False).logits
+            logits = self.module(
+                input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False
+            ).logits
             if not forward_only:
                 self._backward(logits.sum() * 0.0)
 

@@ -76,8 +76,9 @@ def _fmt(rows: list[int], limit: int = 16) -> str:
     return f"[{shown}{', ...' if len(rows) > limit else ''}]"
 
 
-def validate_batch(layout: RowLayout, advantages: torch.Tensor | None = None,
-                   response_mask: torch.Tensor | None = None) -> None:
+def validate_batch(
+    layout: RowLayout, advantages: torch.Tensor | None = None, response_mask: torch.Tensor | None = None
+) -> None:
     """Refuse input that would train on garbage: empty responses, non-finite advantages, and samples
     that share a uid but not their prompt (reuse would silently train them on another prompt)."""
     empty = [i for i, s in enumerate(layout.response_lens) if s <= 0]
@@ -107,8 +108,9 @@ def validate_batch(layout: RowLayout, advantages: torch.Tensor | None = None,
                 raise ValueError(f"samples {first} and {i} share uid {uid!r} but not their prompt positions")
 
 
-def plan_suffix_micro_batches(rows: list[int], response_lens: list[int], max_rows: int | None,
-                              max_tokens: int | None) -> list[list[int]]:
+def plan_suffix_micro_batches(
+    rows: list[int], response_lens: list[int], max_rows: int | None, max_tokens: int | None
+) -> list[list[int]]:
     """Split a group's suffix rows into micro-batches, longest first so padding stays small.
 
     A micro-batch holds at most ``max_rows`` rows and at most ``max_tokens`` padded suffix tokens
@@ -134,8 +136,9 @@ def plan_suffix_micro_batches(rows: list[int], response_lens: list[int], max_row
     return batches
 
 
-def plan_batch(layout: RowLayout, *, max_rows: int | None, max_tokens: int | None, min_prefix_len: int,
-               min_group_size: int) -> BatchPlan:
+def plan_batch(
+    layout: RowLayout, *, max_rows: int | None, max_tokens: int | None, min_prefix_len: int, min_group_size: int
+) -> BatchPlan:
     """Decide per uid group whether it reuses its prefix, and plan its suffix micro-batches."""
     groups: list[GroupPlan] = []
     dense: dict[str, list[int]] = {}

@@ -20,8 +20,9 @@ class LockstepPlan:
     num_dense_chunks: int
 
 
-def agree_on_schedule(plan: BatchPlan, num_dense_chunks: int, group: dist.ProcessGroup | None = None,
-                      device: torch.device | None = None) -> LockstepPlan:
+def agree_on_schedule(
+    plan: BatchPlan, num_dense_chunks: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> LockstepPlan:
     """Max over ranks of the schedule's shape; a no-op without a process group of size > 1."""
     counts = [len(g.micro_batches) for g in plan.groups]
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -48,6 +49,7 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
 def filler_group(num_micro_batches: int) -> tuple[RowLayout, GroupPlan]:
     """A one-row group (prefix of one token, suffix of one) that only exists to issue collectives."""
     layout = RowLayout([torch.zeros(3, dtype=torch.long)], [torch.arange(3)], [2], [1], ["__lockstep_filler__"])
-    group = GroupPlan(uid="__lockstep_filler__", rows=[0], prompt_len=2, micro_batches=[],
-                      filler_micro_batches=num_micro_batches)
+    group = GroupPlan(
+        uid="__lockstep_filler__", rows=[0], prompt_len=2, micro_batches=[], filler_micro_batches=num_micro_batches
+    )
     return layout, group

@@ -90,8 +90,15 @@ class CaptureContext:
         self.last_layer = num_layers - 1
         self.early_exit = early_exit
 
-    def attend(self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend(
+        self,
+        module: nn.Module,
+        base: Callable,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = module.layer_idx
         # A checkpointed layer re-runs in backward; the first capture is the one the graph holds.
         if self.kv.keys[layer] is None:
@@ -112,8 +119,15 @@ class ServeContext:
         self.prefix = prefix
         self.keep = causal_keep_mask(query_len, prefix.length, device)
 
-    def attend(self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend(
+        self,
+        module: nn.Module,
+        base: Callable,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = module.layer_idx
         rows = key.shape[0]
         key = torch.cat([self.prefix.keys[layer].expand(rows, -1, -1, -1), key], dim=2)
@@ -123,8 +137,14 @@ class ServeContext:
 
 
 def _make_prefix_attention(base_kind: str) -> Callable:
-    def prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, **kwargs: object) -> tuple:
+    def prefix_attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: object,
+    ) -> tuple:
         ctx = kwargs.pop("prefix_ctx", None)
         if ctx is None:
             raise RuntimeError(

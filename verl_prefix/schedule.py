@@ -67,13 +67,19 @@ def num_decoder_layers(model: nn.Module) -> int:
     return int(text_config.num_hidden_layers)
 
 
-def prefix_forward(model: nn.Module, prefix_ids: torch.Tensor, prefix_positions: torch.Tensor,
-                   early_exit: bool = True) -> PrefixKV:
+def prefix_forward(
+    model: nn.Module, prefix_ids: torch.Tensor, prefix_positions: torch.Tensor, early_exit: bool = True
+) -> PrefixKV:
     """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V."""
     ctx = CaptureContext(num_decoder_layers(model), early_exit=early_exit)
     try:
-        model(input_ids=prefix_ids[None], position_ids=prefix_positions[None], use_cache=False,
-              logits_to_keep=1, prefix_ctx=ctx)
+        model(
+            input_ids=prefix_ids[None],
+            position_ids=prefix_positions[None],
+            use_cache=False,
+            logits_to_keep=1,
+            prefix_ctx=ctx,
+        )
     except PrefixCaptured:
         pass
     if not ctx.kv.complete:
@@ -81,14 +87,16 @@ def prefix_forward(model: nn.Module, prefix_ids: torch.Tensor, prefix_positions:
     return ctx.kv
 
 
-def suffix_forward(model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, temperature: torch.Tensor,
-                   calculate_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+def suffix_forward(
+    model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, temperature: torch.Tensor, calculate_entropy: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does."""
     ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device)
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, prefix_ctx=ctx)
     logits = out.logits[batch.valid]  # [N, V], valid tokens only, row-major like verl's packed layout
-    row_temperature = torch.repeat_interleave(temperature.to(logits.device, torch.float32),
-                                              torch.tensor(batch.lengths, device=logits.device))
+    row_temperature = torch.repeat_interleave(
+        temperature.to(logits.device, torch.float32), torch.tensor(batch.lengths, device=logits.device)
+    )
     logits = logits / row_temperature.to(logits.dtype).unsqueeze(-1)
     entropy = entropy_from_logits(logits) if calculate_entropy else None
     log_probs = logprobs_from_logits(logits, batch.labels[batch.valid], inplace_backward=not calculate_entropy)
@@ -137,11 +145,19 @@ def _prefix_of(layout: RowLayout, group: GroupPlan, device: torch.device) -> tup
     return ids, pos
 
 
-def train_group(model: nn.Module, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor,
-                loss_fn: LossFn, *, calculate_entropy: bool, device: torch.device,
-                autocast: Callable[[], AbstractContextManager] = nullcontext,
-                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
-                early_exit: bool = True) -> list[torch.Tensor]:
+def train_group(
+    model: nn.Module,
+    layout: RowLayout,
+    group: GroupPlan,
+    temperature: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    calculate_entropy: bool,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    early_exit: bool = True,
+) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
     ``temperature`` holds one value per mini-batch row. ``backward`` lets a caller scale the loss.
@@ -169,10 +185,16 @@ def train_group(model: nn.Module, layout: RowLayout, group: GroupPlan, temperatu
 
 
 @torch.no_grad()
-def infer_group(model: nn.Module, layout: RowLayout, group: GroupPlan, temperature: torch.Tensor, *,
-                calculate_entropy: bool, device: torch.device,
-                autocast: Callable[[], AbstractContextManager] = nullcontext,
-                ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+def infer_group(
+    model: nn.Module,
+    layout: RowLayout,
+    group: GroupPlan,
+    temperature: torch.Tensor,
+    *,
+    calculate_entropy: bool,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}

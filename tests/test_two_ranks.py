@@ -1,0 +1,89 @@
+"""Two data-parallel ranks (gloo, FSDP2 sharded over both) whose mini-batches have different group
+structure: reuse must keep collectives in lockstep and still give the stock engine's gradients."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from verl_prefix.testing import _free_port
+
+VOCAB = 128
+
+
+def _rank_batch(rank: int):
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix import testing as T
+
+    if rank == 0:  # two groups of four
+        return T.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[9, 5], response_len_range=(1, 6),
+                                 vocab_size=VOCAB, seed=11, global_batch_size=16)
+    # one group of four plus four singletons with a short prompt: one reuse group and two dense chunks
+    group = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=12, response_len_range=(1, 6),
+                              vocab_size=VOCAB, seed=12, global_batch_size=16)
+    singles = T.make_grpo_batch(num_groups=4, group_size=1, prompt_lens=3, response_len_range=(2, 4),
+                                vocab_size=VOCAB, seed=13, global_batch_size=16)
+    return tu.concat_tensordict([group, singles])
+
+
+def _worker(rank: int, port: int, model_dir: str, results) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE="2", VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cpu")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        from precision import promote_fp32_upcasts
+
+        from verl_prefix import PrefixReuseConfig
+        from verl_prefix import testing as T
+
+        batch = _rank_batch(rank)
+        kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
+        dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+        prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+        prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
+        with promote_fp32_upcasts():
+            want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+            got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+            got_infer = T.run_infer(prefix, batch)
+            want_infer = T.run_infer(dense, batch)
+        worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+        lp = (got_infer["response_log_probs"].values() - want_infer["response_log_probs"].values()).abs().max()
+        results[rank] = {"worst": worst, "infer": lp.item(), "metrics": got["metrics"]}
+        dist.destroy_process_group()
+    except BaseException:  # report to the parent instead of hanging it
+        results[rank] = {"error": traceback.format_exc()}
+
+
+def test_two_ranks_with_different_group_structure(tiny_model):
+    model_dir = str(tiny_model("qwen3"))
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, port, model_dir, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+        assert not hung, "ranks hung: collectives out of lockstep"
+        results = dict(results)
+    for rank in range(2):
+        assert "error" not in results[rank], results[rank]["error"]
+        assert results[rank]["worst"] < 1e-10
+        assert results[rank]["infer"] < 1e-10
+    assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
+    assert results[0]["metrics"]["prefix/groups"] == 2.0
+
+
+pytestmark = pytest.mark.timeout(600)
