@@ -7,7 +7,7 @@ import pytest
 import torch
 from precision import promote_fp32_upcasts
 
-from verl_prefix import PrefixReuseConfig
+from verl_prefix import PrefixReuseConfig, prefix_kv, schedule
 from verl_prefix import testing as T
 
 VOCAB = 128
@@ -181,3 +181,25 @@ def test_infer_batch_matches_stock(tiny_model, dtype, attn):
         got_v = got.values() if got.is_nested else got
         torch.testing.assert_close(got_v, want_v, rtol=tol, atol=tol)
     assert prefix["metrics"]["prefix/groups"] == 3.0
+
+
+def _suffix_only_mask(query_len, prefix_len, device):
+    keep = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.zeros(query_len, prefix_len, dtype=torch.bool, device=device), keep], 1)[None, None]
+
+
+FAULTS = {
+    "suffix_only_mask": lambda mp: mp.setattr(prefix_kv, "causal_keep_mask", _suffix_only_mask),
+    "positions_off_by_one": lambda mp: mp.setattr(
+        schedule, "suffix_positions", lambda pos, p, s: pos[..., p - 1 : p - 1 + s] + 1
+    ),
+    "skipped_phase_c": lambda mp: mp.setattr(schedule, "prefix_backward", lambda *a, **k: None),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_negative_controls_through_the_engine(tiny_model, monkeypatch, fault):
+    """The same comparison that passes above must fail for a wrong schedule."""
+    FAULTS[fault](monkeypatch)
+    grads, _, _, _ = compare_update(tiny_model("qwen3"), grpo_batch(), micro_batch_size_per_gpu=2)
+    assert grads > 1e-3

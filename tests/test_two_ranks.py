@@ -21,20 +21,48 @@ def _rank_batch(rank: int):
     from verl_prefix import testing as T
 
     if rank == 0:  # two groups of four
-        return T.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[9, 5], response_len_range=(1, 6),
-                                 vocab_size=VOCAB, seed=11, global_batch_size=16)
+        return T.make_grpo_batch(
+            num_groups=2,
+            group_size=4,
+            prompt_lens=[9, 5],
+            response_len_range=(1, 6),
+            vocab_size=VOCAB,
+            seed=11,
+            global_batch_size=16,
+        )
     # one group of four plus four singletons with a short prompt: one reuse group and two dense chunks
-    group = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=12, response_len_range=(1, 6),
-                              vocab_size=VOCAB, seed=12, global_batch_size=16)
-    singles = T.make_grpo_batch(num_groups=4, group_size=1, prompt_lens=3, response_len_range=(2, 4),
-                                vocab_size=VOCAB, seed=13, global_batch_size=16)
+    group = T.make_grpo_batch(
+        num_groups=1,
+        group_size=4,
+        prompt_lens=12,
+        response_len_range=(1, 6),
+        vocab_size=VOCAB,
+        seed=12,
+        global_batch_size=16,
+    )
+    singles = T.make_grpo_batch(
+        num_groups=4,
+        group_size=1,
+        prompt_lens=3,
+        response_len_range=(2, 4),
+        vocab_size=VOCAB,
+        seed=13,
+        global_batch_size=16,
+    )
     return tu.concat_tensordict([group, singles])
 
 
 def _worker(rank: int, port: int, model_dir: str, results) -> None:
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE="2", VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cpu")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            VERL_PLATFORM="cpu",
+            VERL_ENGINE_DEVICE="cpu",
+        )
         torch.set_num_threads(1)
         import torch.distributed as dist
 
