@@ -94,6 +94,11 @@ def test_user_mistakes_exit_2_with_one_line(argv, capsys):
     assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err
 
 
+def test_table_in_missing_directory(tmp_path, capsys):
+    assert cli.main(["bench", "--table", str(tmp_path / "nope" / "t.md"), "--out", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_gpu_preset_without_cuda(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert cli.main(["bench", "--preset", "gpu"]) == 2

@@ -50,6 +50,7 @@ class ModelSpec:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int
+    max_position_embeddings: int = 4096
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,13 @@ class Cell:
 
 @dataclass(frozen=True)
 class Preset:
+    """A named set of cells with its default reps and torch thread count."""
+
     cells: tuple[Cell, ...]
     reps: int
     needs_cuda: bool = False
-    # CPU presets pin 1 torch thread: on the shared 2-vCPU dev VM, 2 threads made the same update
-    # 1-80x slower from rep to rep (OpenMP barriers wait on preempted vCPUs); 1 thread was steady.
+    # CPU presets pin 1 torch thread: on the shared 2-vCPU dev VM, 2 threads made the same update take
+    # 0.7 s to 80 s from rep to rep (OpenMP barriers wait on preempted vCPUs); 1 thread was steady.
     threads: int | None = None
     description: str = ""
 
@@ -84,7 +87,13 @@ SMOKE_MODEL = ModelSpec(
 )
 # ~29.6M parameters (untied embeddings), the model DESIGN.md's CPU measurements use.
 MODEL_29M = ModelSpec(
-    hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1792, vocab_size=8192
+    hidden_size=512,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=1792,
+    vocab_size=8192,
+    max_position_embeddings=16384,  # the gpu preset's 12K-token sequences
 )
 # bf16 on GPU: fp32 master weights, bf16 compute, fp32 gradient reduction (verl's usual mixed precision).
 _BF16 = (
@@ -111,7 +120,7 @@ PRESETS: dict[str, Preset] = {
         cells=_cpu_cells(),
         reps=3,
         threads=1,
-        description="29M-param Qwen3-style model, fp32, one group per cell; slow (hours on 2 cores)",
+        description="29M-param Qwen3-style model, fp32, one group per cell; slow (about half an hour on 2 cores)",
     ),
     "gpu": Preset(
         cells=tuple(

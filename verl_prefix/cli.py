@@ -13,8 +13,6 @@ import shlex
 import sys
 from pathlib import Path
 
-PRESET_NAMES = ("smoke", "cpu", "gpu")
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a mistake as one line (no usage dump) and exits 2."""
@@ -35,6 +33,9 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (separate so tests and docs can inspect it)."""
+    from verl_prefix.bench import PRESETS
+
+    presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{bench}")
     bench = sub.add_parser(
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="time verl's fsdp2 engine against prefix_fsdp2 on the same GRPO batch",
         description="Time verl's fsdp2 engine against prefix_fsdp2 on identical GRPO batches, interleaved.",
     )
-    bench.add_argument("--preset", choices=PRESET_NAMES, default="smoke", help="which cells to run (default smoke)")
+    bench.add_argument("--preset", choices=list(PRESETS), default="smoke", help=f"default smoke. {presets}")
     bench.add_argument("--reps", type=_positive_int, default=None, help="timed reps per cell after 1 warm-up")
     bench.add_argument(
         "--threads", type=_positive_int, default=None, help="torch CPU threads (default: the preset's, 1 on CPU)"
@@ -92,6 +93,9 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         if path is not None and path.exists() and path.is_dir():
             print(f"verl-prefix: error: {path} is a directory, expected a file path", file=sys.stderr)
             return 2
+    if args.table is not None and not args.table.parent.is_dir():
+        print(f"verl-prefix: error: directory {args.table.parent} for --table does not exist", file=sys.stderr)
+        return 2
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -31,6 +32,7 @@ from verl_prefix.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch, va
 from verl_prefix.lockstep import agree_on_schedule, filler_group
 from verl_prefix.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 from verl_prefix.schedule import infer_group, train_group
+from verl_prefix.telemetry import PhaseMeter
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +148,12 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
         reason = self._model_fallback_reason(forward_only) or self._batch_fallback_reason(data)
         if reason is not None:
-            output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            meter = PhaseMeter(self._device())
+            with meter.phase("dense"):
+                output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            tokens = int(data["input_ids"].offsets()[-1])
             output["metrics"].update(_fallback_metrics({reason: len(data)}, groups=0))
+            output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
             return output
         return self._reuse_batch(data, loss_function, forward_only)
 
@@ -201,7 +207,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         dense_chunks = self._dense_chunks(data, dense_rows)
         lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
 
-        device = torch.device(get_device_name(), get_device_id()) if get_device_name() != "cpu" else torch.device("cpu")
+        device = self._device()
+        self._meter = PhaseMeter(device)
         temperature = _per_row_temperature(data)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
@@ -239,7 +246,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 continue
             micro = tu.index_select_tensor_dict(micro_data, rows)
             ctx = torch.no_grad() if forward_only else nullcontext()
-            with ctx:
+            with ctx, self._meter.phase("dense"):
                 loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
                 if not forward_only:
                     self._backward(loss)
@@ -249,8 +256,24 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if output["model_output"]:
             output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
         output["metrics"].update(_fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
-        output["metrics"].update(_token_metrics(layout, plan))
+        logical, physical = token_counts(layout, plan)
+        output["metrics"].update(self._meter.metrics(logical_tokens=logical, physical_tokens=physical))
         return output
+
+    def _device(self) -> torch.device:
+        name = get_device_name()
+        return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+
+    def optimizer_step(self) -> float:
+        start = time.perf_counter()
+        grad_norm = super().optimizer_step()
+        self._optimizer_seconds = time.perf_counter() - start
+        return grad_norm
+
+    def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
+        outputs = super().train_batch(data, loss_function)
+        outputs["metrics"]["prefix/time_s/optimizer"] = self._optimizer_seconds
+        return outputs
 
     def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
         """Dense rows in micro-batches of verl's size; the loss is globally normalised, so the split is free."""
@@ -294,6 +317,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             autocast=self._autocast(),
             backward=self._backward,
             early_exit=self.reuse_config.early_exit,
+            meter=self._meter,
         )
         for (rows, model_output, metrics), loss in zip(pending, losses):
             record(rows, model_output, loss.item(), metrics)
@@ -317,6 +341,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             calculate_entropy=calculate_entropy,
             device=device,
             autocast=self._autocast(),
+            meter=self._meter,
         )
         for rows in group.micro_batches:
             log_probs = [results[i][0] for i in rows]
@@ -399,8 +424,8 @@ def _fallback_metrics(dense_rows: dict[str, list[int]] | dict[str, int], groups:
     return metrics
 
 
-def _token_metrics(layout: RowLayout, plan: BatchPlan) -> dict[str, float]:
-    """Logical tokens are what dense would compute; physical what the schedule did compute."""
+def token_counts(layout: RowLayout, plan: BatchPlan) -> tuple[int, int]:
+    """(logical, physical): what dense would compute, and what the schedule computed."""
     logical = physical = 0
     for group in plan.groups:
         suffix = sum(layout.response_lens[i] for i in group.rows)
@@ -409,11 +434,7 @@ def _token_metrics(layout: RowLayout, plan: BatchPlan) -> dict[str, float]:
     for i in plan.all_dense_rows:
         logical += layout.prompt_lens[i] + layout.response_lens[i]
         physical += layout.prompt_lens[i] + layout.response_lens[i]
-    return {
-        "prefix/logical_tokens": float(logical),
-        "prefix/physical_tokens": float(physical),
-        "prefix/reuse_factor": logical / max(physical, 1),
-    }
+    return logical, physical
 
 
 def register() -> None:

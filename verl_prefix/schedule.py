@@ -21,6 +21,7 @@ from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logit
 
 from verl_prefix.grouping import GroupPlan, RowLayout
 from verl_prefix.prefix_kv import CaptureContext, PrefixCaptured, PrefixKV, ServeContext, prefix_attention_mode
+from verl_prefix.telemetry import NullMeter, PhaseMeter
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
 # log-probs of rows[k] (length = its response), entropy likewise or None.
@@ -157,30 +158,35 @@ def train_group(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     early_exit: bool = True,
+    meter: PhaseMeter | None = None,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
     ``temperature`` holds one value per mini-batch row. ``backward`` lets a caller scale the loss.
     """
+    meter = meter or NullMeter()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     losses = []
     with prefix_attention_mode(model):
-        with autocast():
+        with meter.phase("A"), autocast():
             prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit)
         leaves = prefix.as_leaves(requires_grad=True)
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)
-            with autocast():
-                log_probs, entropy = suffix_forward(model, leaves, batch, temperature[rows], calculate_entropy)
-                loss = loss_fn(rows, log_probs, entropy)
-            backward(loss)
+            with meter.phase("B"):
+                with autocast():
+                    log_probs, entropy = suffix_forward(model, leaves, batch, temperature[rows], calculate_entropy)
+                    loss = loss_fn(rows, log_probs, entropy)
+                backward(loss)
             losses.append(loss.detach())
         for _ in range(group.filler_micro_batches):
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
-            with autocast():
-                log_probs, _ = suffix_forward(model, leaves, batch, temperature[group.rows[:1]], False)
-            backward(log_probs[0].sum() * 0.0)
-        prefix_backward(prefix, leaves, model)
+            with meter.phase("B"):
+                with autocast():
+                    log_probs, _ = suffix_forward(model, leaves, batch, temperature[group.rows[:1]], False)
+                backward(log_probs[0].sum() * 0.0)
+        with meter.phase("C"):
+            prefix_backward(prefix, leaves, model)
     return losses
 
 
@@ -194,18 +200,23 @@ def infer_group(
     calculate_entropy: bool,
     device: torch.device,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
+    meter: PhaseMeter | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
+    meter = meter or NullMeter()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     with prefix_attention_mode(model), autocast():
-        prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
+        with meter.phase("A"):
+            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)
-            log_probs, entropy = suffix_forward(model, prefix, batch, temperature[rows], calculate_entropy)
+            with meter.phase("B"):
+                log_probs, entropy = suffix_forward(model, prefix, batch, temperature[rows], calculate_entropy)
             for k, i in enumerate(rows):
                 results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
         for _ in range(group.filler_micro_batches):
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
-            suffix_forward(model, prefix, batch, temperature[group.rows[:1]], False)
+            with meter.phase("B"):
+                suffix_forward(model, prefix, batch, temperature[group.rows[:1]], False)
     return results
