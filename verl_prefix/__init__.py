@@ -15,6 +15,17 @@ from verl_prefix.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E40
 
 register()
 
+# The trainer mode ("prefix_sync") registers on import. It needs verl's v1 trainer stack
+# (TransferQueue, ray); an engine-only install without it still gets the engine.
+try:
+    from verl_prefix import trainer as _trainer  # noqa: E402, F401
+except ImportError as _error:  # pragma: no cover - depends on the install
+    import logging as _logging
+
+    _logging.getLogger(__name__).warning("verl_prefix trainer mode unavailable: %s", _error)
+
+from verl_prefix.actor_config import PrefixFSDPActorConfig  # noqa: E402
+
 
 def is_registered() -> bool:
     """True when ``prefix_fsdp2`` is in verl's engine registry (plugin failures are silent in verl)."""
@@ -25,6 +36,7 @@ def is_registered() -> bool:
 
 __all__ = [
     "PREFIX_BACKEND",
+    "PrefixFSDPActorConfig",
     "PrefixFSDPEngineConfig",
     "PrefixFSDPEngineWithLMHead",
     "PrefixReuseConfig",

@@ -1,0 +1,103 @@
+"""A verl v1 trainer mode that keeps uid groups whole per rank, with our actor worker.
+
+Select it with two lines on top of the stock ``python -m verl.trainer.main_ppo`` config::
+
+    trainer.v1.trainer_mode=prefix_sync
+    actor_rollout_ref.actor.strategy=prefix_fsdp2
+
+It is verl's synchronous trainer with two changes: ``_balance_batch`` packs whole groups into
+(rank, mini-batch) slots (``verl_prefix.balance``) instead of sorting samples by length, and the
+actor/ref roles run ``PrefixActorRolloutRefWorker``. verl compares ``trainer_mode == "sync"`` in
+several places (replay buffer, refill, parameter sync), so the config is set back to ``sync`` once
+this class is chosen: every such check sees a synchronous trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, open_dict
+from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+from verl_prefix.balance import balance_groups
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODE = "prefix_sync"
+_ACTOR_ROLES = ("ActorRolloutRef", "ActorRollout", "Actor", "RefPolicy")
+
+
+class PrefixActorRolloutRefWorker(ActorRolloutRefWorker):
+    """verl's actor/rollout/ref worker, refusing to start if the prefix engine is not registered.
+
+    verl skips a plugin that fails to import with a DEBUG log only; without this check a broken
+    install would surface as an unknown-backend error deep inside engine construction, or not at all.
+    """
+
+    def __init__(self, config: DictConfig, role: str, **kwargs: Any) -> None:
+        import verl_prefix
+
+        if not verl_prefix.is_registered():
+            raise RuntimeError("verl_prefix is imported but prefix_fsdp2 is not registered in verl's EngineRegistry")
+        super().__init__(config, role, **kwargs)
+
+
+@register_trainer(TRAINER_MODE)
+class PrefixPPOTrainer(PPOTrainerSync):
+    """The synchronous v1 trainer with group-keeping balancing and the prefix actor worker."""
+
+    def __init__(self, config: DictConfig, *args: Any, **kwargs: Any) -> None:
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = "sync"
+        super().__init__(config, *args, **kwargs)
+
+    def _init_resource_pool_mgr(self) -> Any:
+        result = super()._init_resource_pool_mgr()
+        for role in list(self.role_worker_mapping):
+            if _role_name(role) in _ACTOR_ROLES:
+                self.role_worker_mapping[role] = ray.remote(PrefixActorRolloutRefWorker)
+        return result
+
+    def _mini_batches_per_rank(self, batch_size: int, dp_size: int) -> int:
+        global_mini_batch = self.config.actor_rollout_ref.actor.ppo_mini_batch_size
+        global_mini_batch *= self.config.actor_rollout_ref.rollout.n
+        return max(batch_size // global_mini_batch, 1) if batch_size % global_mini_batch == 0 else 1
+
+    def _balance_batch(
+        self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen", keep_minibatch: bool = False
+    ) -> Any:
+        import transfer_queue as tq
+
+        worker_group = self.actor_rollout_wg
+        if "actor" not in worker_group._dispatch_info:
+            worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
+        dp_size = max(worker_group._dispatch_info["actor"]) + 1
+
+        batch = upsample_batch_to_divisible_size(
+            batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id
+        )
+        uids = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid"])["uid"]
+        uids = uids.tolist() if hasattr(uids, "tolist") else list(uids)
+        plan = balance_groups(
+            prompt_lens=[int(tag["prompt_len"]) for tag in batch.tags],
+            response_lens=[int(tag["response_len"]) for tag in batch.tags],
+            uids=[str(u) for u in uids],
+            dp_size=dp_size,
+            mini_batches_per_rank=self._mini_batches_per_rank(len(batch), dp_size),
+            splittable=[bool(tag.get("is_padding", False)) for tag in batch.tags],
+        )
+        batch.reorder(plan.order)
+        metrics.update({f"actor/{k}": v for k, v in plan.metrics().items()})
+        return batch
+
+
+def _role_name(role: Any) -> str:
+    return getattr(role, "name", str(role))
+
+
+__all__ = ["PrefixActorRolloutRefWorker", "PrefixPPOTrainer", "TRAINER_MODE"]
