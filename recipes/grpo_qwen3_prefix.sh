@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GRPO on GSM8K with Qwen3 and shared-prefix reuse, on one or more GPU nodes.
+#
+# Reads top to bottom: data and model paths, cluster shape, batch shape, then the stock verl entry
+# point with configs/prefix_grpo.yaml (verl's ppo_trainer plus the prefix_sync trainer mode and the
+# prefix_fsdp2 engine). Every verl option can still be overridden after "$@".
+#
+#   bash recipes/grpo_qwen3_prefix.sh trainer.total_epochs=1
+#
+# Prerequisites on every node: verl 0.9.1 with its GPU stack (pip install -e '.[gpu]' from this repo,
+# or verl's docker image plus `pip install .`), and the GSM8K parquet files made by verl's
+# examples/data_preprocess/gsm8k.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL="${MODEL:-Qwen/Qwen3-8B}"
+DATA="${DATA:-$HOME/data/gsm8k}"
+NNODES="${NNODES:-1}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+
+# 64 prompts x 16 samples per step; mini-batches of 16 prompts keep 2 whole groups per GPU slot.
+python -m verl.trainer.main_ppo \
+  --config-path="$PWD/configs" --config-name=prefix_grpo \
+  data.train_files="$DATA/train.parquet" \
+  data.val_files="$DATA/test.parquet" \
+  data.train_batch_size=64 \
+  data.max_prompt_length=2048 \
+  data.max_response_length=2048 \
+  actor_rollout_ref.model.path="$MODEL" \
+  actor_rollout_ref.model.enable_gradient_checkpointing=true \
+  actor_rollout_ref.actor.optim.lr=1e-6 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+  actor_rollout_ref.actor.use_kl_loss=true \
+  actor_rollout_ref.actor.kl_loss_coef=0.001 \
+  actor_rollout_ref.rollout.name=vllm \
+  actor_rollout_ref.rollout.n=16 \
+  actor_rollout_ref.rollout.tensor_model_parallel_size=2 \
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8 \
+  trainer.logger='[console,wandb]' \
+  trainer.project_name=verl_prefix \
+  trainer.experiment_name="grpo_$(basename "$MODEL")_prefix" \
+  trainer.nnodes="$NNODES" \
+  trainer.n_gpus_per_node="$GPUS_PER_NODE" \
+  trainer.total_epochs=15 \
+  "$@"
