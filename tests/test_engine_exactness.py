@@ -74,7 +74,7 @@ def test_update_matches_stock_engine(tiny_model, family, attn, dtype):
         assert update < 1e-9  # Adam's first step is ~lr*sign(g): fp32 noise can flip near-zero elements
     assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-5)
     assert prefix["grad_norm"] == pytest.approx(dense["grad_norm"], rel=1e-5)
-    assert prefix["metrics"]["prefix/groups"] == 3.0
+    assert prefix["reduced_metrics"]["prefix/groups"] == 3.0
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])  # micro-batch counts 8, 4, 2, 1 for G = 8
@@ -148,7 +148,7 @@ def test_dynamic_batch_size_and_gradient_checkpointing(tiny_model):
         entropy_coeff=0.01,
     )
     assert grads < 1e-10 and update < 1e-9
-    assert prefix["metrics"]["prefix/groups"] == 3.0
+    assert prefix["reduced_metrics"]["prefix/groups"] == 3.0
 
 
 def test_legacy_padded_layout(tiny_model):
@@ -159,7 +159,7 @@ def test_legacy_padded_layout(tiny_model):
 def test_token_metrics_count_what_reuse_saved(tiny_model):
     batch = grpo_batch(num_groups=2, group_size=4, prompt_lens=[10, 6], response_len_range=(2, 2))
     _, _, _, prefix = compare_update(tiny_model("qwen3"), batch, micro_batch_size_per_gpu=2)
-    metrics = prefix["metrics"]
+    metrics = prefix["reduced_metrics"]
     assert metrics["prefix/logical_tokens"] == 4 * (10 + 2) + 4 * (6 + 2)
     assert metrics["prefix/physical_tokens"] == (9 + 4 * 2) + (5 + 4 * 2)
 
@@ -180,7 +180,7 @@ def test_infer_batch_matches_stock(tiny_model, dtype, attn):
         want_v = want.values() if want.is_nested else want
         got_v = got.values() if got.is_nested else got
         torch.testing.assert_close(got_v, want_v, rtol=tol, atol=tol)
-    assert prefix["metrics"]["prefix/groups"] == 3.0
+    assert T.reduce_step_metrics(prefix["metrics"])["prefix/groups"] == 3.0
 
 
 def _suffix_only_mask(query_len, prefix_len, device):

@@ -37,7 +37,7 @@ def run_both(model_dir, batch, reuse: PrefixReuseConfig, **kwargs):
         got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     assert worst < 1e-10, "a fallback must still give the stock gradients"
-    return got["metrics"]
+    return got["reduced_metrics"]
 
 
 def test_short_prefix_runs_dense_and_is_counted(tiny_model):
@@ -67,15 +67,18 @@ def test_dropout_runs_dense_and_is_counted(tiny_model):
     )
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     result = T.run_train_step(engine, loss_fn, grpo_batch())
-    assert result["metrics"]["prefix/fallback_dropout"] == 8.0
+    assert result["reduced_metrics"]["prefix/fallback_dropout"] == 8.0
     # Forward-only passes run in eval mode, where dropout is off: they still reuse.
-    assert T.run_infer(engine, grpo_batch())["metrics"]["prefix/groups"] == 2.0
+    assert T.reduce_step_metrics(T.run_infer(engine, grpo_batch())["metrics"])["prefix/groups"] == 2.0
 
 
 def test_forward_only_reuse_switch(tiny_model):
     engine, _, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, forward_only_reuse=False)
-    assert T.run_infer(engine, grpo_batch())["metrics"]["prefix/fallback_forward_only_disabled"] == 8.0
+    assert (
+        T.reduce_step_metrics(T.run_infer(engine, grpo_batch())["metrics"])["prefix/fallback_forward_only_disabled"]
+        == 8.0
+    )
 
 
 def test_sum_pi_squared_runs_dense_and_is_counted(tiny_model):
@@ -125,7 +128,7 @@ def test_remove_padding_dense_rows_match_the_padded_stock_engine(tiny_model):
     with promote_fp32_upcasts():
         want = T.run_train_step(dense, d_loss, grpo_batch(), capture_grads=True)
         got = T.run_train_step(prefix, p_loss, grpo_batch(), capture_grads=True)
-    assert got["metrics"]["prefix/fallback_short_prefix"] == 4.0
+    assert got["reduced_metrics"]["prefix/fallback_short_prefix"] == 4.0
     assert max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items()) < 1e-10
 
 

@@ -18,7 +18,7 @@ def test_update_reports_every_phase(tiny_qwen3_dir):
         num_groups=2, group_size=4, prompt_lens=[12, 5], response_len_range=(2, 6), vocab_size=128
     )
     start = time.perf_counter()
-    metrics = T.run_train_step(engine, loss_fn, batch)["metrics"]
+    metrics = T.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
     wall = time.perf_counter() - start
     phases = [metrics[f"prefix/time_s/{p}"] for p in ("A", "B", "C", "dense")]
     assert all(t > 0 for t in phases)
@@ -39,7 +39,7 @@ def test_forward_only_reports_phases_without_saved_tensors(tiny_qwen3_dir):
     batch = T.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[12, 5], response_len_range=(2, 6), vocab_size=128
     )
-    metrics = T.run_infer(engine, batch)["metrics"]
+    metrics = T.reduce_step_metrics(T.run_infer(engine, batch)["metrics"])
     assert metrics["prefix/time_s/A"] > 0 and metrics["prefix/time_s/B"] > 0
     assert "prefix/time_s/C" not in metrics
     assert metrics["prefix/max_saved_for_backward_held_mib"] == 0.0

@@ -84,7 +84,7 @@ def _worker(rank: int, port: int, model_dir: str, results) -> None:
             want_infer = T.run_infer(dense, batch)
         worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
         lp = (got_infer["response_log_probs"].values() - want_infer["response_log_probs"].values()).abs().max()
-        results[rank] = {"worst": worst, "infer": lp.item(), "metrics": got["metrics"]}
+        results[rank] = {"worst": worst, "infer": lp.item(), "metrics": got["reduced_metrics"]}
         dist.destroy_process_group()
     except BaseException:  # report to the parent instead of hanging it
         results[rank] = {"error": traceback.format_exc()}

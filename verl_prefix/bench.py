@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -23,7 +24,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ import torch
 
 from verl_prefix import testing as T
 from verl_prefix.flops import ModelShape, predicted_speedup
+from verl_prefix.telemetry import SavedBytes
 
 WARMUP = 1
 
@@ -227,6 +230,53 @@ def _time_update(engine: Any, loss_fn: Callable, batch: Any, *, capture_grads: b
     return elapsed, output
 
 
+@contextmanager
+def measure_update_memory(engine: Any, *, count_saved: bool = True) -> Iterator[dict[str, float]]:
+    """Memory of one update (dense or prefix), comparable with the prefix engine's ``prefix/max_*`` metrics.
+
+    With ``count_saved``, ``saved_for_backward_held_mib`` is the largest number of bytes one micro-batch
+    saves for backward: the stock engine frees them at each micro-batch's backward, so that is what it holds
+    at once (the prefix engine's counterpart is ``prefix/max_saved_for_backward_held_mib``). On CUDA/NPU,
+    ``peak_device_mib`` is the allocator's peak over the block, reset at its start (verl never resets it);
+    the prefix engine resets it per phase itself, so for it combine this with its per-phase peaks
+    (``trace.prefix_memory_by_phase``). The dict is filled when the block exits.
+    """
+    stats: dict[str, float] = {}
+    module = None
+    if torch.cuda.is_available():
+        module = torch.cuda
+    elif hasattr(torch, "npu") and torch.npu.is_available():  # pragma: no cover - NPU machines only
+        module = torch.npu
+    had_own = "forward_step" in vars(engine)
+    if count_saved:
+        original = engine.forward_step
+        stats["saved_for_backward_held_mib"] = 0.0
+
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            counter = SavedBytes()
+            with counter.counting():
+                out = original(*args, **kwargs)
+            held = counter.bytes / 1024.0**2
+            stats["saved_for_backward_held_mib"] = max(stats["saved_for_backward_held_mib"], held)
+            return out
+
+        engine.forward_step = forward_step
+    if module is not None:
+        module.synchronize()
+        module.reset_peak_memory_stats()
+    try:
+        yield stats
+    finally:
+        if module is not None:
+            module.synchronize()
+            stats["peak_device_mib"] = module.max_memory_allocated() / 1024.0**2
+        if count_saved:
+            if had_own:
+                engine.forward_step = original
+            else:
+                del engine.forward_step
+
+
 def _time_infer(engine: Any, batch: Any) -> float:
     """Seconds for one forward-only log-prob pass over the batch."""
     data = _infer_data(engine, batch)
@@ -262,8 +312,19 @@ def _prefix_metrics(output: dict) -> dict[str, float]:
     return T.reduce_step_metrics({k: v for k, v in output["metrics"].items() if k.startswith("prefix/")})
 
 
-def measure_cell(cell: Cell, model_dir: Path, *, reps: int, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Build both engines from ``model_dir``, run ``WARMUP + reps`` interleaved reps, summarise one cell."""
+def measure_cell(
+    cell: Cell,
+    model_dir: Path,
+    *,
+    reps: int,
+    log: Callable[[str], None] = print,
+    tick: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Build both engines from ``model_dir``, run ``WARMUP + reps`` interleaved reps, summarise one cell.
+
+    Memory is measured in the warm-up rep (rep 0), whose times are discarded, so the counting hooks cost
+    no timed work. ``tick`` is called after every rep (a progress bar).
+    """
     from transformers import AutoConfig
 
     import verl_prefix
@@ -294,10 +355,17 @@ def measure_cell(cell: Cell, model_dir: Path, *, reps: int, log: Callable[[str],
 
     train, infer = _Timings(), _Timings()
     grad_diff, grad_param, reuse = math.nan, "", {}
+    memory: dict[str, dict[str, float]] = {}
     for rep in range(WARMUP + reps):
         gc.collect()  # outside the timed regions: a collection mid-rep would land on one engine only
-        t_dense, out_dense = _time_update(dense, dense_loss, batch, capture_grads=rep == 0)
-        t_prefix, out_prefix = _time_update(prefix, prefix_loss, batch, capture_grads=rep == 0)
+        if rep == 0:
+            with measure_update_memory(dense) as memory["dense"]:
+                t_dense, out_dense = _time_update(dense, dense_loss, batch, capture_grads=True)
+            with measure_update_memory(prefix, count_saved=False) as memory["prefix"]:
+                t_prefix, out_prefix = _time_update(prefix, prefix_loss, batch, capture_grads=True)
+        else:
+            t_dense, out_dense = _time_update(dense, dense_loss, batch)
+            t_prefix, out_prefix = _time_update(prefix, prefix_loss, batch)
         if rep == 0:
             grad_diff, grad_param = max_rel_grad_diff(out_dense["grads"], out_prefix["grads"])
             reuse = _prefix_metrics(out_prefix)
@@ -314,6 +382,8 @@ def measure_cell(cell: Cell, model_dir: Path, *, reps: int, log: Callable[[str],
             train.prefix.append(t_prefix)
             infer.dense.append(i_dense)
             infer.prefix.append(i_prefix)
+        if tick is not None:
+            tick()
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     prompt_lens = [int(p.numel()) for p in batch["prompts"].unbind()]
@@ -342,6 +412,7 @@ def measure_cell(cell: Cell, model_dir: Path, *, reps: int, log: Callable[[str],
         "max_rel_grad_diff": grad_diff,
         "max_rel_grad_diff_param": grad_param,
         "prefix_metrics": reuse,
+        "memory": memory,
     }
 
 
@@ -371,10 +442,12 @@ def run_bench(
     threads: int | None = None,
     command: str | None = None,
     log: Callable[[str], None] = print,
+    progress: bool = False,
 ) -> dict:
     """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON.
 
     ``threads`` (default: the preset's) sets ``torch.set_num_threads`` for the run and is restored after.
+    ``progress`` shows a tqdm bar over all reps on stderr (runs take minutes to hours).
     """
     spec, reps = resolve_preset(preset, reps, threads)
     name = preset if isinstance(preset, str) else "custom"
@@ -383,7 +456,7 @@ def run_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run_cells(name, spec.cells, reps=reps, out_json=out_json, command=command, log=log)
+        return _run_cells(name, spec.cells, reps=reps, out_json=out_json, command=command, log=log, progress=progress)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -396,7 +469,10 @@ def _run_cells(
     out_json: Path | None,
     command: str | None,
     log: Callable[[str], None],
+    progress: bool = False,
 ) -> dict:
+    from tqdm.auto import tqdm
+
     started = time.perf_counter()
     result: dict[str, Any] = {
         "preset": preset,
@@ -406,13 +482,17 @@ def _run_cells(
         "cells": [],
     }
     models: dict[ModelSpec, Path] = {}
-    with tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
+    bar = tqdm(total=len(cells) * (WARMUP + reps), desc="bench", unit="rep", disable=not progress)
+    if progress:
+        log = functools.partial(tqdm.write, file=sys.stdout)  # keep the bar below the log lines
+    with bar, tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
         for cell in cells:
             if cell.model not in models:
                 models[cell.model] = T.write_tiny_model(
                     Path(tmp) / f"model{len(models)}", "qwen3", **dataclasses.asdict(cell.model)
                 )
-            result["cells"].append(measure_cell(cell, models[cell.model], reps=reps, log=log))
+            bar.set_postfix_str(cell.name)
+            result["cells"].append(measure_cell(cell, models[cell.model], reps=reps, log=log, tick=bar.update))
     result["wall_s"] = time.perf_counter() - started
     if out_json is not None:
         out_json = Path(out_json)

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from verl.base_config import BaseConfig
 from verl.workers.config import FSDPEngineConfig
 
 PREFIX_BACKEND = "prefix_fsdp2"
+
+
+def validate_moe_aux_loss_coef(value: object) -> float:
+    """The router aux coefficient as a float; a negative one would train toward imbalance."""
+    try:
+        coef = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"moe_aux_loss_coef must be a number >= 0, got {value!r}") from None
+    if not math.isfinite(coef) or coef < 0:
+        raise ValueError(f"moe_aux_loss_coef must be a finite number >= 0 (0 turns it off), got {value!r}")
+    return coef
 
 
 @dataclass
@@ -57,10 +69,16 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
 
     Select it with ``actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig``
     to set knobs from YAML; without it the engine uses ``PrefixReuseConfig()`` defaults.
+
+    Args:
+        moe_aux_loss_coef: coefficient of HF's MoE router load-balancing loss, added to verl's loss in
+            dense and reuse mode alike (verl 0.9.1's FSDP engine adds none). 0 (default) keeps the
+            engine a drop-in for the stock one. The model config's ``router_aux_loss_coef`` is not read.
     """
 
     strategy: str = PREFIX_BACKEND
     prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         requested = self.strategy
@@ -70,3 +88,4 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
         object.__setattr__(self, "strategy", requested)
         if isinstance(self.prefix_reuse, dict):
             object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
+        object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))

@@ -6,6 +6,10 @@ exactly as the stock engine attaches it), optimizer step, checkpointing. Only
 ``forward_backward_batch`` changes. Rows that cannot reuse run through the stock ``forward_step``
 and are counted under ``prefix/fallback_<reason>``; a whole mini-batch that cannot reuse runs the
 stock method and is counted the same way.
+
+With ``moe_aux_loss_coef > 0`` every training micro-batch, dense or reuse, adds HF's router
+load-balancing loss of that micro-batch, weighted by its share of the mini-batch's logical tokens
+times ``dp_size`` (``_moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_prefix.moe``).
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
+from verl.utils.metric import AggregationType, Metric
 from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
-from verl_prefix.config import PREFIX_BACKEND, PrefixReuseConfig
+from verl_prefix import moe
+from verl_prefix.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
 from verl_prefix.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch, validate_batch
 from verl_prefix.lockstep import agree_on_schedule, filler_group
 from verl_prefix.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
@@ -96,6 +102,77 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             object.__setattr__(engine_config, "strategy", "fsdp2")
         super().__init__(model_config, engine_config, *args, **kwargs)
         self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
+        self.moe_aux_loss_coef = getattr(engine_config, "moe_aux_loss_coef", 0.0)
+        self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
+
+    # -- MoE router aux loss ------------------------------------------------------------------------
+
+    @property
+    def moe_aux_loss_coef(self) -> float:
+        """Coefficient of the router load-balancing loss; 0 leaves verl's loss untouched."""
+        return self._moe_aux_loss_coef
+
+    @moe_aux_loss_coef.setter
+    def moe_aux_loss_coef(self, value: float) -> None:
+        self._moe_aux_loss_coef = validate_moe_aux_loss_coef(value)
+
+    def _moe_aux_on(self, forward_only: bool) -> bool:
+        return not forward_only and self._moe_aux_loss_coef > 0
+
+    def _moe_routers(self) -> moe.MoeRouters:
+        """The model's routers; raises a clear error for a model whose router statistics we do not serve."""
+        if self._moe_routers_cache is None or self._moe_routers_cache[0] != id(self.module):
+            self._moe_routers_cache = (id(self.module), moe.MoeRouters(self.module))
+        return self._moe_routers_cache[1]
+
+    def _attach_moe_normalisation(self, data: TensorDict) -> None:
+        """Logical tokens (prompt + response, every row) of the mini-batch over all DP ranks: the aux
+        weights' denominator. Collective: every rank runs it when the knob is on."""
+        if self.use_ulysses_sp:
+            raise ValueError(
+                "moe_aux_loss_coef > 0 with Ulysses sequence parallelism: each rank would see only a shard "
+                "of every sequence's router statistics. Set moe_aux_loss_coef=0 or ulysses_sequence_parallel_size=1."
+            )
+        self._moe_routers()
+        # a fresh tensor: offsets()[-1] is a view, and all_reduce works in place
+        tokens = torch.tensor(int(data["input_ids"].offsets()[-1]), device=get_device_id())
+        dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, moe_aux_num_tokens=int(tokens.item()))
+
+    def _moe_aux_term(self, stats: moe.RouterStats, data: TensorDict) -> tuple[torch.Tensor, Metric]:
+        """``coef * w * aux`` with ``w = tokens(micro-batch) / tokens(mini-batch, all ranks) * dp_size``.
+
+        HF's aux is a mean over one forward call; weighting each micro-batch by its share of the
+        mini-batch's logical tokens makes the sum over micro-batches a token-weighted mean, and
+        ``dp_size`` undoes FSDP's gradient averaging, as verl's token-mean losses do. With one
+        micro-batch on one rank the term is exactly ``coef * HF aux``. The logged value is ``w * aux``
+        (summed over micro-batches, like verl's ``pg_loss``): the mini-batch's token-weighted mean aux.
+        """
+        total = tu.get_non_tensor_data(data=data, key="moe_aux_num_tokens", default=None)
+        if total is None:
+            raise RuntimeError("moe_aux_num_tokens is missing: the mini-batch was not normalised for the aux loss")
+        weight = stats.tokens * self.get_data_parallel_size() / total
+        aux = self._moe_routers().loss(stats) * weight
+        return self._moe_aux_loss_coef * aux, Metric(value=aux.detach(), aggregation=AggregationType.SUM)
+
+    def forward_step(self, micro_batch: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        """verl's dense ``forward_step``, plus the router aux loss of the micro-batch when it is on.
+
+        The routers' logits are captured by forward hooks during verl's own model call; the wrapped
+        loss function (called by verl right after the model) adds the weighted aux term.
+        """
+        if not self._moe_aux_on(forward_only) or loss_function is None:
+            return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+        routers = self._moe_routers()
+        with routers.capture() as logits:
+
+            def loss_with_aux(model_output: dict, data: TensorDict, dp_group: Any = None) -> tuple:
+                loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+                stats = routers.stats(logits, _dense_token_mask(data, logits[0].shape[0]))
+                term, metric = self._moe_aux_term(stats, data)
+                return loss + term, {**metrics, "moe_aux_loss": metric}
+
+            return super().forward_step(micro_batch, loss_function=loss_with_aux, forward_only=forward_only)
 
     # -- what can reuse ---------------------------------------------------------------------------
 
@@ -116,6 +193,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return "sliding_window"
         if not forward_only and self._has_active_dropout():
             return "dropout"
+        if not forward_only:
+            # a per-forward random router sample or an in-gate aux loss would see the prefix once per group
+            return moe.stochastic_routing_reason(self.module) or moe.in_model_aux_reason(self.module)
         return None
 
     def _has_active_dropout(self) -> bool:
@@ -146,6 +226,13 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     # -- the mini-batch -----------------------------------------------------------------------------
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        output = self._forward_backward(data, loss_function, forward_only)
+        output["metrics"] = _as_micro_batch_lists(output["metrics"])
+        return output
+
+    def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        if self._moe_aux_on(forward_only) and loss_function is not None:
+            self._attach_moe_normalisation(data)
         reason = self._model_fallback_reason(forward_only) or self._batch_fallback_reason(data)
         if reason is not None:
             meter = PhaseMeter(self._device())
@@ -256,7 +343,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if output["model_output"]:
             output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
         output["metrics"].update(_fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
-        logical, physical = token_counts(layout, plan)
+        logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
         output["metrics"].update(self._meter.metrics(logical_tokens=logical, physical_tokens=physical))
         return output
 
@@ -272,7 +359,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
         outputs = super().train_batch(data, loss_function)
-        outputs["metrics"]["prefix/time_s/optimizer"] = self._optimizer_seconds
+        outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
         return outputs
 
     def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
@@ -294,6 +381,12 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         record: Callable,
     ) -> None:
         pending: list[tuple[list[int], dict, dict]] = []
+        aux_on = self._moe_aux_on(forward_only=False)
+
+        def aux_fn(rows: list[int], stats: moe.RouterStats) -> torch.Tensor:
+            term, metric = self._moe_aux_term(stats, data)
+            pending[-1][2]["moe_aux_loss"] = metric
+            return term
 
         def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
             model_output = {"log_probs": _full_length(log_probs, layout, rows)}
@@ -318,6 +411,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             backward=self._backward,
             early_exit=self.reuse_config.early_exit,
             meter=self._meter,
+            routers=self._moe_routers() if aux_on else None,
+            aux_fn=aux_fn if aux_on else None,
         )
         for (rows, model_output, metrics), loss in zip(pending, losses):
             record(rows, model_output, loss.item(), metrics)
@@ -398,6 +493,19 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 self._backward(logits.sum() * 0.0)
 
 
+def _dense_token_mask(data: TensorDict, router_rows: int) -> torch.Tensor:
+    """Which rows of a dense forward's router logits are real tokens, in verl's two input layouts:
+    packed (remove-padding; trailing pad only) or right-padded ``[B, longest]``."""
+    lengths = data["input_ids"].offsets().diff()
+    positions = torch.arange(router_rows, device=lengths.device)
+    if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True):
+        return positions < lengths.sum()
+    width = int(lengths.max())
+    if router_rows != len(lengths) * width:
+        raise RuntimeError(f"router logits have {router_rows} rows, the padded batch {len(lengths)} x {width}")
+    return (torch.arange(width, device=lengths.device)[None] < lengths[:, None]).reshape(-1)
+
+
 def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
     raise AssertionError("a filler group has no real micro-batches")
 
@@ -417,6 +525,11 @@ def _static_bsz(data: TensorDict) -> TensorDict:
     return view
 
 
+def _as_micro_batch_lists(metrics: dict[str, Any]) -> dict[str, Any]:
+    """verl's worker chains per-micro-batch lists across mini-batches: plain numbers become one-item lists."""
+    return {k: [v] if isinstance(v, int | float) else v for k, v in metrics.items()}
+
+
 def _fallback_metrics(dense_rows: dict[str, list[int]] | dict[str, int], groups: int) -> dict[str, float]:
     metrics = {"prefix/groups": float(groups)}
     for reason, rows in dense_rows.items():
@@ -424,13 +537,14 @@ def _fallback_metrics(dense_rows: dict[str, list[int]] | dict[str, int], groups:
     return metrics
 
 
-def token_counts(layout: RowLayout, plan: BatchPlan) -> tuple[int, int]:
-    """(logical, physical): what dense would compute, and what the schedule computed."""
+def token_counts(layout: RowLayout, plan: BatchPlan, routed_last_token: bool = False) -> tuple[int, int]:
+    """(logical, physical): what dense would compute, and what the schedule computed. With the MoE aux
+    loss on, suffix rows also feed their last response token (``routed_last_token``)."""
     logical = physical = 0
     for group in plan.groups:
         suffix = sum(layout.response_lens[i] for i in group.rows)
         logical += len(group.rows) * group.prompt_len + suffix
-        physical += group.prefix_len + suffix
+        physical += group.prefix_len + suffix + (len(group.rows) if routed_last_token else 0)
     for i in plan.all_dense_rows:
         logical += layout.prompt_lens[i] + layout.response_lens[i]
         physical += layout.prompt_lens[i] + layout.response_lens[i]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -224,11 +225,37 @@ def _register_cpu_engines() -> None:
             EngineRegistry.register(model_type=model_type, backend=backend, device=PLATFORM_NAME)(engine_cls)
 
 
+def _patch_process_group_backend() -> None:
+    """Make verl's Ray workers start a plain gloo process group on CPU.
+
+    ``initialize_global_process_group_ray`` defaults to ``f"cpu:gloo,{device}:{comm}"``, which on this
+    platform is ``"cpu:gloo,cpu:gloo"``; torch rejects it ("Duplicate device type cpu in backend string").
+    The wrapper only fills in the default: an explicit ``backend`` is passed through unchanged.
+    """
+    import verl.utils.distributed as dist_utils
+
+    original = dist_utils.initialize_global_process_group_ray
+    if getattr(original, "_verl_prefix_cpu", False):
+        return
+
+    def initialize_global_process_group_ray(timeout_second: Any = None, backend: str | None = None) -> Any:
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray._verl_prefix_cpu = True  # type: ignore[attr-defined]
+    dist_utils.initialize_global_process_group_ray = initialize_global_process_group_ray
+    # Modules that already imported the function by name keep their own reference.
+    for name in ("verl.workers.engine_workers", "verl.checkpoint_engine.base"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "initialize_global_process_group_ray", None) is original:
+            module.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
 def ensure_cpu_platform() -> None:
     """Make verl in this process run on CPU; idempotent.
 
     Sets ``VERL_PLATFORM=cpu`` (refusing a conflicting value), replaces an already-resolved
-    non-CPU platform singleton, and registers the FSDP engines for device "cpu".
+    non-CPU platform singleton, registers the FSDP engines for device "cpu", and makes verl's Ray
+    workers initialise a gloo process group.
     """
     current = os.environ.get("VERL_PLATFORM", "").strip().lower()
     if current and current != PLATFORM_NAME:
@@ -238,3 +265,4 @@ def ensure_cpu_platform() -> None:
         logger.warning("verl platform was resolved before VERL_PLATFORM=cpu took effect; replacing it")
         set_platform(PlatformCPU())
     _register_cpu_engines()
+    _patch_process_group_backend()

@@ -12,12 +12,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
+
+if TYPE_CHECKING:
+    from verl_prefix.moe import RouterStats
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
 # flash-attention kernels are served by the sdpa wrapper: it needs an explicit prefix+causal mask,
@@ -55,12 +59,17 @@ def _as_eager_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class PrefixKV:
-    """Per-layer prefix K/V, ``[1, kv_heads, P-1, head_dim]`` each, as attention sees them (post-RoPE)."""
+    """Per-layer prefix K/V, ``[1, kv_heads, P-1, head_dim]`` each, as attention sees them (post-RoPE).
+
+    With the MoE router aux loss on, ``router_stats`` holds the prefix's router statistics; its
+    probability sum is one more boundary tensor next to the K/V (``verl_prefix.moe``).
+    """
 
     def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        # the attention module whose forward phase A cut short (early exit), if any
+        self.router_stats: RouterStats | None = None
+        # the module whose forward phase A cut short (early exit), if any
         self.interrupted: nn.Module | None = None
 
     @property
@@ -68,13 +77,19 @@ class PrefixKV:
         return all(k is not None for k in self.keys) and all(v is not None for v in self.values)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in zip(self.keys, self.values) for t in pair]
+        """Every boundary tensor: per-layer K and V, then the router probability sum if any."""
+        out = [t for pair in zip(self.keys, self.values) for t in pair]
+        if self.router_stats is not None:
+            out.append(self.router_stats.prob_sum)
+        return out
 
     def as_leaves(self, requires_grad: bool) -> PrefixKV:
-        """Detached copies that collect dK/dV from every suffix micro-batch of the group."""
+        """Detached copies that collect dK/dV (and d(aux)/d(prob sums)) from every suffix micro-batch."""
         leaves = PrefixKV(len(self.keys))
         leaves.keys = [k.detach().requires_grad_(requires_grad) for k in self.keys]
         leaves.values = [v.detach().requires_grad_(requires_grad) for v in self.values]
+        if self.router_stats is not None:
+            leaves.router_stats = self.router_stats.detached_leaf(requires_grad)
         return leaves
 
     @property
@@ -85,10 +100,12 @@ class PrefixKV:
 class CaptureContext:
     """Phase A: record each layer's K/V while the prefix runs causally over itself."""
 
-    def __init__(self, num_layers: int, early_exit: bool) -> None:
+    def __init__(self, num_layers: int, early_exit: bool, ready: Callable[[], bool] = lambda: True) -> None:
         self.kv = PrefixKV(num_layers)
         self.last_layer = num_layers - 1
         self.early_exit = early_exit
+        # early exit at the last K/V only once nothing else phase A needs is still to come (MoE routers)
+        self.ready = ready
 
     def attend(
         self,
@@ -100,10 +117,12 @@ class CaptureContext:
         **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = module.layer_idx
-        # A checkpointed layer re-runs in backward; the first capture is the one the graph holds.
-        if self.kv.keys[layer] is None:
+        # A checkpointed layer re-runs in backward; the first capture is the one the graph holds, and
+        # only the first pass decides the early exit (a recompute must replay what the forward did).
+        first = self.kv.keys[layer] is None
+        if first:
             self.kv.keys[layer], self.kv.values[layer] = key, value
-        if self.early_exit and layer == self.last_layer:
+        if first and self.early_exit and layer == self.last_layer and self.ready():
             self.kv.interrupted = module
             raise PrefixCaptured
         mask = None  # sdpa: a single unpadded row takes the causal fast path

@@ -7,6 +7,11 @@ A: the prefix ``prompt[:-1]`` runs once with grad, its per-layer K/V captured (e
 
 The model is any HF causal LM (or an FSDP2 wrapper of one) called through its root ``forward``, so
 wrappers see ordinary forward/backward hooks. Loss, normalisation and outputs are the caller's.
+
+With an MoE router aux loss (``routers`` + ``aux_fn``), phase A also keeps the prefix's router
+statistics (their probability sum is one more boundary leaf), each suffix row also feeds its last
+response token (dense routes it too), and each micro-batch's aux sees the prefix once per row
+(``verl_prefix.moe``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
+from verl_prefix import moe
 from verl_prefix.grouping import GroupPlan, RowLayout
 from verl_prefix.prefix_kv import CaptureContext, PrefixCaptured, PrefixKV, ServeContext, prefix_attention_mode
 from verl_prefix.telemetry import NullMeter, PhaseMeter
@@ -26,6 +32,8 @@ from verl_prefix.telemetry import NullMeter, PhaseMeter
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
 # log-probs of rows[k] (length = its response), entropy likewise or None.
 LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], torch.Tensor]
+# aux_fn(rows, stats) -> the scaled router aux term of a micro-batch; stats count the prefix per row.
+AuxFn = Callable[[list[int], moe.RouterStats], torch.Tensor]
 
 
 @dataclass
@@ -36,8 +44,9 @@ class SuffixBatch:
     input_ids: torch.Tensor  # [B, S_max]: prompt[-1] + response[:-1]
     position_ids: torch.Tensor  # [B, S_max]
     labels: torch.Tensor  # [B, S_max]: the response tokens each position predicts
-    valid: torch.Tensor  # [B, S_max] bool
+    valid: torch.Tensor  # [B, S_max] bool: positions that predict a response token
     lengths: list[int]
+    tokens: torch.Tensor  # [B, S_max] bool: real (non-pad) tokens, what a router aux loss counts
 
 
 def suffix_positions(positions: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
@@ -45,21 +54,31 @@ def suffix_positions(positions: torch.Tensor, prompt_len: int, response_len: int
     return positions[..., prompt_len - 1 : prompt_len - 1 + response_len]
 
 
-def build_suffix_batch(layout: RowLayout, rows: list[int], prompt_len: int, device: torch.device) -> SuffixBatch:
+def build_suffix_batch(
+    layout: RowLayout, rows: list[int], prompt_len: int, device: torch.device, include_last: bool = False
+) -> SuffixBatch:
+    """Right-padded suffix rows. ``include_last`` also feeds each row's last response token, which
+    predicts nothing but which dense training routes through every MoE layer (router aux loss)."""
     lengths = [layout.response_lens[i] for i in rows]
-    width = max(lengths)
+    extra = 1 if include_last else 0
+    width = max(lengths) + extra
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     pos = torch.zeros(len(rows), width, dtype=torch.long)
     labels = torch.zeros(len(rows), width, dtype=torch.long)
     valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    real = torch.zeros(len(rows), width, dtype=torch.bool)
     for k, (i, s) in enumerate(zip(rows, lengths)):
         tokens = layout.input_ids[i]
-        ids[k, :s] = tokens[prompt_len - 1 : prompt_len - 1 + s]
+        n = s + extra
+        ids[k, :n] = tokens[prompt_len - 1 : prompt_len - 1 + n]
         labels[k, :s] = tokens[prompt_len : prompt_len + s]
-        pos[k, :s] = suffix_positions(layout.position_ids[i], prompt_len, s)
-        pos[k, s:] = pos[k, s - 1] + torch.arange(1, width - s + 1)
+        pos[k, :n] = suffix_positions(layout.position_ids[i], prompt_len, n)
+        pos[k, n:] = pos[k, n - 1] + torch.arange(1, width - n + 1)
         valid[k, :s] = True
-    return SuffixBatch(rows, ids.to(device), pos.to(device), labels.to(device), valid.to(device), lengths)
+        real[k, :n] = True
+    return SuffixBatch(
+        rows, ids.to(device), pos.to(device), labels.to(device), valid.to(device), lengths, real.to(device)
+    )
 
 
 def num_decoder_layers(model: nn.Module) -> int:
@@ -69,22 +88,42 @@ def num_decoder_layers(model: nn.Module) -> int:
 
 
 def prefix_forward(
-    model: nn.Module, prefix_ids: torch.Tensor, prefix_positions: torch.Tensor, early_exit: bool = True
+    model: nn.Module,
+    prefix_ids: torch.Tensor,
+    prefix_positions: torch.Tensor,
+    early_exit: bool = True,
+    routers: moe.MoeRouters | None = None,
 ) -> PrefixKV:
-    """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V."""
-    ctx = CaptureContext(num_decoder_layers(model), early_exit=early_exit)
-    try:
-        model(
-            input_ids=prefix_ids[None],
-            position_ids=prefix_positions[None],
-            use_cache=False,
-            logits_to_keep=1,
-            prefix_ctx=ctx,
+    """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
+    ``routers``, the prefix's router statistics). Early exit comes after the last K/V or the last
+    router, whichever runs later."""
+
+    def routers_done(module: nn.Module) -> None:
+        if ctx.early_exit and ctx.kv.complete:
+            ctx.kv.interrupted = module
+            raise PrefixCaptured
+
+    capture = routers.capture(on_complete=routers_done) if routers is not None else nullcontext([])
+    with capture as router_logits:
+        ctx = CaptureContext(
+            num_decoder_layers(model),
+            early_exit=early_exit,
+            ready=lambda: all(lg is not None for lg in router_logits),
         )
-    except PrefixCaptured:
-        pass
+        try:
+            model(
+                input_ids=prefix_ids[None],
+                position_ids=prefix_positions[None],
+                use_cache=False,
+                logits_to_keep=1,
+                prefix_ctx=ctx,
+            )
+        except PrefixCaptured:
+            pass
     if not ctx.kv.complete:
         raise RuntimeError("phase A did not capture K/V for every layer; is the model a supported decoder?")
+    if routers is not None:
+        ctx.kv.router_stats = routers.stats(router_logits)
     return ctx.kv
 
 
@@ -159,24 +198,36 @@ def train_group(
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     early_exit: bool = True,
     meter: PhaseMeter | None = None,
+    routers: moe.MoeRouters | None = None,
+    aux_fn: AuxFn | None = None,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
     ``temperature`` holds one value per mini-batch row. ``backward`` lets a caller scale the loss.
+    With ``routers`` and ``aux_fn``, each micro-batch's loss gains ``aux_fn(rows, stats)`` where
+    ``stats`` count the prefix once per row of the micro-batch (``moe.logical_stats``).
     """
+    if (routers is None) != (aux_fn is None):
+        raise ValueError("routers and aux_fn go together")
     meter = meter or NullMeter()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     losses = []
     with prefix_attention_mode(model):
         with meter.phase("A"), autocast():
-            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit)
+            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
         leaves = prefix.as_leaves(requires_grad=True)
         for rows in group.micro_batches:
-            batch = build_suffix_batch(layout, rows, group.prompt_len, device)
+            batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
             with meter.phase("B"):
                 with autocast():
-                    log_probs, entropy = suffix_forward(model, leaves, batch, temperature[rows], calculate_entropy)
+                    capture = routers.capture() if routers is not None else nullcontext([])
+                    with capture as router_logits:
+                        log_probs, entropy = suffix_forward(model, leaves, batch, temperature[rows], calculate_entropy)
                     loss = loss_fn(rows, log_probs, entropy)
+                    if routers is not None:
+                        suffix_stats = routers.stats(router_logits, batch.tokens)
+                        stats = moe.logical_stats(leaves.router_stats, suffix_stats, copies=len(rows))
+                        loss = loss + aux_fn(rows, stats)
                 backward(loss)
             losses.append(loss.detach())
         for _ in range(group.filler_micro_batches):

@@ -44,11 +44,14 @@ def write_tiny_model(
     num_experts: int = 4,
     num_experts_per_tok: int = 2,
     seed: int = 0,
+    experts_implementation: str | None = None,
 ) -> Path:
     """Write a random-init HF causal LM plus a local tokenizer, loadable with no network.
 
     A large-ish ``initializer_range`` keeps next-token distributions away from uniform so that
     log-prob and gradient comparisons are not trivially satisfied. Dropout is always 0.
+    ``experts_implementation`` (MoE only) is written into ``config.json``: transformers defaults to
+    ``grouped_mm``, which has no fp64 kernel; ``"eager"`` loads everywhere.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -103,6 +106,11 @@ def write_tiny_model(
     # verl reads "architectures" from config.json; make sure it is there.
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("architectures"), f"config.json for {family} has no architectures"
+    if experts_implementation is not None:
+        if family != "qwen3_moe":
+            raise ValueError("experts_implementation applies to mixture-of-experts families only")
+        cfg["experts_implementation"] = experts_implementation
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
