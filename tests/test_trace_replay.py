@@ -12,6 +12,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from verl_prefix import cli
+from verl_prefix import replay as RP
 from verl_prefix import testing as T
 from verl_prefix import trace as TR
 
@@ -210,7 +211,7 @@ def replay_result(tmp_path_factory, tiny_model):
         model_ref=str(model),
     )
     out = root / "replay.json"
-    result = TR.replay(root / "trace", steps=2, reps=1, out_json=out)
+    result = RP.replay(root / "trace", steps=2, reps=1, out_json=out)
     return result, out
 
 
@@ -234,7 +235,7 @@ def test_replay_rows(replay_result):
         assert {"A", "B", "C", "optimizer"} <= row["prefix_time_s"].keys()
         assert row["grad_norm_dense"] == pytest.approx(row["grad_norm_prefix"], rel=1e-4)
     assert result["summary"]["steps"] == 2
-    table = TR.replay_table(result)
+    table = RP.replay_table(result)
     assert table.count("\n") == 3
 
 

@@ -239,7 +239,7 @@ def measure_update_memory(engine: Any, *, count_saved: bool = True) -> Iterator[
     at once (the prefix engine's counterpart is ``prefix/max_saved_for_backward_held_mib``). On CUDA/NPU,
     ``peak_device_mib`` is the allocator's peak over the block, reset at its start (verl never resets it);
     the prefix engine resets it per phase itself, so for it combine this with its per-phase peaks
-    (``trace.prefix_memory_by_phase``). The dict is filled when the block exits.
+    (``replay.prefix_memory_by_phase``). The dict is filled when the block exits.
     """
     stats: dict[str, float] = {}
     module = None

@@ -219,7 +219,7 @@ def _device_bars(dense: dict[str, Any], prefix: dict[str, Any]) -> dict[str, flo
 
 
 def _bench_memory(cell: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from verl_prefix.trace import prefix_memory_by_phase
+    from verl_prefix.replay import prefix_memory_by_phase
 
     memory = cell.get("memory") or {}
     prefix = prefix_memory_by_phase(cell.get("prefix_metrics") or {}, memory.get("prefix", {}).get("peak_device_mib"))
