@@ -72,6 +72,14 @@ def test_dropout_runs_dense_and_is_counted(tiny_model):
     assert T.reduce_step_metrics(T.run_infer(engine, grpo_batch())["metrics"])["prefix/groups"] == 2.0
 
 
+def test_reentrant_checkpointing_runs_dense_and_is_counted(tiny_model):
+    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    result = T.run_train_step(engine, loss_fn, grpo_batch())
+    assert result["reduced_metrics"]["prefix/fallback_reentrant_checkpointing"] == 8.0
+
+
 def test_forward_only_reuse_switch(tiny_model):
     engine, _, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, forward_only_reuse=False)
@@ -182,6 +190,9 @@ def test_micro_batch_planning_respects_rows_and_token_budget():
     assert plan_suffix_micro_batches([0, 1, 2, 3, 4], lens, max_rows=2, max_tokens=None) == [[2, 4], [0, 3], [1]]
     # 2 rows x longest 9 = 18 > 16: the budget counts padded tokens
     assert plan_suffix_micro_batches([0, 1, 2, 3, 4], lens, max_rows=None, max_tokens=16) == [[2], [4, 0], [3, 1]]
+    # rows that also feed their last token are one longer: 2 x (9 + 1) = 20 > 18 splits [2, 4]
+    assert plan_suffix_micro_batches([0, 1, 2, 3, 4], lens, None, 18)[0] == [2, 4]
+    assert plan_suffix_micro_batches([0, 1, 2, 3, 4], lens, None, 18, extra_tokens_per_row=1) == [[2], [4, 0], [3, 1]]
     with pytest.raises(ValueError, match=">= 1"):
         plan_suffix_micro_batches([0], [1], max_rows=0, max_tokens=None)
 

@@ -113,7 +113,7 @@ def reuse_run(model, layout: RowLayout, weights, rows_per_micro: int, total_toke
     model.zero_grad()
     routers = moe.MoeRouters(model)
     auxes: list[torch.Tensor] = []
-    calls: list[list[torch.Tensor]] = []
+    calls: list[torch.Tensor] = []
 
     def loss_fn(rows, log_probs, entropy):
         return sum((lp * weights[i]).sum() for i, lp in zip(rows, log_probs))
@@ -363,10 +363,10 @@ def test_knob_off_matches_stock_fsdp2(tiny_model):
     assert prefix.moe_aux_loss_coef == 0.0
     want, got = step(stock, s_loss, batch), step(prefix, p_loss, batch)
     assert worst_relative(got["grads"], want["grads"]) < 1e-5
-    assert got["metrics"]["prefix/groups"] == 3.0 and "moe_aux_loss" not in got["metrics"]
+    assert got["reduced_metrics"]["prefix/groups"] == 3.0 and "moe_aux_loss" not in got["metrics"]
     # router jitter samples per forward: reuse would share one prefix sample, so it runs dense
     prefix.module.config.router_jitter_noise = 0.1
-    assert step(prefix, p_loss, batch)["metrics"]["prefix/fallback_router_jitter"] == 12.0
+    assert step(prefix, p_loss, batch)["reduced_metrics"]["prefix/fallback_router_jitter"] == 12.0
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -384,8 +384,11 @@ def test_knob_on_dense_path_equals_reuse_path(tiny_model, dtype):
         engine.moe_aux_loss_coef = COEF
         engines.append(step(engine, loss_fn, batch))
     dense, reuse = engines
-    assert dense["metrics"]["prefix/fallback_disabled"] == 12.0
-    assert reuse["metrics"]["prefix/groups"] == 2.0 and reuse["metrics"]["prefix/fallback_short_prefix"] == 4.0
+    assert dense["reduced_metrics"]["prefix/fallback_disabled"] == 12.0
+    assert (
+        reuse["reduced_metrics"]["prefix/groups"] == 2.0
+        and reuse["reduced_metrics"]["prefix/fallback_short_prefix"] == 4.0
+    )
     tol = 1e-10 if dtype == "float64" else 1e-5
     assert worst_relative(reuse["grads"], dense["grads"]) < tol
     d, r = dense["reduced_metrics"], reuse["reduced_metrics"]
@@ -431,10 +434,16 @@ def test_invalid_knob_is_an_error(tiny_model):
     with pytest.raises(ValueError, match="moe_aux_loss_coef must be a number"):
         PrefixFSDPEngineConfig(moe_aux_loss_coef="lots")
     assert PrefixFSDPEngineConfig(moe_aux_loss_coef=0.001).moe_aux_loss_coef == 0.001
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    # the YAML route reaches the engine; a dense model with the knob on is an error naming its class
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    engine, loss_fn, _ = T.build_verl_engine(
+        tiny_model("qwen3"),
+        backend="prefix_fsdp2",
+        overrides=[f"{fsdp}._target_=verl_prefix.config.PrefixFSDPEngineConfig", f"+{fsdp}.moe_aux_loss_coef=0.01"],
+    )
+    assert engine.moe_aux_loss_coef == 0.01
     with pytest.raises(ValueError, match="finite number >= 0"):
         engine.moe_aux_loss_coef = float("nan")
-    engine.moe_aux_loss_coef = 0.01
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: it is not a mixture-of-experts model"):
         T.run_train_step(engine, loss_fn, engine_batch(prompt_lens=(9,)))
 
@@ -472,7 +481,7 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, results) -> None:
         results[rank] = {
             "worst": worst_relative(out["reuse"]["grads"], out["dense"]["grads"]),
             "aux": [out[k]["metrics"]["moe_aux_loss"].values for k in ("dense", "reuse")],
-            "metrics": out["reuse"]["metrics"],
+            "metrics": out["reuse"]["reduced_metrics"],
         }
         dist.destroy_process_group()
     except BaseException:  # report to the parent instead of hanging it

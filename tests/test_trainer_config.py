@@ -53,9 +53,11 @@ def test_knobs_reach_the_engine_through_the_actor_config(tiny_qwen3_dir):
         overrides=[
             f"{ACTOR}._target_=verl_prefix.PrefixFSDPActorConfig",
             f"+{ACTOR}.prefix_reuse.suffix_token_budget=512",
+            f"+{ACTOR}.moe_aux_loss_coef=0.01",
         ],
     )
     assert engine.reuse_config.suffix_token_budget == 512
+    assert engine.moe_aux_loss_coef == 0.01
 
 
 @pytest.mark.parametrize(
@@ -67,6 +69,7 @@ def test_knobs_reach_the_engine_through_the_actor_config(tiny_qwen3_dir):
         (f"+{ACTOR}.prefix_reuse.suffix_token_budget=0", "suffix_token_budget must be >= 1 or null"),
         (f"+{ACTOR}.dormant_prefix=offload", "dormant_prefix='offload' is not supported"),
         (f"+{ACTOR}.prefix_reuse.no_such_knob=1", "no_such_knob"),
+        (f"+{ACTOR}.moe_aux_loss_coef=-1", "moe_aux_loss_coef must be a finite number >= 0"),
     ],
 )
 def test_invalid_knobs_fail_with_the_message_a_user_needs(tiny_qwen3_dir, override, message):

@@ -52,7 +52,7 @@ def _rank_batch(rank: int):
     return tu.concat_tensordict([group, singles])
 
 
-def _worker(rank: int, port: int, model_dir: str, results) -> None:
+def _worker(rank: int, port: int, model_dir: str, results, mixed_fallback: bool) -> None:
     try:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
@@ -73,6 +73,10 @@ def _worker(rank: int, port: int, model_dir: str, results) -> None:
         from verl_prefix import testing as T
 
         batch = _rank_batch(rank)
+        if mixed_fallback and rank == 1:  # only this rank's batch asks for something reuse does not cover
+            from verl.utils import tensordict_utils as tu
+
+            tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
         kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
         dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
         prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
@@ -90,13 +94,14 @@ def _worker(rank: int, port: int, model_dir: str, results) -> None:
         results[rank] = {"error": traceback.format_exc()}
 
 
-def test_two_ranks_with_different_group_structure(tiny_model):
+@pytest.mark.parametrize("mixed_fallback", [False, True], ids=["reuse", "one-rank-falls-back"])
+def test_two_ranks_with_different_group_structure(tiny_model, mixed_fallback):
     model_dir = str(tiny_model("qwen3"))
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, model_dir, results)) for r in range(2)]
+        procs = [ctx.Process(target=_worker, args=(r, port, model_dir, results, mixed_fallback)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
@@ -110,8 +115,12 @@ def test_two_ranks_with_different_group_structure(tiny_model):
         assert "error" not in results[rank], results[rank]["error"]
         assert results[rank]["worst"] < 1e-10
         assert results[rank]["infer"] < 1e-10
-    assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
-    assert results[0]["metrics"]["prefix/groups"] == 2.0
+    if mixed_fallback:  # both ranks ran dense, each saying why
+        assert results[1]["metrics"]["prefix/fallback_sum_pi_squared"] == 8.0
+        assert results[0]["metrics"]["prefix/fallback_peer_fallback"] == 8.0
+    else:
+        assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
+        assert results[0]["metrics"]["prefix/groups"] == 2.0
 
 
 pytestmark = pytest.mark.timeout(600)

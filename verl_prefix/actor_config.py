@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from verl.workers.config import FSDPActorConfig
 
-from verl_prefix.config import PREFIX_BACKEND, PrefixReuseConfig
+from verl_prefix.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
 
 DORMANT_PREFIX_POLICIES = ("keep",)
 
@@ -23,11 +23,14 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
         prefix_reuse: the reuse knobs; a dict from YAML is converted and validated.
         dormant_prefix: what happens to a group's prefix K/V and graph between phases; ``keep``
             holds them on the device (offload and recompute policies are planned).
+        moe_aux_loss_coef: coefficient of the MoE router load-balancing loss, in dense and reuse mode
+            alike (verl's FSDP engine adds none); 0 keeps the backend a drop-in for the stock engine.
     """
 
     strategy: str = PREFIX_BACKEND
     prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
     dormant_prefix: str = "keep"
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.prefix_reuse, dict):
@@ -44,5 +47,7 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
                 f"PrefixFSDPActorConfig needs actor.strategy={PREFIX_BACKEND}, got {self.strategy!r}: "
                 "the reuse knobs would be silently ignored by another engine"
             )
+        object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))
         super().__post_init__()
         object.__setattr__(self.engine, "prefix_reuse", self.prefix_reuse)
+        object.__setattr__(self.engine, "moe_aux_loss_coef", self.moe_aux_loss_coef)

@@ -193,6 +193,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return "sliding_window"
         if not forward_only and self._has_active_dropout():
             return "dropout"
+        if not forward_only and self._uses_reentrant_checkpointing():
+            return "reentrant_checkpointing"
         if not forward_only:
             # a per-forward random router sample or an in-gate aux loss would see the prefix once per group
             return moe.stochastic_routing_reason(self.module) or moe.in_model_aux_reason(self.module)
@@ -209,6 +211,28 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if isinstance(p, float) and p > 0:
                 return True
         return False
+
+    def _uses_reentrant_checkpointing(self) -> bool:
+        """Reentrant checkpointing re-runs a layer without the forward kwargs that carry the prefix
+        context, which breaks phase A (trap 8); verl itself enables the non-reentrant kind."""
+        if not self.module.training:
+            return False
+        for module in self.module.modules():
+            checkpoint_fn = getattr(module, "_gradient_checkpointing_func", None)
+            if getattr(module, "gradient_checkpointing", False) and checkpoint_fn is not None:
+                if (getattr(checkpoint_fn, "keywords", None) or {}).get("use_reentrant", True):
+                    return True
+        return False
+
+    def _agree_on_fallback(self, reason: str | None) -> str | None:
+        """Every data-parallel rank takes the same path, or their FSDP collectives would not match:
+        when any rank must run dense, all do, and the others count it as ``peer_fallback``."""
+        group = self.get_data_parallel_group()
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return reason
+        flag = torch.tensor([0 if reason is None else 1], device=get_device_id())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return reason if reason is not None or int(flag.item()) == 0 else "peer_fallback"
 
     def _batch_fallback_reason(self, data: TensorDict) -> str | None:
         flags = {
@@ -233,7 +257,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
         if self._moe_aux_on(forward_only) and loss_function is not None:
             self._attach_moe_normalisation(data)
-        reason = self._model_fallback_reason(forward_only) or self._batch_fallback_reason(data)
+        reason = self._agree_on_fallback(self._model_fallback_reason(forward_only) or self._batch_fallback_reason(data))
         if reason is not None:
             meter = PhaseMeter(self._device())
             with meter.phase("dense"):
@@ -266,6 +290,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             max_tokens=max_tokens,
             min_prefix_len=self.reuse_config.min_prefix_len,
             min_group_size=self.reuse_config.min_group_size,
+            extra_tokens_per_row=1 if self._moe_aux_on(forward_only) else 0,  # the routed last token
         )
 
     def _autocast(self) -> Callable[[], AbstractContextManager]:
@@ -480,6 +505,10 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             autocast=self._autocast(),
             backward=self._backward,
             early_exit=self.reuse_config.early_exit,
+            # with the aux on, real groups' phase A runs to the last router and phase C seeds the router
+            # leaf: the filler must touch the same parameters, or FSDP2's reduce-scatters differ in size
+            routers=self._moe_routers() if self._moe_aux_on(forward_only=False) else None,
+            aux_fn=_no_loss if self._moe_aux_on(forward_only=False) else None,
         )
 
     def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:

@@ -109,12 +109,17 @@ def validate_batch(
 
 
 def plan_suffix_micro_batches(
-    rows: list[int], response_lens: list[int], max_rows: int | None, max_tokens: int | None
+    rows: list[int],
+    response_lens: list[int],
+    max_rows: int | None,
+    max_tokens: int | None,
+    extra_tokens_per_row: int = 0,
 ) -> list[list[int]]:
     """Split a group's suffix rows into micro-batches, longest first so padding stays small.
 
     A micro-batch holds at most ``max_rows`` rows and at most ``max_tokens`` padded suffix tokens
-    (rows x longest suffix). A single row over the token budget still forms its own micro-batch.
+    (rows x (longest suffix + ``extra_tokens_per_row``): a suffix row is one token longer when it also
+    feeds its last response token). A single row over the token budget still forms its own micro-batch.
     """
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"suffix micro-batch size must be >= 1, got {max_rows}")
@@ -124,7 +129,7 @@ def plan_suffix_micro_batches(
     batches: list[list[int]] = []
     current: list[int] = []
     for i in ordered:
-        longest = max([response_lens[j] for j in current] + [response_lens[i]])
+        longest = max([response_lens[j] for j in current] + [response_lens[i]]) + extra_tokens_per_row
         too_many = max_rows is not None and len(current) + 1 > max_rows
         too_long = max_tokens is not None and (len(current) + 1) * longest > max_tokens
         if current and (too_many or too_long):
@@ -137,7 +142,13 @@ def plan_suffix_micro_batches(
 
 
 def plan_batch(
-    layout: RowLayout, *, max_rows: int | None, max_tokens: int | None, min_prefix_len: int, min_group_size: int
+    layout: RowLayout,
+    *,
+    max_rows: int | None,
+    max_tokens: int | None,
+    min_prefix_len: int,
+    min_group_size: int,
+    extra_tokens_per_row: int = 0,
 ) -> BatchPlan:
     """Decide per uid group whether it reuses its prefix, and plan its suffix micro-batches."""
     groups: list[GroupPlan] = []
@@ -151,6 +162,8 @@ def plan_batch(
             dense.setdefault("small_group", []).extend(rows)
             continue
         plan = GroupPlan(uid=uid, rows=rows, prompt_len=prompt_len)
-        plan.micro_batches = plan_suffix_micro_batches(rows, layout.response_lens, max_rows, max_tokens)
+        plan.micro_batches = plan_suffix_micro_batches(
+            rows, layout.response_lens, max_rows, max_tokens, extra_tokens_per_row
+        )
         groups.append(plan)
     return BatchPlan(groups=groups, dense_rows=dense)

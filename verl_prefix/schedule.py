@@ -171,9 +171,12 @@ def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None 
         _unshard_interrupted(model, prefix.interrupted)
     roots, grads = [], []
     for root, leaf in zip(prefix.tensors(), leaves.tensors()):
-        if leaf.grad is not None:
-            roots.append(root)
-            grads.append(leaf.grad)
+        if not root.requires_grad:
+            continue
+        roots.append(root)
+        # Zeros where no suffix reached a leaf (e.g. the router leaf of a lockstep filler group): every
+        # rank then gives (zero) grads to the same parameters, and FSDP2 reduce-scatters exactly those.
+        grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(root))
     if roots:
         torch.autograd.backward(roots, grad_tensors=grads)
 
