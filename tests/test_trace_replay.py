@@ -194,6 +194,27 @@ def test_recording_a_live_engine(tmp_path, tiny_model):
     assert_same_tensordict(received[0], trace.batch(0))  # exactly what the engine received
 
 
+def test_record_trace_dir_option_records_from_a_yaml_config(tmp_path, tiny_model):
+    """The config route a real run uses: every update_actor batch lands in the trace, then replays."""
+    model = tiny_model("qwen3", **TINY)
+    actor = "actor_rollout_ref.actor"
+    engine, loss_fn, _ = T.build_verl_engine(
+        model,
+        backend="prefix_fsdp2",
+        micro_batch_size_per_gpu=2,
+        overrides=[f"{actor}._target_=verl_prefix.PrefixFSDPActorConfig", f"+{actor}.record_trace_dir={tmp_path}/run"],
+    )
+    batch = T.make_grpo_batch(num_groups=2, group_size=3, prompt_lens=12, response_len_range=(2, 5), vocab_size=64)
+    for _ in range(2):
+        T.run_train_step(engine, loss_fn, batch)
+    trace = TR.load_trace(tmp_path / "run")
+    assert len(trace) == 2 and trace.model_ref == str(model)
+    assert trace.steps[0].config["backend"] == "fsdp2"  # what verl's FSDP code sees; replay picks both engines
+    recorded = trace.batch(1)  # the worker's defaults are added on top of the trainer's batch
+    assert set(batch.keys()) <= set(recorded.keys())
+    assert_same_tensordict(batch, recorded.select(*batch.keys()))
+
+
 @pytest.fixture(scope="module")
 def replay_result(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("replay")

@@ -25,12 +25,14 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
             holds them on the device (offload and recompute policies are planned).
         moe_aux_loss_coef: coefficient of the MoE router load-balancing loss, in dense and reuse mode
             alike (verl's FSDP engine adds none); 0 keeps the backend a drop-in for the stock engine.
+        record_trace_dir: record every actor-update batch there for ``verl-prefix replay``.
     """
 
     strategy: str = PREFIX_BACKEND
     prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
     dormant_prefix: str = "keep"
     moe_aux_loss_coef: float = 0.0
+    record_trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prefix_reuse, dict):
@@ -51,3 +53,4 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
         super().__post_init__()
         object.__setattr__(self.engine, "prefix_reuse", self.prefix_reuse)
         object.__setattr__(self.engine, "moe_aux_loss_coef", self.moe_aux_loss_coef)
+        object.__setattr__(self.engine, "record_trace_dir", self.record_trace_dir)

@@ -74,11 +74,14 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
         moe_aux_loss_coef: coefficient of HF's MoE router load-balancing loss, added to verl's loss in
             dense and reuse mode alike (verl 0.9.1's FSDP engine adds none). 0 (default) keeps the
             engine a drop-in for the stock one. The model config's ``router_aux_loss_coef`` is not read.
+        record_trace_dir: when set, every ``train_batch`` input is recorded there (``rank<r>``
+            subdirectories with several ranks) for ``verl-prefix replay``; see ``verl_prefix.trace``.
     """
 
     strategy: str = PREFIX_BACKEND
     prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
     moe_aux_loss_coef: float = 0.0
+    record_trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         requested = self.strategy

@@ -103,6 +103,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         super().__init__(model_config, engine_config, *args, **kwargs)
         self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
         self.moe_aux_loss_coef = getattr(engine_config, "moe_aux_loss_coef", 0.0)
+        self.record_trace_dir: str | None = getattr(engine_config, "record_trace_dir", None)
+        self._trace_writer: Any = None
         self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
 
     # -- MoE router aux loss ------------------------------------------------------------------------
@@ -383,9 +385,21 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return grad_norm
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
+        if self.record_trace_dir:
+            self._record(data, loss_function)
         outputs = super().train_batch(data, loss_function)
         outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
         return outputs
+
+    def _record(self, data: TensorDict, loss_function: Callable) -> None:
+        """Write this update's batch to the trace before anything changes it (``record_trace_dir``)."""
+        from verl_prefix.trace import TraceWriter, rank_trace_dir, record_train_batch
+
+        if self._trace_writer is None:
+            directory = rank_trace_dir(self.record_trace_dir)
+            resume = (directory / "manifest.json").exists()
+            self._trace_writer = TraceWriter(directory, model_ref=str(self.model_config.path), append=resume)
+        record_train_batch(self._trace_writer, self, data, loss_function)
 
     def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
         """Dense rows in micro-batches of verl's size; the loss is globally normalised, so the split is free."""

@@ -472,6 +472,33 @@ def engine_replay_config(engine: Any, loss_function: Callable | None = None) -> 
     return _json_safe({k: v for k, v in config.items() if v is not None})
 
 
+def rank_trace_dir(root: str | os.PathLike) -> Path:
+    """``root`` for a single process, ``root/rank<r>`` when several data-parallel ranks record at once."""
+    import torch.distributed as dist
+
+    root = Path(root)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        root = root / f"rank{dist.get_rank()}"
+    return root
+
+
+def record_train_batch(
+    writer: TraceWriter,
+    engine: Any,
+    data: TensorDict,
+    loss_function: Callable | None,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """Record one ``engine.train_batch`` input, before the engine changes it, with its replay config.
+
+    The step is the batch's ``global_steps`` when it carries one, else a running count.
+    """
+    cfg = config if config is not None else engine_replay_config(engine, loss_function)
+    step = data.get("global_steps", None)
+    step = getattr(step, "data", step)
+    return writer.record(data, step=int(step) if isinstance(step, (int, np.integer)) else None, config=cfg)
+
+
 @contextmanager
 def recording(
     engine: Any,
@@ -483,25 +510,17 @@ def recording(
     """Record every batch ``engine.train_batch`` receives while the block runs (this instance only).
 
     ``writer`` may be a directory: with several data-parallel ranks each rank then writes ``DIR/rank<r>``.
-    ``config`` defaults to ``engine_replay_config`` of the engine and the call's loss function; the step
-    is the batch's ``global_steps`` when it carries one, else a running count.
+    ``config`` defaults to ``engine_replay_config`` of the engine and the call's loss function. A run that
+    should record from its first step sets ``record_trace_dir`` on the engine config instead.
     """
-    import torch.distributed as dist
-
     if not isinstance(writer, TraceWriter):
-        root = Path(writer)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            root = root / f"rank{dist.get_rank()}"
-        writer = TraceWriter(root, model_ref=model_ref, config=config)
+        writer = TraceWriter(rank_trace_dir(writer), model_ref=model_ref, config=config)
     had_own = "train_batch" in vars(engine)
     original = engine.train_batch
 
     @functools.wraps(original)
     def train_batch(data: TensorDict, loss_function: Callable) -> Any:
-        cfg = config if config is not None else engine_replay_config(engine, loss_function)
-        step = data.get("global_steps", None)
-        step = getattr(step, "data", step)
-        writer.record(data, step=int(step) if isinstance(step, (int, np.integer)) else None, config=cfg)
+        record_train_batch(writer, engine, data, loss_function, config)
         return original(data, loss_function)
 
     engine.train_batch = train_batch
