@@ -54,6 +54,18 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int = 4096
+    family: str = "qwen3"
+    num_experts: int = 0  # > 0 with family "qwen3_moe": intermediate_size is each expert's
+    num_experts_per_tok: int = 0
+
+    def write(self, directory: Path) -> Path:
+        """A random-init model of this shape, with a local tokenizer."""
+        kwargs = dataclasses.asdict(self)
+        family = kwargs.pop("family")
+        if not self.num_experts:
+            kwargs.pop("num_experts")
+            kwargs.pop("num_experts_per_tok")
+        return T.write_tiny_model(directory, family, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -105,10 +117,26 @@ _BF16 = (
 )
 
 
+# A Qwen3-MoE-style model of the smoke model's size: 8 experts, top-2 (router aux loss off, so the stock
+# fsdp2 engine is the reference; tests/test_moe.py covers the aux loss).
+SMOKE_MOE_MODEL = ModelSpec(
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=192,
+    vocab_size=1024,
+    family="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+
+
 def _cpu_cells() -> tuple[Cell, ...]:
     pairs = [(2048, 128), (1024, 256), (512, 512), (256, 1024)]
     cells = [Cell(f"P{p}/S{s}/G8", MODEL_29M, 1, 8, p, (s, s)) for p, s in pairs]
     cells += [Cell(f"P1024/S256/G{g}", MODEL_29M, 1, g, 1024, (256, 256)) for g in (4, 16)]
+    cells += [Cell("MoE P1024/S256/G8", SMOKE_MOE_MODEL, 1, 8, 1024, (256, 256))]
     return tuple(cells)
 
 
@@ -118,6 +146,12 @@ PRESETS: dict[str, Preset] = {
         reps=5,
         threads=1,
         description="1M-param Qwen3-style model, fp32, one 2x8 GRPO mini-batch; about 25 s on 2 cores",
+    ),
+    "moe": Preset(
+        cells=(Cell("MoE P512/S32-64/G8", SMOKE_MOE_MODEL, 2, 8, 512, (32, 64)),),
+        reps=5,
+        threads=1,
+        description="Qwen3-MoE-style model (8 experts, top-2), fp32, one 2x8 GRPO mini-batch",
     ),
     "cpu": Preset(
         cells=_cpu_cells(),
@@ -488,9 +522,7 @@ def _run_cells(
     with bar, tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
         for cell in cells:
             if cell.model not in models:
-                models[cell.model] = T.write_tiny_model(
-                    Path(tmp) / f"model{len(models)}", "qwen3", **dataclasses.asdict(cell.model)
-                )
+                models[cell.model] = cell.model.write(Path(tmp) / f"model{len(models)}")
             bar.set_postfix_str(cell.name)
             result["cells"].append(measure_cell(cell, models[cell.model], reps=reps, log=log, tick=bar.update))
     result["wall_s"] = time.perf_counter() - started

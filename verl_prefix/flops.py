@@ -19,27 +19,46 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    # mixture of experts: layers routed through experts_per_token experts of expert_intermediate each
+    moe_layers: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @classmethod
     def from_config(cls, config: object) -> ModelShape:
         heads = config.num_attention_heads
+        layers = config.num_hidden_layers
+        experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+        moe_layers = 0
+        if experts:
+            step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+            dense_only = set(getattr(config, "mlp_only_layers", None) or [])
+            moe_layers = sum(1 for i in range(layers) if (i + 1) % step == 0 and i not in dense_only)
         return cls(
             hidden=config.hidden_size,
             intermediate=config.intermediate_size,
-            layers=config.num_hidden_layers,
+            layers=layers,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", heads),
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             vocab=config.vocab_size,
+            moe_layers=moe_layers,
+            experts=experts,
+            experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
+            expert_intermediate=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
         )
 
     @property
     def linear_per_token(self) -> float:
-        """Forward FLOPs of every decoder linear layer for one token (2 per multiply-add)."""
+        """Forward FLOPs of every decoder linear layer for one token (2 per multiply-add); an MoE layer
+        counts its router and the experts the token is routed to."""
         q_o = 2 * self.hidden * self.heads * self.head_dim
         k_v = 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return 2.0 * self.layers * (q_o + k_v + mlp)
+        dense_mlp = 3 * self.hidden * self.intermediate
+        moe_mlp = self.hidden * self.experts + 3 * self.hidden * self.expert_intermediate * self.experts_per_token
+        dense_layers = self.layers - self.moe_layers
+        return 2.0 * (self.layers * (q_o + k_v) + dense_layers * dense_mlp + self.moe_layers * moe_mlp)
 
     @property
     def attention_per_pair(self) -> float:
