@@ -203,3 +203,17 @@ def test_negative_controls_through_the_engine(tiny_model, monkeypatch, fault):
     FAULTS[fault](monkeypatch)
     grads, _, _, _ = compare_update(tiny_model("qwen3"), grpo_batch(), micro_batch_size_per_gpu=2)
     assert grads > 1e-3
+
+
+# verl's chunked entropy upcasts each chunk to fp32, so in an fp64 run its term carries fp32 rounding
+@pytest.mark.parametrize("knob, tol", [("entropy_from_logits_with_chunking", 1e-7), ("entropy_checkpointing", 1e-10)])
+def test_entropy_variants_follow_the_engine_config(tiny_model, knob, tol):
+    overrides = [f"actor_rollout_ref.actor.{knob}=true", "actor_rollout_ref.actor.entropy_from_logits_chunk_size=5"]
+    (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(
+        tiny_model("qwen3"), dtype="float64", micro_batch_size_per_gpu=2, entropy_coeff=0.01, overrides=overrides
+    )
+    assert getattr(p_engine.engine_config, knob)
+    with promote_fp32_upcasts():
+        dense = T.run_train_step(d_engine, d_loss, grpo_batch(), capture_grads=True)
+        prefix = T.run_train_step(p_engine, p_loss, grpo_batch(), capture_grads=True)
+    assert worst_relative(prefix["grads"], dense["grads"]) < tol

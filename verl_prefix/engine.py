@@ -15,6 +15,7 @@ times ``dp_size`` (``_moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_p
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -301,6 +302,16 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return nullcontext
         return lambda: torch.autocast(device_type=get_device_name(), dtype=dtype)
 
+    def _entropy_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Entropy exactly as the stock ``prepare_model_outputs`` computes it: the engine's (maybe
+        compiled) function, chunked or checkpointed as the engine config says."""
+        config = self.engine_config
+        if config.entropy_checkpointing:
+            return lambda logits: torch.utils.checkpoint.checkpoint(self.compute_entropy_from_logits, logits)
+        if config.entropy_from_logits_with_chunking:
+            return functools.partial(self.compute_entropy_from_logits, chunk_size=config.entropy_from_logits_chunk_size)
+        return self.compute_entropy_from_logits
+
     def _backward(self, loss: torch.Tensor) -> None:
         scaler = getattr(self, "scaler", None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -452,6 +463,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             meter=self._meter,
             routers=self._moe_routers() if aux_on else None,
             aux_fn=aux_fn if aux_on else None,
+            entropy_fn=self._entropy_fn(),
         )
         for (rows, model_output, metrics), loss in zip(pending, losses):
             record(rows, model_output, loss.item(), metrics)
@@ -476,6 +488,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             device=device,
             autocast=self._autocast(),
             meter=self._meter,
+            entropy_fn=self._entropy_fn(),
         )
         for rows in group.micro_batches:
             log_probs = [results[i][0] for i in rows]

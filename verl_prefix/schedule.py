@@ -128,9 +128,16 @@ def prefix_forward(
 
 
 def suffix_forward(
-    model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, temperature: torch.Tensor, calculate_entropy: bool
+    model: nn.Module,
+    prefix: PrefixKV,
+    batch: SuffixBatch,
+    temperature: torch.Tensor,
+    calculate_entropy: bool,
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does."""
+    """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does.
+
+    ``entropy_fn`` is the engine's own (compiled, chunked or checkpointed as its config says)."""
     ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device)
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, prefix_ctx=ctx)
     logits = out.logits[batch.valid]  # [N, V], valid tokens only, row-major like verl's packed layout
@@ -138,7 +145,7 @@ def suffix_forward(
         temperature.to(logits.device, torch.float32), torch.tensor(batch.lengths, device=logits.device)
     )
     logits = logits / row_temperature.to(logits.dtype).unsqueeze(-1)
-    entropy = entropy_from_logits(logits) if calculate_entropy else None
+    entropy = entropy_fn(logits) if calculate_entropy else None
     log_probs = logprobs_from_logits(logits, batch.labels[batch.valid], inplace_backward=not calculate_entropy)
     split = list(log_probs.split(batch.lengths))
     return split, (list(entropy.split(batch.lengths)) if entropy is not None else None)
@@ -203,6 +210,7 @@ def train_group(
     meter: PhaseMeter | None = None,
     routers: moe.MoeRouters | None = None,
     aux_fn: AuxFn | None = None,
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
@@ -225,7 +233,9 @@ def train_group(
                 with autocast():
                     capture = routers.capture() if routers is not None else nullcontext([])
                     with capture as router_logits:
-                        log_probs, entropy = suffix_forward(model, leaves, batch, temperature[rows], calculate_entropy)
+                        log_probs, entropy = suffix_forward(
+                            model, leaves, batch, temperature[rows], calculate_entropy, entropy_fn
+                        )
                     loss = loss_fn(rows, log_probs, entropy)
                     if routers is not None:
                         suffix_stats = routers.stats(router_logits, batch.tokens)
@@ -255,6 +265,7 @@ def infer_group(
     device: torch.device,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     meter: PhaseMeter | None = None,
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
     meter = meter or NullMeter()
@@ -266,7 +277,9 @@ def infer_group(
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)
             with meter.phase("B"):
-                log_probs, entropy = suffix_forward(model, prefix, batch, temperature[rows], calculate_entropy)
+                log_probs, entropy = suffix_forward(
+                    model, prefix, batch, temperature[rows], calculate_entropy, entropy_fn
+                )
             for k, i in enumerate(rows):
                 results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
         for _ in range(group.filler_micro_batches):
