@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layouts import VOCAB, make_layout
 from precision import promote_fp32_upcasts
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
@@ -14,7 +15,6 @@ from verl_prefix.config import PrefixFSDPEngineConfig
 from verl_prefix.grouping import RowLayout, plan_batch
 from verl_prefix.schedule import train_group
 
-VOCAB = 101
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 COEF = 0.5  # large, so that the aux term's gradient is not lost under the policy term's
 
@@ -41,21 +41,6 @@ def tiny_moe(dtype: torch.dtype, *, family: str = "qwen3_moe", checkpointing: bo
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
-
-
-def make_layout(groups: list[tuple[int, list[int]]], seed: int = 0) -> RowLayout:
-    gen = torch.Generator().manual_seed(seed)
-    ids, pos, p_lens, r_lens, uids = [], [], [], [], []
-    for g, (p, responses) in enumerate(groups):
-        prompt = torch.randint(0, VOCAB, (p,), generator=gen)
-        for s in responses:
-            row = torch.cat([prompt, torch.randint(0, VOCAB, (s,), generator=gen)])
-            ids += [row]
-            pos += [torch.arange(len(row))]
-            p_lens += [p]
-            r_lens += [s]
-            uids += [f"g{g}"]
-    return RowLayout(ids, pos, p_lens, r_lens, uids)
 
 
 def token_weights(layout: RowLayout, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layouts import VOCAB, make_layout
 from precision import promote_fp32_upcasts
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -12,7 +13,6 @@ from verl_prefix import prefix_kv, schedule
 from verl_prefix.grouping import RowLayout, plan_batch
 from verl_prefix.schedule import infer_group, train_group
 
-VOCAB = 101
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -35,22 +35,6 @@ def tiny_model(family: str, attn: str, dtype: torch.dtype, *, tied: bool = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
-
-
-def make_layout(groups: list[tuple[int, list[int]]], seed: int = 0) -> RowLayout:
-    """Rows for ``(prompt_len, response_lens)`` groups, uids "g0", "g1", ... contiguous."""
-    gen = torch.Generator().manual_seed(seed)
-    ids, pos, p_lens, r_lens, uids = [], [], [], [], []
-    for g, (p, responses) in enumerate(groups):
-        prompt = torch.randint(0, VOCAB, (p,), generator=gen)
-        for s in responses:
-            row = torch.cat([prompt, torch.randint(0, VOCAB, (s,), generator=gen)])
-            ids.append(row)
-            pos.append(torch.arange(len(row)))
-            p_lens.append(p)
-            r_lens.append(s)
-            uids.append(f"g{g}")
-    return RowLayout(ids, pos, p_lens, r_lens, uids)
 
 
 def token_weights(layout: RowLayout, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -1,0 +1,25 @@
+"""Row layouts of random GRPO groups for schedule-level tests (no verl batch needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_prefix.grouping import RowLayout
+
+VOCAB = 101
+
+
+def make_layout(groups: list[tuple[int, list[int]]], seed: int = 0, vocab: int = VOCAB) -> RowLayout:
+    """Rows for ``(prompt_len, response_lens)`` groups, uids "g0", "g1", ... contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, pos, p_lens, r_lens, uids = [], [], [], [], []
+    for g, (p, responses) in enumerate(groups):
+        prompt = torch.randint(0, vocab, (p,), generator=gen)
+        for s in responses:
+            row = torch.cat([prompt, torch.randint(0, vocab, (s,), generator=gen)])
+            ids.append(row)
+            pos.append(torch.arange(len(row)))
+            p_lens.append(p)
+            r_lens.append(s)
+            uids.append(f"g{g}")
+    return RowLayout(ids, pos, p_lens, r_lens, uids)
