@@ -4,7 +4,9 @@
 - ``verl-prefix trace synthetic --out DIR ...`` / ``verl-prefix trace show DIR``: make or inspect a trace
   (real runs record one with ``verl_prefix.trace.recording``);
 - ``verl-prefix replay --trace DIR [--model DIR]``: each traced batch through both engines, drift vs noise;
-- ``verl-prefix report RESULT.json --out DIR``: PNG plots of a bench or replay result.
+- ``verl-prefix report RESULT.json --out DIR``: PNG plots of a bench or replay result;
+- ``verl-prefix demo``: a few GRPO steps on CPU, verl's stock trainer then prefix reuse on the same
+  rollouts, logged through verl's ``Tracking`` (console + wandb), ending in a comparison table.
 
 User mistakes print one line to stderr and exit 2, so scripts can tell them from crashes.
 """
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,trace,replay,report}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,trace,replay,report}")
     bench = sub.add_parser(
         "bench",
         help="time verl's fsdp2 engine against prefix_fsdp2 on the same GRPO batch",
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_trace_parser(sub)
     _add_replay_parser(sub)
+    _add_demo_parser(sub)
     report = sub.add_parser(
         "report",
         help="PNG plots of a bench or replay result JSON",
@@ -159,6 +162,30 @@ def _add_replay_parser(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("--out", type=Path, default=Path("bench/results/replay.json"), help="result JSON")
     rep.add_argument("--table", type=Path, default=None, help="markdown file to write/update with the table")
     rep.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="a few GRPO steps on CPU: verl's stock trainer, then prefix reuse on the same rollouts",
+        description="Run verl's v1 trainer step() on CPU (2 Ray actor ranks, FSDP2 over gloo; HF generate stands "
+        "in for the rollout) with the stock sync trainer and fsdp2, then with prefix_sync and prefix_fsdp2 "
+        "replaying the same rollouts. Both runs log through verl's Tracking to the console and wandb (offline "
+        "unless WANDB_MODE says otherwise or a wandb login is configured; WANDB_DIR is honoured). Prints "
+        "per-step update times, the speedup, per-phase time and memory, tokens and parameter agreement.",
+    )
+    demo.add_argument("--steps", type=_positive_int, default=3, help="GRPO steps per run (default 3)")
+    demo.add_argument("--prompts", type=_positive_int, default=4, help="prompts per step (default 4)")
+    demo.add_argument("--n", type=_positive_int, default=8, help="samples per prompt, rollout.n (default 8)")
+    demo.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("outputs/demo"),
+        help="model, demo.json and (without WANDB_DIR) the wandb runs (default outputs/demo)",
+    )
+    demo.add_argument("--no-wandb", action="store_true", help="log to the console only")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--verbose", action="store_true", help="show the Ray workers' and libraries' own output")
 
 
 def update_table_file(path: Path, preset: str, table: str) -> None:
@@ -311,11 +338,7 @@ def _trace(args: argparse.Namespace) -> int:
             overwrite=args.force,
         )
         if spec is not None:
-            import dataclasses
-
-            from verl_prefix.testing import write_tiny_model
-
-            write_tiny_model(out / "model", "qwen3", **dataclasses.asdict(spec))
+            spec.write(out / "model")
     except TraceError as exc:
         return _fail(exc)
     print(
@@ -341,7 +364,8 @@ def _model_vocab(path: Path) -> int | None:
 
 
 def _replay(args: argparse.Namespace, argv: list[str]) -> int:
-    from verl_prefix.trace import TraceError, load_trace, replay, replay_table
+    from verl_prefix.replay import replay, replay_table
+    from verl_prefix.trace import TraceError, load_trace
 
     for path, what in ((args.out, "--out"), (args.table, "--table")):
         problem = _writable_file(path, what)
@@ -397,6 +421,42 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    import time
+
+    from verl_prefix.demo import DemoError, check_options, demo_report, quiet_libraries, run_demo, wandb_mode
+
+    start = time.perf_counter()
+    if not args.verbose:
+        quiet_libraries()
+    try:
+        check_options(args.out_dir, steps=args.steps, prompts=args.prompts, n=args.n)
+        if not args.no_wandb:
+            wandb_mode()  # an invalid WANDB_MODE fails here, before any slow work
+    except DemoError as exc:
+        return _fail(exc)
+
+    def progress(message: str) -> None:
+        print(f"[demo {time.perf_counter() - start:5.1f}s] {message}", flush=True)
+
+    try:
+        result = run_demo(
+            args.out_dir,
+            steps=args.steps,
+            prompts=args.prompts,
+            n=args.n,
+            use_wandb=not args.no_wandb,
+            seed=args.seed,
+            verbose=args.verbose,
+            progress=progress,
+        )
+    except DemoError as exc:
+        return _fail(exc)
+    print()
+    print(demo_report(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``verl-prefix`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -413,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args, argv)
     if args.command == "replay":
         return _replay(args, argv)
+    if args.command == "demo":
+        return _demo(args)
     return 2
 
 

@@ -20,6 +20,9 @@ Three stand-ins replace what needs an inference server; a GPU cluster uses verl'
 - ``WeightSync`` replaces the checkpoint-engine weight sync: after each update the actor saves its weights
   with its own registered ``save_checkpoint`` (HF format) and the rollout model loads them;
 - a list of toy prompt batches replaces the parquet dataloader.
+
+Each step's metrics go to verl's ``Tracking`` as ``fit()`` logs them (``trainer.logger``; the loop's
+default is ``[console]``, add ``wandb`` through ``overrides``; wandb reads ``WANDB_MODE``/``WANDB_DIR``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +125,7 @@ class HFRollout:
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=max(top_k, 0))
         self.weight_version = 0
         self.recorded: list[list[list[Trajectory]]] = []
+        self.seconds: list[float] = []  # wall time of each generate_sequences call (sampling or replay)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Install the actor's weights (the checkpoint engine's job on a GPU cluster)."""
@@ -163,6 +167,7 @@ class HFRollout:
         from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
+        start = time.perf_counter()
         step = len(self.recorded)
         global_steps = int(batch["global_steps"])
         uids = [str(u) for u in batch["uid"]]
@@ -214,6 +219,7 @@ class HFRollout:
             tq.kv_batch_put(keys=keys, fields=list_of_dict_to_tensordict(fields), tags=tags, partition_id=PARTITION)
             tq.kv_put(key=uid, partition_id=PARTITION, tag={"status": "finished"})
         self.recorded.append(groups)
+        self.seconds.append(time.perf_counter() - start)
 
 
 class WeightSync:
@@ -274,6 +280,8 @@ class CPULoopRun:
     steps: list[StepResult] = field(default_factory=list)
     rollouts: list[list[list[Trajectory]]] = field(default_factory=list)
     seconds: float = 0.0
+    loggers: list[str] = field(default_factory=list)  # trainer.logger: the Tracking backends that got the metrics
+    wandb_run_dir: str | None = None  # the wandb run's directory (offline: the one to `wandb sync`)
 
 
 def cpu_grpo_config(
@@ -295,6 +303,8 @@ def cpu_grpo_config(
     ``actor.strategy=prefix_fsdp2``); otherwise the stock ``sync`` mode and ``fsdp2``. One PPO mini-batch
     per step (``ppo_mini_batch_size = train_batch_size``): then the update does not depend on how the
     balancer orders samples, so the two modes can be compared. fp32 throughout, sdpa, no remove-padding.
+    Metrics are logged to ``trainer.logger=[console]`` under ``trainer.project_name=verl_prefix_cpu_loop``
+    and ``trainer.experiment_name=<mode>-<strategy>``; ``overrides`` may change all three.
     """
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -309,6 +319,9 @@ def cpu_grpo_config(
         f"{m}.enable_gradient_checkpointing=false",
         f"trainer.v1.trainer_mode={'prefix_sync' if prefix else 'sync'}",
         f"{a}.strategy={'prefix_fsdp2' if prefix else 'fsdp2'}",
+        "trainer.logger=[console]",
+        "trainer.project_name=verl_prefix_cpu_loop",
+        f"trainer.experiment_name={'prefix_sync-prefix_fsdp2' if prefix else 'sync-fsdp2'}",
         "trainer.nnodes=1",
         f"trainer.n_gpus_per_node={world_size}",
         "trainer.device=cpu",
@@ -343,8 +356,11 @@ def cpu_grpo_config(
 
 
 @contextmanager
-def local_cluster(num_cpus: int = 4) -> Iterator[None]:
-    """A local Ray cluster (no dashboard) and TransferQueue for the loop; reuses ones already running."""
+def local_cluster(num_cpus: int = 4, log_to_driver: bool = True) -> Iterator[None]:
+    """A local Ray cluster (no dashboard) and TransferQueue for the loop; reuses ones already running.
+
+    ``log_to_driver=False`` keeps the workers' output in Ray's session logs instead of this terminal.
+    """
     import ray
     import transfer_queue as tq
 
@@ -352,10 +368,16 @@ def local_cluster(num_cpus: int = 4) -> Iterator[None]:
 
     ensure_cpu_platform()
     for key, val in WORKER_ENV.items():  # raylet and workers inherit the driver's environment
-        os.environ.setdefault(key, val)
+        if key != "WANDB_MODE":  # the driver's Tracking follows the caller's wandb settings
+            os.environ.setdefault(key, val)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+            runtime_env={"env_vars": dict(WORKER_ENV)},
+        )
     started_tq = False
     try:
         if tq.interface._TQ_CLIENT is None:
@@ -437,6 +459,7 @@ def run_cpu_grpo(
     micro_batch_size_per_gpu: int = 4,
     optimizer: str = "AdamW",
     lr: float = 1e-3,
+    progress: Callable[[str], None] | None = None,
 ) -> CPULoopRun:
     """Run ``steps`` GRPO steps of verl's v1 trainer on CPU with ``world_size`` actor ranks.
 
@@ -446,7 +469,8 @@ def run_cpu_grpo(
     Ray and TransferQueue unless they are running (see ``local_cluster``). ``optimizer`` is a
     ``torch.optim`` class name (verl's ``actor.optim.optimizer``); comparisons of two backends are
     sharpest with ``SGD``, whose update is proportional to the gradient (AdamW's first step is nearly
-    ``lr * sign(grad)`` and hides gradient-scale errors).
+    ``lr * sign(grad)`` and hides gradient-scale errors). Each step's metrics are logged through verl's
+    ``Tracking`` (``trainer.logger``, see ``cpu_grpo_config``); ``progress`` receives one line per stage.
     """
     from verl.trainer.ppo.v1 import get_trainer_cls
 
@@ -465,9 +489,11 @@ def run_cpu_grpo(
     )
     start = time.perf_counter()
     mode = config.trainer.v1.trainer_mode  # PrefixPPOTrainer resets it to "sync" (see verl_prefix.trainer)
+    say = progress or (lambda _: None)
     with local_cluster(), tempfile.TemporaryDirectory(dir=workdir) as tmp:
         trainer = get_trainer_cls(mode)(config)
         trainer._init_tokenizer()
+        say(f"{mode}/{config.actor_rollout_ref.actor.strategy}: starting {world_size} actor ranks")
         actor_wg, pool, worker_cls = _spawn_actor_group(trainer, world_size)
         try:
             run = CPULoopRun(
@@ -477,7 +503,7 @@ def run_cpu_grpo(
                 strategy=config.actor_rollout_ref.actor.strategy,
                 initial_params={},
             )
-            _train(run, trainer, actor_wg, config, model_dir, task, steps, seed, replay, Path(tmp))
+            _train(run, trainer, actor_wg, config, model_dir, task, steps, seed, replay, Path(tmp), say)
         finally:
             _teardown(actor_wg, pool)
     run.seconds = time.perf_counter() - start
@@ -495,10 +521,10 @@ def _train(
     seed: int,
     replay: list[list[list[Trajectory]]] | None,
     workdir: Path,
+    say: Callable[[str], None],
 ) -> None:
-    """The body of ``PPOTrainer.fit`` for ``steps`` steps, minus validation, checkpoints and loggers."""
+    """The body of ``PPOTrainer.fit`` for ``steps`` steps, minus validation and checkpoints."""
     import transfer_queue as tq
-    from verl.utils.debug import marked_timer
     from verl.utils.skip import SkipManager
 
     stale = list((tq.kv_list(PARTITION) or {}).get(PARTITION, {}))
@@ -534,6 +560,52 @@ def _train(
     trainer.timing_raw = {}
     trainer.on_init_end()  # PPOTrainerSync: first weight sync to the rollout
     run.initial_params = trainer.checkpoint_manager.history[0]
+    tracking = _tracking(config, run.mode)
+    run.loggers = list(tracking.logger)
+    if "wandb" in tracking.logger and tracking.logger["wandb"].run is not None:
+        run.wandb_run_dir = str(Path(tracking.logger["wandb"].run.dir).parent)
+    try:
+        _steps(run, trainer, actor_wg, rollout, tracking, steps, say)
+    except BaseException:
+        tracking.finish(exit_code=1)
+        raise
+    tracking.finish()
+    run.rollouts = rollout.recorded
+
+
+def _tracking(config: Any, mode: str) -> Any:
+    """verl's ``Tracking`` built as ``PPOTrainer.fit`` builds it (project, experiment, backends, config).
+
+    The logged config names the trainer mode that was asked for: ``PrefixPPOTrainer`` sets the live
+    config's ``trainer.v1.trainer_mode`` back to ``sync``, which would hide ``prefix_sync`` in wandb.
+    """
+    from omegaconf import OmegaConf
+    from verl.utils.tracking import Tracking
+
+    logged = OmegaConf.to_container(config, resolve=True)
+    logged["trainer"]["v1"]["trainer_mode"] = mode
+    return Tracking(
+        project_name=config.trainer.project_name,
+        experiment_name=config.trainer.experiment_name,
+        default_backend=list(config.trainer.logger),
+        config=logged,
+    )
+
+
+def _steps(
+    run: CPULoopRun,
+    trainer: Any,
+    actor_wg: Any,
+    rollout: HFRollout,
+    tracking: Any,
+    steps: int,
+    say: Callable[[str], None],
+) -> None:
+    """``fit()``'s step loop: step, weight sync, metrics, TransferQueue cleanup, ``logger.log``."""
+    import transfer_queue as tq
+    from verl.utils.debug import marked_timer
+    from verl.utils.skip import SkipManager
+
     for step in range(1, steps + 1):
         trainer.global_steps = step
         SkipManager.set_step(step)
@@ -545,6 +617,7 @@ def _train(
             metrics.update(trainer._consume_sync_metrics())
         trainer._compute_metrics(batch, metrics, trainer.timing_raw, global_steps=step, epoch=0)
         tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+        tracking.log(data=metrics, step=step)
         per_rank = len(batch.keys) // actor_wg.world_size
         rank_uids = [
             [k.split("_")[0] for k in batch.keys[r * per_rank : (r + 1) * per_rank]] for r in range(actor_wg.world_size)
@@ -558,7 +631,11 @@ def _train(
                 groups=rollout.recorded[-1],
             )
         )
-    run.rollouts = rollout.recorded
+        say(
+            f"{run.mode}/{run.strategy}: step {step}/{steps} done in {trainer.timing_raw['step']:.1f} s "
+            f"({'replayed' if rollout.replay is not None else 'sampled'} rollout {rollout.seconds[-1]:.2f} s, "
+            f"update_actor {trainer.timing_raw.get('update_actor', float('nan')):.2f} s)"
+        )
 
 
 def split_groups(rank_uids: list[list[str]]) -> int:
