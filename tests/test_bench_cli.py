@@ -113,3 +113,14 @@ def test_run_bench_rejects_bad_arguments():
         B.run_bench(TINY, reps=0)
     with pytest.raises(B.BenchError):
         B.run_bench(TINY, threads=0)
+
+
+def test_compile_switch_turns_on_verls_torch_compile_for_both_engines(tiny_qwen3_dir):
+    from verl_prefix import testing as T
+
+    (cell,) = B.compiled(TINY.cells)
+    assert cell.name == "tiny compile" and set(B.COMPILE_OVERRIDES) <= set(cell.overrides)
+    for backend in ("fsdp2", "prefix_fsdp2"):
+        engine, _, _ = T.build_verl_engine(tiny_qwen3_dir, backend=backend, overrides=cell.overrides)
+        assert engine.engine_config.use_torch_compile
+        assert hasattr(engine.compute_entropy_from_logits, "_torchdynamo_orig_callable")  # torch.compile wrapper

@@ -468,6 +468,20 @@ def resolve_preset(preset: str | Preset, reps: int | None = None, threads: int |
     return preset, reps
 
 
+# verl's use_torch_compile, on for both engines (in verl 0.9.1's FSDP engine it compiles the entropy kernel)
+COMPILE_OVERRIDES = (
+    "actor_rollout_ref.actor.use_torch_compile=true",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=true",
+)
+
+
+def compiled(cells: tuple[Cell, ...]) -> tuple[Cell, ...]:
+    """The same cells with ``use_torch_compile`` on for both engines (the conservative comparison)."""
+    return tuple(
+        dataclasses.replace(c, name=f"{c.name} compile", overrides=c.overrides + COMPILE_OVERRIDES) for c in cells
+    )
+
+
 def run_bench(
     preset: str | Preset,
     *,
@@ -477,13 +491,17 @@ def run_bench(
     command: str | None = None,
     log: Callable[[str], None] = print,
     progress: bool = False,
+    compile: bool = False,
 ) -> dict:
     """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON.
 
     ``threads`` (default: the preset's) sets ``torch.set_num_threads`` for the run and is restored after.
-    ``progress`` shows a tqdm bar over all reps on stderr (runs take minutes to hours).
+    ``progress`` shows a tqdm bar over all reps on stderr (runs take minutes to hours). ``compile`` runs
+    both engines with verl's ``use_torch_compile``.
     """
     spec, reps = resolve_preset(preset, reps, threads)
+    if compile:
+        spec = dataclasses.replace(spec, cells=compiled(spec.cells))
     name = preset if isinstance(preset, str) else "custom"
     threads = spec.threads if threads is None else threads
     previous_threads = torch.get_num_threads()

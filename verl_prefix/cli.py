@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<preset>.json)")
     bench.add_argument("--table", type=Path, default=None, help="markdown file to write/update with the table")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="both engines with verl's use_torch_compile (the conservative comparison)",
+    )
     _add_trace_parser(sub)
     _add_replay_parser(sub)
     _add_demo_parser(sub)
@@ -223,7 +228,8 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     except BenchError as exc:
         print(f"verl-prefix: error: {exc}", file=sys.stderr)
         return 2
-    out = args.out if args.out is not None else Path("bench/results") / f"{args.preset}.json"
+    suffix = "-compile" if args.compile else ""
+    out = args.out if args.out is not None else Path("bench/results") / f"{args.preset}{suffix}.json"
     for path in (out, args.table):
         if path is not None and path.exists() and path.is_dir():
             print(f"verl-prefix: error: {path} is a directory, expected a file path", file=sys.stderr)
@@ -245,6 +251,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             command=shlex.join(["verl-prefix", *argv]),
             log=functools.partial(print, flush=True),
             progress=not args.no_progress,
+            compile=args.compile,
         )
     except BenchError as exc:
         print(f"verl-prefix: error: {exc}", file=sys.stderr)
@@ -259,7 +266,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         f"torch threads) | torch {machine['torch']} | wall {result['wall_s']:.1f}s | saved {out}"
     )
     if args.table is not None:
-        update_table_file(args.table, args.preset, table)
+        update_table_file(args.table, args.preset + ("-compile" if args.compile else ""), table)
         print(f"table written to {args.table}")
     return 0
 

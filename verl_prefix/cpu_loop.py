@@ -488,7 +488,7 @@ def run_cpu_grpo(
         overrides=overrides,
     )
     start = time.perf_counter()
-    mode = config.trainer.v1.trainer_mode  # PrefixPPOTrainer resets it to "sync" (see verl_prefix.trainer)
+    mode = config.trainer.v1.trainer_mode
     say = progress or (lambda _: None)
     with local_cluster(), tempfile.TemporaryDirectory(dir=workdir) as tmp:
         trainer = get_trainer_cls(mode)(config)
@@ -560,7 +560,7 @@ def _train(
     trainer.timing_raw = {}
     trainer.on_init_end()  # PPOTrainerSync: first weight sync to the rollout
     run.initial_params = trainer.checkpoint_manager.history[0]
-    tracking = _tracking(config, run.mode)
+    tracking = _tracking(config)
     run.loggers = list(tracking.logger)
     if "wandb" in tracking.logger and tracking.logger["wandb"].run is not None:
         run.wandb_run_dir = str(Path(tracking.logger["wandb"].run.dir).parent)
@@ -573,22 +573,16 @@ def _train(
     run.rollouts = rollout.recorded
 
 
-def _tracking(config: Any, mode: str) -> Any:
-    """verl's ``Tracking`` built as ``PPOTrainer.fit`` builds it (project, experiment, backends, config).
-
-    The logged config names the trainer mode that was asked for: ``PrefixPPOTrainer`` sets the live
-    config's ``trainer.v1.trainer_mode`` back to ``sync``, which would hide ``prefix_sync`` in wandb.
-    """
+def _tracking(config: Any) -> Any:
+    """verl's ``Tracking`` built as ``PPOTrainer.fit`` builds it (project, experiment, backends, config)."""
     from omegaconf import OmegaConf
     from verl.utils.tracking import Tracking
 
-    logged = OmegaConf.to_container(config, resolve=True)
-    logged["trainer"]["v1"]["trainer_mode"] = mode
     return Tracking(
         project_name=config.trainer.project_name,
         experiment_name=config.trainer.experiment_name,
         default_backend=list(config.trainer.logger),
-        config=logged,
+        config=OmegaConf.to_container(config, resolve=True),
     )
 
 

@@ -8,8 +8,9 @@ Select it with two lines on top of the stock ``python -m verl.trainer.main_ppo``
 It is verl's synchronous trainer with two changes: ``_balance_batch`` packs whole groups into
 (rank, mini-batch) slots (``verl_prefix.balance``) instead of sorting samples by length, and the
 actor/ref roles run ``PrefixActorRolloutRefWorker``. verl compares ``trainer_mode == "sync"`` in
-several places (replay buffer, refill, parameter sync), so the config is set back to ``sync`` once
-this class is chosen: every such check sees a synchronous trainer.
+several places (replay buffer, refill, parameter sync), all read while the trainer is built: the
+config says ``sync`` during construction, so every such check sees a synchronous trainer, and
+``prefix_sync`` again afterwards, so the logged config says what was chosen.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class PrefixPPOTrainer(PPOTrainerSync):
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"
         super().__init__(config, *args, **kwargs)
+        # verl read "sync" into self.trainer_mode (and the replay buffer) above; the config a run logs
+        # says what the user chose.
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = TRAINER_MODE
 
     def _init_resource_pool_mgr(self) -> Any:
         result = super()._init_resource_pool_mgr()
