@@ -377,7 +377,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                     self._backward(loss)
             record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
 
-        output = postprocess_batch_func(output_lst=[o for o in output_lst], indices=order, data=_static_bsz(data))
+        output = postprocess_batch_func(output_lst=output_lst, indices=order, data=_static_bsz(data))
         if output["model_output"]:
             output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
         output["metrics"].update(_fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
