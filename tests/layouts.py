@@ -23,3 +23,9 @@ def make_layout(groups: list[tuple[int, list[int]]], seed: int = 0, vocab: int =
             r_lens.append(s)
             uids.append(f"g{g}")
     return RowLayout(ids, pos, p_lens, r_lens, uids)
+
+
+def token_weights(layout: RowLayout, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A random weight per response token: a loss whose gradient reaches every log-prob differently."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(s, generator=gen).to(dtype) for s in layout.response_lens]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layouts import VOCAB, make_layout
+from layouts import VOCAB, make_layout, token_weights
 from precision import promote_fp32_upcasts
+from ranks import run_two_ranks
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from verl_prefix import PrefixReuseConfig, moe
@@ -41,11 +42,6 @@ def tiny_moe(dtype: torch.dtype, *, family: str = "qwen3_moe", checkpointing: bo
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
-
-
-def token_weights(layout: RowLayout, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(s, generator=gen).to(dtype) for s in layout.response_lens]
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -433,71 +429,37 @@ def test_invalid_knob_is_an_error(tiny_model):
         T.run_train_step(engine, loss_fn, engine_batch(prompt_lens=(9,)))
 
 
-def _two_rank_worker(rank: int, port: int, model_dir: str, results) -> None:
-    import os
-    import traceback
+def _two_rank_body(rank: int, model_dir: str) -> dict:
+    from verl.utils import tensordict_utils as tu
 
-    try:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    if rank == 0:  # two reuse groups
+        batch = engine_batch(prompt_lens=(9, 12), seed=11)
+    else:  # one reuse group and four short-prompt singletons that run dense: lockstep fillers on both
+        singles = T.make_grpo_batch(
+            num_groups=4, group_size=1, prompt_lens=3, response_len_range=(2, 4), vocab_size=ENGINE_VOCAB, seed=13
         )
-        os.environ.update(VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cpu")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        from verl.utils import tensordict_utils as tu
-
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        if rank == 0:  # two reuse groups
-            batch = engine_batch(prompt_lens=(9, 12), seed=11)
-        else:  # one reuse group and four short-prompt singletons that run dense: lockstep fillers on both
-            singles = T.make_grpo_batch(
-                num_groups=4, group_size=1, prompt_lens=3, response_len_range=(2, 4), vocab_size=ENGINE_VOCAB, seed=13
-            )
-            batch = engine_batch(prompt_lens=(10,), seed=12, extra=singles)
-        tu.assign_non_tensor(batch, global_batch_size=16)
-        out = {}
-        for name, reuse in (("dense", PrefixReuseConfig(enable=False)), ("reuse", PrefixReuseConfig(min_prefix_len=4))):
-            engine, loss_fn, _ = T.build_verl_engine(
-                model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
-            )
-            engine.reuse_config = reuse
-            engine.moe_aux_loss_coef = COEF
-            out[name] = step(engine, loss_fn, batch)
-        results[rank] = {
-            "worst": worst_relative(out["reuse"]["grads"], out["dense"]["grads"]),
-            "aux": [out[k]["metrics"]["moe_aux_loss"].values for k in ("dense", "reuse")],
-            "metrics": out["reuse"]["reduced_metrics"],
-        }
-        dist.destroy_process_group()
-    except BaseException:  # report to the parent instead of hanging it
-        results[rank] = {"error": traceback.format_exc()}
+        batch = engine_batch(prompt_lens=(10,), seed=12, extra=singles)
+    tu.assign_non_tensor(batch, global_batch_size=16)
+    out = {}
+    for name, reuse in (("dense", PrefixReuseConfig(enable=False)), ("reuse", PrefixReuseConfig(min_prefix_len=4))):
+        engine, loss_fn, _ = T.build_verl_engine(
+            model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
+        )
+        engine.reuse_config = reuse
+        engine.moe_aux_loss_coef = COEF
+        out[name] = step(engine, loss_fn, batch)
+    return {
+        "worst": worst_relative(out["reuse"]["grads"], out["dense"]["grads"]),
+        "aux": [out[k]["metrics"]["moe_aux_loss"].values for k in ("dense", "reuse")],
+        "metrics": out["reuse"]["reduced_metrics"],
+    }
 
 
 @pytest.mark.timeout(300)
 def test_two_ranks_dense_path_equals_reuse_path(tiny_model):
     """Two DP ranks with different group structure (lockstep fillers on each): the aux weights use the
     mini-batch's tokens over both ranks, the same in the dense and the reuse path."""
-    import torch.multiprocessing as mp
-
-    from verl_prefix.testing import _free_port
-
-    model_dir = str(moe_dir(tiny_model))
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_two_rank_worker, args=(r, port, model_dir, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=240)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-        assert not hung, "ranks hung: collectives out of lockstep"
-        results = dict(results)
-    errors = [f"rank {r}: {results[r]['error']}" for r in range(2) if "error" in results[r]]
-    assert not errors, "\n".join(errors)
+    results = run_two_ranks(_two_rank_body, str(moe_dir(tiny_model)), timeout=240)
     for rank in range(2):
         assert results[rank]["worst"] < 1e-10
         dense_aux, reuse_aux = results[rank]["aux"]

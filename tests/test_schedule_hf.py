@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layouts import VOCAB, make_layout
+from layouts import VOCAB, make_layout, token_weights
 from precision import promote_fp32_upcasts
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -35,11 +35,6 @@ def tiny_model(family: str, attn: str, dtype: torch.dtype, *, tied: bool = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
-
-
-def token_weights(layout: RowLayout, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(s, generator=gen).to(dtype) for s in layout.response_lens]
 
 
 def weighted_loss(weights: list[torch.Tensor]):

@@ -3,14 +3,8 @@ structure: reuse must keep collectives in lockstep and still give the stock engi
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
-import torch
-import torch.multiprocessing as mp
-
-from verl_prefix.testing import _free_port
+from ranks import run_two_ranks
 
 VOCAB = 128
 
@@ -52,67 +46,34 @@ def _rank_batch(rank: int):
     return tu.concat_tensordict([group, singles])
 
 
-def _worker(rank: int, port: int, model_dir: str, results, mixed_fallback: bool) -> None:
-    try:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            VERL_PLATFORM="cpu",
-            VERL_ENGINE_DEVICE="cpu",
-        )
-        torch.set_num_threads(1)
-        import torch.distributed as dist
+def _body(rank: int, model_dir: str, mixed_fallback: bool) -> dict:
+    from precision import promote_fp32_upcasts
+    from verl.utils import tensordict_utils as tu
 
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        from precision import promote_fp32_upcasts
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix import testing as T
 
-        from verl_prefix import PrefixReuseConfig
-        from verl_prefix import testing as T
-
-        batch = _rank_batch(rank)
-        if mixed_fallback and rank == 1:  # only this rank's batch asks for something reuse does not cover
-            from verl.utils import tensordict_utils as tu
-
-            tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
-        kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
-        dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-        prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
-        prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
-        with promote_fp32_upcasts():
-            want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-            got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-            got_infer = T.run_infer(prefix, batch)
-            want_infer = T.run_infer(dense, batch)
-        worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
-        lp = (got_infer["response_log_probs"].values() - want_infer["response_log_probs"].values()).abs().max()
-        results[rank] = {"worst": worst, "infer": lp.item(), "metrics": got["reduced_metrics"]}
-        dist.destroy_process_group()
-    except BaseException:  # report to the parent instead of hanging it
-        results[rank] = {"error": traceback.format_exc()}
+    batch = _rank_batch(rank)
+    if mixed_fallback and rank == 1:  # only this rank's batch asks for something reuse does not cover
+        tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
+    kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
+    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
+    with promote_fp32_upcasts():
+        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        got_infer = T.run_infer(prefix, batch)
+        want_infer = T.run_infer(dense, batch)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    lp = (got_infer["response_log_probs"].values() - want_infer["response_log_probs"].values()).abs().max()
+    return {"worst": worst, "infer": lp.item(), "metrics": got["reduced_metrics"]}
 
 
 @pytest.mark.parametrize("mixed_fallback", [False, True], ids=["reuse", "one-rank-falls-back"])
 def test_two_ranks_with_different_group_structure(tiny_model, mixed_fallback):
-    model_dir = str(tiny_model("qwen3"))
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, model_dir, results, mixed_fallback)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=300)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-        assert not hung, "ranks hung: collectives out of lockstep"
-        results = dict(results)
+    results = run_two_ranks(_body, str(tiny_model("qwen3")), mixed_fallback)
     for rank in range(2):
-        assert "error" not in results[rank], results[rank]["error"]
         assert results[rank]["worst"] < 1e-10
         assert results[rank]["infer"] < 1e-10
     if mixed_fallback:  # both ranks ran dense, each saying why
