@@ -132,6 +132,20 @@ SMOKE_MOE_MODEL = ModelSpec(
 )
 
 
+# Qwen3-1.7B's shape (28 layers, GQA 16/8, vocab 151936): the largest Qwen3 whose full fine-tune (fp32
+# master weights and Adam states, about 27 GB) leaves one H200 room for 16 x 12K-token sequences.
+MODEL_GPU = ModelSpec(
+    hidden_size=2048,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=6144,
+    vocab_size=151936,
+    max_position_embeddings=16384,
+)
+_GPU = (*_BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
+
+
 def _cpu_cells() -> tuple[Cell, ...]:
     pairs = [(2048, 128), (1024, 256), (512, 512), (256, 1024)]
     cells = [Cell(f"P{p}/S{s}/G8", MODEL_29M, 1, 8, p, (s, s)) for p, s in pairs]
@@ -161,12 +175,12 @@ PRESETS: dict[str, Preset] = {
     ),
     "gpu": Preset(
         cells=tuple(
-            Cell(f"P{p}/S{s}/G16", MODEL_29M, 1, 16, p, (s, s), dtype="bfloat16", overrides=_BF16)
+            Cell(f"P{p}/S{s}/G16", MODEL_GPU, 1, 16, p, (s, s), dtype="bfloat16", overrides=_GPU)
             for p, s in ((10240, 2048), (2048, 10240))
         ),
         reps=5,
         needs_cuda=True,
-        description="29M-param Qwen3-style model, bf16 mixed precision, G=16, long prompts/responses",
+        description="1.7B-param Qwen3-style model, bf16 mixed precision, gradient checkpointing, G=16, 12K tokens",
     ),
 }
 
