@@ -55,6 +55,7 @@ def test_demo_prints_the_comparison_and_logs_through_tracking(demo):
     text = proc.stdout
     assert "| step | dense update_actor (s) | prefix update_actor (s) | speedup |" in text
     assert "| A prefix forward |" in text and "| C prefix backward |" in text
+    assert "| prefix run, old log-prob pass |" in text
     assert "update_actor speedup (median of per-step dense/prefix):" in text
     # verl's console backend printed every step of both runs
     for step in range(1, STEPS + 1):
@@ -107,7 +108,28 @@ def test_prefix_telemetry_read_back_from_wandb_is_plausible(demo):
         assert row["actor/prefix/max_saved_for_backward_mib/B"] > 0
         assert row["actor/prefix/max_saved_for_backward_held_mib"] >= row["actor/prefix/max_saved_for_backward_mib/A"]
         assert row["actor/prefix/balance/split_groups"] == 0
+        assert row["actor/prefix/max_prefix_kv_mib"] > 0
+        for p in PHASES:
+            assert row[f"actor/prefix/max_time_s/{p}"] >= times[p]
     assert run.summary["actor/prefix/time_s/A"] == run.history[-1]["actor/prefix/time_s/A"]
+
+
+def test_forward_only_telemetry_read_back_from_wandb_is_plausible(demo):
+    """The old log-prob pass runs A and B only; verl's trainer drops its metrics, ours logs them."""
+    _, out, wandb_dir = demo
+    old = "actor/prefix/old_log_prob/"
+    for row in _runs(wandb_dir)["prefix-prefix_sync-prefix_fsdp2"][1].history:
+        times = {p: row[f"{old}time_s/{p}"] for p in ("A", "B")}
+        assert all(t > 0 for t in times.values()), times
+        assert f"{old}time_s/C" not in row
+        assert sum(times.values()) <= row["timing_s/old_log_prob"]
+        assert row[f"{old}logical_tokens"] >= row[f"{old}physical_tokens"] > 0
+        assert row[f"{old}reuse_factor"] > 1
+        assert row[f"{old}max_prefix_kv_mib"] > 0
+        assert row[f"{old}max_rss_mib/A"] > 0
+    summary = json.loads((out / "demo.json").read_text())
+    assert set(summary["old_log_prob_phases"]) == {"A", "B"}
+    assert summary["prefix_kv_mib"] > 0
 
 
 def test_verl_reduces_peak_metrics_with_max_and_the_rest_with_mean():

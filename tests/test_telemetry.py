@@ -10,6 +10,17 @@ from verl_prefix import PrefixReuseConfig
 from verl_prefix import testing as T
 from verl_prefix.telemetry import PhaseMeter
 
+MIB = 1024.0**2
+
+
+def prefix_kv_mib(engine, prefix_len: int) -> float:
+    """What one prefix's K/V takes, from the model config: 2 (K, V) x layers x KV heads x head_dim."""
+    config = engine.module.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.finfo(next(engine.module.parameters()).dtype).bits // 8
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    return per_token * prefix_len / MIB
+
 
 def test_update_reports_every_phase(tiny_qwen3_dir):
     engine, loss_fn, _ = T.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
@@ -31,6 +42,11 @@ def test_update_reports_every_phase(tiny_qwen3_dir):
     assert saved_a > 0 and saved_b > 0
     assert metrics["prefix/max_saved_for_backward_held_mib"] >= saved_a + saved_b - 1e-9
     assert metrics["prefix/max_rss_mib/A"] > 0
+    # one mini-batch on one rank: the slowest rank's phase time is the phase time
+    for p in ("A", "B", "C", "dense"):
+        assert metrics[f"prefix/max_time_s/{p}"] == metrics[f"prefix/time_s/{p}"]
+    # only the 12-token prompt reuses: its prefix is prompt[:-1]
+    assert metrics["prefix/max_prefix_kv_mib"] == prefix_kv_mib(engine, 11)
 
 
 def test_forward_only_reports_phases_without_saved_tensors(tiny_qwen3_dir):
@@ -43,6 +59,18 @@ def test_forward_only_reports_phases_without_saved_tensors(tiny_qwen3_dir):
     assert metrics["prefix/time_s/A"] > 0 and metrics["prefix/time_s/B"] > 0
     assert "prefix/time_s/C" not in metrics
     assert metrics["prefix/max_saved_for_backward_held_mib"] == 0.0
+    # the cache a forward-only pass holds: the longest prefix (prompt 12 -> 11 tokens) is the peak
+    assert metrics["prefix/max_prefix_kv_mib"] == prefix_kv_mib(engine, 11)
+
+
+def test_dense_fallback_reports_no_prefix_cache(tiny_qwen3_dir):
+    engine, loss_fn, _ = T.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2")
+    engine.reuse_config = PrefixReuseConfig(enable=False)
+    batch = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=[12], response_len_range=(2, 4), vocab_size=128)
+    metrics = T.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
+    assert metrics["prefix/fallback_disabled"] == 4
+    assert metrics["prefix/time_s/dense"] > 0 and "prefix/time_s/A" not in metrics
+    assert "prefix/max_prefix_kv_mib" not in metrics
 
 
 def test_saved_bytes_counts_each_storage_once():

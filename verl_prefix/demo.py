@@ -252,6 +252,18 @@ def summarise(result: DemoResult) -> dict[str, Any]:
             "rss_mib": max(s.metrics.get(f"actor/prefix/max_rss_mib/{phase}", 0.0) for s in result.prefix.steps),
         }
     held = max(s.metrics.get("actor/prefix/max_saved_for_backward_held_mib", 0.0) for s in result.prefix.steps)
+    forward_only = {}
+    for phase in ("A", "B", "dense"):
+        key = f"actor/prefix/old_log_prob/time_s/{phase}"
+        times = [s.metrics[key] for s in result.prefix.steps if key in s.metrics]
+        if times:
+            rss_key = f"actor/prefix/old_log_prob/max_rss_mib/{phase}"
+            forward_only[phase] = {
+                "time_s": _median(times),
+                "rss_mib": max(s.metrics.get(rss_key, 0.0) for s in result.prefix.steps),
+            }
+    kv_keys = ("actor/prefix/max_prefix_kv_mib", "actor/prefix/old_log_prob/max_prefix_kv_mib")
+    prefix_kv = max((s.metrics.get(k, 0.0) for s in result.prefix.steps for k in kv_keys), default=0.0)
     return {
         "config": {
             "steps": len(steps),
@@ -264,7 +276,9 @@ def summarise(result: DemoResult) -> dict[str, Any]:
         "steps": steps,
         "speedup_median": _median([s["speedup"] for s in steps]),
         "phases": phases,
+        "old_log_prob_phases": forward_only,
         "saved_for_backward_held_mib": held,
+        "prefix_kv_mib": prefix_kv,
         "max_update_rel": max((s["update_rel"] for s in steps), default=float("nan")),
         "max_grad_norm_rel": max((s["grad_norm_rel"] for s in steps), default=float("nan")),
         "wandb_mode": result.wandb_mode,
@@ -301,6 +315,11 @@ def demo_report(result: DemoResult) -> str:
             f"| {PHASE_NAMES[phase]} | {v['time_s']:.3f} | {v['saved_for_backward_mib']:.1f} | {v['rss_mib']:.0f} |"
         )
     lines.append(f"| held at once (A + largest B) | | {s['saved_for_backward_held_mib']:.1f} | |")
+    if s["old_log_prob_phases"]:
+        lines += ["", "| prefix run, old log-prob pass | time (s), median | RSS (MiB), max |", "|---|---:|---:|"]
+        for phase, v in s["old_log_prob_phases"].items():
+            lines.append(f"| {PHASE_NAMES[phase]} | {v['time_s']:.3f} | {v['rss_mib']:.0f} |")
+    lines.append(f"\none group's prefix K/V cache (MiB), max: {s['prefix_kv_mib']:.2f}")
     lines += [
         "",
         "(verl's stock fsdp2 engine reports no per-phase metrics; `verl-prefix bench` and `replay` measure "

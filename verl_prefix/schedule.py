@@ -226,6 +226,7 @@ def train_group(
     with prefix_attention_mode(model):
         with meter.phase("A"), autocast():
             prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
+        meter.note_prefix_kv(prefix.tensors())
         leaves = prefix.as_leaves(requires_grad=True)
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
@@ -274,6 +275,7 @@ def infer_group(
     with prefix_attention_mode(model), autocast():
         with meter.phase("A"):
             prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
+        meter.note_prefix_kv(prefix.tensors())
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)
             with meter.phase("B"):

@@ -7,9 +7,13 @@ Phases: ``A`` prefix forward, ``B`` suffix micro-batches (forward + backward), `
 - every device: bytes saved for backward held at once. Phase A's saved tensors live until C, each
   B micro-batch's until its own backward, so the peak is ``A + max(B micro-batch)``; counted by a
   ``saved_tensors_hooks`` pack hook, deduplicated by storage;
-- CPU: process RSS at the phase's end (max over the mini-batch).
+- CPU: process RSS at the phase's end (max over the mini-batch);
+- every device, training and forward-only: the bytes of one group's prefix K/V (plus MoE router sums),
+  held from phase A to the group's last suffix micro-batch (training also holds a gradient of that size).
 
-Keys that hold peaks contain ``max`` so verl's metric reduction takes the max across ranks.
+Values are per mini-batch. verl's ``reduce_metrics`` takes the max over data-parallel ranks and
+mini-batches of keys containing ``max`` and the mean of the rest, so peaks and the slowest rank's phase
+times (``max_time_s``) carry ``max``; nothing else may.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class PhaseMeter:
         self.saved_mib: dict[str, float] = defaultdict(float)
         self.held_saved_mib = 0.0  # prefix saved bytes of the current group, live until phase C
         self.peak_held_saved_mib = 0.0
+        self.peak_prefix_kv_mib = 0.0
         self._accelerator = device.type in ("cuda", "npu")
 
     def _sync(self) -> None:
@@ -88,6 +93,11 @@ class PhaseMeter:
             self.peak_rss_mib[name] = max(self.peak_rss_mib[name], psutil.Process().memory_info().rss / _MIB)
             self._account_saved(name, saved.bytes / _MIB)
 
+    def note_prefix_kv(self, tensors: list[torch.Tensor]) -> None:
+        """Record the size of a group's prefix cache (called once per group after phase A)."""
+        mib = sum(t.numel() * t.element_size() for t in tensors) / _MIB
+        self.peak_prefix_kv_mib = max(self.peak_prefix_kv_mib, mib)
+
     def _account_saved(self, name: str, mib: float) -> None:
         if name == "A":
             self.held_saved_mib = mib
@@ -107,11 +117,14 @@ class PhaseMeter:
                 continue
             total += self.seconds[name]
             out[f"prefix/time_s/{name}"] = self.seconds[name]
+            out[f"prefix/max_time_s/{name}"] = self.seconds[name]
             out[f"prefix/max_saved_for_backward_mib/{name}"] = self.saved_mib.get(name, 0.0)
             out[f"prefix/max_rss_mib/{name}"] = self.peak_rss_mib[name]
             if self._accelerator:
                 out[f"prefix/max_peak_device_mib/{name}"] = self.peak_device_mib[name]
         out["prefix/max_saved_for_backward_held_mib"] = self.peak_held_saved_mib
+        if "A" in self.seconds:
+            out["prefix/max_prefix_kv_mib"] = self.peak_prefix_kv_mib
         out["prefix/time_s/schedule"] = total
         out["prefix/logical_tokens_per_s"] = logical_tokens / total if total > 0 else 0.0
         out["prefix/logical_tokens"] = float(logical_tokens)
@@ -129,3 +142,6 @@ class NullMeter(PhaseMeter):
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         yield None
+
+    def note_prefix_kv(self, tensors: list[torch.Tensor]) -> None:
+        pass
