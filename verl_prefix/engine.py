@@ -312,6 +312,16 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return functools.partial(self.compute_entropy_from_logits, chunk_size=config.entropy_from_logits_chunk_size)
         return self.compute_entropy_from_logits
 
+    def _schedule_options(self, device: torch.device, *, train: bool, real: bool = True) -> dict[str, Any]:
+        """The keyword arguments every ``train_group``/``infer_group`` call shares. Lockstep fillers
+        (``real=False``) are neither metered nor asked for entropy."""
+        options: dict[str, Any] = {"device": device, "autocast": self._autocast()}
+        if real:
+            options.update(meter=self._meter, entropy_fn=self._entropy_fn())
+        if train:
+            options.update(backward=self._backward, early_exit=self.reuse_config.early_exit)
+        return options
+
     def _backward(self, loss: torch.Tensor) -> None:
         scaler = getattr(self, "scaler", None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -456,14 +466,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             temperature,
             loss_fn,
             calculate_entropy=calculate_entropy,
-            device=device,
-            autocast=self._autocast(),
-            backward=self._backward,
-            early_exit=self.reuse_config.early_exit,
-            meter=self._meter,
             routers=self._moe_routers() if aux_on else None,
             aux_fn=aux_fn if aux_on else None,
-            entropy_fn=self._entropy_fn(),
+            **self._schedule_options(device, train=True),
         )
         for (rows, model_output, metrics), loss in zip(pending, losses):
             record(rows, model_output, loss.item(), metrics)
@@ -485,10 +490,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             group,
             temperature,
             calculate_entropy=calculate_entropy,
-            device=device,
-            autocast=self._autocast(),
-            meter=self._meter,
-            entropy_fn=self._entropy_fn(),
+            **self._schedule_options(device, train=False),
         )
         for rows in group.micro_batches:
             log_probs = [results[i][0] for i in rows]
@@ -517,8 +519,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 group,
                 temperature,
                 calculate_entropy=False,
-                device=device,
-                autocast=self._autocast(),
+                **self._schedule_options(device, train=False, real=False),
             )
             return
         train_group(
@@ -528,10 +529,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             temperature,
             _no_loss,
             calculate_entropy=False,
-            device=device,
-            autocast=self._autocast(),
-            backward=self._backward,
-            early_exit=self.reuse_config.early_exit,
+            **self._schedule_options(device, train=True, real=False),
             # with the aux on, real groups' phase A runs to the last router and phase C seeds the router
             # leaf: the filler must touch the same parameters, or FSDP2's reduce-scatters differ in size
             routers=self._moe_routers() if self._moe_aux_on(forward_only=False) else None,
