@@ -84,6 +84,7 @@ def test_update_table_file_appends(tmp_path):
         ["bench", "--reps", "0"],
         ["bench", "--reps", "many"],
         ["bench", "--threads", "-1"],
+        ["bench", "--cell", "P1/S1/G1"],
         ["frobnicate"],
         [],
     ],
@@ -124,3 +125,29 @@ def test_compile_switch_turns_on_verls_torch_compile_for_both_engines(tiny_qwen3
         engine, _, _ = T.build_verl_engine(tiny_qwen3_dir, backend=backend, overrides=cell.overrides)
         assert engine.engine_config.use_torch_compile
         assert hasattr(engine.compute_entropy_from_logits, "_torchdynamo_orig_callable")  # torch.compile wrapper
+
+
+def test_cells_can_be_chosen_and_each_is_saved_as_it_finishes(tmp_path):
+    """A lent GPU's minutes are few: ``--cell`` picks cells, and the JSON is rewritten after every cell,
+    so a run cut short keeps what it measured."""
+    import dataclasses
+
+    first = TINY.cells[0]
+    second = dataclasses.replace(first, name="tiny-b", num_groups=1)
+    third = dataclasses.replace(first, name="tiny-c")
+    preset = dataclasses.replace(TINY, cells=(first, second, third), reps=1)
+    out = tmp_path / "r.json"
+    seen_during_second: list[dict] = []
+
+    def log(line: str) -> None:
+        if line.strip().startswith("tiny-c") and not seen_during_second:
+            seen_during_second.append(json.loads(out.read_text()))
+
+    result = B.run_bench(preset, out_json=out, log=log, cells=["tiny", "tiny-c"])
+    assert [c["cell"] for c in result["cells"]] == ["tiny", "tiny-c"]
+    assert result["complete"] and json.loads(out.read_text()) == json.loads(json.dumps(result))
+    (partial,) = seen_during_second
+    assert [c["cell"] for c in partial["cells"]] == ["tiny"] and partial["complete"] is False
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(B.BenchError, match="tiny, tiny-b, tiny-c"):
+        B.resolve_preset(preset, cells=["nope"])

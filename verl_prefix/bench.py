@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,7 +175,19 @@ PRESETS: dict[str, Preset] = {
     ),
     "gpu": Preset(
         cells=tuple(
-            Cell(f"P{p}/S{s}/G16", MODEL_GPU, 1, 16, p, (s, s), dtype="bfloat16", overrides=_GPU)
+            # 2 rows per micro-batch: the dense engine's fp32 log-softmax over 2 x 12K tokens x 152K vocab
+            # is already 15 GB, plus its backward, next to both engines' weights and gradients
+            Cell(
+                f"P{p}/S{s}/G16",
+                MODEL_GPU,
+                1,
+                16,
+                p,
+                (s, s),
+                micro_batch_size=2,
+                dtype="bfloat16",
+                overrides=_GPU,
+            )
             for p, s in ((10240, 2048), (2048, 10240))
         ),
         reps=5,
@@ -464,8 +476,16 @@ def measure_cell(
     }
 
 
-def resolve_preset(preset: str | Preset, reps: int | None = None, threads: int | None = None) -> tuple[Preset, int]:
-    """Validate a request before anything slow or any file is touched: ``(preset, reps)`` or ``BenchError``."""
+def resolve_preset(
+    preset: str | Preset,
+    reps: int | None = None,
+    threads: int | None = None,
+    cells: Sequence[str] | None = None,
+) -> tuple[Preset, int]:
+    """Validate a request before anything slow or any file is touched: ``(preset, reps)`` or ``BenchError``.
+
+    ``cells`` keeps only the named cells, in the preset's order (a lent GPU's minutes go to the headline).
+    """
     if isinstance(preset, str):
         if preset not in PRESETS:
             raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -477,6 +497,12 @@ def resolve_preset(preset: str | Preset, reps: int | None = None, threads: int |
         raise BenchError(f"reps must be >= 1, got {reps}")
     if threads is not None and threads < 1:
         raise BenchError(f"threads must be >= 1, got {threads}")
+    if cells:
+        names = [c.name for c in preset.cells]
+        unknown = [c for c in cells if c not in names]
+        if unknown:
+            raise BenchError(f"preset {name!r} has no cell {unknown[0]!r}; its cells: {', '.join(names)}")
+        preset = dataclasses.replace(preset, cells=tuple(c for c in preset.cells if c.name in cells))
     if preset.needs_cuda and not torch.cuda.is_available():
         raise BenchError(f"preset {name!r} needs a CUDA GPU (torch.cuda.is_available() is False)")
     return preset, reps
@@ -506,14 +532,16 @@ def run_bench(
     log: Callable[[str], None] = print,
     progress: bool = False,
     compile: bool = False,
+    cells: Sequence[str] | None = None,
 ) -> dict:
-    """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON.
+    """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON,
+    rewritten after every cell so a run cut short keeps what it measured (``complete`` says which).
 
     ``threads`` (default: the preset's) sets ``torch.set_num_threads`` for the run and is restored after.
     ``progress`` shows a tqdm bar over all reps on stderr (runs take minutes to hours). ``compile`` runs
     both engines with verl's ``use_torch_compile``.
     """
-    spec, reps = resolve_preset(preset, reps, threads)
+    spec, reps = resolve_preset(preset, reps, threads, cells)
     if compile:
         spec = dataclasses.replace(spec, cells=compiled(spec.cells))
     name = preset if isinstance(preset, str) else "custom"
@@ -557,12 +585,20 @@ def _run_cells(
                 models[cell.model] = cell.model.write(Path(tmp) / f"model{len(models)}")
             bar.set_postfix_str(cell.name)
             result["cells"].append(measure_cell(cell, models[cell.model], reps=reps, log=log, tick=bar.update))
-    result["wall_s"] = time.perf_counter() - started
-    if out_json is not None:
-        out_json = Path(out_json)
-        out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(result, indent=2) + "\n")
+            result["complete"] = len(result["cells"]) == len(cells)
+            result["wall_s"] = time.perf_counter() - started
+            _save(result, out_json)
     return result
+
+
+def _save(result: dict, out_json: Path | None) -> None:
+    if out_json is None:
+        return
+    out_json = Path(out_json)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_json.with_name(out_json.name + ".tmp")  # never a half-written result file
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(out_json)
 
 
 TABLE_HEADER = (

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--table", type=Path, default=None, help="markdown file to write/update with the table")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument(
+        "--cell", action="append", default=None, metavar="NAME", help="run only this cell of the preset (repeatable)"
+    )
+    bench.add_argument(
         "--compile",
         action="store_true",
         help="both engines with verl's use_torch_compile (the conservative comparison)",
@@ -224,7 +227,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     from verl_prefix.bench import BenchError, markdown_table, resolve_preset, run_bench
 
     try:
-        resolve_preset(args.preset, args.reps, args.threads)
+        resolve_preset(args.preset, args.reps, args.threads, args.cell)
     except BenchError as exc:
         print(f"verl-prefix: error: {exc}", file=sys.stderr)
         return 2
@@ -252,6 +255,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             log=functools.partial(print, flush=True),
             progress=not args.no_progress,
             compile=args.compile,
+            cells=args.cell,
         )
     except BenchError as exc:
         print(f"verl-prefix: error: {exc}", file=sys.stderr)

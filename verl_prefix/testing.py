@@ -121,7 +121,8 @@ def _free_port() -> int:
 
 
 def init_single_process_group() -> None:
-    """A world-size-1 gloo process group, as verl's engines need ``torch.distributed``; idempotent."""
+    """A world-size-1 process group, as verl's engines need ``torch.distributed``; idempotent. gloo on CPU;
+    with CUDA, NCCL for CUDA tensors (what verl's engines all-reduce there) and gloo for CPU ones."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -130,7 +131,8 @@ def init_single_process_group() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     for key, val in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, val)
-    dist.init_process_group(backend="gloo", rank=0, world_size=1)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, rank=0, world_size=1)
 
 
 def _allow_fp64_precision() -> None:

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The one command a session with a lent H200 runs (docs/gpu.md): from the repo root,
+#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
+# after `bash scripts/gpu_kit.sh` built .whl/ here. It installs the kit into /tmp/site, prints the
+# machine and versions, runs the smoke preset on CUDA as a sanity step (about a minute, fails fast),
+# then `verl-prefix bench --preset gpu`, and leaves in $OUT (at most 8 files come back):
+#   env.txt          nvidia-smi, python3 -m pip list, the versions verl_prefix imports
+#   smoke.log/.json  the CUDA sanity step
+#   gpu_bench.log    the gpu preset's log (per-rep times; all that is left if the bench is cut short)
+#   gpu.json         the result, rewritten after every cell ("complete": false while cells are missing)
+#   benchmarks.md    a copy of docs/benchmarks.md with the gpu table written in by the CLI (between
+#                    <!-- bench:gpu:start/end --> markers; appended at the end while the doc has none)
+#   nvidia_smi.csv   GPU memory, utilisation and clocks every 5 s during both runs
+#
+# Time (one run may last 600 s; the session has 15 min of device time, machine start included).
+# FLOPs from verl_prefix.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,
+# bf16, gradient checkpointing so an update is ~4 forwards): one rep of cell P10240/S2048 is ~6.0 PFLOP
+# (dense update 3.8, prefix 1.0, forward-only 0.95 + 0.24), of cell P2048/S10240 ~9.0 PFLOP; at ~400
+# TFLOP/s effective that is ~15 s + ~22 s = ~37 s per rep of both cells. Warm-up + 5 reps would be
+# ~225 s of compute, plus ~10 s of pip install (5 s here), ~45 s of smoke and version checks, ~20 s of
+# imports, ~25 s writing the 7.6 GB random model (48 s on this 2-core VM) and 4 engine builds of 15-30 s:
+# ~420 s when all goes to plan, too close to 600 s if the GPU runs at 250-300 TFLOP/s. Default REPS=3
+# (~150 s of compute, ~330 s in all); REPS=5 for the preset's own count once a first run has shown the
+# real time per rep. The bench is also stopped (SIGINT, so Python prints where it was) when BUDGET
+# seconds of this script have passed, so that the logs still come back inside the call.
+#
+# Overrides (env): REPS=3, BUDGET=560 (seconds for the whole script), PRESET=gpu, CELLS (space-separated
+# cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity step), KIT=.whl, SITE=/tmp/site, PY=python3. Off the device, for a dry run of the script
+# itself: OUT=/tmp/out PY=/path/to/venv/python KIT=/tmp/kit311 PRESET=smoke VERL_PLATFORM=cpu bash bench/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+REPS="${REPS:-3}"
+BUDGET="${BUDGET:-560}"
+PRESET="${PRESET:-gpu}"
+SMOKE="${SMOKE:-1}"
+CELLS="${CELLS:-}"
+KIT="${KIT:-.whl}"
+SITE="${SITE:-/tmp/site}"
+PY="${PY:-python3}"
+OUT="${OUT:?OUT must name the folder whose files come back (the device tool sets it)}"
+mkdir -p "$OUT"
+
+step() { echo; echo "=== [$(date -u +%H:%M:%S), ${SECONDS}s] $*"; }
+
+smi_pid=""
+finish() {
+  rc=$?
+  [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null || true
+  echo "=== gpu_check: exit $rc after ${SECONDS}s; in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+}
+trap finish EXIT
+
+# A step's exit status: 0 goes on; a stop at its time limit (timeout's 124, or 137 after SIGKILL) exits 3,
+# so that it does not read as the device tool's own limit (it reports 124 and 137 as "timed_out").
+stopped() {
+  case "$1" in
+    0) return 0 ;;
+    124 | 137) echo "gpu_check: $2 was stopped after its ${3}s; the per-rep times so far are in its log" >&2; exit 3 ;;
+    *) echo "gpu_check: $2 failed (exit $1)" >&2; exit "$1" ;;
+  esac
+}
+
+step "install the kit ($(ls "$KIT"/*.whl | wc -l) wheels) into $SITE"
+ls "$KIT"/*.whl >/dev/null
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/*.whl
+export PYTHONPATH="$SITE:$PWD"
+export PYTHONUNBUFFERED=1
+# nothing outside the machine can be reached: never let a library wait on the hub
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+# as verl's training workers set it: the dense engine's logits (2 x 12,288 x 151,936 per micro-batch) are
+# the largest blocks, and expandable segments keep them from fragmenting the allocator
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+
+step "machine and versions (also in \$OUT/env.txt)"
+{
+  if command -v nvidia-smi >/dev/null; then nvidia-smi; else echo "no nvidia-smi"; fi
+  uname -a
+  echo "nproc $(nproc); $(grep MemTotal /proc/meminfo)"
+  "$PY" - <<'EOF'
+import importlib
+import importlib.metadata as md
+import sys
+
+import torch
+
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "| CUDA", torch.version.cuda, "|", gpu)
+names = "verl transformers tokenizers huggingface_hub accelerate peft tensordict ray TransferQueue pydantic"
+for name in (names + " numpy safetensors typing_extensions protobuf packaging").split():
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "MISSING")
+# verl_prefix first, as the CLI does: off CUDA it registers verl's "cpu" platform (VERL_PLATFORM=cpu)
+modules = ("verl_prefix", "verl_prefix.bench", "verl_prefix.cli", "ray", "verl")
+loaded = {name: importlib.import_module(name) for name in modules}
+engine = importlib.import_module("verl.workers.engine.fsdp.transformer_impl").FSDPEngineWithLMHead
+ray, verl = loaded["ray"], loaded["verl"]
+registered = loaded["verl_prefix"].is_registered()
+print(f"imports ok: ray {ray.__version__} from {ray.__file__} | verl {verl.__version__} | {engine.__name__}")
+print(f"prefix_fsdp2 registered: {registered}")
+EOF
+  echo "--- python3 -m pip list (the device's own packages)"
+  "$PY" -m pip list 2>/dev/null || true
+} 2>&1 | tee "$OUT/env.txt"
+
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu,clocks.sm,power.draw,temperature.gpu \
+    --format=csv -l 5 >"$OUT/nvidia_smi.csv" 2>&1 &
+  smi_pid=$!
+fi
+
+if [ "$SMOKE" = 1 ]; then
+  step "sanity: the smoke preset on $("$PY" -c 'import torch; print("CUDA" if torch.cuda.is_available() else "CPU")') (2 reps)"
+  rc=0
+  timeout --signal=INT --kill-after=15 180 \
+    "$PY" -m verl_prefix.cli bench --preset smoke --reps 2 --no-progress --out "$OUT/smoke.json" \
+    2>&1 | tee "$OUT/smoke.log" || rc=$?
+  stopped "$rc" "the smoke sanity step" 180
+fi
+
+left=$((BUDGET - SECONDS))
+step "verl-prefix bench --preset $PRESET --reps $REPS (stopped after ${left}s)"
+if [ "$left" -lt 60 ]; then
+  echo "gpu_check: only ${left}s of the ${BUDGET}s budget left; not starting the $PRESET preset" >&2
+  exit 1
+fi
+cp docs/benchmarks.md "$OUT/benchmarks.md" # the CLI adds or replaces the preset's table in this copy
+cell_args=()
+for cell in $CELLS; do cell_args+=(--cell "$cell"); done
+rc=0
+timeout --signal=INT --kill-after=15 "$left" \
+  "$PY" -m verl_prefix.cli bench --preset "$PRESET" --reps "$REPS" --no-progress "${cell_args[@]}" \
+  --out "$OUT/$PRESET.json" --table "$OUT/benchmarks.md" 2>&1 | tee "$OUT/gpu_bench.log" || rc=$?
+stopped "$rc" "the $PRESET preset" "$left"
+
+step "after the bench"
+if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=memory.used,memory.total --format=csv; fi
