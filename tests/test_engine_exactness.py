@@ -188,8 +188,14 @@ def _suffix_only_mask(query_len, prefix_len, device):
     return torch.cat([torch.zeros(query_len, prefix_len, dtype=torch.bool, device=device), keep], 1)[None, None]
 
 
+def _suffix_only_mask_everywhere(mp):
+    """Both spellings of the phase-B mask: eager's explicit one and sdpa's bottom-right bias."""
+    mp.setattr(prefix_kv, "causal_keep_mask", _suffix_only_mask)
+    mp.setattr(prefix_kv, "prefix_causal_bias", lambda q, k: _suffix_only_mask(q, k - q, None))
+
+
 FAULTS = {
-    "suffix_only_mask": lambda mp: mp.setattr(prefix_kv, "causal_keep_mask", _suffix_only_mask),
+    "suffix_only_mask": _suffix_only_mask_everywhere,
     "positions_off_by_one": lambda mp: mp.setattr(
         schedule, "suffix_positions", lambda pos, p, s: pos[..., p - 1 : p - 1 + s] + 1
     ),

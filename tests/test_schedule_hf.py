@@ -216,7 +216,34 @@ def test_negative_control_suffix_only_mask(monkeypatch):
         keep = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
         return torch.cat([torch.zeros(query_len, prefix_len, dtype=torch.bool, device=device), keep], 1)[None, None]
 
-    assert _error_with(monkeypatch, lambda mp: mp.setattr(prefix_kv, "causal_keep_mask", suffix_only)) > 1e-2
+    def wrong(mp):
+        mp.setattr(prefix_kv, "causal_keep_mask", suffix_only)
+        mp.setattr(prefix_kv, "prefix_causal_bias", lambda q, k: suffix_only(q, k - q, None))
+
+    assert _error_with(monkeypatch, wrong) > 1e-2
+
+
+def test_sdpa_bias_and_eager_mask_are_the_same_mask():
+    """sdpa gets phase B's mask as a bottom-right causal bias, eager as an explicit mask: one mask."""
+    for query_len, prefix_len in ((1, 5), (4, 7), (6, 1)):
+        bias = prefix_kv.prefix_causal_bias(query_len, prefix_len + query_len)
+        explicit = prefix_kv.causal_keep_mask(query_len, prefix_len, torch.device("cpu"))[0, 0]
+        assert torch.equal(bias._materialize(torch.device("cpu")), explicit)
+
+
+def test_sdpa_prefix_attention_matches_hf_sdpa_with_the_explicit_mask():
+    """Including GQA (HF repeats K/V heads whenever a mask is given; so do we)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4, 5, 8, generator=gen, dtype=torch.float64)
+    key, value = (torch.randn(3, 2, 12, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = prefix_kv.causal_keep_mask(5, 7, torch.device("cpu"))
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    got, _ = prefix_kv.sdpa_lower_right(module, query, key, value, scaling=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_negative_control_suffix_positions_off_by_one(monkeypatch):

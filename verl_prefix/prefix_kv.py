@@ -9,6 +9,7 @@ way ``DynamicCache.update`` does (trap 1): a serve context returns ``cat(prefix.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,16 +17,17 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
 if TYPE_CHECKING:
     from verl_prefix.moe import RouterStats
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
-# flash-attention kernels are served by the sdpa wrapper: it needs an explicit prefix+causal mask,
-# which flash's varlen API cannot take, and sdpa with a boolean mask is exact on every device.
+# flash-attention models are served through sdpa: phase B's keys are ``cat(prefix, suffix)`` per row,
+# which torch's sdpa takes with a bottom-right causal bias (its own flash kernel on CUDA, exact elsewhere).
 PREFIX_ATTENTION_NAMES = {
     "sdpa": "verl_prefix_sdpa",
     "eager": "verl_prefix_eager",
@@ -50,6 +52,12 @@ def causal_keep_mask(query_len: int, prefix_len: int, device: torch.device) -> t
     suffix = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
     prefix = torch.ones(query_len, prefix_len, dtype=torch.bool, device=device)
     return torch.cat([prefix, suffix], dim=1)[None, None]
+
+
+def prefix_causal_bias(query_len: int, key_len: int) -> torch.Tensor:
+    """``causal_keep_mask(query_len, key_len - query_len)`` as torch's bottom-right causal bias, which
+    sdpa runs without materialising (flash on CUDA)."""
+    return causal_lower_right(query_len, key_len)
 
 
 def _as_eager_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -136,7 +144,13 @@ class ServeContext:
 
     def __init__(self, prefix: PrefixKV, query_len: int, device: torch.device) -> None:
         self.prefix = prefix
-        self.keep = causal_keep_mask(query_len, prefix.length, device)
+        self.query_len = query_len
+        self.device = device
+
+    @functools.cached_property
+    def keep(self) -> torch.Tensor:
+        """The explicit mask eager attention adds (sdpa takes it as a causal bias instead)."""
+        return causal_keep_mask(self.query_len, self.prefix.length, self.device)
 
     def attend(
         self,
@@ -151,8 +165,32 @@ class ServeContext:
         rows = key.shape[0]
         key = torch.cat([self.prefix.keys[layer].expand(rows, -1, -1, -1), key], dim=2)
         value = torch.cat([self.prefix.values[layer].expand(rows, -1, -1, -1), value], dim=2)
-        mask = self.keep if base is sdpa_attention_forward else _as_eager_mask(self.keep, query.dtype)
-        return base(module, query, key, value, mask, **kwargs)
+        if base is sdpa_attention_forward:
+            return sdpa_lower_right(module, query, key, value, **kwargs)
+        return base(module, query, key, value, _as_eager_mask(self.keep, query.dtype), **kwargs)
+
+
+def sdpa_lower_right(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """HF's sdpa attention with the mask ``causal_keep_mask`` spells out, given as a bottom-right causal
+    bias: the queries are the last ``query_len`` of the keys, each sees every key up to its own. On CUDA
+    torch runs it with its flash kernel (an explicit mask would force the memory-efficient one) without
+    building the mask; elsewhere it materialises exactly that mask. K/V heads are repeated for GQA
+    first, as HF does whenever a mask is given."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    bias = prefix_causal_bias(query.shape[2], key.shape[2])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _make_prefix_attention(base_kind: str) -> Callable:
