@@ -6,6 +6,7 @@
 # then `verl-prefix bench --preset gpu`, and leaves in $OUT (at most 8 files come back):
 #   env.txt          nvidia-smi, python3 -m pip list, the versions verl_prefix imports
 #   smoke.log/.json  the CUDA sanity step
+#   cuda_tests.log   tests/test_cuda.py on the GPU (exactness, bf16 drift, allocator peaks, NCCL)
 #   gpu_bench.log    the gpu preset's log (per-rep times; all that is left if the bench is cut short)
 #   gpu.json         the result, rewritten after every cell ("complete": false while cells are missing)
 #   benchmarks.md    a copy of docs/benchmarks.md with the gpu table written in by the CLI (between
@@ -25,8 +26,11 @@
 # seconds of this script have passed, so that the logs still come back inside the call.
 #
 # Overrides (env): REPS=3, BUDGET=560 (seconds for the whole script), PRESET=gpu, CELLS (space-separated
-# cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity step), KIT=.whl, SITE=/tmp/site, PY=python3. Off the device, for a dry run of the script
-# itself: OUT=/tmp/out PY=/path/to/venv/python KIT=/tmp/kit311 PRESET=smoke VERL_PLATFORM=cpu bash bench/gpu_check.sh
+# cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity
+# step), CUDA_TESTS=1 (0 skips tests/test_cuda.py, about a minute), KIT=.whl, SITE=/tmp/site, PY=python3.
+# Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway):
+#   OUT=/tmp/out PY=/path/to/venv/python KIT=/tmp/kit311 PRESET=smoke CUDA_TESTS=0 VERL_PLATFORM=cpu \
+#     bash bench/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +38,7 @@ REPS="${REPS:-3}"
 BUDGET="${BUDGET:-560}"
 PRESET="${PRESET:-gpu}"
 SMOKE="${SMOKE:-1}"
+CUDA_TESTS="${CUDA_TESTS:-1}"
 CELLS="${CELLS:-}"
 KIT="${KIT:-.whl}"
 SITE="${SITE:-/tmp/site}"
@@ -119,6 +124,15 @@ if [ "$SMOKE" = 1 ]; then
     "$PY" -m verl_prefix.cli bench --preset smoke --reps 2 --no-progress --out "$OUT/smoke.json" \
     2>&1 | tee "$OUT/smoke.log" || rc=$?
   stopped "$rc" "the smoke sanity step" 180
+fi
+
+if [ "$CUDA_TESTS" = 1 ]; then
+  step "tests/test_cuda.py: exactness vs the stock engine on CUDA, bf16 drift, allocator peaks, NCCL"
+  rc=0
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 150 \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" || rc=$?
+  # a failing test is a finding to read, not a reason to skip the benchmark
+  [ "$rc" = 0 ] || echo "gpu_check: tests/test_cuda.py exited $rc (see cuda_tests.log); going on" >&2
 fi
 
 left=$((BUDGET - SECONDS))
