@@ -46,8 +46,8 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
             )
         if self.strategy != PREFIX_BACKEND:
             raise ValueError(
-                f"PrefixFSDPActorConfig needs actor.strategy={PREFIX_BACKEND}, got {self.strategy!r}: "
-                "the reuse knobs would be silently ignored by another engine"
+                f"PrefixFSDPActorConfig needs actor.strategy={PREFIX_BACKEND} (and ref.strategy, which follows "
+                f"it), got {self.strategy!r}: the reuse knobs would be silently ignored by another engine"
             )
         object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))
         super().__post_init__()

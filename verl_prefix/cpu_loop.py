@@ -10,7 +10,10 @@ cannot run on a CPU machine. This module runs everything else of a v1 training s
   ``compute_log_prob`` gives old log-probs, GRPO advantages come from ``compute_grpo_outcome_advantage``
   and ``update_actor`` trains;
 - the actor worker class the trainer registers for its actor role (``PrefixActorRolloutRefWorker`` or verl's
-  ``ActorRolloutRefWorker``), 2 ranks in Ray actors built by verl's ``RayWorkerGroup``, FSDP2 over gloo.
+  ``ActorRolloutRefWorker``), 2 ranks in Ray actors built by verl's ``RayWorkerGroup``, FSDP2 over gloo;
+- when the config needs a reference policy (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``), the
+  class registered for the ref role, colocated in the same Ray actors as verl colocates it, and the ref
+  log-prob pass of ``step()`` on its engine (``ref.strategy`` follows ``actor.strategy``).
 
 Three stand-ins replace what needs an inference server; a GPU cluster uses verl's own instead:
 
@@ -282,6 +285,7 @@ class CPULoopRun:
     seconds: float = 0.0
     loggers: list[str] = field(default_factory=list)  # trainer.logger: the Tracking backends that got the metrics
     wandb_run_dir: str | None = None  # the wandb run's directory (offline: the one to `wandb sync`)
+    ref_worker: str | None = None  # the ref worker class, when the config needs a reference policy
 
 
 def cpu_grpo_config(
@@ -304,7 +308,9 @@ def cpu_grpo_config(
     per step (``ppo_mini_batch_size = train_batch_size``): then the update does not depend on how the
     balancer orders samples, so the two modes can be compared. fp32 throughout, sdpa, no remove-padding.
     Metrics are logged to ``trainer.logger=[console]`` under ``trainer.project_name=verl_prefix_cpu_loop``
-    and ``trainer.experiment_name=<mode>-<strategy>``; ``overrides`` may change all three.
+    and ``trainer.experiment_name=<mode>-<strategy>``; ``overrides`` may change all three. The reference
+    policy is set up like the actor (fp32, no compile, same micro-batch), so that KL runs (``overrides``
+    with ``actor.use_kl_loss=true``) compare as sharply; without KL verl builds no ref worker.
     """
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -312,6 +318,7 @@ def cpu_grpo_config(
     from verl_prefix.testing import compose_ppo_config
 
     a, r, m = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
+    ref = "actor_rollout_ref.ref"
     base = [
         f"{m}.path='{Path(model_dir).resolve()}'",
         f"+{m}.override_config.attn_implementation=sdpa",
@@ -347,6 +354,11 @@ def cpu_grpo_config(
         f"+{a}.fsdp_config.mixed_precision={{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}",
         f"{a}.fsdp_config.use_torch_compile=false",
         f"{a}.checkpoint.save_contents=[hf_model]",
+        # verl's ref FSDP defaults: bf16 params (mixed_precision unset) and torch.compile
+        f"{ref}.log_prob_micro_batch_size_per_gpu={micro_batch_size_per_gpu}",
+        f"{ref}.fsdp_config.model_dtype=fp32",
+        f"+{ref}.fsdp_config.mixed_precision={{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}",
+        f"{ref}.fsdp_config.use_torch_compile=false",
         "transfer_queue.enable=true",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
@@ -399,12 +411,15 @@ def _default_tq_config() -> Any:
     return conf
 
 
-def _spawn_actor_group(trainer: Any, world_size: int) -> tuple[Any, Any, type]:
-    """Start the trainer's actor worker class on ``world_size`` CPU ranks, as ``PPOTrainer._setup`` does.
+def _spawn_worker_groups(trainer: Any, world_size: int) -> tuple[Any, Any | None, Any]:
+    """Start the trainer's actor (and ref) worker classes on ``world_size`` CPU ranks, as ``PPOTrainer._setup`` does.
 
-    The worker class comes from the trainer's own ``_init_resource_pool_mgr`` (where ``prefix_sync``
-    registers ``PrefixActorRolloutRefWorker``), with the actor-only role verl uses when rollout replicas
-    are not colocated. Only the resource pool differs from a GPU cluster: its bundles ask for no GPU.
+    The worker classes come from the trainer's own ``_init_resource_pool_mgr`` (where ``prefix_sync``
+    registers ``PrefixActorRolloutRefWorker`` for the actor and ref roles), with the actor-only role verl
+    uses when rollout replicas are not colocated. As in ``_setup``, a ref role sits in the actor's pool, so
+    both are built into the same Ray actors (``create_colocated_worker_cls``), and ``ref_in_actor`` (LoRA)
+    and ``ref_policy_wg`` are set as ``_setup`` sets them. Only the resource pool differs from a GPU
+    cluster: its bundles ask for no GPU. Returns the actor group, the ref group (or ``None``) and the pool.
     """
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.single_controller.ray.base import create_colocated_worker_cls
@@ -412,28 +427,56 @@ def _spawn_actor_group(trainer: Any, world_size: int) -> tuple[Any, Any, type]:
 
     trainer._enable_hybrid_replicas = False  # role = Role.Actor: no rollout engine inside the worker
     trainer._init_resource_pool_mgr()
-    role = Role.Actor
-    worker_cls = RayClassWithInitArgs(
-        cls=trainer.role_worker_mapping[role],
-        config=trainer.config.actor_rollout_ref,
-        distillation_config=trainer.config.get("distillation"),
-        role=str(role),
-    )
+    model = trainer.config.actor_rollout_ref.model
+    lora_rank = model.get("lora", {}).get("rank", 0)
+    if lora_rank <= 0:
+        lora_rank = model.get("lora_rank", 0)
+    trainer.ref_in_actor = lora_rank > 0 or model.get("lora_adapter_path") is not None
+    class_dict = {
+        str(Role.Actor): RayClassWithInitArgs(
+            cls=trainer.role_worker_mapping[Role.Actor],
+            config=trainer.config.actor_rollout_ref,
+            distillation_config=trainer.config.get("distillation"),
+            role=str(Role.Actor),
+        )
+    }
+    with_ref = trainer.use_reference_policy and not trainer.ref_in_actor
+    if with_ref:
+        if trainer.mapping[Role.RefPolicy] != trainer.mapping[Role.Actor]:
+            raise NotImplementedError("the CPU loop colocates the ref with the actor, as verl's global_pool does")
+        class_dict[str(Role.RefPolicy)] = RayClassWithInitArgs(
+            cls=trainer.role_worker_mapping[Role.RefPolicy],
+            config=trainer.config.actor_rollout_ref,
+            role=str(Role.RefPolicy),
+        )
     pool = RayResourcePool(
         process_on_nodes=[world_size], use_gpu=False, max_colocate_count=1, name_prefix=f"cpu_{uuid.uuid4().hex[:6]}"
     )
     wg_dict = RayWorkerGroup(
         resource_pool=pool,
-        ray_cls_with_init=create_colocated_worker_cls(class_dict={str(role): worker_cls}),
+        ray_cls_with_init=create_colocated_worker_cls(class_dict=class_dict),
         device_name="cpu",
         worker_env={**WORKER_ENV, "OMP_NUM_THREADS": "1"},
     )
-    actor_wg = wg_dict.spawn(prefix_set=[str(role)])[str(role)]
-    actor_wg.init_model()
-    return actor_wg, pool, trainer.role_worker_mapping[role].__ray_actor_class__
+    groups = wg_dict.spawn(prefix_set=class_dict.keys())
+    actor_wg = groups[str(Role.Actor)]
+    ref_wg = groups.get(str(Role.RefPolicy))
+    try:
+        actor_wg.init_model()  # _setup's order: actor first, then ref
+        if ref_wg is not None:
+            ref_wg.init_model()
+    except BaseException:
+        _teardown(actor_wg, pool)
+        raise
+    if ref_wg is not None:
+        trainer.ref_policy_wg = ref_wg
+    if trainer.ref_in_actor:
+        trainer.ref_policy_wg = actor_wg
+    return actor_wg, ref_wg, pool
 
 
 def _teardown(actor_wg: Any, pool: Any) -> None:
+    """Kill the colocated Ray actors (the ref group shares the actor group's) and free their bundles."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -493,21 +536,29 @@ def run_cpu_grpo(
     with local_cluster(), tempfile.TemporaryDirectory(dir=workdir) as tmp:
         trainer = get_trainer_cls(mode)(config)
         trainer._init_tokenizer()
-        say(f"{mode}/{config.actor_rollout_ref.actor.strategy}: starting {world_size} actor ranks")
-        actor_wg, pool, worker_cls = _spawn_actor_group(trainer, world_size)
+        ref_note = " with a reference policy" if trainer.use_reference_policy else ""
+        say(f"{mode}/{config.actor_rollout_ref.actor.strategy}: starting {world_size} actor ranks{ref_note}")
+        actor_wg, ref_wg, pool = _spawn_worker_groups(trainer, world_size)
         try:
             run = CPULoopRun(
                 mode=mode,
                 trainer=type(trainer).__name__,
-                worker=worker_cls.__name__,
+                worker=_worker_class_name(trainer, "Actor"),
                 strategy=config.actor_rollout_ref.actor.strategy,
                 initial_params={},
+                ref_worker=_worker_class_name(trainer, "RefPolicy") if ref_wg is not None else None,
             )
             _train(run, trainer, actor_wg, config, model_dir, task, steps, seed, replay, Path(tmp), say)
         finally:
             _teardown(actor_wg, pool)
     run.seconds = time.perf_counter() - start
     return run
+
+
+def _worker_class_name(trainer: Any, role: str) -> str:
+    from verl.trainer.ppo.utils import Role
+
+    return trainer.role_worker_mapping[Role[role]].__ray_actor_class__.__name__
 
 
 def _train(

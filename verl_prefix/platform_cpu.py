@@ -250,12 +250,34 @@ def _patch_process_group_backend() -> None:
             module.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
+def _patch_fsdp2_offload_pinning() -> None:
+    """Let verl's FSDP2 engine build forward-only models (the reference policy) on CPU.
+
+    verl gives every ``forward_only`` FSDP2 engine ``CPUOffloadPolicy(pin_memory=True)``; pinning host
+    memory needs an accelerator, and torch raises "Cannot access accelerator device when none is
+    available". The policy stays (the parameters already live on the host); only pinning is dropped.
+    """
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+
+    policy_cls = fsdp_impl.CPUOffloadPolicy
+    if policy_cls is None or getattr(policy_cls, "_verl_prefix_cpu", False):
+        return
+
+    class UnpinnedCPUOffloadPolicy(policy_cls):  # type: ignore[misc, valid-type]
+        _verl_prefix_cpu = True
+
+        def __init__(self, pin_memory: bool = False) -> None:
+            super().__init__(pin_memory=False)
+
+    fsdp_impl.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
+
+
 def ensure_cpu_platform() -> None:
     """Make verl in this process run on CPU; idempotent.
 
     Sets ``VERL_PLATFORM=cpu`` (refusing a conflicting value), replaces an already-resolved
-    non-CPU platform singleton, registers the FSDP engines for device "cpu", and makes verl's Ray
-    workers initialise a gloo process group.
+    non-CPU platform singleton, registers the FSDP engines for device "cpu", makes verl's Ray
+    workers initialise a gloo process group, and keeps FSDP2 from pinning memory (forward-only engines).
     """
     current = os.environ.get("VERL_PLATFORM", "").strip().lower()
     if current and current != PLATFORM_NAME:
@@ -266,3 +288,4 @@ def ensure_cpu_platform() -> None:
         set_platform(PlatformCPU())
     _register_cpu_engines()
     _patch_process_group_backend()
+    _patch_fsdp2_offload_pinning()
