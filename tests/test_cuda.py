@@ -37,10 +37,10 @@ def test_update_matches_stock_engine_on_cuda(tiny_model, dtype):
         use_kl_loss=True,
         entropy_coeff=0.01,
     )
-    assert next(iter(dense["grads"].values())).device.type in ("cuda", "cpu")
     assert grads < GRAD_TOL[dtype]
     assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-4)
     assert prefix["reduced_metrics"]["prefix/groups"] == 3.0
+    # the allocator-peak metric exists only when the engine ran on the accelerator
     assert prefix["reduced_metrics"]["prefix/max_peak_device_mib/B"] > 0
 
 
