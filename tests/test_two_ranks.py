@@ -82,6 +82,9 @@ def test_two_ranks_with_different_group_structure(tiny_model, mixed_fallback):
     else:
         assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
         assert results[0]["metrics"]["prefix/groups"] == 2.0
+        # rank 0 fills in for rank 1's two dense chunks, rank 1 for rank 0's second group: both are counted
+        for rank in range(2):
+            assert results[rank]["metrics"]["prefix/time_s/lockstep"] > 0, rank
 
 
 pytestmark = pytest.mark.timeout(600)

@@ -39,7 +39,13 @@ DEMO_MODEL: dict[str, int] = dict(
 DEMO_TASK = EchoTask(prompt_len=(384, 512), max_new_tokens=16)
 WORLD_SIZE = 2
 PROJECT = "verl_prefix_demo"
-PHASE_NAMES = {"A": "A prefix forward", "B": "B suffix micro-batches", "C": "C prefix backward", "dense": "dense rows"}
+PHASE_NAMES = {
+    "A": "A prefix forward",
+    "B": "B suffix micro-batches",
+    "C": "C prefix backward",
+    "dense": "dense rows",
+    "lockstep": "lockstep fillers",
+}
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 
@@ -242,7 +248,7 @@ def summarise(result: DemoResult) -> dict[str, Any]:
     for phase in PHASE_NAMES:
         key = f"actor/prefix/time_s/{phase}"
         times = [s.metrics[key] for s in result.prefix.steps if key in s.metrics]
-        if not times:
+        if not any(times):  # every rank reports every phase; one that never ran is all zeros
             continue
         phases[phase] = {
             "time_s": _median(times),
@@ -253,10 +259,10 @@ def summarise(result: DemoResult) -> dict[str, Any]:
         }
     held = max(s.metrics.get("actor/prefix/max_saved_for_backward_held_mib", 0.0) for s in result.prefix.steps)
     forward_only = {}
-    for phase in ("A", "B", "dense"):
+    for phase in ("A", "B", "dense", "lockstep"):
         key = f"actor/prefix/old_log_prob/time_s/{phase}"
         times = [s.metrics[key] for s in result.prefix.steps if key in s.metrics]
-        if times:
+        if any(times):
             rss_key = f"actor/prefix/old_log_prob/max_rss_mib/{phase}"
             forward_only[phase] = {
                 "time_s": _median(times),

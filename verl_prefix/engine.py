@@ -362,7 +362,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             group = plan.groups[slot] if slot < len(plan.groups) else None
             num_micro = lockstep.micro_batches[slot]
             if group is None:
-                self._dummy_group(num_micro, forward_only, device)
+                with self._meter.phase("lockstep"):
+                    self._dummy_group(num_micro, forward_only, device)
                 continue
             group = _pad_micro_batches(group, num_micro)
             if forward_only:
@@ -377,7 +378,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         for k in range(lockstep.num_dense_chunks):
             rows = dense_chunks[k] if k < len(dense_chunks) else None
             if rows is None:
-                self._dummy_dense(forward_only, device)
+                with self._meter.phase("lockstep"):
+                    self._dummy_dense(forward_only, device)
                 continue
             micro = tu.index_select_tensor_dict(micro_data, rows)
             ctx = torch.no_grad() if forward_only else nullcontext()
@@ -392,7 +394,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
         output["metrics"].update(_fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
         logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
-        output["metrics"].update(self._meter.metrics(logical_tokens=logical, physical_tokens=physical))
+        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
+        output["metrics"].update(self._meter.metrics(logical, physical, phases=phases))
         return output
 
     def _device(self) -> torch.device:

@@ -116,8 +116,10 @@ def prefix_memory_by_phase(metrics: dict[str, float], measured_update_peak: floa
     }
     for key, value in metrics.items():
         for head, kind in kinds.items():
-            if key.startswith(head):
-                out[kind][key[len(head) :]] = value
+            phase = key[len(head) :]
+            # every rank reports every phase; one that did not run (no time) has no memory to show
+            if key.startswith(head) and metrics.get(f"prefix/time_s/{phase}", 1.0) > 0:
+                out[kind][phase] = value
     if "prefix/max_saved_for_backward_held_mib" in metrics:
         out["saved_for_backward_held_mib"] = metrics["prefix/max_saved_for_backward_held_mib"]
     if measured_update_peak is not None:
@@ -265,7 +267,7 @@ def replay(
                 "prefix_time_s": {
                     k.split("/")[-1]: v
                     for k, v in metrics.items()
-                    if k.startswith("prefix/time_s/") and not k.endswith("/schedule")
+                    if k.startswith("prefix/time_s/") and not k.endswith("/schedule") and v > 0
                 },
                 "prefix_metrics": metrics,
             }

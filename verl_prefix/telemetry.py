@@ -1,7 +1,8 @@
 """Per-phase wall time and memory of the schedule, as verl metrics under ``prefix/``.
 
 Phases: ``A`` prefix forward, ``B`` suffix micro-batches (forward + backward), ``C`` prefix backward,
-``dense`` rows that ran the stock path. Memory inside a phase:
+``dense`` rows that ran the stock path, ``lockstep`` zero-loss filler work a rank runs while its peers
+still have groups or dense chunks (FSDP collectives must match; much of it is waiting for them). Memory inside a phase:
 
 - CUDA/NPU: the allocator's peak, reset at phase start (verl never resets it);
 - every device: bytes saved for backward held at once. Phase A's saved tensors live until C, each
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import psutil
 import torch
 
-PHASES = ("A", "B", "C", "dense")
+PHASES = ("A", "B", "C", "dense", "lockstep")
 _MIB = 1024.0**2
 
 
@@ -109,21 +110,24 @@ class PhaseMeter:
         held = mib + (self.held_saved_mib if name == "B" else 0.0)
         self.peak_held_saved_mib = max(self.peak_held_saved_mib, held)
 
-    def metrics(self, logical_tokens: int, physical_tokens: int) -> dict[str, float]:
+    def metrics(
+        self, logical_tokens: int, physical_tokens: int, phases: Sequence[str] | None = None
+    ) -> dict[str, float]:
+        """``phases``: report these even where they did not run (zeros). verl averages a key over the ranks
+        that report it, so every rank must report the same phases for the means to add up."""
         out: dict[str, float] = {}
         total = 0.0
-        for name in PHASES:
-            if name not in self.seconds:
-                continue
-            total += self.seconds[name]
-            out[f"prefix/time_s/{name}"] = self.seconds[name]
-            out[f"prefix/max_time_s/{name}"] = self.seconds[name]
+        for name in phases if phases is not None else [p for p in PHASES if p in self.seconds]:
+            seconds = self.seconds.get(name, 0.0)
+            total += seconds
+            out[f"prefix/time_s/{name}"] = seconds
+            out[f"prefix/max_time_s/{name}"] = seconds
             out[f"prefix/max_saved_for_backward_mib/{name}"] = self.saved_mib.get(name, 0.0)
-            out[f"prefix/max_rss_mib/{name}"] = self.peak_rss_mib[name]
+            out[f"prefix/max_rss_mib/{name}"] = self.peak_rss_mib.get(name, 0.0)
             if self._accelerator:
-                out[f"prefix/max_peak_device_mib/{name}"] = self.peak_device_mib[name]
+                out[f"prefix/max_peak_device_mib/{name}"] = self.peak_device_mib.get(name, 0.0)
         out["prefix/max_saved_for_backward_held_mib"] = self.peak_held_saved_mib
-        if "A" in self.seconds:
+        if "prefix/time_s/A" in out:
             out["prefix/max_prefix_kv_mib"] = self.peak_prefix_kv_mib
         out["prefix/time_s/schedule"] = total
         out["prefix/logical_tokens_per_s"] = logical_tokens / total if total > 0 else 0.0
