@@ -16,18 +16,24 @@ from verl_prefix.trainer import PrefixPPOTrainer
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def test_prefix_grpo_config(tiny_qwen3_dir):
+def compose_shipped(model_dir, *extra: str):
+    """configs/prefix_grpo.yaml as a user composes it, with the few values verl's checks need."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        config = compose(
+        return compose(
             config_name="prefix_grpo",
             overrides=[
-                f"actor_rollout_ref.model.path={tiny_qwen3_dir}",
+                f"actor_rollout_ref.model.path={model_dir}",
                 "actor_rollout_ref.rollout.n=4",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+                *extra,
             ],
         )
+
+
+def test_prefix_grpo_config(tiny_qwen3_dir):
+    config = compose_shipped(tiny_qwen3_dir)
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     assert get_trainer_cls(config.trainer.v1.trainer_mode) is PrefixPPOTrainer
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
@@ -40,17 +46,11 @@ def test_prefix_grpo_config(tiny_qwen3_dir):
 def test_the_reference_policy_obeys_the_actors_reuse_knobs(tiny_qwen3_dir):
     """The ref engine is prefix_fsdp2 too (ref.strategy follows the actor): it must read the same knobs,
     not ``PrefixReuseConfig()`` defaults (with reuse off on the actor, the ref pass reused)."""
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        config = compose(
-            config_name="prefix_grpo",
-            overrides=[
-                f"actor_rollout_ref.model.path={tiny_qwen3_dir}",
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-                "actor_rollout_ref.actor.prefix_reuse.enable=false",
-                "actor_rollout_ref.actor.prefix_reuse.min_prefix_len=8",
-            ],
-        )
+    config = compose_shipped(
+        tiny_qwen3_dir,
+        "actor_rollout_ref.actor.prefix_reuse.enable=false",
+        "actor_rollout_ref.actor.prefix_reuse.min_prefix_len=8",
+    )
     want = PrefixReuseConfig(enable=False, min_prefix_len=8)
     ref_node = config.actor_rollout_ref.ref
     with open_dict(ref_node):  # what ActorRolloutRefWorker.init_model does to the ref config first
