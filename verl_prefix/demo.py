@@ -225,6 +225,21 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _phase_summary(steps: list[Any], head: str, saved_for_backward: bool) -> dict[str, dict[str, float]]:
+    """Per phase that ran in any step: the median time and the peaks over steps, from the metrics under
+    ``head`` (every rank reports every phase of a pass; one that never ran is all zeros)."""
+    out = {}
+    for phase in PHASE_NAMES:
+        times = [s.metrics[f"{head}time_s/{phase}"] for s in steps if f"{head}time_s/{phase}" in s.metrics]
+        if not any(times):
+            continue
+        kinds = ("saved_for_backward_mib", "rss_mib") if saved_for_backward else ("rss_mib",)
+        out[phase] = {"time_s": _median(times)}
+        for kind in kinds:
+            out[phase][kind] = max(s.metrics.get(f"{head}max_{kind}/{phase}", 0.0) for s in steps)
+    return out
+
+
 def summarise(result: DemoResult) -> dict[str, Any]:
     """Per-step times, tokens and agreement, per-phase medians/peaks and the speedup, as plain data."""
     steps = []
@@ -244,30 +259,9 @@ def summarise(result: DemoResult) -> dict[str, Any]:
                 "grad_norm_rel": agree["grad_norm_rel"],
             }
         )
-    phases = {}
-    for phase in PHASE_NAMES:
-        key = f"actor/prefix/time_s/{phase}"
-        times = [s.metrics[key] for s in result.prefix.steps if key in s.metrics]
-        if not any(times):  # every rank reports every phase; one that never ran is all zeros
-            continue
-        phases[phase] = {
-            "time_s": _median(times),
-            "saved_for_backward_mib": max(
-                s.metrics.get(f"actor/prefix/max_saved_for_backward_mib/{phase}", 0.0) for s in result.prefix.steps
-            ),
-            "rss_mib": max(s.metrics.get(f"actor/prefix/max_rss_mib/{phase}", 0.0) for s in result.prefix.steps),
-        }
+    phases = _phase_summary(result.prefix.steps, "actor/prefix/", saved_for_backward=True)
     held = max(s.metrics.get("actor/prefix/max_saved_for_backward_held_mib", 0.0) for s in result.prefix.steps)
-    forward_only = {}
-    for phase in ("A", "B", "dense", "lockstep"):
-        key = f"actor/prefix/old_log_prob/time_s/{phase}"
-        times = [s.metrics[key] for s in result.prefix.steps if key in s.metrics]
-        if any(times):
-            rss_key = f"actor/prefix/old_log_prob/max_rss_mib/{phase}"
-            forward_only[phase] = {
-                "time_s": _median(times),
-                "rss_mib": max(s.metrics.get(rss_key, 0.0) for s in result.prefix.steps),
-            }
+    forward_only = _phase_summary(result.prefix.steps, "actor/prefix/old_log_prob/", saved_for_backward=False)
     kv_keys = ("actor/prefix/max_prefix_kv_mib", "actor/prefix/old_log_prob/max_prefix_kv_mib")
     prefix_kv = max((s.metrics.get(k, 0.0) for s in result.prefix.steps for k in kv_keys), default=0.0)
     return {
