@@ -29,3 +29,17 @@ def token_weights(layout: RowLayout, dtype: torch.dtype) -> list[torch.Tensor]:
     """A random weight per response token: a loss whose gradient reaches every log-prob differently."""
     gen = torch.Generator().manual_seed(1)
     return [torch.randn(s, generator=gen).to(dtype) for s in layout.response_lens]
+
+
+def suffix_only_mask(query_len: int, prefix_len: int, device: torch.device | None) -> torch.Tensor:
+    """The negative control's wrong phase-B mask: suffix queries see no prefix at all."""
+    keep = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.zeros(query_len, prefix_len, dtype=torch.bool, device=device), keep], 1)[None, None]
+
+
+def use_suffix_only_mask(mp) -> None:
+    """Break both spellings of phase B's mask: eager's explicit one and sdpa's bottom-right bias."""
+    from verl_prefix import prefix_kv
+
+    mp.setattr(prefix_kv, "causal_keep_mask", suffix_only_mask)
+    mp.setattr(prefix_kv, "prefix_causal_bias", lambda q, k: suffix_only_mask(q, k - q, None))

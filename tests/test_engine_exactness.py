@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layouts import use_suffix_only_mask
 from precision import promote_fp32_upcasts
 
-from verl_prefix import PrefixReuseConfig, prefix_kv, schedule
+from verl_prefix import PrefixReuseConfig, schedule
 from verl_prefix import testing as T
 
 VOCAB = 128
@@ -183,19 +184,8 @@ def test_infer_batch_matches_stock(tiny_model, dtype, attn):
     assert T.reduce_step_metrics(prefix["metrics"])["prefix/groups"] == 3.0
 
 
-def _suffix_only_mask(query_len, prefix_len, device):
-    keep = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
-    return torch.cat([torch.zeros(query_len, prefix_len, dtype=torch.bool, device=device), keep], 1)[None, None]
-
-
-def _suffix_only_mask_everywhere(mp):
-    """Both spellings of the phase-B mask: eager's explicit one and sdpa's bottom-right bias."""
-    mp.setattr(prefix_kv, "causal_keep_mask", _suffix_only_mask)
-    mp.setattr(prefix_kv, "prefix_causal_bias", lambda q, k: _suffix_only_mask(q, k - q, None))
-
-
 FAULTS = {
-    "suffix_only_mask": _suffix_only_mask_everywhere,
+    "suffix_only_mask": use_suffix_only_mask,
     "positions_off_by_one": lambda mp: mp.setattr(
         schedule, "suffix_positions", lambda pos, p, s: pos[..., p - 1 : p - 1 + s] + 1
     ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layouts import VOCAB, make_layout, token_weights
+from layouts import VOCAB, make_layout, token_weights, use_suffix_only_mask
 from precision import promote_fp32_upcasts
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -212,15 +212,7 @@ def _error_with(monkeypatch, patch) -> float:
 
 
 def test_negative_control_suffix_only_mask(monkeypatch):
-    def suffix_only(query_len, prefix_len, device):
-        keep = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
-        return torch.cat([torch.zeros(query_len, prefix_len, dtype=torch.bool, device=device), keep], 1)[None, None]
-
-    def wrong(mp):
-        mp.setattr(prefix_kv, "causal_keep_mask", suffix_only)
-        mp.setattr(prefix_kv, "prefix_causal_bias", lambda q, k: suffix_only(q, k - q, None))
-
-    assert _error_with(monkeypatch, wrong) > 1e-2
+    assert _error_with(monkeypatch, use_suffix_only_mask) > 1e-2
 
 
 def test_sdpa_bias_and_eager_mask_are_the_same_mask():
