@@ -233,18 +233,10 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     suffix = "-compile" if args.compile else ""
     out = args.out if args.out is not None else Path("bench/results") / f"{args.preset}{suffix}.json"
-    for path in (out, args.table):
-        if path is not None and path.exists() and path.is_dir():
-            print(f"verl-prefix: error: {path} is a directory, expected a file path", file=sys.stderr)
-            return 2
-    if args.table is not None and not args.table.parent.is_dir():
-        print(f"verl-prefix: error: directory {args.table.parent} for --table does not exist", file=sys.stderr)
-        return 2
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"verl-prefix: error: cannot create {out.parent}: {exc.strerror}", file=sys.stderr)
-        return 2
+    for path, what in ((out, "--out"), (args.table, "--table")):
+        problem = _writable_file(path, what)
+        if problem is not None:
+            return _fail(problem)
     try:
         result = run_bench(
             args.preset,
