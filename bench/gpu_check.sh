@@ -6,7 +6,7 @@
 # then `verl-prefix bench --preset gpu`, and leaves in $OUT (at most 8 files come back):
 #   env.txt          nvidia-smi, python3 -m pip list, the versions verl_prefix imports
 #   smoke.log/.json  the CUDA sanity step
-#   cuda_tests.log   tests/test_cuda.py on the GPU (exactness, bf16 drift, allocator peaks, NCCL)
+#   cuda_tests.log   tests/backend/test_cuda.py on the GPU (exactness, bf16 drift, allocator peaks, NCCL)
 #   gpu_bench.log    the gpu preset's log (per-rep times; all that is left if the bench is cut short)
 #   gpu.json         the result, rewritten after every cell ("complete": false while cells are missing)
 #   benchmarks.md    a copy of docs/benchmarks.md with the gpu table written in by the CLI (between
@@ -14,7 +14,7 @@
 #   nvidia_smi.csv   GPU memory, utilisation and clocks every 5 s during both runs
 #
 # Time (one run may last 600 s; the session has 15 min of device time, machine start included).
-# FLOPs from verl_prefix.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,
+# FLOPs from verl_prefix.tools.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,
 # bf16, gradient checkpointing so an update is ~4 forwards): one rep of cell P10240/S2048 is ~6.0 PFLOP
 # (dense update 3.8, prefix 1.0, forward-only 0.95 + 0.24), of cell P2048/S10240 ~9.0 PFLOP; at ~400
 # TFLOP/s effective that is ~15 s + ~22 s = ~37 s per rep of both cells. Warm-up + 5 reps would be
@@ -27,7 +27,7 @@
 #
 # Overrides (env): REPS=3, BUDGET=560 (seconds for the whole script), PRESET=gpu, CELLS (space-separated
 # cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity
-# step), CUDA_TESTS=1 (0 skips tests/test_cuda.py, about a minute), KIT=.whl, SITE=/tmp/site, PY=python3.
+# step), CUDA_TESTS=1 (0 skips tests/backend/test_cuda.py, about a minute), KIT=.whl, SITE=/tmp/site, PY=python3.
 # Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway):
 #   OUT=/tmp/out PY=/path/to/venv/python KIT=/tmp/kit311 PRESET=smoke CUDA_TESTS=0 VERL_PLATFORM=cpu \
 #     bash bench/gpu_check.sh
@@ -99,7 +99,7 @@ for name in (names + " numpy safetensors typing_extensions protobuf packaging").
     except md.PackageNotFoundError:
         print(name, "MISSING")
 # verl_prefix first, as the CLI does: off CUDA it registers verl's "cpu" platform (VERL_PLATFORM=cpu)
-modules = ("verl_prefix", "verl_prefix.bench", "verl_prefix.cli", "ray", "verl")
+modules = ("verl_prefix", "verl_prefix.tools.bench", "verl_prefix.tools.cli", "ray", "verl")
 loaded = {name: importlib.import_module(name) for name in modules}
 engine = importlib.import_module("verl.workers.engine.fsdp.transformer_impl").FSDPEngineWithLMHead
 ray, verl = loaded["ray"], loaded["verl"]
@@ -121,18 +121,18 @@ if [ "$SMOKE" = 1 ]; then
   step "sanity: the smoke preset on $("$PY" -c 'import torch; print("CUDA" if torch.cuda.is_available() else "CPU")') (2 reps)"
   rc=0
   timeout --signal=INT --kill-after=15 180 \
-    "$PY" -m verl_prefix.cli bench --preset smoke --reps 2 --no-progress --out "$OUT/smoke.json" \
+    "$PY" -m verl_prefix.tools.cli bench --preset smoke --reps 2 --no-progress --out "$OUT/smoke.json" \
     2>&1 | tee "$OUT/smoke.log" || rc=$?
   stopped "$rc" "the smoke sanity step" 180
 fi
 
 if [ "$CUDA_TESTS" = 1 ]; then
-  step "tests/test_cuda.py: exactness vs the stock engine on CUDA, bf16 drift, allocator peaks, NCCL"
+  step "tests/backend/test_cuda.py: exactness vs the stock engine on CUDA, bf16 drift, allocator peaks, NCCL"
   rc=0
   VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 150 \
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" || rc=$?
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/backend/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" || rc=$?
   # a failing test is a finding to read, not a reason to skip the benchmark
-  [ "$rc" = 0 ] || echo "gpu_check: tests/test_cuda.py exited $rc (see cuda_tests.log); going on" >&2
+  [ "$rc" = 0 ] || echo "gpu_check: tests/backend/test_cuda.py exited $rc (see cuda_tests.log); going on" >&2
 fi
 
 left=$((BUDGET - SECONDS))
@@ -146,7 +146,7 @@ cell_args=()
 for cell in $CELLS; do cell_args+=(--cell "$cell"); done
 rc=0
 timeout --signal=INT --kill-after=15 "$left" \
-  "$PY" -m verl_prefix.cli bench --preset "$PRESET" --reps "$REPS" --no-progress "${cell_args[@]}" \
+  "$PY" -m verl_prefix.tools.cli bench --preset "$PRESET" --reps "$REPS" --no-progress "${cell_args[@]}" \
   --out "$OUT/$PRESET.json" --table "$OUT/benchmarks.md" 2>&1 | tee "$OUT/gpu_bench.log" || rc=$?
 stopped "$rc" "the $PRESET preset" "$left"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the GPU kit: .whl/ holds exactly the wheels the lent H200 machine lacks for
-#   python3 -m verl_prefix.cli bench --preset gpu
+#   python3 -m verl_prefix.tools.cli bench --preset gpu
 # (it has Python 3.12, torch 2.11 and a long package list, but no verl and no network; see docs/gpu.md
 # and /work/.library/device/KINDS.md). Run it HERE, where pip reaches the package registry; the GPU
 # session then sends .whl with `carry: [".whl"]` and bench/gpu_check.sh installs it with --no-deps.
@@ -11,7 +11,7 @@
 #     DEST            where the wheels go (default .whl; its old *.whl are removed first).
 #   MAX_MB=56 (env)   fail when the wheels total more than this many MiB: working tree + carry <= 64 MiB.
 #
-# The set: every distribution that `import verl_prefix.bench, verl_prefix.cli`, verl's
+# The set: every distribution that `import verl_prefix.tools.bench, verl_prefix.tools.cli`, verl's
 # FSDPEngineWithLMHead and a smoke bench run load (sys.modules, mapped to owners through RECORD files),
 # minus those the device image already holds at a usable version. Versions are the ones in this repo's
 # .venv (checked below when .venv exists), so the device runs what the CPU tests ran.

@@ -5,26 +5,26 @@ a ``verl.plugins`` entry point, so ``import verl`` does this in the driver and i
 the CPU platform activates here when ``VERL_PLATFORM=cpu`` is set.
 """
 
-from verl_prefix.platform_cpu import cpu_platform_requested, ensure_cpu_platform
+from verl_prefix.backend.platform_cpu import cpu_platform_requested, ensure_cpu_platform
 
 if cpu_platform_requested():
     ensure_cpu_platform()
 
-from verl_prefix.config import PREFIX_BACKEND, PrefixFSDPEngineConfig, PrefixReuseConfig  # noqa: E402
-from verl_prefix.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E402
+from verl_prefix.backend.config import PREFIX_BACKEND, PrefixFSDPEngineConfig, PrefixReuseConfig  # noqa: E402
+from verl_prefix.backend.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E402
 
 register()
 
 # The trainer mode ("prefix_sync") registers on import. It needs verl's v1 trainer stack
 # (TransferQueue, ray); an engine-only install without it still gets the engine.
 try:
-    from verl_prefix import trainer as _trainer  # noqa: E402, F401
+    from verl_prefix.backend import trainer as _trainer  # noqa: E402, F401
 except ImportError as _error:  # pragma: no cover - depends on the install
     import logging as _logging
 
     _logging.getLogger(__name__).warning("verl_prefix trainer mode unavailable: %s", _error)
 
-from verl_prefix.actor_config import PrefixFSDPActorConfig  # noqa: E402
+from verl_prefix.backend.actor_config import PrefixFSDPActorConfig  # noqa: E402
 
 
 def is_registered() -> bool:

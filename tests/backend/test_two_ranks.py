@@ -1,0 +1,90 @@
+"""Two data-parallel ranks (gloo, FSDP2 sharded over both) whose mini-batches have different group
+structure: reuse must keep collectives in lockstep and still give the stock engine's gradients."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.ranks import run_two_ranks
+
+VOCAB = 128
+
+
+def _rank_batch(rank: int):
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.tools import testing as T
+
+    if rank == 0:  # two groups of four
+        return T.make_grpo_batch(
+            num_groups=2,
+            group_size=4,
+            prompt_lens=[9, 5],
+            response_len_range=(1, 6),
+            vocab_size=VOCAB,
+            seed=11,
+            global_batch_size=16,
+        )
+    # one group of four plus four singletons with a short prompt: one reuse group and two dense chunks
+    group = T.make_grpo_batch(
+        num_groups=1,
+        group_size=4,
+        prompt_lens=12,
+        response_len_range=(1, 6),
+        vocab_size=VOCAB,
+        seed=12,
+        global_batch_size=16,
+    )
+    singles = T.make_grpo_batch(
+        num_groups=4,
+        group_size=1,
+        prompt_lens=3,
+        response_len_range=(2, 4),
+        vocab_size=VOCAB,
+        seed=13,
+        global_batch_size=16,
+    )
+    return tu.concat_tensordict([group, singles])
+
+
+def _body(rank: int, model_dir: str, mixed_fallback: bool) -> dict:
+    from helpers.precision import promote_fp32_upcasts
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.tools import testing as T
+
+    batch = _rank_batch(rank)
+    if mixed_fallback and rank == 1:  # only this rank's batch asks for something reuse does not cover
+        tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
+    kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
+    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
+    with promote_fp32_upcasts():
+        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        got_infer = T.run_infer(prefix, batch)
+        want_infer = T.run_infer(dense, batch)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    lp = (got_infer["response_log_probs"].values() - want_infer["response_log_probs"].values()).abs().max()
+    return {"worst": worst, "infer": lp.item(), "metrics": got["reduced_metrics"]}
+
+
+@pytest.mark.parametrize("mixed_fallback", [False, True], ids=["reuse", "one-rank-falls-back"])
+def test_two_ranks_with_different_group_structure(tiny_model, mixed_fallback):
+    results = run_two_ranks(_body, str(tiny_model("qwen3")), mixed_fallback)
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-10
+        assert results[rank]["infer"] < 1e-10
+    if mixed_fallback:  # both ranks ran dense, each saying why
+        assert results[1]["metrics"]["prefix/fallback_sum_pi_squared"] == 8.0
+        assert results[0]["metrics"]["prefix/fallback_peer_fallback"] == 8.0
+    else:
+        assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
+        assert results[0]["metrics"]["prefix/groups"] == 2.0
+        # rank 0 fills in for rank 1's two dense chunks, rank 1 for rank 0's second group: both are counted
+        for rank in range(2):
+            assert results[rank]["metrics"]["prefix/time_s/lockstep"] > 0, rank
+
+
+pytestmark = pytest.mark.timeout(600)

@@ -1,0 +1,94 @@
+"""Reuse knobs, as verl config dataclasses so hydra, ``omega_conf_to_dataclass`` and validation apply."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from verl.base_config import BaseConfig
+from verl.workers.config import FSDPEngineConfig
+
+PREFIX_BACKEND = "prefix_fsdp2"
+
+
+def validate_moe_aux_loss_coef(value: object) -> float:
+    """The router aux coefficient as a float; a negative one would train toward imbalance."""
+    try:
+        coef = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"moe_aux_loss_coef must be a number >= 0, got {value!r}") from None
+    if not math.isfinite(coef) or coef < 0:
+        raise ValueError(f"moe_aux_loss_coef must be a finite number >= 0 (0 turns it off), got {value!r}")
+    return coef
+
+
+@dataclass
+class PrefixReuseConfig(BaseConfig):
+    """How the ``prefix_fsdp2`` engine schedules each uid group.
+
+    Args:
+        enable: run the A/B/C schedule; off runs every mini-batch through the stock FSDP2 path
+            (counted as ``actor/prefix/fallback_disabled``).
+        suffix_micro_batch_size: suffix rows per phase-B micro-batch; ``None`` uses verl's
+            ``ppo_micro_batch_size_per_gpu`` (or ``log_prob_micro_batch_size_per_gpu``).
+        suffix_token_budget: padded suffix tokens per micro-batch; ``None`` uses verl's
+            ``max_token_len_per_gpu`` when ``use_dynamic_bsz`` is on, else no budget.
+        min_prefix_len: groups whose shared prefix (prompt minus its last token) is shorter run
+            dense, counted as ``fallback_short_prefix``: phase A's fixed cost would not pay.
+        min_group_size: smaller groups run dense (``fallback_small_group``); a group of one
+            shares nothing.
+        forward_only_reuse: reuse the prefix for old/ref log-prob passes too.
+        early_exit: stop phase A after the last layer's K/V (skips that layer's MLP and the LM
+            head over the prefix).
+    """
+
+    enable: bool = True
+    suffix_micro_batch_size: int | None = None
+    suffix_token_budget: int | None = None
+    min_prefix_len: int = 32
+    min_group_size: int = 2
+    forward_only_reuse: bool = True
+    early_exit: bool = True
+
+    def __post_init__(self) -> None:
+        if self.suffix_micro_batch_size is not None and self.suffix_micro_batch_size < 1:
+            raise ValueError(
+                f"prefix_reuse.suffix_micro_batch_size must be >= 1 or null, got {self.suffix_micro_batch_size}"
+            )
+        if self.suffix_token_budget is not None and self.suffix_token_budget < 1:
+            raise ValueError(f"prefix_reuse.suffix_token_budget must be >= 1 or null, got {self.suffix_token_budget}")
+        if self.min_prefix_len < 1:
+            raise ValueError(f"prefix_reuse.min_prefix_len must be >= 1, got {self.min_prefix_len}")
+        if self.min_group_size < 1:
+            raise ValueError(f"prefix_reuse.min_group_size must be >= 1, got {self.min_group_size}")
+
+
+@dataclass
+class PrefixFSDPEngineConfig(FSDPEngineConfig):
+    """verl's FSDP engine config plus the reuse knobs; accepts ``strategy: prefix_fsdp2``.
+
+    Select it with ``actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig``
+    to set knobs from YAML; without it the engine uses ``PrefixReuseConfig()`` defaults.
+
+    Args:
+        moe_aux_loss_coef: coefficient of HF's MoE router load-balancing loss, added to verl's loss in
+            dense and reuse mode alike (verl 0.9.1's FSDP engine adds none). 0 (default) keeps the
+            engine a drop-in for the stock one. The model config's ``router_aux_loss_coef`` is not read.
+        record_trace_dir: when set, every ``train_batch`` input is recorded there (``rank<r>``
+            subdirectories with several ranks) for ``verl-prefix replay``; see ``verl_prefix.backend.trace``.
+    """
+
+    strategy: str = PREFIX_BACKEND
+    prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
+    moe_aux_loss_coef: float = 0.0
+    record_trace_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        requested = self.strategy
+        if requested == PREFIX_BACKEND:
+            object.__setattr__(self, "strategy", "fsdp2")  # let the parent's validation run unchanged
+        super().__post_init__()
+        object.__setattr__(self, "strategy", requested)
+        if isinstance(self.prefix_reuse, dict):
+            object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
+        object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))

@@ -1,0 +1,485 @@
+"""The ``prefix_fsdp2`` engine backend: verl's FSDP2 engine with the A/B/C schedule per uid group.
+
+Everything verl already does stays verl's: model build, FSDP2 wrapping, ``ppo_loss`` (called per
+suffix micro-batch on that micro-batch's rows, with the mini-batch's global normalisation attached
+exactly as the stock engine attaches it), optimizer step, checkpointing. Only
+``forward_backward_batch`` changes. Rows that cannot reuse run through the stock ``forward_step``
+and are counted under ``prefix/fallback_<reason>``; a whole mini-batch that cannot reuse runs the
+stock method and is counted the same way.
+
+With ``moe_aux_loss_coef > 0`` every training micro-batch, dense or reuse, adds HF's router
+load-balancing loss of that micro-batch, weighted by its share of the mini-batch's logical tokens
+times ``dp_size`` (``_moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_prefix.schedule.moe``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.metric import AggregationType, Metric
+from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func
+
+from verl_prefix.backend import fallbacks
+from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
+from verl_prefix.backend.inputs import per_row_temperature, row_layout
+from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
+from verl_prefix.backend.outputs import (
+    as_micro_batch_lists,
+    fallback_metrics,
+    full_length,
+    static_bsz,
+    token_counts,
+)
+from verl_prefix.schedule import moe
+from verl_prefix.schedule.executor import infer_group, train_group
+from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch, validate_batch
+from verl_prefix.schedule.telemetry import PhaseMeter
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+    """Drop-in for verl's ``FSDPEngineWithLMHead`` selected by ``actor.strategy=prefix_fsdp2``."""
+
+    def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
+        reuse = getattr(engine_config, "prefix_reuse", None)
+        if getattr(engine_config, "strategy", None) == PREFIX_BACKEND:
+            # verl's FSDP code branches on strategy == "fsdp2"; keep the caller's object untouched.
+            engine_config = copy.copy(engine_config)
+            object.__setattr__(engine_config, "strategy", "fsdp2")
+        super().__init__(model_config, engine_config, *args, **kwargs)
+        self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
+        self.moe_aux_loss_coef = getattr(engine_config, "moe_aux_loss_coef", 0.0)
+        self.record_trace_dir: str | None = getattr(engine_config, "record_trace_dir", None)
+        self._trace_writer: Any = None
+        self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
+
+    # -- MoE router aux loss ------------------------------------------------------------------------
+
+    @property
+    def moe_aux_loss_coef(self) -> float:
+        """Coefficient of the router load-balancing loss; 0 leaves verl's loss untouched."""
+        return self._moe_aux_loss_coef
+
+    @moe_aux_loss_coef.setter
+    def moe_aux_loss_coef(self, value: float) -> None:
+        self._moe_aux_loss_coef = validate_moe_aux_loss_coef(value)
+
+    def _moe_aux_on(self, forward_only: bool) -> bool:
+        return not forward_only and self._moe_aux_loss_coef > 0
+
+    def _moe_routers(self) -> moe.MoeRouters:
+        """The model's routers; raises a clear error for a model whose router statistics we do not serve."""
+        if self._moe_routers_cache is None or self._moe_routers_cache[0] != id(self.module):
+            self._moe_routers_cache = (id(self.module), moe.MoeRouters(self.module))
+        return self._moe_routers_cache[1]
+
+    def _attach_moe_normalisation(self, data: TensorDict) -> None:
+        """Logical tokens (prompt + response, every row) of the mini-batch over all DP ranks: the aux
+        weights' denominator. Collective: every rank runs it when the knob is on."""
+        if self.use_ulysses_sp:
+            raise ValueError(
+                "moe_aux_loss_coef > 0 with Ulysses sequence parallelism: each rank would see only a shard "
+                "of every sequence's router statistics. Set moe_aux_loss_coef=0 or ulysses_sequence_parallel_size=1."
+            )
+        self._moe_routers()
+        # a fresh tensor: offsets()[-1] is a view, and all_reduce works in place
+        tokens = torch.tensor(int(data["input_ids"].offsets()[-1]), device=get_device_id())
+        dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, moe_aux_num_tokens=int(tokens.item()))
+
+    def _moe_aux_term(self, stats: moe.RouterStats, data: TensorDict) -> tuple[torch.Tensor, Metric]:
+        """``coef * w * aux`` with ``w = tokens(micro-batch) / tokens(mini-batch, all ranks) * dp_size``.
+
+        HF's aux is a mean over one forward call; weighting each micro-batch by its share of the
+        mini-batch's logical tokens makes the sum over micro-batches a token-weighted mean, and
+        ``dp_size`` undoes FSDP's gradient averaging, as verl's token-mean losses do. With one
+        micro-batch on one rank the term is exactly ``coef * HF aux``. The logged value is ``w * aux``
+        (summed over micro-batches, like verl's ``pg_loss``): the mini-batch's token-weighted mean aux.
+        """
+        total = tu.get_non_tensor_data(data=data, key="moe_aux_num_tokens", default=None)
+        if total is None:
+            raise RuntimeError("moe_aux_num_tokens is missing: the mini-batch was not normalised for the aux loss")
+        weight = stats.tokens * self.get_data_parallel_size() / total
+        aux = self._moe_routers().loss(stats) * weight
+        return self._moe_aux_loss_coef * aux, Metric(value=aux.detach(), aggregation=AggregationType.SUM)
+
+    def forward_step(self, micro_batch: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        """verl's dense ``forward_step``, plus the router aux loss of the micro-batch when it is on.
+
+        The routers' logits are captured by forward hooks during verl's own model call; the wrapped
+        loss function (called by verl right after the model) adds the weighted aux term.
+        """
+        if not self._moe_aux_on(forward_only) or loss_function is None:
+            return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+        routers = self._moe_routers()
+        with routers.capture() as logits:
+
+            def loss_with_aux(model_output: dict, data: TensorDict, dp_group: Any = None) -> tuple:
+                loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+                stats = routers.stats(logits, _dense_token_mask(data, logits[0].shape[0]))
+                term, metric = self._moe_aux_term(stats, data)
+                return loss + term, {**metrics, "moe_aux_loss": metric}
+
+            return super().forward_step(micro_batch, loss_function=loss_with_aux, forward_only=forward_only)
+
+    # -- what can reuse ---------------------------------------------------------------------------
+
+    def _model_fallback_reason(self, forward_only: bool) -> str | None:
+        """A reason the whole mini-batch must run dense because of the model or the knobs, or None."""
+        return fallbacks.model_fallback_reason(
+            self.module, self.reuse_config, forward_only=forward_only, ulysses=self.use_ulysses_sp
+        )
+
+    def _fallback_reason(self, data: TensorDict, forward_only: bool) -> str | None:
+        """The reason this mini-batch runs dense on every data-parallel rank, or None to reuse."""
+        reason = self._model_fallback_reason(forward_only) or fallbacks.batch_fallback_reason(data)
+        return fallbacks.agree_on_fallback(reason, self.get_data_parallel_group())
+
+    # -- the mini-batch -----------------------------------------------------------------------------
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        output = self._forward_backward(data, loss_function, forward_only)
+        output["metrics"] = as_micro_batch_lists(output["metrics"])
+        return output
+
+    def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        if self._moe_aux_on(forward_only) and loss_function is not None:
+            self._attach_moe_normalisation(data)
+        reason = self._fallback_reason(data, forward_only)
+        if reason is not None:
+            meter = PhaseMeter(self._device())
+            with meter.phase("dense"):
+                output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            tokens = int(data["input_ids"].offsets()[-1])
+            output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
+            output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
+            return output
+        return self._reuse_batch(data, loss_function, forward_only)
+
+    def _attach_global_normalisation(self, data: TensorDict) -> None:
+        """What the stock engine attaches before splitting: loss terms are shares of the mini-batch."""
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+    def _plan(self, data: TensorDict, layout: RowLayout, forward_only: bool) -> BatchPlan:
+        use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False)
+        max_rows = self.reuse_config.suffix_micro_batch_size
+        if max_rows is None and not use_dynamic_bsz:
+            max_rows = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1))
+        max_tokens = self.reuse_config.suffix_token_budget
+        if max_tokens is None and use_dynamic_bsz:
+            max_tokens = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=0)) or None
+        return plan_batch(
+            layout,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            min_prefix_len=self.reuse_config.min_prefix_len,
+            min_group_size=self.reuse_config.min_group_size,
+            extra_tokens_per_row=1 if self._moe_aux_on(forward_only) else 0,  # the routed last token
+        )
+
+    def _autocast(self) -> Callable[[], AbstractContextManager]:
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        if dtype == torch.float32 or dtype == torch.float64:
+            return nullcontext
+        return lambda: torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+    def _entropy_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Entropy exactly as the stock ``prepare_model_outputs`` computes it: the engine's (maybe
+        compiled) function, chunked or checkpointed as the engine config says."""
+        config = self.engine_config
+        if config.entropy_checkpointing:
+            return lambda logits: torch.utils.checkpoint.checkpoint(self.compute_entropy_from_logits, logits)
+        if config.entropy_from_logits_with_chunking:
+            return functools.partial(self.compute_entropy_from_logits, chunk_size=config.entropy_from_logits_chunk_size)
+        return self.compute_entropy_from_logits
+
+    def _schedule_options(self, device: torch.device, *, train: bool, real: bool = True) -> dict[str, Any]:
+        """The keyword arguments every ``train_group``/``infer_group`` call shares. Lockstep fillers
+        (``real=False``) are neither metered nor asked for entropy."""
+        options: dict[str, Any] = {"device": device, "autocast": self._autocast()}
+        if real:
+            options.update(meter=self._meter, entropy_fn=self._entropy_fn())
+        if train:
+            options.update(backward=self._backward, early_exit=self.reuse_config.early_exit)
+        return options
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        scaler = getattr(self, "scaler", None)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def _reuse_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        self._attach_global_normalisation(data)
+        layout = row_layout(data)
+        if forward_only:
+            validate_batch(layout)
+        else:
+            validate_batch(
+                layout,
+                data["advantages"].to_padded_tensor(0.0) if data["advantages"].is_nested else data["advantages"],
+                None,
+            )
+        plan = self._plan(data, layout, forward_only)
+        dense_rows = plan.all_dense_rows
+        dense_chunks = self._dense_chunks(data, dense_rows)
+        lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
+
+        device = self._device()
+        self._meter = PhaseMeter(device)
+        temperature = per_row_temperature(data)
+        calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        output_lst: list[dict] = []
+        order: list[list[int]] = []
+        micro_data = data.to(device) if device.type != "cpu" else data
+
+        def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
+            keep = forward_only or return_model_output
+            output_lst.append(
+                {"model_output": detach_tree(model_output) if keep else {}, "loss": loss, "metrics": metrics}
+            )
+            order.append(rows)
+
+        for slot in range(lockstep.num_groups):
+            group = plan.groups[slot] if slot < len(plan.groups) else None
+            num_micro = lockstep.micro_batches[slot]
+            if group is None:
+                with self._meter.phase("lockstep"):
+                    self._dummy_group(num_micro, forward_only, device)
+                continue
+            group = _pad_micro_batches(group, num_micro)
+            if forward_only:
+                self._infer_group(
+                    micro_data, layout, group, temperature, calculate_entropy, device, loss_function, record
+                )
+            else:
+                self._train_group(
+                    micro_data, layout, group, temperature, calculate_entropy, device, loss_function, record
+                )
+
+        for k in range(lockstep.num_dense_chunks):
+            rows = dense_chunks[k] if k < len(dense_chunks) else None
+            if rows is None:
+                with self._meter.phase("lockstep"):
+                    self._dummy_dense(forward_only, device)
+                continue
+            micro = tu.index_select_tensor_dict(micro_data, rows)
+            ctx = torch.no_grad() if forward_only else nullcontext()
+            with ctx, self._meter.phase("dense"):
+                loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
+                if not forward_only:
+                    self._backward(loss)
+            record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
+
+        output = postprocess_batch_func(output_lst=output_lst, indices=order, data=static_bsz(data))
+        if output["model_output"]:
+            output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
+        output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
+        logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
+        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
+        output["metrics"].update(self._meter.metrics(logical, physical, phases=phases))
+        return output
+
+    def _device(self) -> torch.device:
+        name = get_device_name()
+        return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+
+    def optimizer_step(self) -> float:
+        start = time.perf_counter()
+        grad_norm = super().optimizer_step()
+        self._optimizer_seconds = time.perf_counter() - start
+        return grad_norm
+
+    def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
+        if self.record_trace_dir:
+            self._record(data, loss_function)
+        outputs = super().train_batch(data, loss_function)
+        outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
+        return outputs
+
+    def _record(self, data: TensorDict, loss_function: Callable) -> None:
+        """Write this update's batch to the trace before anything changes it (``record_trace_dir``)."""
+        from verl_prefix.backend.trace import TraceWriter, rank_trace_dir, record_train_batch
+
+        if self._trace_writer is None:
+            directory = rank_trace_dir(self.record_trace_dir)
+            resume = (directory / "manifest.json").exists()
+            self._trace_writer = TraceWriter(directory, model_ref=str(self.model_config.path), append=resume)
+        record_train_batch(self._trace_writer, self, data, loss_function)
+
+    def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
+        """Dense rows in micro-batches of verl's size; the loss is globally normalised, so the split is free."""
+        if not rows:
+            return []
+        size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def _train_group(
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        group: GroupPlan,
+        temperature: torch.Tensor,
+        calculate_entropy: bool,
+        device: torch.device,
+        loss_function: Callable,
+        record: Callable,
+    ) -> None:
+        pending: list[tuple[list[int], dict, dict]] = []
+        aux_on = self._moe_aux_on(forward_only=False)
+
+        def aux_fn(rows: list[int], stats: moe.RouterStats) -> torch.Tensor:
+            term, metric = self._moe_aux_term(stats, data)
+            pending[-1][2]["moe_aux_loss"] = metric
+            return term
+
+        def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+            model_output = {"log_probs": full_length(log_probs, layout, rows)}
+            if entropy is not None:
+                model_output["entropy"] = full_length(entropy, layout, rows)
+            micro = tu.index_select_tensor_dict(data, rows)
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
+            )
+            pending.append((rows, model_output, metrics))
+            return loss
+
+        losses = train_group(
+            self.module,
+            layout,
+            group,
+            temperature,
+            loss_fn,
+            calculate_entropy=calculate_entropy,
+            routers=self._moe_routers() if aux_on else None,
+            aux_fn=aux_fn if aux_on else None,
+            **self._schedule_options(device, train=True),
+        )
+        for (rows, model_output, metrics), loss in zip(pending, losses):
+            record(rows, model_output, loss.item(), metrics)
+
+    def _infer_group(
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        group: GroupPlan,
+        temperature: torch.Tensor,
+        calculate_entropy: bool,
+        device: torch.device,
+        loss_function: Callable | None,
+        record: Callable,
+    ) -> None:
+        results = infer_group(
+            self.module,
+            layout,
+            group,
+            temperature,
+            calculate_entropy=calculate_entropy,
+            **self._schedule_options(device, train=False),
+        )
+        for rows in group.micro_batches:
+            log_probs = [results[i][0] for i in rows]
+            model_output = {"log_probs": full_length(log_probs, layout, rows)}
+            if calculate_entropy:
+                model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
+            metrics: dict = {}
+            loss = 1.0
+            if loss_function is not None:
+                micro = tu.index_select_tensor_dict(data, rows)
+                loss_t, metrics = loss_function(
+                    model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
+                )
+                loss = loss_t.detach().item()
+            record(rows, model_output, loss, metrics)
+
+    # -- lockstep fillers: FSDP collectives must match across ranks -----------------------------------
+
+    def _dummy_group(self, num_micro: int, forward_only: bool, device: torch.device) -> None:
+        layout, group = filler_group(num_micro)
+        temperature = torch.ones(len(layout))
+        if forward_only:
+            infer_group(
+                self.module,
+                layout,
+                group,
+                temperature,
+                calculate_entropy=False,
+                **self._schedule_options(device, train=False, real=False),
+            )
+            return
+        train_group(
+            self.module,
+            layout,
+            group,
+            temperature,
+            _no_loss,
+            calculate_entropy=False,
+            **self._schedule_options(device, train=True, real=False),
+            # with the aux on, real groups' phase A runs to the last router and phase C seeds the router
+            # leaf: the filler must touch the same parameters, or FSDP2's reduce-scatters differ in size
+            routers=self._moe_routers() if self._moe_aux_on(forward_only=False) else None,
+            aux_fn=_no_loss if self._moe_aux_on(forward_only=False) else None,
+        )
+
+    def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        ctx = torch.no_grad() if forward_only else nullcontext()
+        with ctx, self._autocast()():
+            logits = self.module(
+                input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False
+            ).logits
+            if not forward_only:
+                self._backward(logits.sum() * 0.0)
+
+
+def _dense_token_mask(data: TensorDict, router_rows: int) -> torch.Tensor:
+    """Which rows of a dense forward's router logits are real tokens, in verl's two input layouts:
+    packed (remove-padding; trailing pad only) or right-padded ``[B, longest]``."""
+    lengths = data["input_ids"].offsets().diff()
+    positions = torch.arange(router_rows, device=lengths.device)
+    if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True):
+        return positions < lengths.sum()
+    width = int(lengths.max())
+    if router_rows != len(lengths) * width:
+        raise RuntimeError(f"router logits have {router_rows} rows, the padded batch {len(lengths)} x {width}")
+    return (torch.arange(width, device=lengths.device)[None] < lengths[:, None]).reshape(-1)
+
+
+def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+    raise AssertionError("a filler group has no real micro-batches")
+
+
+def _pad_micro_batches(group: GroupPlan, count: int) -> GroupPlan:
+    """The same group with zero-loss filler micro-batches up to the count all ranks agreed on."""
+    missing = count - len(group.micro_batches)
+    if missing <= 0:
+        return group
+    return GroupPlan(group.uid, group.rows, group.prompt_len, group.micro_batches, filler_micro_batches=missing)
+
+
+def register() -> None:
+    """Register ``prefix_fsdp2`` for every device verl's FSDP engine runs on (idempotent)."""
+    registered = EngineRegistry._engines.get("language_model", {}).get(PREFIX_BACKEND, {})
+    devices = [d for d in ("cuda", "npu", "cpu") if d not in registered]
+    if devices:
+        EngineRegistry.register(model_type="language_model", backend=PREFIX_BACKEND, device=devices)(
+            PrefixFSDPEngineWithLMHead
+        )

@@ -1,0 +1,55 @@
+"""Keep data-parallel ranks in lockstep: every FSDP2 forward and backward issues collectives, so all
+ranks must run the same sequence of phases even when their groups differ. Ranks agree on the number
+of groups, suffix micro-batches per group slot and dense micro-batches, and fill gaps with zero-loss
+work on a two-token filler sequence (the same device work verl's synthetic padding samples cost)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
+
+
+@dataclass(frozen=True)
+class LockstepPlan:
+    num_groups: int
+    micro_batches: list[int]  # per group slot
+    num_dense_chunks: int
+
+
+def agree_on_schedule(
+    plan: BatchPlan, num_dense_chunks: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> LockstepPlan:
+    """Max over ranks of the schedule's shape; a no-op without a process group of size > 1."""
+    counts = [len(g.micro_batches) for g in plan.groups]
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return LockstepPlan(len(counts), counts, num_dense_chunks)
+    device = device or _collective_device(group)
+    shape = torch.tensor([len(counts), num_dense_chunks], device=device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+    num_groups, dense = (int(x) for x in shape.tolist())
+    padded = torch.zeros(num_groups, dtype=torch.long, device=device)
+    padded[: len(counts)] = torch.tensor(counts, dtype=torch.long)
+    dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=group)
+    return LockstepPlan(num_groups, padded.tolist(), dense)
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    from verl.utils.device import get_device_id, get_device_name
+
+    return torch.device(get_device_name(), get_device_id())
+
+
+def filler_group(num_micro_batches: int) -> tuple[RowLayout, GroupPlan]:
+    """A one-row group (prefix of one token, suffix of one) that only exists to issue collectives."""
+    layout = RowLayout([torch.zeros(3, dtype=torch.long)], [torch.arange(3)], [2], [1], ["__lockstep_filler__"])
+    group = GroupPlan(
+        uid="__lockstep_filler__", rows=[0], prompt_len=2, micro_batches=[], filler_micro_batches=num_micro_batches
+    )
+    return layout, group

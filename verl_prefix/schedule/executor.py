@@ -1,0 +1,291 @@
+"""The three-phase prefix-reuse schedule for one uid group, training and forward-only.
+
+A: the prefix ``prompt[:-1]`` runs once with grad, its per-layer K/V captured (early exit after the
+   last layer's K/V). B: suffix rows ``[prompt[-1]] + response[:-1]`` run as ordinary micro-batches
+   against detached prefix leaves; each micro-batch's loss is backpropagated at once and the leaves
+   accumulate dK/dV. C: one backward through the prefix graph seeded with the accumulated dK/dV.
+
+The model is any HF causal LM (or an FSDP2 wrapper of one) called through its root ``forward``, so
+wrappers see ordinary forward/backward hooks. Loss, normalisation and outputs are the caller's.
+
+With an MoE router aux loss (``routers`` + ``aux_fn``), phase A also keeps the prefix's router
+statistics (their probability sum is one more boundary leaf), each suffix row also feeds its last
+response token (dense routes it too), and each micro-batch's aux sees the prefix once per row
+(``verl_prefix.schedule.moe``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+from verl_prefix.schedule import moe
+from verl_prefix.schedule.grouping import GroupPlan, RowLayout
+from verl_prefix.schedule.prefix_kv import CaptureContext, PrefixCaptured, PrefixKV, ServeContext, prefix_attention_mode
+from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
+
+# loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
+# log-probs of rows[k] (length = its response), entropy likewise or None.
+LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], torch.Tensor]
+# aux_fn(rows, stats) -> the scaled router aux term of a micro-batch; stats count the prefix per row.
+AuxFn = Callable[[list[int], moe.RouterStats], torch.Tensor]
+
+
+@dataclass
+class SuffixBatch:
+    """A right-padded suffix micro-batch of one group; row k covers positions P-1 .. P+S_k-2."""
+
+    rows: list[int]
+    input_ids: torch.Tensor  # [B, S_max]: prompt[-1] + response[:-1]
+    position_ids: torch.Tensor  # [B, S_max]
+    labels: torch.Tensor  # [B, S_max]: the response tokens each position predicts
+    valid: torch.Tensor  # [B, S_max] bool: positions that predict a response token
+    lengths: list[int]
+    tokens: torch.Tensor  # [B, S_max] bool: real (non-pad) tokens, what a router aux loss counts
+
+
+def suffix_positions(positions: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
+    """The positions of ``[prompt[-1]] + response[:-1]``: the suffix starts at P-1, not P (trap 4)."""
+    return positions[..., prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def build_suffix_batch(
+    layout: RowLayout, rows: list[int], prompt_len: int, device: torch.device, include_last: bool = False
+) -> SuffixBatch:
+    """Right-padded suffix rows. ``include_last`` also feeds each row's last response token, which
+    predicts nothing but which dense training routes through every MoE layer (router aux loss)."""
+    lengths = [layout.response_lens[i] for i in rows]
+    extra = 1 if include_last else 0
+    width = max(lengths) + extra
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pos = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    real = torch.zeros(len(rows), width, dtype=torch.bool)
+    for k, (i, s) in enumerate(zip(rows, lengths)):
+        tokens = layout.input_ids[i]
+        n = s + extra
+        ids[k, :n] = tokens[prompt_len - 1 : prompt_len - 1 + n]
+        labels[k, :s] = tokens[prompt_len : prompt_len + s]
+        pos[k, :n] = suffix_positions(layout.position_ids[i], prompt_len, n)
+        pos[k, n:] = pos[k, n - 1] + torch.arange(1, width - n + 1)
+        valid[k, :s] = True
+        real[k, :n] = True
+    return SuffixBatch(
+        rows, ids.to(device), pos.to(device), labels.to(device), valid.to(device), lengths, real.to(device)
+    )
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.num_hidden_layers)
+
+
+def prefix_forward(
+    model: nn.Module,
+    prefix_ids: torch.Tensor,
+    prefix_positions: torch.Tensor,
+    early_exit: bool = True,
+    routers: moe.MoeRouters | None = None,
+) -> PrefixKV:
+    """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
+    ``routers``, the prefix's router statistics). Early exit comes after the last K/V or the last
+    router, whichever runs later."""
+
+    def routers_done(module: nn.Module) -> None:
+        if ctx.early_exit and ctx.kv.complete:
+            ctx.kv.interrupted = module
+            raise PrefixCaptured
+
+    capture = routers.capture(on_complete=routers_done) if routers is not None else nullcontext([])
+    with capture as router_logits:
+        ctx = CaptureContext(
+            num_decoder_layers(model),
+            early_exit=early_exit,
+            ready=lambda: all(lg is not None for lg in router_logits),
+        )
+        try:
+            model(
+                input_ids=prefix_ids[None],
+                position_ids=prefix_positions[None],
+                use_cache=False,
+                logits_to_keep=1,
+                prefix_ctx=ctx,
+            )
+        except PrefixCaptured:
+            pass
+    if not ctx.kv.complete:
+        raise RuntimeError("phase A did not capture K/V for every layer; is the model a supported decoder?")
+    if routers is not None:
+        ctx.kv.router_stats = routers.stats(router_logits)
+    return ctx.kv
+
+
+def suffix_forward(
+    model: nn.Module,
+    prefix: PrefixKV,
+    batch: SuffixBatch,
+    temperature: torch.Tensor,
+    calculate_entropy: bool,
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does.
+
+    ``entropy_fn`` is the engine's own (compiled, chunked or checkpointed as its config says)."""
+    ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device)
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, prefix_ctx=ctx)
+    logits = out.logits[batch.valid]  # [N, V], valid tokens only, row-major like verl's packed layout
+    row_temperature = torch.repeat_interleave(
+        temperature.to(logits.device, torch.float32), torch.tensor(batch.lengths, device=logits.device)
+    )
+    logits = logits / row_temperature.to(logits.dtype).unsqueeze(-1)
+    entropy = entropy_fn(logits) if calculate_entropy else None
+    log_probs = logprobs_from_logits(logits, batch.labels[batch.valid], inplace_backward=not calculate_entropy)
+    split = list(log_probs.split(batch.lengths))
+    return split, (list(entropy.split(batch.lengths)) if entropy is not None else None)
+
+
+def _unshard_interrupted(model: nn.Module, interrupted: nn.Module | None) -> None:
+    """FSDP2 unshards a module for backward from a hook its post-forward registers; early exit skipped
+    that post-forward, so the FSDP unit owning the last layer is unsharded here by hand. Its
+    post-backward (reduce-scatter, reshard) still runs from FSDP2's own hooks."""
+    if interrupted is None:
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    target = next((name for name, m in model.named_modules() if m is interrupted), None)
+    if target is None:
+        return
+    owner = None
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and (name == "" or target == name or target.startswith(name + ".")):
+            owner = module  # preorder: the last match is the nearest ancestor
+    if owner is not None:
+        owner.unshard()
+
+
+def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None = None) -> None:
+    """Phase C: one backward through the prefix, seeded with the dK/dV every suffix left on the leaves."""
+    if model is not None:
+        _unshard_interrupted(model, prefix.interrupted)
+    roots, grads = [], []
+    for root, leaf in zip(prefix.tensors(), leaves.tensors()):
+        if not root.requires_grad:
+            continue
+        roots.append(root)
+        # Zeros where no suffix reached a leaf (e.g. the router leaf of a lockstep filler group): every
+        # rank then gives (zero) grads to the same parameters, and FSDP2 reduce-scatters exactly those.
+        grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(root))
+    if roots:
+        torch.autograd.backward(roots, grad_tensors=grads)
+
+
+def _prefix_of(layout: RowLayout, group: GroupPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    first = group.rows[0]
+    ids = layout.input_ids[first][: group.prefix_len].to(device)
+    pos = layout.position_ids[first][..., : group.prefix_len].to(device)
+    return ids, pos
+
+
+def train_group(
+    model: nn.Module,
+    layout: RowLayout,
+    group: GroupPlan,
+    temperature: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    calculate_entropy: bool,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    early_exit: bool = True,
+    meter: PhaseMeter | None = None,
+    routers: moe.MoeRouters | None = None,
+    aux_fn: AuxFn | None = None,
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
+) -> list[torch.Tensor]:
+    """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
+
+    ``temperature`` holds one value per mini-batch row. ``backward`` lets a caller scale the loss.
+    With ``routers`` and ``aux_fn``, each micro-batch's loss gains ``aux_fn(rows, stats)`` where
+    ``stats`` count the prefix once per row of the micro-batch (``moe.logical_stats``).
+    """
+    if (routers is None) != (aux_fn is None):
+        raise ValueError("routers and aux_fn go together")
+    meter = meter or NullMeter()
+    prefix_ids, prefix_pos = _prefix_of(layout, group, device)
+    losses = []
+    with prefix_attention_mode(model):
+        with meter.phase("A"), autocast():
+            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
+        meter.note_prefix_kv(prefix.tensors())
+        leaves = prefix.as_leaves(requires_grad=True)
+        for rows in group.micro_batches:
+            batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
+            with meter.phase("B"):
+                with autocast():
+                    capture = routers.capture() if routers is not None else nullcontext([])
+                    with capture as router_logits:
+                        log_probs, entropy = suffix_forward(
+                            model, leaves, batch, temperature[rows], calculate_entropy, entropy_fn
+                        )
+                    loss = loss_fn(rows, log_probs, entropy)
+                    if routers is not None:
+                        suffix_stats = routers.stats(router_logits, batch.tokens)
+                        stats = moe.logical_stats(leaves.router_stats, suffix_stats, copies=len(rows))
+                        loss = loss + aux_fn(rows, stats)
+                backward(loss)
+            losses.append(loss.detach())
+        for _ in range(group.filler_micro_batches):
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
+            with meter.phase("B"):
+                with autocast():
+                    log_probs, _ = suffix_forward(model, leaves, batch, temperature[group.rows[:1]], False)
+                backward(log_probs[0].sum() * 0.0)
+        with meter.phase("C"):
+            prefix_backward(prefix, leaves, model)
+    return losses
+
+
+@torch.no_grad()
+def infer_group(
+    model: nn.Module,
+    layout: RowLayout,
+    group: GroupPlan,
+    temperature: torch.Tensor,
+    *,
+    calculate_entropy: bool,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+    meter: PhaseMeter | None = None,
+    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
+    meter = meter or NullMeter()
+    prefix_ids, prefix_pos = _prefix_of(layout, group, device)
+    results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    with prefix_attention_mode(model), autocast():
+        with meter.phase("A"):
+            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
+        meter.note_prefix_kv(prefix.tensors())
+        for rows in group.micro_batches:
+            batch = build_suffix_batch(layout, rows, group.prompt_len, device)
+            with meter.phase("B"):
+                log_probs, entropy = suffix_forward(
+                    model, prefix, batch, temperature[rows], calculate_entropy, entropy_fn
+                )
+            for k, i in enumerate(rows):
+                results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
+        for _ in range(group.filler_micro_batches):
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
+            with meter.phase("B"):
+                suffix_forward(model, prefix, batch, temperature[group.rows[:1]], False)
+    return results

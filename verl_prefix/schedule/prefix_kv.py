@@ -1,0 +1,257 @@
+"""Capture a group's prefix K/V once (phase A) and serve it read-only to suffix micro-batches (phase B).
+
+Both directions go through one attention function registered with HF's ``AttentionInterface``. The
+prefix context travels as a forward kwarg (``prefix_ctx``), not through ``past_key_values``: HF's
+gradient checkpointing drops caches inside checkpointed layers but keeps kwargs, so the same code is
+exact with non-reentrant checkpointing (DESIGN.md trap 8). Nothing here stores K/V across calls the
+way ``DynamicCache.update`` does (trap 1): a serve context returns ``cat(prefix.expand(B), new)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.models.llama import modeling_llama
+
+if TYPE_CHECKING:
+    from verl_prefix.schedule.moe import RouterStats
+
+# Attention implementations the prefix attention can wrap, and the name it is registered under.
+# flash-attention models are served through sdpa: phase B's keys are ``cat(prefix, suffix)`` per row,
+# which torch's sdpa takes with a bottom-right causal bias (its own flash kernel on CUDA, exact elsewhere).
+PREFIX_ATTENTION_NAMES = {
+    "sdpa": "verl_prefix_sdpa",
+    "eager": "verl_prefix_eager",
+    "flash_attention_2": "verl_prefix_sdpa",
+    "flash_attention_3": "verl_prefix_sdpa",
+}
+
+
+class PrefixCaptured(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised after the last layer's K/V is captured: the rest of the prefix forward feeds nothing."""
+
+
+def _eager_for(module: nn.Module) -> Callable:
+    """The model family's own eager attention (identical maths across Llama/Qwen2/Qwen3)."""
+    family = sys.modules.get(type(module).__module__)
+    return getattr(family, "eager_attention_forward", modeling_llama.eager_attention_forward)
+
+
+def causal_keep_mask(query_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[1, 1, query_len, prefix_len + query_len]`` mask: every query sees the whole prefix
+    and the suffix causally. Right padding needs no key mask: a valid query never sees a later pad."""
+    suffix = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()
+    prefix = torch.ones(query_len, prefix_len, dtype=torch.bool, device=device)
+    return torch.cat([prefix, suffix], dim=1)[None, None]
+
+
+def prefix_causal_bias(query_len: int, key_len: int) -> torch.Tensor:
+    """``causal_keep_mask(query_len, key_len - query_len)`` as torch's bottom-right causal bias, which
+    sdpa runs without materialising (flash on CUDA)."""
+    return causal_lower_right(query_len, key_len)
+
+
+def _as_eager_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Eager attention adds its mask to the scores: 0 where kept, the dtype's minimum elsewhere (trap 6)."""
+    additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    return additive.masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class PrefixKV:
+    """Per-layer prefix K/V, ``[1, kv_heads, P-1, head_dim]`` each, as attention sees them (post-RoPE).
+
+    With the MoE router aux loss on, ``router_stats`` holds the prefix's router statistics; its
+    probability sum is one more boundary tensor next to the K/V (``verl_prefix.schedule.moe``).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.router_stats: RouterStats | None = None
+        # the module whose forward phase A cut short (early exit), if any
+        self.interrupted: nn.Module | None = None
+
+    @property
+    def complete(self) -> bool:
+        return all(k is not None for k in self.keys) and all(v is not None for v in self.values)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every boundary tensor: per-layer K and V, then the router probability sum if any."""
+        out = [t for pair in zip(self.keys, self.values) for t in pair]
+        if self.router_stats is not None:
+            out.append(self.router_stats.prob_sum)
+        return out
+
+    def as_leaves(self, requires_grad: bool) -> PrefixKV:
+        """Detached copies that collect dK/dV (and d(aux)/d(prob sums)) from every suffix micro-batch."""
+        leaves = PrefixKV(len(self.keys))
+        leaves.keys = [k.detach().requires_grad_(requires_grad) for k in self.keys]
+        leaves.values = [v.detach().requires_grad_(requires_grad) for v in self.values]
+        if self.router_stats is not None:
+            leaves.router_stats = self.router_stats.detached_leaf(requires_grad)
+        return leaves
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class CaptureContext:
+    """Phase A: record each layer's K/V while the prefix runs causally over itself."""
+
+    def __init__(self, num_layers: int, early_exit: bool, ready: Callable[[], bool] = lambda: True) -> None:
+        self.kv = PrefixKV(num_layers)
+        self.last_layer = num_layers - 1
+        self.early_exit = early_exit
+        # early exit at the last K/V only once nothing else phase A needs is still to come (MoE routers)
+        self.ready = ready
+
+    def attend(
+        self,
+        module: nn.Module,
+        base: Callable,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layer = module.layer_idx
+        # A checkpointed layer re-runs in backward; the first capture is the one the graph holds, and
+        # only the first pass decides the early exit (a recompute must replay what the forward did).
+        first = self.kv.keys[layer] is None
+        if first:
+            self.kv.keys[layer], self.kv.values[layer] = key, value
+        if first and self.early_exit and layer == self.last_layer and self.ready():
+            self.kv.interrupted = module
+            raise PrefixCaptured
+        mask = None  # sdpa: a single unpadded row takes the causal fast path
+        if base is not sdpa_attention_forward:
+            mask = _as_eager_mask(causal_keep_mask(query.shape[2], 0, query.device), query.dtype)
+        return base(module, query, key, value, mask, **kwargs)
+
+
+class ServeContext:
+    """Phase B: a suffix micro-batch attends to ``cat(prefix.expand(B), suffix)``; nothing is stored."""
+
+    def __init__(self, prefix: PrefixKV, query_len: int, device: torch.device) -> None:
+        self.prefix = prefix
+        self.query_len = query_len
+        self.device = device
+
+    @functools.cached_property
+    def keep(self) -> torch.Tensor:
+        """The explicit mask eager attention adds (sdpa takes it as a causal bias instead)."""
+        return causal_keep_mask(self.query_len, self.prefix.length, self.device)
+
+    def attend(
+        self,
+        module: nn.Module,
+        base: Callable,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layer = module.layer_idx
+        rows = key.shape[0]
+        key = torch.cat([self.prefix.keys[layer].expand(rows, -1, -1, -1), key], dim=2)
+        value = torch.cat([self.prefix.values[layer].expand(rows, -1, -1, -1), value], dim=2)
+        if base is sdpa_attention_forward:
+            return sdpa_lower_right(module, query, key, value, **kwargs)
+        return base(module, query, key, value, _as_eager_mask(self.keep, query.dtype), **kwargs)
+
+
+def sdpa_lower_right(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """HF's sdpa attention with the mask ``causal_keep_mask`` spells out, given as a bottom-right causal
+    bias: the queries are the last ``query_len`` of the keys, each sees every key up to its own. On CUDA
+    torch runs it with its flash kernel (an explicit mask would force the memory-efficient one) without
+    building the mask; elsewhere it materialises exactly that mask. K/V heads are repeated for GQA
+    first, as HF does whenever a mask is given."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    bias = prefix_causal_bias(query.shape[2], key.shape[2])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _make_prefix_attention(base_kind: str) -> Callable:
+    def prefix_attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: object,
+    ) -> tuple:
+        ctx = kwargs.pop("prefix_ctx", None)
+        if ctx is None:
+            raise RuntimeError(
+                "verl_prefix attention was called without a prefix context: the model's attention "
+                "implementation was left switched to prefix mode outside the reuse schedule"
+            )
+        base = sdpa_attention_forward if base_kind == "sdpa" else _eager_for(module)
+        return ctx.attend(module, base, query, key, value, **kwargs)
+
+    prefix_attention.__name__ = f"verl_prefix_{base_kind}_attention"
+    return prefix_attention
+
+
+AttentionInterface.register("verl_prefix_sdpa", _make_prefix_attention("sdpa"))
+AttentionInterface.register("verl_prefix_eager", _make_prefix_attention("eager"))
+
+
+def _configs_of(model: nn.Module) -> list:
+    """Every distinct config object whose ``_attn_implementation`` the attention modules read."""
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def base_attention_implementation(model: nn.Module) -> str:
+    configs = _configs_of(model)
+    if not configs:
+        raise ValueError(f"{type(model).__name__} has no HF config with an attention implementation")
+    return configs[0]._attn_implementation or "eager"
+
+
+@contextmanager
+def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
+    """Switch attention to the prefix-aware wrapper for the duration of the reuse schedule.
+
+    Every backward that may recompute a checkpointed layer runs inside this context, so a recompute
+    never sees the plain kernel with a prefix-length mismatch.
+    """
+    configs = _configs_of(model)
+    originals = [c._attn_implementation for c in configs]
+    try:
+        for config, original in zip(configs, originals):
+            name = PREFIX_ATTENTION_NAMES.get(original or "eager")
+            if name is None:
+                raise ValueError(f"prefix reuse does not support attn_implementation={original!r}")
+            config._attn_implementation = name
+        yield
+    finally:
+        for config, original in zip(configs, originals):
+            config._attn_implementation = original

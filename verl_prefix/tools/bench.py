@@ -1,0 +1,620 @@
+"""Dense ``fsdp2`` vs ``prefix_fsdp2`` on identical GRPO batches: time, FLOP prediction and gradient agreement.
+
+Both engines are verl's real engines built from one model directory, so they hold the same weights, and
+they see the same batch interleaved rep by rep, so machine noise hits both alike. The optimizer never
+steps: weights stay identical and every rep measures the same work. Medians and ratios are reported
+because shared machines are noisy.
+
+The caller must have chosen verl's platform (``VERL_PLATFORM=cpu`` without CUDA) before verl is
+imported; ``verl_prefix.tools.cli`` does that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_prefix.schedule.telemetry import SavedBytes
+from verl_prefix.tools import testing as T
+from verl_prefix.tools.flops import ModelShape, predicted_speedup
+
+WARMUP = 1
+
+
+class BenchError(ValueError):
+    """A user mistake or an unmet requirement (no CUDA for the gpu preset): one line, no traceback."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a random-init Qwen3-style model, as ``testing.write_tiny_model`` takes it."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int = 4096
+    family: str = "qwen3"
+    num_experts: int = 0  # > 0 with family "qwen3_moe": intermediate_size is each expert's
+    num_experts_per_tok: int = 0
+
+    def write(self, directory: Path) -> Path:
+        """A random-init model of this shape, with a local tokenizer."""
+        kwargs = dataclasses.asdict(self)
+        family = kwargs.pop("family")
+        if not self.num_experts:
+            kwargs.pop("num_experts")
+            kwargs.pop("num_experts_per_tok")
+        return T.write_tiny_model(directory, family, **kwargs)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured configuration: a model, a dtype and one GRPO mini-batch shape."""
+
+    name: str
+    model: ModelSpec
+    num_groups: int
+    group_size: int
+    prompt_len: int
+    response_len_range: tuple[int, int]
+    micro_batch_size: int = 4
+    dtype: str = "float32"
+    min_prefix_len: int = 32
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named set of cells with its default reps and torch thread count."""
+
+    cells: tuple[Cell, ...]
+    reps: int
+    needs_cuda: bool = False
+    # CPU presets pin 1 torch thread: on the shared 2-vCPU dev VM, 2 threads made the same update take
+    # 0.7 s to 80 s from rep to rep (OpenMP barriers wait on preempted vCPUs); 1 thread was steady.
+    threads: int | None = None
+    description: str = ""
+
+
+SMOKE_MODEL = ModelSpec(
+    hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, vocab_size=1024
+)
+# ~29.6M parameters (untied embeddings), the model DESIGN.md's CPU measurements use.
+MODEL_29M = ModelSpec(
+    hidden_size=512,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=1792,
+    vocab_size=8192,
+    max_position_embeddings=16384,  # the gpu preset's 12K-token sequences
+)
+# bf16 on GPU: fp32 master weights, bf16 compute, fp32 gradient reduction (verl's usual mixed precision).
+_BF16 = (
+    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}",
+)
+
+
+# A Qwen3-MoE-style model of the smoke model's size: 8 experts, top-2 (router aux loss off, so the stock
+# fsdp2 engine is the reference; tests/schedule/test_moe.py covers the aux loss).
+SMOKE_MOE_MODEL = ModelSpec(
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=192,
+    vocab_size=1024,
+    family="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+
+
+# Qwen3-1.7B's shape (28 layers, GQA 16/8, vocab 151936): the largest Qwen3 whose full fine-tune (fp32
+# master weights and Adam states, about 27 GB) leaves one H200 room for 16 x 12K-token sequences.
+MODEL_GPU = ModelSpec(
+    hidden_size=2048,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=6144,
+    vocab_size=151936,
+    max_position_embeddings=16384,
+)
+_GPU = (*_BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
+
+
+def _cpu_cells() -> tuple[Cell, ...]:
+    pairs = [(2048, 128), (1024, 256), (512, 512), (256, 1024)]
+    cells = [Cell(f"P{p}/S{s}/G8", MODEL_29M, 1, 8, p, (s, s)) for p, s in pairs]
+    cells += [Cell(f"P1024/S256/G{g}", MODEL_29M, 1, g, 1024, (256, 256)) for g in (4, 16)]
+    cells += [Cell("MoE P1024/S256/G8", SMOKE_MOE_MODEL, 1, 8, 1024, (256, 256))]
+    return tuple(cells)
+
+
+PRESETS: dict[str, Preset] = {
+    "smoke": Preset(
+        cells=(Cell("P512/S32-64/G8", SMOKE_MODEL, 2, 8, 512, (32, 64)),),
+        reps=5,
+        threads=1,
+        description="1M-param Qwen3-style model, fp32, one 2x8 GRPO mini-batch; about 25 s on 2 cores",
+    ),
+    "moe": Preset(
+        cells=(Cell("MoE P512/S32-64/G8", SMOKE_MOE_MODEL, 2, 8, 512, (32, 64)),),
+        reps=5,
+        threads=1,
+        description="Qwen3-MoE-style model (8 experts, top-2), fp32, one 2x8 GRPO mini-batch",
+    ),
+    "cpu": Preset(
+        cells=_cpu_cells(),
+        reps=3,
+        threads=1,
+        description="29M-param Qwen3-style model, fp32, one group per cell; slow (about half an hour on 2 cores)",
+    ),
+    "gpu": Preset(
+        cells=tuple(
+            # 2 rows per micro-batch: the dense engine's fp32 log-softmax over 2 x 12K tokens x 152K vocab
+            # is already 15 GB, plus its backward, next to both engines' weights and gradients
+            Cell(
+                f"P{p}/S{s}/G16",
+                MODEL_GPU,
+                1,
+                16,
+                p,
+                (s, s),
+                micro_batch_size=2,
+                dtype="bfloat16",
+                overrides=_GPU,
+            )
+            for p, s in ((10240, 2048), (2048, 10240))
+        ),
+        reps=5,
+        needs_cuda=True,
+        description="1.7B-param Qwen3-style model, bf16 mixed precision, gradient checkpointing, G=16, 12K tokens",
+    ),
+}
+
+
+@dataclass
+class _Timings:
+    dense: list[float] = field(default_factory=list)
+    prefix: list[float] = field(default_factory=list)
+
+    def summary(self, prefix: str) -> dict[str, Any]:
+        ratios = [d / p for d, p in zip(self.dense, self.prefix)]
+        dense_med, prefix_med = statistics.median(self.dense), statistics.median(self.prefix)
+        return {
+            f"{prefix}dense_s": self.dense,
+            f"{prefix}prefix_s": self.prefix,
+            f"{prefix}dense_median_s": dense_med,
+            f"{prefix}prefix_median_s": prefix_med,
+            f"{prefix}ratio_median": statistics.median(ratios),
+            f"{prefix}ratio_of_medians": dense_med / prefix_med,
+        }
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: timings mean nothing without it."""
+    import transformers
+    import verl
+
+    cpu_model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "node": platform.node(),
+        "platform": platform.platform(),
+        "processor": cpu_model or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "verl": getattr(verl, "__version__", "unknown"),
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def _sync() -> None:
+    from verl.utils.device import get_torch_device
+
+    get_torch_device().synchronize()
+
+
+def _train_data(engine: Any, batch: Any) -> Any:
+    """The mini-batch as ``TrainingWorker.train_batch`` hands it to the engine (worker defaults added)."""
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.copy()
+    for key, val in T._worker_defaults(engine, infer=False).items():
+        if key not in data.keys():
+            tu.assign_non_tensor(data, **{key: val})
+    tu.maybe_fix_3d_position_ids(data)
+    return data
+
+
+def _infer_data(engine: Any, batch: Any) -> Any:
+    """The batch as the actor's ``compute_log_prob`` hands it to the engine (old log-probs, with entropy)."""
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.copy()
+    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, **T._worker_defaults(engine, infer=True))
+    tu.maybe_fix_3d_position_ids(data)
+    return data
+
+
+def _time_update(engine: Any, loss_fn: Callable, batch: Any, *, capture_grads: bool = False) -> tuple[float, dict]:
+    """Seconds for one update's zero_grad + forward/backward, no optimizer step (weights stay identical).
+
+    With ``capture_grads`` the output also holds ``grads``, copied inside the train context because
+    leaving it zeroes them.
+    """
+    data = _train_data(engine, batch)
+    with engine.train_mode(disable_auto_offload=True):
+        _sync()
+        start = time.perf_counter()
+        engine.optimizer_zero_grad()
+        output = engine.forward_backward_batch(data, loss_fn)
+        _sync()
+        elapsed = time.perf_counter() - start
+        if capture_grads:
+            output["grads"] = T.grads_of(engine)
+    return elapsed, output
+
+
+@contextmanager
+def measure_update_memory(engine: Any, *, count_saved: bool = True) -> Iterator[dict[str, float]]:
+    """Memory of one update (dense or prefix), comparable with the prefix engine's ``prefix/max_*`` metrics.
+
+    With ``count_saved``, ``saved_for_backward_held_mib`` is the largest number of bytes one micro-batch
+    saves for backward: the stock engine frees them at each micro-batch's backward, so that is what it holds
+    at once (the prefix engine's counterpart is ``prefix/max_saved_for_backward_held_mib``). On CUDA/NPU,
+    ``peak_device_mib`` is the allocator's peak over the block, reset at its start (verl never resets it);
+    the prefix engine resets it per phase itself, so for it combine this with its per-phase peaks
+    (``replay.prefix_memory_by_phase``). The dict is filled when the block exits.
+    """
+    stats: dict[str, float] = {}
+    module = None
+    if torch.cuda.is_available():
+        module = torch.cuda
+    elif hasattr(torch, "npu") and torch.npu.is_available():  # pragma: no cover - NPU machines only
+        module = torch.npu
+    had_own = "forward_step" in vars(engine)
+    if count_saved:
+        original = engine.forward_step
+        stats["saved_for_backward_held_mib"] = 0.0
+
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            counter = SavedBytes()
+            with counter.counting():
+                out = original(*args, **kwargs)
+            held = counter.bytes / 1024.0**2
+            stats["saved_for_backward_held_mib"] = max(stats["saved_for_backward_held_mib"], held)
+            return out
+
+        engine.forward_step = forward_step
+    if module is not None:
+        module.synchronize()
+        module.reset_peak_memory_stats()
+    try:
+        yield stats
+    finally:
+        if module is not None:
+            module.synchronize()
+            stats["peak_device_mib"] = module.max_memory_allocated() / 1024.0**2
+        if count_saved:
+            if had_own:
+                engine.forward_step = original
+            else:
+                del engine.forward_step
+
+
+def _time_infer(engine: Any, batch: Any) -> float:
+    """Seconds for one forward-only log-prob pass over the batch."""
+    data = _infer_data(engine, batch)
+    with engine.eval_mode(disable_auto_offload=True):
+        _sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            engine.forward_backward_batch(data, None, forward_only=True)
+        _sync()
+        return time.perf_counter() - start
+
+
+def max_rel_grad_diff(dense: dict[str, torch.Tensor], prefix: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest ``||g_p - g_d|| / ||g_d||`` over parameters: the reuse schedule must not change gradients."""
+    if not dense:
+        raise RuntimeError("no parameter gradients captured")
+    if dense.keys() != prefix.keys():
+        missing = sorted(set(dense) ^ set(prefix))
+        raise RuntimeError(f"engines disagree on which parameters have gradients: {missing[:5]}")
+    worst, worst_name = 0.0, ""
+    for name, gd in dense.items():
+        gd64, gp64 = gd.double(), prefix[name].double()
+        num = float(torch.linalg.vector_norm(gp64 - gd64))
+        den = float(torch.linalg.vector_norm(gd64))
+        rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+        if rel > worst or not worst_name:
+            worst, worst_name = rel, name
+    return worst, worst_name
+
+
+def _prefix_metrics(output: dict) -> dict[str, float]:
+    """The engine's ``prefix/*`` counters for one mini-batch (reuse factor, fallbacks)."""
+    return T.reduce_step_metrics({k: v for k, v in output["metrics"].items() if k.startswith("prefix/")})
+
+
+def measure_cell(
+    cell: Cell,
+    model_dir: Path,
+    *,
+    reps: int,
+    log: Callable[[str], None] = print,
+    tick: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Build both engines from ``model_dir``, run ``WARMUP + reps`` interleaved reps, summarise one cell.
+
+    Memory is measured in the warm-up rep (rep 0), whose times are discarded, so the counting hooks cost
+    no timed work. ``tick`` is called after every rep (a progress bar).
+    """
+    from transformers import AutoConfig
+
+    import verl_prefix
+
+    batch = T.make_grpo_batch(
+        num_groups=cell.num_groups,
+        group_size=cell.group_size,
+        prompt_lens=cell.prompt_len,
+        response_len_range=cell.response_len_range,
+        vocab_size=cell.model.vocab_size,
+        seed=0,
+    )
+    dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
+    engines = {}
+    for backend in ("fsdp2", "prefix_fsdp2"):
+        engines[backend] = T.build_verl_engine(
+            model_dir,
+            backend=backend,
+            dtype=dtype,
+            micro_batch_size_per_gpu=cell.micro_batch_size,
+            overrides=cell.overrides,
+        )
+    dense, dense_loss, _ = engines["fsdp2"]
+    prefix, prefix_loss, _ = engines["prefix_fsdp2"]
+    prefix.reuse_config = verl_prefix.PrefixReuseConfig(
+        min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size
+    )
+
+    train, infer = _Timings(), _Timings()
+    grad_diff, grad_param, reuse = math.nan, "", {}
+    memory: dict[str, dict[str, float]] = {}
+    for rep in range(WARMUP + reps):
+        gc.collect()  # outside the timed regions: a collection mid-rep would land on one engine only
+        if rep == 0:
+            with measure_update_memory(dense) as memory["dense"]:
+                t_dense, out_dense = _time_update(dense, dense_loss, batch, capture_grads=True)
+            with measure_update_memory(prefix, count_saved=False) as memory["prefix"]:
+                t_prefix, out_prefix = _time_update(prefix, prefix_loss, batch, capture_grads=True)
+        else:
+            t_dense, out_dense = _time_update(dense, dense_loss, batch)
+            t_prefix, out_prefix = _time_update(prefix, prefix_loss, batch)
+        if rep == 0:
+            grad_diff, grad_param = max_rel_grad_diff(out_dense["grads"], out_prefix["grads"])
+            reuse = _prefix_metrics(out_prefix)
+        del out_dense, out_prefix
+        i_dense = _time_infer(dense, batch)
+        i_prefix = _time_infer(prefix, batch)
+        tag = "warm-up" if rep < WARMUP else f"rep {rep - WARMUP + 1}/{reps}"
+        log(
+            f"  {cell.name} {tag}: update dense {t_dense:.3f}s prefix {t_prefix:.3f}s | "
+            f"forward-only dense {i_dense:.3f}s prefix {i_prefix:.3f}s"
+        )
+        if rep >= WARMUP:
+            train.dense.append(t_dense)
+            train.prefix.append(t_prefix)
+            infer.dense.append(i_dense)
+            infer.prefix.append(i_prefix)
+        if tick is not None:
+            tick()
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    prompt_lens = [int(p.numel()) for p in batch["prompts"].unbind()]
+    response_lens = [int(r.numel()) for r in batch["responses"].unbind()]
+    groups = [
+        (prompt_lens[g * cell.group_size], response_lens[g * cell.group_size : (g + 1) * cell.group_size])
+        for g in range(cell.num_groups)
+    ]
+    params = sum(p.numel() for p in T.params_of(dense).values())
+    del engines, dense, prefix
+    gc.collect()
+    return {
+        "cell": cell.name,
+        "model": {**dataclasses.asdict(cell.model), "params": int(params)},
+        "dtype": cell.dtype,
+        "num_groups": cell.num_groups,
+        "group_size": cell.group_size,
+        "prompt_len": cell.prompt_len,
+        "response_lens": response_lens,
+        "micro_batch_size": cell.micro_batch_size,
+        "reps": reps,
+        "warmup": WARMUP,
+        **train.summary(""),
+        **infer.summary("infer_"),
+        "predicted_speedup": predicted_speedup(ModelShape.from_config(hf_config), groups),
+        "max_rel_grad_diff": grad_diff,
+        "max_rel_grad_diff_param": grad_param,
+        "prefix_metrics": reuse,
+        "memory": memory,
+    }
+
+
+def resolve_preset(
+    preset: str | Preset,
+    reps: int | None = None,
+    threads: int | None = None,
+    cells: Sequence[str] | None = None,
+) -> tuple[Preset, int]:
+    """Validate a request before anything slow or any file is touched: ``(preset, reps)`` or ``BenchError``.
+
+    ``cells`` keeps only the named cells, in the preset's order (a lent GPU's minutes go to the headline).
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        name, preset = preset, PRESETS[preset]
+    else:
+        name = "custom"
+    reps = preset.reps if reps is None else reps
+    if reps < 1:
+        raise BenchError(f"reps must be >= 1, got {reps}")
+    if threads is not None and threads < 1:
+        raise BenchError(f"threads must be >= 1, got {threads}")
+    if cells:
+        names = [c.name for c in preset.cells]
+        unknown = [c for c in cells if c not in names]
+        if unknown:
+            raise BenchError(f"preset {name!r} has no cell {unknown[0]!r}; its cells: {', '.join(names)}")
+        preset = dataclasses.replace(preset, cells=tuple(c for c in preset.cells if c.name in cells))
+    if preset.needs_cuda and not torch.cuda.is_available():
+        raise BenchError(f"preset {name!r} needs a CUDA GPU (torch.cuda.is_available() is False)")
+    return preset, reps
+
+
+# verl's use_torch_compile, on for both engines (in verl 0.9.1's FSDP engine it compiles the entropy kernel)
+COMPILE_OVERRIDES = (
+    "actor_rollout_ref.actor.use_torch_compile=true",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=true",
+)
+
+
+def compiled(cells: tuple[Cell, ...]) -> tuple[Cell, ...]:
+    """The same cells with ``use_torch_compile`` on for both engines (the conservative comparison)."""
+    return tuple(
+        dataclasses.replace(c, name=f"{c.name} compile", overrides=c.overrides + COMPILE_OVERRIDES) for c in cells
+    )
+
+
+def run_bench(
+    preset: str | Preset,
+    *,
+    reps: int | None = None,
+    out_json: Path | None = None,
+    threads: int | None = None,
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+    progress: bool = False,
+    compile: bool = False,
+    cells: Sequence[str] | None = None,
+) -> dict:
+    """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON,
+    rewritten after every cell so a run cut short keeps what it measured (``complete`` says which).
+
+    ``threads`` (default: the preset's) sets ``torch.set_num_threads`` for the run and is restored after.
+    ``progress`` shows a tqdm bar over all reps on stderr (runs take minutes to hours). ``compile`` runs
+    both engines with verl's ``use_torch_compile``.
+    """
+    spec, reps = resolve_preset(preset, reps, threads, cells)
+    if compile:
+        spec = dataclasses.replace(spec, cells=compiled(spec.cells))
+    name = preset if isinstance(preset, str) else "custom"
+    threads = spec.threads if threads is None else threads
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run_cells(name, spec.cells, reps=reps, out_json=out_json, command=command, log=log, progress=progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_cells(
+    preset: str,
+    cells: tuple[Cell, ...],
+    *,
+    reps: int,
+    out_json: Path | None,
+    command: str | None,
+    log: Callable[[str], None],
+    progress: bool = False,
+) -> dict:
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "preset": preset,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command or shlex.join(sys.argv),
+        "machine": machine_info(),
+        "cells": [],
+    }
+    models: dict[ModelSpec, Path] = {}
+    bar = tqdm(total=len(cells) * (WARMUP + reps), desc="bench", unit="rep", disable=not progress)
+    if progress:
+        log = functools.partial(tqdm.write, file=sys.stdout)  # keep the bar below the log lines
+    with bar, tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
+        for cell in cells:
+            if cell.model not in models:
+                models[cell.model] = cell.model.write(Path(tmp) / f"model{len(models)}")
+            bar.set_postfix_str(cell.name)
+            result["cells"].append(measure_cell(cell, models[cell.model], reps=reps, log=log, tick=bar.update))
+            result["complete"] = len(result["cells"]) == len(cells)
+            result["wall_s"] = time.perf_counter() - started
+            _save(result, out_json)
+    return result
+
+
+def _save(result: dict, out_json: Path | None) -> None:
+    if out_json is None:
+        return
+    out_json = Path(out_json)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_json.with_name(out_json.name + ".tmp")  # never a half-written result file
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(out_json)
+
+
+TABLE_HEADER = (
+    "| cell | params | dense update (s) | prefix update (s) | speedup median | speedup of medians "
+    "| FLOP model | forward-only speedup | max rel grad diff |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def markdown_table(result: dict) -> str:
+    """The result as a markdown table, one row per cell (what the CLI prints and docs embed)."""
+    rows = [TABLE_HEADER]
+    for c in result["cells"]:
+        rows.append(
+            f"| {c['cell']} | {c['model']['params'] / 1e6:.2f}M | {c['dense_median_s']:.3f} | "
+            f"{c['prefix_median_s']:.3f} | {c['ratio_median']:.2f}x | {c['ratio_of_medians']:.2f}x | "
+            f"{c['predicted_speedup']:.2f}x | {c['infer_ratio_median']:.2f}x | {c['max_rel_grad_diff']:.1e} |"
+        )
+    return "\n".join(rows)
