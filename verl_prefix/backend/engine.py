@@ -162,7 +162,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self._attach_moe_normalisation(data)
         reason = self._fallback_reason(data, forward_only)
         if reason is not None:
-            meter = PhaseMeter(self._device())
+            meter = PhaseMeter(self._device(), model=self.module)
             with meter.phase("dense"):
                 output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
             tokens = int(data["input_ids"].offsets()[-1])
@@ -243,7 +243,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
 
         device = self._device()
-        self._meter = PhaseMeter(device)
+        self._meter = PhaseMeter(device, model=self.module)
         temperature = per_row_temperature(data)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
