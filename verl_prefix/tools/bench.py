@@ -298,8 +298,8 @@ def measure_update_memory(engine: Any, *, count_saved: bool = True) -> Iterator[
     saves for backward: the stock engine frees them at each micro-batch's backward, so that is what it holds
     at once (the prefix engine's counterpart is ``prefix/max_saved_for_backward_held_mib``). On CUDA/NPU,
     ``peak_device_mib`` is the allocator's peak over the block, reset at its start (verl never resets it);
-    the prefix engine resets it per phase itself, so for it combine this with its per-phase peaks
-    (``replay.prefix_memory_by_phase``). The dict is filled when the block exits.
+    the prefix engine's per-phase resets keep that reading whole (``telemetry`` keeps the lifetime peak
+    readable). The dict is filled when the block exits.
     """
     stats: dict[str, float] = {}
     module = None
@@ -313,10 +313,10 @@ def measure_update_memory(engine: Any, *, count_saved: bool = True) -> Iterator[
         stats["saved_for_backward_held_mib"] = 0.0
 
         def forward_step(*args: Any, **kwargs: Any) -> Any:
-            counter = SavedBytes()
+            counter = SavedBytes(engine.module)  # the module: what checkpointed layers recompute counts too
             with counter.counting():
                 out = original(*args, **kwargs)
-            held = counter.bytes / 1024.0**2
+            held = counter.total / 1024.0**2
             stats["saved_for_backward_held_mib"] = max(stats["saved_for_backward_held_mib"], held)
             return out
 

@@ -104,9 +104,9 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def prefix_memory_by_phase(metrics: dict[str, float], measured_update_peak: float | None = None) -> dict[str, Any]:
     """The prefix engine's per-phase memory metrics, regrouped by kind, plus its whole-update device peak.
 
-    The engine resets the allocator's peak at every phase start, so a peak read around the whole update
-    (``measured_update_peak``) only covers the time since the last phase began; the update's true peak is
-    the larger of that and every phase's own peak.
+    The engine resets the allocator's peak at every phase start but keeps the lifetime peak readable, so a
+    peak read around the whole update (``measured_update_peak``) covers it; the larger of that and every
+    phase's own peak is the update's peak either way.
     """
     out: dict[str, Any] = {"saved_for_backward_mib": {}, "peak_device_mib": {}, "rss_mib": {}}
     kinds = {
