@@ -89,3 +89,22 @@ def test_cpu_meter_reports_no_device_peak():
     with meter.phase("A"):
         pass
     assert not [k for k in meter.metrics(1, 1) if "peak_device" in k]
+
+
+def test_engine_counts_checkpointed_layers(tiny_qwen3_dir):
+    """verl's non-reentrant gradient checkpointing through the engine: phases A and B hold the layers'
+    inputs plus the largest layer's recompute, at least 1/layers of the plain figure and below it (the
+    schedule-level reference is in ``test_telemetry_honesty``)."""
+    batch = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=[24], response_len_range=(16, 20), vocab_size=128)
+    saved = {}
+    for checkpointing in (False, True):
+        engine, loss_fn, _ = T.build_verl_engine(
+            tiny_qwen3_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2, gradient_checkpointing=checkpointing
+        )
+        engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+        metrics = T.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
+        assert metrics["prefix/groups"] == 1
+        saved[checkpointing] = {p: metrics[f"prefix/max_saved_for_backward_mib/{p}"] for p in "AB"}
+    layers = engine.module.config.num_hidden_layers
+    for phase in "AB":
+        assert saved[False][phase] / layers <= saved[True][phase] < saved[False][phase], (phase, saved)
