@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from verl.base_config import BaseConfig
 from verl.workers.config import FSDPEngineConfig
 
+from verl_prefix.schedule.prefix_kv import PHASE_B_ATTENTION
+
 PREFIX_BACKEND = "prefix_fsdp2"
 
 
@@ -40,6 +42,12 @@ class PrefixReuseConfig(BaseConfig):
         forward_only_reuse: reuse the prefix for old/ref log-prob passes too.
         early_exit: stop phase A after the last layer's K/V (skips that layer's MLP and the LM
             head over the prefix).
+        phase_b_attention: how suffix micro-batches attend to the prefix. ``merged``: two-part
+            attention against the one shared prefix K/V, merged by log-sum-exp (no per-row copy, no
+            GQA repeat); ``concat``: ``cat(prefix.expand(B), suffix)`` per row (the reference path);
+            ``auto``: merged wherever its kernels serve the call (sdpa/flash models; sliding windows,
+            softcapping, sinks, eager attention run concat), counted as
+            ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
     """
 
     enable: bool = True
@@ -49,8 +57,13 @@ class PrefixReuseConfig(BaseConfig):
     min_group_size: int = 2
     forward_only_reuse: bool = True
     early_exit: bool = True
+    phase_b_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.phase_b_attention not in PHASE_B_ATTENTION:
+            raise ValueError(
+                f"prefix_reuse.phase_b_attention must be one of {PHASE_B_ATTENTION}, got {self.phase_b_attention!r}"
+            )
         if self.suffix_micro_batch_size is not None and self.suffix_micro_batch_size < 1:
             raise ValueError(
                 f"prefix_reuse.suffix_micro_batch_size must be >= 1 or null, got {self.suffix_micro_batch_size}"

@@ -215,7 +215,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def _schedule_options(self, device: torch.device, *, train: bool, real: bool = True) -> dict[str, Any]:
         """The keyword arguments every ``train_group``/``infer_group`` call shares. Lockstep fillers
         (``real=False``) are neither metered nor asked for entropy."""
-        options: dict[str, Any] = {"device": device, "autocast": self._autocast()}
+        options: dict[str, Any] = {
+            "device": device,
+            "autocast": self._autocast(),
+            "phase_b_attention": self.reuse_config.phase_b_attention,
+        }
         if real:
             options.update(meter=self._meter, entropy_fn=self._entropy_fn())
         if train:
@@ -244,6 +248,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         device = self._device()
         self._meter = PhaseMeter(device, model=self.module)
+        for attention in ("merged", "concat"):  # every rank reports both, zero where none ran
+            self._meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
         temperature = per_row_temperature(data)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)

@@ -134,21 +134,39 @@ def suffix_forward(
     temperature: torch.Tensor,
     calculate_entropy: bool,
     entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
+    attention: str = "auto",
+    meter: PhaseMeter | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does.
 
-    ``entropy_fn`` is the engine's own (compiled, chunked or checkpointed as its config says)."""
-    ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device)
+    ``entropy_fn`` is the engine's own (compiled, chunked or checkpointed as its config says).
+    ``attention`` is ``prefix_reuse.phase_b_attention``; ``meter`` counts which attention ran.
+
+    No copy of the ``[tokens, vocab]`` logits: log-probs and entropy are row-wise, so they run on a view
+    of the padded ``[B * S, vocab]`` logits (pad positions cost a little compute, no memory) and only the
+    ``[B, S]`` results are indexed; a temperature other than 1 divides the logits in place."""
+    ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device, attention)
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, prefix_ctx=ctx)
-    logits = out.logits[batch.valid]  # [N, V], valid tokens only, row-major like verl's packed layout
-    row_temperature = torch.repeat_interleave(
-        temperature.to(logits.device, torch.float32), torch.tensor(batch.lengths, device=logits.device)
-    )
-    logits = logits / row_temperature.to(logits.dtype).unsqueeze(-1)
-    entropy = entropy_fn(logits) if calculate_entropy else None
-    log_probs = logprobs_from_logits(logits, batch.labels[batch.valid], inplace_backward=not calculate_entropy)
-    split = list(log_probs.split(batch.lengths))
+    _note_attention(meter, ctx)
+    rows, width = batch.input_ids.shape
+    logits = out.logits.reshape(rows * width, -1)  # a view: lm_head's output is contiguous
+    if not bool((temperature == 1).all()):
+        row_temperature = temperature.to(logits.device, torch.float32).repeat_interleave(width)
+        logits = logits.div_(row_temperature.to(logits.dtype).unsqueeze(-1))  # lm_head's backward needs no output
+    entropy = entropy_fn(logits).view(rows, width)[batch.valid] if calculate_entropy else None
+    log_probs = logprobs_from_logits(logits, batch.labels.reshape(-1), inplace_backward=not calculate_entropy)
+    split = list(log_probs.view(rows, width)[batch.valid].split(batch.lengths))
     return split, (list(entropy.split(batch.lengths)) if entropy is not None else None)
+
+
+def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
+    """Count the micro-batch under the attention it ran: merged when every layer ran merged."""
+    if meter is None:
+        return
+    merged = ctx.merged_calls > 0 and not ctx.refusals
+    meter.count(f"prefix/phase_b_attention/{'merged' if merged else 'concat'}")
+    for reason in sorted(ctx.refusals):
+        meter.count(f"prefix/phase_b_attention/concat_{reason}")
 
 
 def _unshard_interrupted(model: nn.Module, interrupted: nn.Module | None) -> None:
@@ -183,7 +201,7 @@ def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None 
         roots.append(root)
         # Zeros where no suffix reached a leaf (e.g. the router leaf of a lockstep filler group): every
         # rank then gives (zero) grads to the same parameters, and FSDP2 reduce-scatters exactly those.
-        grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(root))
+        grads.append(leaf.grad.to(root.dtype) if leaf.grad is not None else torch.zeros_like(root))
     if roots:
         torch.autograd.backward(roots, grad_tensors=grads)
 
@@ -211,12 +229,16 @@ def train_group(
     routers: moe.MoeRouters | None = None,
     aux_fn: AuxFn | None = None,
     entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
+    phase_b_attention: str = "auto",
+    prefix_grad_dtype: torch.dtype | None = torch.float32,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
     ``temperature`` holds one value per mini-batch row. ``backward`` lets a caller scale the loss.
     With ``routers`` and ``aux_fn``, each micro-batch's loss gains ``aux_fn(rows, stats)`` where
     ``stats`` count the prefix once per row of the micro-batch (``moe.logical_stats``).
+    ``phase_b_attention``: see ``ServeContext``. ``prefix_grad_dtype``: the least dtype dK/dV accumulate
+    in across micro-batches (``None``: K/V's own dtype, e.g. bf16 under autocast).
     """
     if (routers is None) != (aux_fn is None):
         raise ValueError("routers and aux_fn go together")
@@ -227,7 +249,7 @@ def train_group(
         with meter.phase("A"), autocast():
             prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
         meter.note_prefix_kv(prefix.tensors())
-        leaves = prefix.as_leaves(requires_grad=True)
+        leaves = prefix.as_leaves(requires_grad=True, min_dtype=prefix_grad_dtype)
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
             with meter.phase("B"):
@@ -235,7 +257,14 @@ def train_group(
                     capture = routers.capture() if routers is not None else nullcontext([])
                     with capture as router_logits:
                         log_probs, entropy = suffix_forward(
-                            model, leaves, batch, temperature[rows], calculate_entropy, entropy_fn
+                            model,
+                            leaves,
+                            batch,
+                            temperature[rows],
+                            calculate_entropy,
+                            entropy_fn,
+                            phase_b_attention,
+                            meter,
                         )
                     loss = loss_fn(rows, log_probs, entropy)
                     if routers is not None:
@@ -248,7 +277,9 @@ def train_group(
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
             with meter.phase("B"):
                 with autocast():
-                    log_probs, _ = suffix_forward(model, leaves, batch, temperature[group.rows[:1]], False)
+                    log_probs, _ = suffix_forward(
+                        model, leaves, batch, temperature[group.rows[:1]], False, attention=phase_b_attention
+                    )
                 backward(log_probs[0].sum() * 0.0)
         with meter.phase("C"):
             prefix_backward(prefix, leaves, model)
@@ -267,6 +298,7 @@ def infer_group(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     meter: PhaseMeter | None = None,
     entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
+    phase_b_attention: str = "auto",
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
     meter = meter or NullMeter()
@@ -280,12 +312,12 @@ def infer_group(
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)
             with meter.phase("B"):
                 log_probs, entropy = suffix_forward(
-                    model, prefix, batch, temperature[rows], calculate_entropy, entropy_fn
+                    model, prefix, batch, temperature[rows], calculate_entropy, entropy_fn, phase_b_attention, meter
                 )
             for k, i in enumerate(rows):
                 results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
         for _ in range(group.filler_micro_batches):
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
             with meter.phase("B"):
-                suffix_forward(model, prefix, batch, temperature[group.rows[:1]], False)
+                suffix_forward(model, prefix, batch, temperature[group.rows[:1]], False, attention=phase_b_attention)
     return results

@@ -114,12 +114,16 @@ def plan_suffix_micro_batches(
     max_rows: int | None,
     max_tokens: int | None,
     extra_tokens_per_row: int = 0,
+    prefix_tokens_per_row: int = 0,
 ) -> list[list[int]]:
     """Split a group's suffix rows into micro-batches, longest first so padding stays small.
 
-    A micro-batch holds at most ``max_rows`` rows and at most ``max_tokens`` padded suffix tokens
-    (rows x (longest suffix + ``extra_tokens_per_row``): a suffix row is one token longer when it also
-    feeds its last response token). A single row over the token budget still forms its own micro-batch.
+    A micro-batch holds at most ``max_rows`` rows and at most ``max_tokens`` tokens, counted as
+    rows x (longest suffix + ``extra_tokens_per_row`` + ``prefix_tokens_per_row``): a suffix row is one
+    token longer when it also feeds its last response token, and every one of its queries attends to the
+    prefix, which ``plan_batch`` counts per row as the prefix length (the keys a row's attention covers,
+    what the same row costs in a dense micro-batch). A single row over the budget still forms its own
+    micro-batch.
     """
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"suffix micro-batch size must be >= 1, got {max_rows}")
@@ -130,6 +134,7 @@ def plan_suffix_micro_batches(
     current: list[int] = []
     for i in ordered:
         longest = max([response_lens[j] for j in current] + [response_lens[i]]) + extra_tokens_per_row
+        longest += prefix_tokens_per_row
         too_many = max_rows is not None and len(current) + 1 > max_rows
         too_long = max_tokens is not None and (len(current) + 1) * longest > max_tokens
         if current and (too_many or too_long):
@@ -149,8 +154,13 @@ def plan_batch(
     min_prefix_len: int,
     min_group_size: int,
     extra_tokens_per_row: int = 0,
+    count_prefix_tokens: bool = True,
 ) -> BatchPlan:
-    """Decide per uid group whether it reuses its prefix, and plan its suffix micro-batches."""
+    """Decide per uid group whether it reuses its prefix, and plan its suffix micro-batches.
+
+    ``count_prefix_tokens``: the token budget charges each suffix row the prefix it attends to, so a
+    budget means what it means for dense micro-batches (short suffixes do not pack a whole group into one
+    micro-batch whose attention covers G x P prefix keys); off counts padded suffix tokens only."""
     groups: list[GroupPlan] = []
     dense: dict[str, list[int]] = {}
     for uid, rows in group_rows_by_uid(layout.uids).items():
@@ -163,7 +173,12 @@ def plan_batch(
             continue
         plan = GroupPlan(uid=uid, rows=rows, prompt_len=prompt_len)
         plan.micro_batches = plan_suffix_micro_batches(
-            rows, layout.response_lens, max_rows, max_tokens, extra_tokens_per_row
+            rows,
+            layout.response_lens,
+            max_rows,
+            max_tokens,
+            extra_tokens_per_row,
+            prefix_tokens_per_row=plan.prefix_len if count_prefix_tokens else 0,
         )
         groups.append(plan)
     return BatchPlan(groups=groups, dense_rows=dense)

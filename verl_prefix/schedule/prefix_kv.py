@@ -10,6 +10,7 @@ way ``DynamicCache.update`` does (trap 1): a serve context returns ``cat(prefix.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,8 +23,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
+from verl_prefix.schedule.merged_attention import merged_attention, merged_refusal
+
 if TYPE_CHECKING:
     from verl_prefix.schedule.moe import RouterStats
+
+logger = logging.getLogger(__name__)
+
+# ``prefix_reuse.phase_b_attention``: how a suffix micro-batch attends to the prefix
+PHASE_B_ATTENTION = ("auto", "merged", "concat")
+_LOGGED_REFUSALS: set[str] = set()
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
 # flash-attention models are served through sdpa: phase B's keys are ``cat(prefix, suffix)`` per row,
@@ -91,11 +100,20 @@ class PrefixKV:
             out.append(self.router_stats.prob_sum)
         return out
 
-    def as_leaves(self, requires_grad: bool) -> PrefixKV:
-        """Detached copies that collect dK/dV (and d(aux)/d(prob sums)) from every suffix micro-batch."""
+    def as_leaves(self, requires_grad: bool, min_dtype: torch.dtype | None = torch.float32) -> PrefixKV:
+        """Detached copies that collect dK/dV (and d(aux)/d(prob sums)) from every suffix micro-batch.
+
+        K/V leaves are held in at least ``min_dtype`` (fp32 by default) so dK/dV accumulate over the
+        micro-batches in fp32 whatever the compute dtype, as dense training accumulates parameter
+        grads; attention casts them to its own dtype (an exact round trip). ``None`` keeps K/V's dtype."""
         leaves = PrefixKV(len(self.keys))
-        leaves.keys = [k.detach().requires_grad_(requires_grad) for k in self.keys]
-        leaves.values = [v.detach().requires_grad_(requires_grad) for v in self.values]
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            dtype = t.dtype if min_dtype is None else torch.promote_types(t.dtype, min_dtype)
+            return t.detach().to(dtype).requires_grad_(requires_grad)
+
+        leaves.keys = [leaf(k) for k in self.keys]
+        leaves.values = [leaf(v) for v in self.values]
         if self.router_stats is not None:
             leaves.router_stats = self.router_stats.detached_leaf(requires_grad)
         return leaves
@@ -140,17 +158,40 @@ class CaptureContext:
 
 
 class ServeContext:
-    """Phase B: a suffix micro-batch attends to ``cat(prefix.expand(B), suffix)``; nothing is stored."""
+    """Phase B: a suffix micro-batch attends to the prefix; nothing is stored.
 
-    def __init__(self, prefix: PrefixKV, query_len: int, device: torch.device) -> None:
+    ``attention`` (``prefix_reuse.phase_b_attention``): ``merged`` runs two-part attention against the one
+    shared prefix K/V (``merged_attention``) and raises where it cannot; ``concat`` attends to
+    ``cat(prefix.expand(B), suffix)`` (the reference path); ``auto`` runs merged where its kernels serve
+    the call (sdpa/flash models) and concat elsewhere, recording why in ``refusals``."""
+
+    def __init__(self, prefix: PrefixKV, query_len: int, device: torch.device, attention: str = "auto") -> None:
+        if attention not in PHASE_B_ATTENTION:
+            raise ValueError(f"phase_b_attention must be one of {PHASE_B_ATTENTION}, got {attention!r}")
         self.prefix = prefix
         self.query_len = query_len
         self.device = device
+        self.attention = attention
+        self.merged_calls = 0
+        self.refusals: set[str] = set()
 
     @functools.cached_property
     def keep(self) -> torch.Tensor:
         """The explicit mask eager attention adds (sdpa takes it as a causal bias instead)."""
         return causal_keep_mask(self.query_len, self.prefix.length, self.device)
+
+    def _merged_refusal(self, base: Callable, query: torch.Tensor, kwargs: dict) -> str | None:
+        if self.attention == "concat":
+            return "concat"
+        reason = merged_refusal(query, kwargs)
+        if reason is None and self.attention == "auto" and base is not sdpa_attention_forward:
+            reason = "eager"  # the model asked for eager attention's numerics; merged is sdpa's maths
+        if reason is not None and self.attention == "merged":
+            raise ValueError(
+                f"prefix_reuse.phase_b_attention=merged cannot serve this attention call ({reason}); "
+                "use auto (falls back to concat) or concat"
+            )
+        return reason
 
     def attend(
         self,
@@ -162,9 +203,21 @@ class ServeContext:
         **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = module.layer_idx
+        prefix_key, prefix_value = self.prefix.keys[layer], self.prefix.values[layer]
+        reason = self._merged_refusal(base, query, kwargs)
+        if reason is None:
+            self.merged_calls += 1
+            out = merged_attention(query, prefix_key, prefix_value, key, value, kwargs.get("scaling"))
+            return out, None
+        if reason != "concat":
+            self.refusals.add(reason)
+            if reason not in _LOGGED_REFUSALS:
+                _LOGGED_REFUSALS.add(reason)
+                logger.warning("phase B runs concat attention instead of merged: %s", reason)
         rows = key.shape[0]
-        key = torch.cat([self.prefix.keys[layer].expand(rows, -1, -1, -1), key], dim=2)
-        value = torch.cat([self.prefix.values[layer].expand(rows, -1, -1, -1), value], dim=2)
+        # leaves may be held in fp32 (fp32 dK/dV accumulation): attend in the suffix's dtype
+        key = torch.cat([prefix_key.to(key.dtype).expand(rows, -1, -1, -1), key], dim=2)
+        value = torch.cat([prefix_value.to(value.dtype).expand(rows, -1, -1, -1), value], dim=2)
         if base is sdpa_attention_forward:
             return sdpa_lower_right(module, query, key, value, **kwargs)
         return base(module, query, key, value, _as_eager_mask(self.keep, query.dtype), **kwargs)

@@ -207,6 +207,7 @@ class PhaseMeter:
         self.held_saved_mib = 0.0  # prefix saved bytes of the current group, live until phase C
         self.peak_held_saved_mib = 0.0
         self.peak_prefix_kv_mib = 0.0
+        self.counts: dict[str, float] = defaultdict(float)  # e.g. prefix/phase_b_attention/merged
         self._accelerator = device.type in ("cuda", "npu")
         self._module = getattr(torch, device.type) if self._accelerator else None
         self._pending: list[tuple[str, Any, Any]] = []  # (phase, start event, end event), read in metrics()
@@ -259,6 +260,10 @@ class PhaseMeter:
             self.seconds[name] += start.elapsed_time(end) / 1000.0
         self._pending.clear()
 
+    def count(self, key: str, n: float = 1.0) -> None:
+        """Add ``n`` to a counter reported as metric ``key`` (e.g. micro-batches per phase-B attention)."""
+        self.counts[key] += n
+
     def note_prefix_kv(self, tensors: list[torch.Tensor]) -> None:
         """Record the size of a group's prefix cache (called once per group after phase A)."""
         mib = sum(t.numel() * t.element_size() for t in tensors) / _MIB
@@ -304,6 +309,7 @@ class PhaseMeter:
         out["prefix/logical_tokens"] = float(logical_tokens)
         out["prefix/physical_tokens"] = float(physical_tokens)
         out["prefix/reuse_factor"] = logical_tokens / max(physical_tokens, 1)
+        out.update(self.counts)
         return out
 
 

@@ -1,0 +1,359 @@
+"""Phase B's two-part attention (``verl_prefix.schedule.merged_attention``): the kernel against the
+concat reference, the schedule through it against plain HF, negative controls that must fail, fp32 dK/dV
+accumulation under bf16 autocast, and the token budget that counts the prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.layouts import make_layout, token_weights
+from helpers.precision import promote_fp32_upcasts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_schedule_hf import dense_grads, weighted_loss, worst_relative
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from verl_prefix.schedule import executor
+from verl_prefix.schedule import merged_attention as MA
+from verl_prefix.schedule.executor import infer_group, train_group
+from verl_prefix.schedule.grouping import plan_batch, plan_suffix_micro_batches
+from verl_prefix.schedule.prefix_kv import ServeContext, sdpa_lower_right
+from verl_prefix.schedule.telemetry import PhaseMeter
+
+CPU = torch.device("cpu")
+OPS = torch.ops.aten
+
+
+def _inputs(rows, heads, kv_heads, prefix, suffix, dtype, seed=0, dim=8):
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+
+    return (
+        t(rows, heads, suffix, dim),
+        t(1, kv_heads, prefix, dim),
+        t(1, kv_heads, prefix, dim),
+        t(rows, kv_heads, suffix, dim),
+        t(rows, kv_heads, suffix, dim),
+        torch.randn(rows, suffix, heads, dim, generator=gen, dtype=torch.float64).to(dtype),
+    )
+
+
+def _grads(out, weight, tensors):
+    return torch.autograd.grad((out * weight).sum(), tensors)
+
+
+def _concat_reference(q, pk, pv, sk, sv, scaling):
+    module = torch.nn.Module()
+    module.num_key_value_groups = q.shape[1] // sk.shape[1]
+    rows = q.shape[0]
+    key = torch.cat([pk.expand(rows, -1, -1, -1), sk], 2)
+    value = torch.cat([pv.expand(rows, -1, -1, -1), sv], 2)
+    return sdpa_lower_right(module, q, key, value, scaling=scaling)[0]
+
+
+def _reference_math(q, pk, pv, sk, sv, scaling):
+    """The same two-part maths in plain torch ops (autograd's own backward): fp64 ground truth."""
+    groups = q.shape[1] // sk.shape[1]
+    rows, _, s, _ = q.shape
+    key = torch.cat([pk.expand(rows, -1, -1, -1), sk], 2).repeat_interleave(groups, 1)
+    value = torch.cat([pv.expand(rows, -1, -1, -1), sv], 2).repeat_interleave(groups, 1)
+    scores = q @ key.transpose(-1, -2) * scaling
+    keep = torch.cat([torch.ones(s, pk.shape[2], dtype=torch.bool), torch.ones(s, s, dtype=torch.bool).tril()], 1)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2)
+
+
+# -- the kernels' own facts --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_op_is_upper_left_causal_and_supports_the_dtype(dtype):
+    """``is_causal`` of the CPU flash op aligns upper-left (query i sees keys 0..i), which the square
+    suffix part needs; it runs fp64 natively, and its LSE is the natural-log one of the scaled scores."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    k6, v6 = torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64), torch.randn(1, 2, 6, 8, generator=gen)
+    out, lse = OPS._scaled_dot_product_flash_attention_for_cpu(q.to(dtype), k6.to(dtype), v6.to(dtype), 0.0, True)
+    assert out.dtype == dtype
+    scores = q @ k6.transpose(-1, -2) * 8**-0.5
+    upper_left = torch.ones(4, 6, dtype=torch.bool).tril()
+    want_lse = scores.masked_fill(~upper_left, float("-inf")).logsumexp(-1)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(lse.double(), want_lse, rtol=tol, atol=tol)
+    lower_right = torch.ones(4, 6, dtype=torch.bool).tril(diagonal=2)
+    assert (scores.masked_fill(~lower_right, float("-inf")).logsumexp(-1) - lse.double()).abs().max() > 0.1
+    # square (the suffix part): both alignments agree
+    out_sq, _ = OPS._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out_sq, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_merged_matches_concat_and_reference(dtype, tol, groups, rows):
+    q, pk, pv, sk, sv, w = _inputs(rows, 2 * groups, 2, prefix=7, suffix=5, dtype=dtype)
+    tensors = (q, pk, pv, sk, sv)
+    got = MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3)
+    want = _concat_reference(q, pk, pv, sk, sv, 0.3)
+    ref = _reference_math(*(t.double() for t in tensors), 0.3)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+    got_grads = _grads(got, w, tensors)
+    for g_got, g_want in zip(got_grads, _grads(want, w, tensors)):
+        assert ((g_got - g_want).norm() / g_want.norm()).item() < tol
+    # the shared prefix's grads come out summed over rows and query heads: shape [1, kv_heads, P, d]
+    assert got_grads[1].shape == pk.shape
+
+
+def test_bf16_merged_is_as_close_to_fp64_as_concat():
+    q, pk, pv, sk, sv, w = _inputs(4, 8, 2, prefix=33, suffix=9, dtype=torch.bfloat16)
+    tensors = (q, pk, pv, sk, sv)
+    ref = _reference_math(*(t.double() for t in tensors), 0.25)
+    ref_grads = _grads(ref, w.double(), tensors)
+    for fn in (MA.merged_attention, _concat_reference):
+        out = fn(q, pk, pv, sk, sv, 0.25)
+        assert (out.double() - ref).abs().max() < 2e-2
+        for g, r in zip(_grads(out, w, tensors), ref_grads):
+            assert ((g.double() - r).norm() / r.norm()) < 2e-2
+
+
+# -- negative controls of the kernel: each must move the result ------------------------------------
+
+
+def _fault_error(monkeypatch, fault) -> float:
+    q, pk, pv, sk, sv, w = _inputs(3, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
+    tensors = (q, pk, pv, sk, sv)
+    want_grads = _grads(_concat_reference(q, pk, pv, sk, sv, 0.3), w, tensors)
+    fault(monkeypatch)
+    got_grads = _grads(MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3), w, tensors)
+    return max(((g - r).norm() / r.norm()).item() for g, r in zip(got_grads, want_grads))
+
+
+def _per_part_lse(mp):
+    mp.setattr(MA, "backward_stats", lambda out, lse, parts: [*parts[0], *parts[1]])
+
+
+def _wrong_prefix_scale(mp):
+    """The prefix part (the non-causal call) with twice the softmax scale, forward and backward."""
+    forward, backward = MA.attention_forward, MA.attention_backward
+
+    def scale_of(causal, scale):
+        return scale if causal else 2 * scale
+
+    mp.setattr(
+        MA, "attention_forward", lambda q, k, v, causal, scale: forward(q, k, v, causal, scale_of(causal, scale))
+    )
+    mp.setattr(
+        MA,
+        "attention_backward",
+        lambda g, q, k, v, o, lse, aux, causal, scale: backward(
+            g, q, k, v, o, lse, aux, causal, scale_of(causal, scale)
+        ),
+    )
+
+
+def _non_causal_suffix(mp):
+    forward, backward = MA.attention_forward, MA.attention_backward
+    mp.setattr(MA, "attention_forward", lambda q, k, v, causal, scale: forward(q, k, v, False, scale))
+    mp.setattr(
+        MA,
+        "attention_backward",
+        lambda g, q, k, v, o, lse, aux, causal, scale: backward(g, q, k, v, o, lse, aux, False, scale),
+    )
+
+
+@pytest.mark.parametrize("fault", [_per_part_lse, _wrong_prefix_scale, _non_causal_suffix])
+def test_kernel_negative_controls(monkeypatch, fault):
+    assert _fault_error(monkeypatch, fault) > 1e-2
+
+
+# -- the schedule through merged attention -------------------------------------------------------------
+
+RAGGED = [(9, [4, 7, 1, 6, 3, 5, 2, 8])]  # G = 8
+
+
+def _reuse(model, layout, weights, rows, attention, meter=None, **kwargs):
+    model.zero_grad()
+    plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    for group in plan.groups:
+        train_group(
+            model,
+            layout,
+            group,
+            torch.ones(len(layout)),
+            weighted_loss(weights),
+            calculate_entropy=True,
+            device=CPU,
+            phase_b_attention=attention,
+            meter=meter,
+            **kwargs,
+        )
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def gqa_model(kv_heads: int, dtype: torch.dtype, attn: str = "sdpa"):
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=12,
+        attn_implementation=attn,
+        initializer_range=0.2,
+    )
+    return AutoModelForCausalLM.from_config(config).to(dtype).train()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
+def test_schedule_merged_matches_dense_and_concat(dtype, kv_heads):
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}[dtype]
+    model = gqa_model(kv_heads, dtype)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, dtype)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        for rows in (8, 2, 1):
+            meter = PhaseMeter(CPU)
+            merged = _reuse(model, layout, weights, rows, "merged", meter)
+            concat = _reuse(model, layout, weights, rows, "concat")
+            assert worst_relative(merged, want) < tol, f"{rows} rows per micro-batch"
+            assert worst_relative(merged, concat) < tol
+            assert meter.counts["prefix/phase_b_attention/merged"] == -(-8 // rows)
+            assert "prefix/phase_b_attention/concat" not in meter.counts
+
+
+def test_auto_runs_merged_for_sdpa_and_concat_for_eager():
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    for attn, ran in (("sdpa", "merged"), ("eager", "concat")):
+        meter = PhaseMeter(CPU)
+        _reuse(gqa_model(2, torch.float64, attn), layout, weights, 4, "auto", meter)
+        assert meter.counts[f"prefix/phase_b_attention/{ran}"] == 2
+    assert meter.counts["prefix/phase_b_attention/concat_eager"] == 2
+
+
+def test_merged_refuses_unserved_features():
+    q = torch.zeros(1, 2, 3, 8)
+    assert MA.merged_refusal(q, {}) is None
+    assert MA.merged_refusal(q, {"sliding_window": 4}) == "sliding_window"
+    assert MA.merged_refusal(q, {"softcap": 30.0}) == "softcap"
+    assert MA.merged_refusal(q, {"s_aux": torch.zeros(2)}) == "sinks"
+    assert MA.merged_refusal(q, {"dropout": 0.1}) == "dropout"
+    assert MA.merged_refusal(q.to(torch.int32), {}) == "kernel_dtype"
+    prefix = type("P", (), {"keys": [torch.zeros(1, 2, 4, 8)], "values": [torch.zeros(1, 2, 4, 8)], "length": 4})()
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    with pytest.raises(ValueError, match="merged cannot serve"):
+        ServeContext(prefix, 3, CPU, "merged").attend(module, lambda *a, **k: None, q, q, q, softcap=30.0)
+    with pytest.raises(ValueError, match="phase_b_attention"):
+        ServeContext(prefix, 3, CPU, "fast")
+
+
+def test_forward_only_merged_matches_concat():
+    model = gqa_model(2, torch.float64).eval()
+    layout = make_layout([(9, [4, 7, 1, 6]), (4, [2, 3])])
+    plan = plan_batch(layout, max_rows=3, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.9, 1.1])
+    with promote_fp32_upcasts(), torch.no_grad():
+        got = {a: {} for a in ("merged", "concat")}
+        for attention in got:
+            for group in plan.groups:
+                got[attention].update(
+                    infer_group(
+                        model,
+                        layout,
+                        group,
+                        temperature,
+                        calculate_entropy=True,
+                        device=CPU,
+                        phase_b_attention=attention,
+                    )
+                )
+        for i, (ids, p, s) in enumerate(zip(layout.input_ids, layout.prompt_lens, layout.response_lens)):
+            logits = model(input_ids=ids[None]).logits[0, p - 1 : p - 1 + s] / temperature[i].double()
+            want = torch.log_softmax(logits, -1).gather(-1, ids[p:, None]).squeeze(-1)
+            for attention in got:
+                torch.testing.assert_close(got[attention][i][0], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fault", [_per_part_lse, _wrong_prefix_scale, _non_causal_suffix])
+def test_schedule_negative_controls(monkeypatch, fault):
+    model = gqa_model(2, torch.float64)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        fault(monkeypatch)
+        assert worst_relative(_reuse(model, layout, weights, 4, "merged"), want) > 1e-3
+
+
+# -- fp32 dK/dV accumulation under bf16 autocast ------------------------------------------------------
+
+
+def _accumulated_dkdv(monkeypatch, model, layout, weights, **kwargs) -> list[torch.Tensor]:
+    """The dK/dV phase C is seeded with (a spy on ``prefix_backward``), as fp64."""
+    seen: list[torch.Tensor] = []
+    real = executor.prefix_backward
+
+    def spy(prefix, leaves, model=None):
+        seen.extend(leaf.grad.double() for leaf in leaves.tensors())
+        return real(prefix, leaves, model)
+
+    monkeypatch.setattr(executor, "prefix_backward", spy)
+    _reuse(model, layout, weights, 1, "merged", **kwargs)
+    return seen
+
+
+@pytest.mark.parametrize("group_size", [16, 64])
+def test_fp32_prefix_grad_accumulation_beats_bf16(monkeypatch, group_size):
+    """CPU bf16 autocast, single-row micro-batches: the dK/dV phase C receives, accumulated in bf16 (the
+    leaves' own dtype) vs in fp32, against the same schedule in fp64."""
+    layout = make_layout([(24, [3 + (i % 5) for i in range(group_size)])], seed=2)
+    weights = token_weights(layout, torch.float64)
+    model = gqa_model(2, torch.float64)
+    with promote_fp32_upcasts():
+        want = torch.cat([g.flatten() for g in _accumulated_dkdv(monkeypatch, model, layout, weights)])
+    model = model.float()
+    fp32_weights = [w.float() for w in weights]
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    errors = {}
+    for name, dtype in (("bf16", None), ("fp32", torch.float32)):
+        got = _accumulated_dkdv(monkeypatch, model, layout, fp32_weights, autocast=bf16, prefix_grad_dtype=dtype)
+        errors[name] = ((torch.cat([g.flatten() for g in got]) - want).norm() / want.norm()).item()
+    print(f"G={group_size}: accumulated dK/dV rel error, bf16 {errors['bf16']:.3e}, fp32 {errors['fp32']:.3e}")
+    assert errors["fp32"] < errors["bf16"]
+
+
+# -- the token budget counts the prefix ----------------------------------------------------------------
+
+
+def test_token_budget_counts_the_prefix_each_row_attends_to():
+    layout = make_layout([(200, [4] * 16)])
+    counted = plan_batch(layout, max_rows=None, max_tokens=1024, min_prefix_len=1, min_group_size=1)
+    suffix_only = plan_batch(
+        layout, max_rows=None, max_tokens=1024, min_prefix_len=1, min_group_size=1, count_prefix_tokens=False
+    )
+    assert len(suffix_only.groups[0].micro_batches) == 1  # 16 x 4 = 64 suffix tokens: the old, untrue plan
+    # each row holds 4 suffix tokens + 199 prefix keys: 5 rows (1015 tokens) per micro-batch
+    assert [len(mb) for mb in counted.groups[0].micro_batches] == [5, 5, 5, 1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=20),
+    prefix=st.integers(0, 300),
+    budget=st.integers(1, 2000),
+)
+def test_token_budget_holds_for_any_group(lens, prefix, budget):
+    rows = list(range(len(lens)))
+    batches = plan_suffix_micro_batches(rows, lens, None, budget, prefix_tokens_per_row=prefix)
+    assert sorted(i for b in batches for i in b) == rows
+    for b in batches:
+        assert len(b) == 1 or len(b) * (max(lens[i] for i in b) + prefix) <= budget

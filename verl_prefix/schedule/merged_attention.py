@@ -1,0 +1,205 @@
+"""Phase B's two-part attention: suffix queries against ONE shared prefix K/V, plus each row's causal
+self-attention, merged by log-sum-exp (DESIGN.md section 5).
+
+The concat path gives every row ``cat(prefix.expand(B), suffix)`` and repeats K/V heads for GQA, so a
+micro-batch materialises ``B x query_heads x (P + S)`` keys. Here the prefix part runs all queries of
+the micro-batch (rows and the query heads of a KV group folded into the query length) against the
+single ``[1, kv_heads, P, d]`` prefix, unmasked; the suffix part is plain causal attention per row
+(right padding is harmless: a real query never sees a later pad). With ``(o1, l1)`` and ``(o2, l2)``
+the two parts' outputs and log-sum-exps::
+
+    l = logaddexp(l1, l2),   o = exp(l1 - l) o1 + exp(l2 - l) o2
+
+Flash-style backward ops take ``(grad_out, q, k, v, out, lse)`` and rebuild the softmax as
+``exp(q k^T * scale - lse)`` with ``D = rowsum(grad_out * out)``; given the MERGED out and lse, each
+part's backward returns that part's exact share of the gradients (ring attention does the same per
+K/V block). The LSE the forward ops return carries no autograd, so ``MergedAttention`` owns the
+backward, and the prefix part's dK/dV come out summed over rows and query heads.
+
+Kernels: CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``; fp64, fp32, bf16,
+fp16; ``is_causal`` is upper-left, which equals lower-right for the square suffix part), CUDA
+``aten._scaled_dot_product_flash_attention`` (+ ``_backward``; fp16/bf16, head_dim a multiple of 8 up
+to 256). ``merged_refusal`` says why a call cannot be served; the caller then runs the concat path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# kwargs HF attention forwards may carry that the merged kernels do not implement -> refusal reason
+_UNSERVED_KWARGS = {"sliding_window": "sliding_window", "softcap": "softcap", "s_aux": "sinks"}
+
+
+def merged_refusal(query: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
+    """Why this attention call cannot run the merged path (a short reason), or None when it can."""
+    for name, reason in _UNSERVED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            return reason
+    if float(kwargs.get("dropout", 0.0) or 0.0) > 0.0:
+        return "dropout"
+    head_dim = query.shape[-1]
+    if query.device.type == "cpu":
+        if query.dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+            return "kernel_dtype"
+        return None
+    if query.device.type == "cuda":
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            return "kernel_dtype"  # torch's CUDA flash kernel is half precision only
+        if head_dim % 8 or head_dim > 256:
+            return "kernel_head_dim"
+        return None
+    return "kernel_device"
+
+
+def attention_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """One part: ``(out, lse, aux)``; ``aux`` is what the device's backward op needs besides them.
+    Shapes ``[B, H, L, d]`` with equal head counts; ``lse`` is ``[B, H, L]`` fp32 (fp64 for fp64)."""
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale
+        )
+        return out, lse, ()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key, value, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def attention_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    aux: tuple,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One part's ``(dq, dk, dv)`` given the output and LSE the softmax is to be rebuilt from."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, query, key, value, out, lse, 0.0, causal, scale=scale
+        )
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+    )
+
+
+def fold_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, Hq, S, ...]`` -> ``[1, kv_heads, B * groups * S, ...]``: each KV head's queries from every
+    row and every query head of its group (HF's ``repeat_kv`` order: query head h uses KV head h // groups)."""
+    rows, heads, length = x.shape[:3]
+    groups = heads // kv_heads
+    x = x.reshape(rows, kv_heads, groups, length, *x.shape[3:]).transpose(0, 1)
+    return x.reshape(1, kv_heads, rows * groups * length, *x.shape[4:])
+
+
+def unfold_queries(x: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
+    """Inverse of ``fold_queries``."""
+    kv_heads, total = x.shape[1:3]
+    length = total // (rows * (heads // kv_heads))
+    x = x.reshape(kv_heads, rows, heads // kv_heads, length, *x.shape[3:]).transpose(0, 1)
+    return x.reshape(rows, heads, length, *x.shape[4:])
+
+
+def merge(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of two attention parts over disjoint keys, in at least fp32."""
+    lse = torch.logaddexp(lse1, lse2)
+    acc = torch.promote_types(out1.dtype, torch.float32)
+    weight1 = (lse1 - lse).exp().unsqueeze(-1).to(acc)
+    weight2 = (lse2 - lse).exp().unsqueeze(-1).to(acc)
+    out = weight1 * out1.to(acc) + weight2 * out2.to(acc)
+    return out.to(out1.dtype), lse
+
+
+def backward_stats(
+    out: torch.Tensor, lse: torch.Tensor, parts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+) -> list[torch.Tensor]:
+    """What each part's backward rebuilds its softmax from: the MERGED output and LSE for both parts.
+    (A part's own ``(o_i, l_i)`` would give each part's gradient as if it were the only one.)"""
+    return [out, lse, out, lse]
+
+
+class MergedAttention(torch.autograd.Function):
+    """``softmax(q [pk; sk]^T * scale) [pv; sv]`` with the suffix part causal, from two kernel calls.
+
+    q ``[B, Hq, S, d]``; prefix_k/v ``[1, Hkv, P, d]``; suffix_k/v ``[B, Hq, S, d]`` (heads repeated:
+    S is short). Returns ``[B, Hq, S, d]``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        prefix_key: torch.Tensor,
+        prefix_value: torch.Tensor,
+        suffix_key: torch.Tensor,
+        suffix_value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        rows, heads = query.shape[:2]
+        kv_heads = prefix_key.shape[1]
+        folded = fold_queries(query, kv_heads)
+        out1, lse1, aux1 = attention_forward(folded, prefix_key, prefix_value, False, scale)
+        out1, lse1 = unfold_queries(out1, rows, heads), unfold_queries(lse1, rows, heads)
+        out2, lse2, aux2 = attention_forward(query, suffix_key, suffix_value, True, scale)
+        out, lse = merge(out1, lse1, out2, lse2)
+        saved = backward_stats(out, lse, ((out1, lse1), (out2, lse2)))
+        ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, *saved)
+        ctx.aux, ctx.scale = (aux1, aux2), scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        query, prefix_key, prefix_value, suffix_key, suffix_value, out_p, lse_p, out_s, lse_s = ctx.saved_tensors
+        rows, heads = query.shape[:2]
+        kv_heads = prefix_key.shape[1]
+        grad = grad.contiguous()
+        dq_p, dk_p, dv_p = attention_backward(
+            fold_queries(grad, kv_heads),
+            fold_queries(query, kv_heads),
+            prefix_key,
+            prefix_value,
+            fold_queries(out_p, kv_heads),
+            fold_queries(lse_p, kv_heads),
+            ctx.aux[0],
+            False,
+            ctx.scale,
+        )
+        dq_s, dk_s, dv_s = attention_backward(
+            grad, query, suffix_key, suffix_value, out_s, lse_s, ctx.aux[1], True, ctx.scale
+        )
+        acc = torch.promote_types(query.dtype, torch.float32)
+        dq = (unfold_queries(dq_p, rows, heads).to(acc) + dq_s.to(acc)).to(query.dtype)
+        return dq, dk_p, dv_p, dk_s, dv_s, None
+
+
+def merged_attention(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """HF layout in, HF layout out: query ``[B, Hq, S, d]``, prefix K/V ``[1, Hkv, P, d]``, suffix K/V
+    ``[B, Hkv, S, d]`` -> ``[B, S, Hq, d]``. Every tensor is computed in the query's dtype (a prefix leaf
+    held in fp32 is cast here; its gradient flows back in fp32)."""
+    heads, kv_heads = query.shape[1], suffix_key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
+    groups = heads // kv_heads
+    dtype = query.dtype
+    suffix_key = suffix_key.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else suffix_key.to(dtype)
+    suffix_value = suffix_value.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else suffix_value.to(dtype)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = MergedAttention.apply(query, prefix_key.to(dtype), prefix_value.to(dtype), suffix_key, suffix_value, scale)
+    return out.transpose(1, 2).contiguous()
