@@ -15,9 +15,9 @@ meant to be correct, not fast:
   ``logprobs``, ``ignore_eos``; ``n`` is the agent loop's (it sends n requests). Log-probs are those
   of ``logits / temperature`` before top-k/top-p, the quantity verl's actor recomputes, so
   ``training/rollout_probs_diff_*`` measures only numerics and weight staleness. Each request is sampled
-  with its own seed (``rollout.seed``, replica, weight version, prompt, how many times that prompt was
-  seen at this version): a run with the same data and seed draws the same group of samples whatever
-  order the concurrent requests arrive in;
+  with its own seed (``rollout.seed``, weight version, prompt, and how many times that prompt was requested
+  at this version, counted by one ``_SeedBook`` actor for all replicas): a run with the same data and seed
+  draws the same group of samples whatever replica serves each request and in whatever order;
 - ``HFServerAdapter`` (verl's ``get_rollout_class`` table, built inside each ``ActorRolloutRefWorker``):
   receives the weights verl's naive checkpoint engine hands a colocated rollout
   (``engine.get_per_tensor_param()``, full tensors, every rank iterating because FSDP's ``full_tensor`` is
@@ -60,6 +60,22 @@ def _torch_dtype(name: str) -> torch.dtype:
     return PrecisionType.to_dtype(name)
 
 
+_SEED_BOOK = "hf_rollout_seed_book"
+
+
+@ray.remote
+class _SeedBook:
+    """How many times each (weight version, prompt) was requested, across all replicas of a job."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def next(self, key: str) -> int:
+        k = self.seen.get(key, 0)
+        self.seen[key] = k + 1
+        return k
+
+
 class HFRolloutServer:
     """One replica's generation server: an HF causal LM on CPU behind verl's token-in/token-out interface."""
 
@@ -85,7 +101,7 @@ class HFRolloutServer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.global_steps: int | None = None
         self._pending: dict[str, torch.Tensor] = {}
-        self._seen: dict[tuple[Any, str], int] = {}
+        self._book: Any = None
         self._lock = asyncio.Lock()
         self.requests = 0
 
@@ -106,7 +122,6 @@ class HFRolloutServer:
                 f"hf rollout: weight update does not match the model: missing={missing} unexpected={unexpected}"
             )
         self.global_steps = global_steps
-        self._seen.clear()
         return len(state)
 
     def set_global_steps(self, global_steps: int) -> None:
@@ -127,15 +142,19 @@ class HFRolloutServer:
             wanted = min(cfg.response_length, cfg.prompt_length + cfg.response_length - prompt_len)
         return max(1, min(int(wanted), room))
 
-    def _seed(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> int:
+    async def _seed(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> int:
         if sampling_params.get("seed") is not None:
             return int(sampling_params["seed"])
         digest = hashlib.sha256(repr(prompt_ids).encode()).hexdigest()[:16]
-        key = (self.global_steps, digest)
-        k = self._seen.get(key, 0)
-        self._seen[key] = k + 1
-        material = f"{self.config.seed}|{self.replica_rank}|{self.global_steps}|{digest}|{k}"
+        key = f"{self.global_steps}|{digest}"
+        k = await self._seed_book().next.remote(key)  # shared by all replicas: routing does not change seeds
+        material = f"{self.config.seed}|{key}|{k}"
         return int(hashlib.sha256(material.encode()).hexdigest()[:15], 16)
+
+    def _seed_book(self) -> Any:
+        if self._book is None:
+            self._book = _SeedBook.options(name=_SEED_BOOK, get_if_exists=True, num_cpus=0).remote()
+        return self._book
 
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], seed: int) -> TokenOutput:
@@ -200,8 +219,8 @@ class HFRolloutServer:
         from verl.utils import normalize_token_ids
 
         prompt_ids = list(normalize_token_ids(prompt_ids))
-        async with self._lock:  # one generation at a time; seeds are drawn in arrival order per prompt
-            seed = self._seed(prompt_ids, sampling_params)
+        seed = await self._seed(prompt_ids, sampling_params)
+        async with self._lock:  # one generation at a time
             self.requests += 1
             return await asyncio.to_thread(self._generate, prompt_ids, dict(sampling_params), seed)
 
