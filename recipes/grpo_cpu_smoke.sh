@@ -30,7 +30,7 @@ case "$MODE" in
   prefix) twin=(trainer.v1.trainer_mode=prefix_sync actor_rollout_ref.actor.strategy=prefix_fsdp2) ;;
   # the stock actor config again, without the prefix knobs it would refuse
   dense) twin=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=fsdp2
-    actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig '~actor_rollout_ref.ref._target_'
+    actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig actor_rollout_ref.ref._target_=verl.workers.config.FSDPActorConfig
     '~actor_rollout_ref.ref.prefix_reuse' '~actor_rollout_ref.actor.prefix_reuse'
     '~actor_rollout_ref.actor.dormant_prefix' '~actor_rollout_ref.actor.moe_aux_loss_coef') ;;
   *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;

@@ -25,9 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_cpu_smoke.sh"
 
-# Measured (2026-12-01, this VM): prefix vs dense after step 1, ||p_prefix - p_dense|| / ||p_dense - p_0||
-# about 1e-6 with fp32 AdamW; tensors are compared relative to the update each made.
-UPDATE_TOL = 1e-4
+# Measured 2026-12-01 on this VM (recipe runs by hand): identical rollouts (score, lengths equal), grad norm equal
+# to 7 digits, pg_loss within 1.3e-6 relative, ||p_prefix - p_dense|| / ||p_dense - p_0|| = 3.3e-5 after step 1
+# (fp32 AdamW turns rounding-level gradient differences into ~1e-5..1e-4 of its first update).
+UPDATE_TOL = 3e-4
 
 pytestmark = pytest.mark.timeout(1500)
 
