@@ -10,6 +10,9 @@
 # Prerequisites on every node: verl 0.9.1 with its GPU stack (pip install -e '.[gpu]' from this repo,
 # or verl's docker image plus `pip install .`), and the GSM8K parquet files made by verl's
 # examples/data_preprocess/gsm8k.py.
+#
+# Cluster shape from the environment: NNODES (1) and GPUS_PER_NODE (8). On several nodes, start Ray on each
+# first and run this on the head (or submit it with `ray job submit`): docs/multinode.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

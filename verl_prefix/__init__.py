@@ -1,6 +1,7 @@
 """verl-prefix: shared-prefix reuse for GRPO actor updates, as a verl engine backend.
 
-Importing the package registers the ``prefix_fsdp2`` engine with verl's ``EngineRegistry``. It is also
+Importing the package registers the ``prefix_fsdp2`` engine with verl's ``EngineRegistry`` and the
+``hf`` CPU rollout with verl's rollout registries. It is also
 a ``verl.plugins`` entry point, so ``import verl`` does this in the driver and in every Ray worker;
 the CPU platform activates here when ``VERL_PLATFORM=cpu`` is set.
 """
@@ -14,6 +15,11 @@ from verl_prefix.backend.config import PREFIX_BACKEND, PrefixFSDPEngineConfig, P
 from verl_prefix.backend.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E402
 
 register()
+
+# rollout.name=hf: an HF-generate rollout on CPU, so verl's own main_ppo runs without vLLM/SGLang.
+from verl_prefix.backend import rollout_hf as _rollout_hf  # noqa: E402
+
+_rollout_hf.register()
 
 # The trainer mode ("prefix_sync") registers on import. It needs verl's v1 trainer stack
 # (TransferQueue, ray); an engine-only install without it still gets the engine.

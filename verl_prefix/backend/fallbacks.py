@@ -80,12 +80,19 @@ def uses_reentrant_checkpointing(model: nn.Module) -> bool:
     return False
 
 
+def _has_mm_inputs(data: TensorDict) -> bool:
+    from verl.utils.model import extract_multi_modal_inputs
+
+    return bool(extract_multi_modal_inputs(list(data["multi_modal_inputs"])))
+
+
 def batch_fallback_reason(data: TensorDict) -> str | None:
     """A reason from the batch itself: a verl feature the schedule does not serve, or multimodal inputs."""
     for reason, key in _BATCH_FLAGS.items():
         if tu.get_non_tensor_data(data=data, key=key, default=False):
             return reason
-    if data["position_ids"].dim() == 3 or "multi_modal_inputs" in data.keys():
+    # verl's agent loop writes multi_modal_inputs={} for every text sample: only real inputs count
+    if data["position_ids"].dim() == 3 or ("multi_modal_inputs" in data.keys() and _has_mm_inputs(data)):
         return "multimodal"
     return None
 

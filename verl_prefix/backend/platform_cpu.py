@@ -191,7 +191,8 @@ class PlatformCPU(PlatformBase):
         return None
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        # What one "GPU" slot of verl's resource pools asks Ray for (see ``slot_resource``).
+        return slot_resource()
 
     def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
         # Ray actors on CPU ask for nothing beyond their default CPU.
@@ -205,6 +206,23 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self) -> Any:
         return None
+
+
+SLOT_RESOURCE = "verl_cpu_slot"
+
+
+def slot_resource() -> str:
+    """The Ray resource that stands for one accelerator of ``trainer.n_gpus_per_node`` on CPU.
+
+    A cluster whose nodes declare ``verl_cpu_slot`` (``ray start --resources='{"verl_cpu_slot": N}'``) gets
+    exactly N actor ranks per node, as N GPUs would; without it, ranks take one logical CPU each and Ray
+    places them wherever CPUs are free (enough on one machine).
+    """
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get(SLOT_RESOURCE, 0) > 0:
+        return SLOT_RESOURCE
+    return "CPU"
 
 
 def cpu_platform_requested() -> bool:
@@ -272,12 +290,42 @@ def _patch_fsdp2_offload_pinning() -> None:
     fsdp_impl.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
 
 
+def _patch_resource_check() -> None:
+    """Count CPU slots, not GPUs, when verl checks that the cluster can hold its resource pools.
+
+    ``ResourcePoolManager._check_resource_available`` sums each node's "GPU"/"NPU" and refuses a CPU cluster
+    ("Total available GPUs 0 is less than total desired GPUs"). On this platform the same check counts
+    ``slot_resource()``: declared slots, or logical CPUs.
+    """
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    if getattr(ResourcePoolManager._check_resource_available, "_verl_prefix_cpu", False):
+        return
+
+    def _check_resource_available(self: Any) -> None:
+        import ray
+
+        name = slot_resource()
+        per_node = ray._private.state.available_resources_per_node()
+        available = sum(info.get(name, 0) for info in per_node.values())
+        required = sum(n for nodes in self.resource_pool_spec.values() for n in nodes)
+        if available < required:
+            raise ValueError(
+                f"the Ray cluster has {available:g} free {name!r} for {required} CPU actor ranks "
+                f"(trainer.nnodes x trainer.n_gpus_per_node); give nodes more (ray start --num-cpus / --resources)"
+            )
+
+    _check_resource_available._verl_prefix_cpu = True  # type: ignore[attr-defined]
+    ResourcePoolManager._check_resource_available = _check_resource_available
+
+
 def ensure_cpu_platform() -> None:
     """Make verl in this process run on CPU; idempotent.
 
     Sets ``VERL_PLATFORM=cpu`` (refusing a conflicting value), replaces an already-resolved
     non-CPU platform singleton, registers the FSDP engines for device "cpu", makes verl's Ray
-    workers initialise a gloo process group, and keeps FSDP2 from pinning memory (forward-only engines).
+    workers initialise a gloo process group, keeps FSDP2 from pinning memory (forward-only engines), and
+    makes verl's resource-pool check count CPU slots.
     """
     current = os.environ.get("VERL_PLATFORM", "").strip().lower()
     if current and current != PLATFORM_NAME:
@@ -289,3 +337,4 @@ def ensure_cpu_platform() -> None:
     _register_cpu_engines()
     _patch_process_group_backend()
     _patch_fsdp2_offload_pinning()
+    _patch_resource_check()

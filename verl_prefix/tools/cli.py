@@ -5,6 +5,8 @@
   (real runs record one with ``verl_prefix.trace.recording``);
 - ``verl-prefix replay --trace DIR [--model DIR]``: each traced batch through both engines, drift vs noise;
 - ``verl-prefix report RESULT.json --out DIR``: PNG plots of a bench or replay result;
+- ``verl-prefix smoke-data --out DIR``: the tiny model and GSM8K-shaped parquet files ``recipes/grpo_cpu_smoke.sh``
+  trains on with verl's own ``main_ppo``;
 - ``verl-prefix demo``: a few GRPO steps on CPU, verl's stock trainer then prefix reuse on the same
   rollouts, logged through verl's ``Tracking`` (console + wandb), ending in a comparison table.
 
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,trace,replay,report}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,trace,replay,report,smoke-data}")
     bench = sub.add_parser(
         "bench",
         help="time verl's fsdp2 engine against prefix_fsdp2 on the same GRPO batch",
@@ -75,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_parser(sub)
     _add_replay_parser(sub)
     _add_demo_parser(sub)
+    smoke = sub.add_parser(
+        "smoke-data",
+        help="write the tiny model and GSM8K-shaped parquet files the CPU recipe trains on",
+        description="Write DIR/model (a tiny random-init model with its tokenizer) and DIR/data/{train,test}.parquet "
+        "(verl's RL dataset format) for recipes/grpo_cpu_smoke.sh.",
+    )
+    smoke.add_argument("--out", type=Path, required=True, help="directory to write model/ and data/ into")
+    smoke.add_argument("--train", type=_positive_int, default=64, help="training prompts (default 64)")
+    smoke.add_argument("--test", type=_positive_int, default=8, help="validation prompts (default 8)")
+    smoke.add_argument("--seed", type=int, default=0)
     report = sub.add_parser(
         "report",
         help="PNG plots of a bench or replay result JSON",
@@ -207,6 +219,14 @@ def update_table_file(path: Path, preset: str, table: str) -> None:
     else:
         text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n"
     path.write_text(text)
+
+
+def _smoke_data(args: argparse.Namespace) -> int:
+    from verl_prefix.tools.smoke import write_smoke
+
+    paths = write_smoke(args.out, train=args.train, test=args.test, seed=args.seed)
+    print(f"model: {paths['model']}\ndata: {paths['data']}")
+    return 0
 
 
 def _select_platform() -> None:
@@ -470,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     if args.command == "report":
         return _report(args)
+    if args.command == "smoke-data":
+        return _smoke_data(args)
     _select_platform()
     if args.command == "trace":
         return _trace(args)

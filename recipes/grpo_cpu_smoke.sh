@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The CPU twin of recipes/grpo_qwen3_prefix.sh: verl's own entry point (python -m verl.trainer.main_ppo) with
+# configs/prefix_grpo.yaml plus the configs/cpu/smoke.yaml overlay, on a tiny model and GSM8K-shaped data
+# that `verl-prefix smoke-data` writes. No GPU, no network.
+#
+#   bash recipes/grpo_cpu_smoke.sh                      # 3 steps: 2, a checkpoint, then resume for step 3
+#   STEPS=2 SAVE_AT=1 bash recipes/grpo_cpu_smoke.sh    # what tests/tools/test_main_ppo_cpu.py runs
+#   MODE=dense bash recipes/grpo_cpu_smoke.sh           # the dense twin: sync trainer, stock fsdp2
+#
+# Two launches of main_ppo: steps 1..SAVE_AT saving a checkpoint at SAVE_AT, then a resumed run to STEPS.
+# Metrics go to the console and to $OUT/metrics_{first,resumed}.jsonl (verl's file logger).
+# Env: OUT (outputs/grpo_cpu_smoke), STEPS (3), SAVE_AT (STEPS-1), MODE (prefix|dense), NNODES (1),
+# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python). With RAY_ADDRESS set, main_ppo joins that
+# cluster instead of starting one (docs/multinode.md). Extra arguments are passed to both launches.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-$PWD/outputs/grpo_cpu_smoke}"
+STEPS="${STEPS:-3}"
+SAVE_AT="${SAVE_AT:-$((STEPS - 1))}"
+MODE="${MODE:-prefix}"
+NNODES="${NNODES:-1}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-2}"
+PYTHON="${PYTHON:-python}"
+
+export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+case "$MODE" in
+  prefix) twin=(trainer.v1.trainer_mode=prefix_sync actor_rollout_ref.actor.strategy=prefix_fsdp2) ;;
+  # the stock actor config again, without the prefix knobs it would refuse
+  dense) twin=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=fsdp2
+    actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig actor_rollout_ref.ref._target_=verl.workers.config.FSDPActorConfig
+    '~actor_rollout_ref.ref.prefix_reuse' '~actor_rollout_ref.actor.prefix_reuse'
+    '~actor_rollout_ref.actor.dormant_prefix' '~actor_rollout_ref.actor.moe_aux_loss_coef') ;;
+  *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;
+esac
+cluster=()
+if [[ -n "${RAY_ADDRESS:-}" ]]; then
+  cluster=(ray_kwargs.ray_init.num_cpus=null)  # joining a cluster: its nodes declare their own CPUs
+fi
+
+"$PYTHON" -m verl_prefix.tools.cli smoke-data --out "$OUT/inputs"
+rm -rf "$OUT/checkpoints"
+
+main_ppo() {
+  "$PYTHON" -m verl.trainer.main_ppo \
+    --config-path="$PWD/configs" --config-name=prefix_grpo +cpu=smoke \
+    actor_rollout_ref.model.path="$OUT/inputs/model" \
+    data.train_files="$OUT/inputs/data/train.parquet" \
+    data.val_files="$OUT/inputs/data/test.parquet" \
+    trainer.nnodes="$NNODES" \
+    trainer.n_gpus_per_node="$GPUS_PER_NODE" \
+    trainer.default_local_dir="$OUT/checkpoints" \
+    trainer.logger='[console,file]' \
+    trainer.experiment_name="grpo_cpu_smoke_$MODE" \
+    "${twin[@]}" ${cluster[@]+"${cluster[@]}"} "$@"
+}
+
+# The job's runtime env carries these to its Ray workers, also on a cluster started elsewhere (where workers
+# inherit the raylet's environment, not this shell's): verl's file logger runs in the TaskRunner actor.
+job_env() { echo "++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$OUT/$1"; }
+
+start=$SECONDS
+main_ppo "$(job_env metrics_first.jsonl)" \
+  trainer.total_training_steps="$SAVE_AT" trainer.save_freq="$SAVE_AT" trainer.resume_mode=disable "$@"
+if (( STEPS > SAVE_AT )); then
+  main_ppo "$(job_env metrics_resumed.jsonl)" \
+    trainer.total_training_steps="$STEPS" trainer.save_freq=-1 trainer.resume_mode=auto "$@"
+fi
+echo "grpo_cpu_smoke ($MODE): $STEPS steps in $((SECONDS - start)) s; metrics in $OUT/metrics_*.jsonl"

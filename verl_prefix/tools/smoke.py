@@ -1,0 +1,115 @@
+"""Inputs for running ``python -m verl.trainer.main_ppo`` on CPU: a tiny model and GSM8K-shaped data.
+
+``verl-prefix smoke-data --out DIR`` writes
+
+- ``DIR/model``: a random-init Llama-style model and its local word-level tokenizer
+  (``testing.write_tiny_model``), plus a chat template, because verl's agent loop builds every prompt with
+  ``apply_chat_template``;
+- ``DIR/data/train.parquet`` and ``DIR/data/test.parquet`` in verl's RL dataset format, the columns
+  ``examples/data_preprocess/gsm8k.py`` writes: ``data_source``, ``prompt`` (chat messages), ``ability``,
+  ``reward_model`` (``{"style": "rule", "ground_truth": ...}``) and ``extra_info``
+  (``split``, ``index``, ``question``, ``answer``). Questions are a few hundred tokens of the tokenizer's words.
+
+The reward is rule-based, ``compute_score`` here (``reward.custom_reward_function.path`` points at this file):
+verl's own GSM8K rule (``verl.utils.reward_score.gsm8k``, 1.0 for a ``#### <answer>`` line matching the ground
+truth) plus a shaping term a random-init model can earn, half the fraction of response words that occur in
+the question, so that GRPO groups have reward spread and the first update is not zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DATA_SOURCE = "verl_prefix/gsm8k_smoke"
+# Every message renders as "<s> content "; the word-level tokenizer maps each word to one id.
+CHAT_TEMPLATE = "{% for message in messages %}{{ '<s> ' + message['content'] + ' ' }}{% endfor %}"
+INSTRUCTION = "t4 t5 t6 t7"  # stands in for GSM8K's "Let's think step by step and output ..." suffix
+
+
+def write_smoke_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
+    """The tiny model and tokenizer the CPU recipe trains (0.1M parameters, 128-word vocabulary).
+
+    Llama-style rather than Qwen3: verl's agent loop picks its token builder by ``model_type``, and the Qwen
+    builders expect Qwen's newline token, which a word-level tokenizer does not have.
+    """
+    from verl_prefix.tools.testing import write_tiny_model
+
+    path = write_tiny_model(out, "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=seed)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def smoke_rows(
+    num: int, *, split: str, vocab_size: int = 128, question_len: tuple[int, int] = (200, 320), seed: int = 0
+) -> list[dict[str, Any]]:
+    """``num`` GSM8K-shaped rows of random words (ids 8 and up; 4..7 spell the instruction)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for index in range(num):
+        length = int(rng.integers(question_len[0], question_len[1] + 1))
+        question = " ".join(f"t{w}" for w in rng.integers(8, vocab_size, size=length))
+        answer = str(int(rng.integers(0, 1000)))
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": answer},
+                "extra_info": {"split": split, "index": index, "question": question, "answer": f"#### {answer}"},
+            }
+        )
+    return rows
+
+
+def write_smoke_data(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> Path:
+    """``train.parquet`` / ``test.parquet`` under ``out`` (verl's RL dataset columns)."""
+    import pandas as pd
+
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    for split, num, offset in (("train", train, 0), ("test", test, 1)):
+        pd.DataFrame(smoke_rows(num, split=split, seed=seed * 2 + offset)).to_parquet(path / f"{split}.parquet")
+    return path
+
+
+def write_smoke(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> dict[str, Path]:
+    """Model and data for the CPU recipe under ``out``: ``{"model": out/model, "data": out/data}``."""
+    root = Path(out)
+    return {
+        "model": write_smoke_model(root / "model", seed=seed),
+        "data": write_smoke_data(root / "data", train=train, test=test, seed=seed),
+    }
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, **kwargs: Any
+) -> float:
+    """verl's GSM8K rule (1.0 when correct), else half the share of response words found in the question."""
+    from verl.utils.reward_score import gsm8k
+
+    if gsm8k.compute_score(solution_str, ground_truth) >= 1.0:
+        return 1.0
+    words = solution_str.split()
+    question = set(str((extra_info or {}).get("question", "")).split())
+    if not words or not question:
+        return 0.0
+    return 0.5 * sum(w in question for w in words) / len(words)
+
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DATA_SOURCE",
+    "compute_score",
+    "smoke_rows",
+    "write_smoke",
+    "write_smoke_data",
+    "write_smoke_model",
+]
