@@ -101,6 +101,22 @@ def test_verl_activation_offload_runs_dense_and_matches_stock(tiny_model, offloa
     assert worst < 1e-10
 
 
+def test_verl_activation_offload_forward_only_still_reuses(tiny_model, offload_on_cpu):
+    """verl's offload handler is idle in eval mode: old/ref log-probs keep reusing, and match stock."""
+    kwargs = dict(dtype="float64", gradient_checkpointing=True)
+    kwargs["overrides"] = ["actor_rollout_ref.model.enable_activation_offload=True"]
+    model_dir = tiny_model("qwen3", num_layers=3)
+    dense, _, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    with promote_fp32_upcasts():
+        want = T.run_infer(dense, grpo_batch())
+        got = T.run_infer(prefix, grpo_batch())
+    assert T.reduce_step_metrics(got["metrics"])["prefix/groups"] == 2.0
+    for w, g in zip(want["response_log_probs"].unbind(), got["response_log_probs"].unbind()):
+        assert (w - g).abs().max() < 1e-10
+
+
 def verl_reentrant_layers(engine) -> None:
     """verl's own per-layer wrapper (``ActivationHandler`` with checkpointing on) with the offload stream
     machinery left out: exactly the reentrant checkpoint verl puts around each decoder layer."""
