@@ -147,7 +147,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def _fallback_reason(self, data: TensorDict, forward_only: bool) -> str | None:
         """The reason this mini-batch runs dense on every data-parallel rank, or None to reuse."""
-        reason = self._model_fallback_reason(forward_only) or fallbacks.batch_fallback_reason(data)
+        reason = (
+            self._model_fallback_reason(forward_only)
+            or fallbacks.batch_fallback_reason(data)
+            or fallbacks.length_fallback_reason(self.module, data)
+        )
         return fallbacks.agree_on_fallback(reason, self.get_data_parallel_group())
 
     # -- the mini-batch -----------------------------------------------------------------------------
@@ -167,6 +171,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
             tokens = int(data["input_ids"].offsets()[-1])
             output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
+            fallbacks.log_fallbacks([reason])
             output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
             return output
         return self._reuse_batch(data, loss_function, forward_only)
@@ -299,6 +304,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if output["model_output"]:
             output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
         output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
+        fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
         logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
         phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
         output["metrics"].update(self._meter.metrics(logical, physical, phases=phases))

@@ -1,23 +1,35 @@
 """Can this mini-batch reuse, and if not, why: the reasons a batch runs through the stock dense path.
 
-Every reason is a metric (``prefix/fallback_<reason>``); none is silent. Data-parallel ranks agree on one
-path, since FSDP2 collectives must match.
+Every reason is a metric (``prefix/fallback_<reason>``) and one warning per reason per process
+(``log_fallbacks``); none is silent. Data-parallel ranks agree on one path, since FSDP2 collectives must
+match.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from tensordict import TensorDict
 from torch import nn
 from verl.utils import tensordict_utils as tu
+from verl.utils.activation_offload import ActivationHandler
 from verl.utils.device import get_device_id
+from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
+
+logger = logging.getLogger(__name__)
+
+# reasons this process has already logged (``log_fallbacks``)
+_LOGGED_REASONS: set[str] = set()
 
 # non-tensor batch flags verl sets for features reuse does not serve -> reason
 _BATCH_FLAGS = {
@@ -39,13 +51,10 @@ def model_fallback_reason(
         return "ulysses"
     if base_attention_implementation(module) not in PREFIX_ATTENTION_NAMES:
         return "attn_implementation"
-    config = module.config.get_text_config()
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-        getattr(config, "layer_types", None) or []
-    ):
-        return "sliding_window"
     if not forward_only and has_active_dropout(module):
         return "dropout"
+    if not forward_only and uses_activation_offload(module):
+        return "activation_offload"
     if not forward_only and uses_reentrant_checkpointing(module):
         return "reentrant_checkpointing"
     if not forward_only:
@@ -68,8 +77,10 @@ def has_active_dropout(model: nn.Module) -> bool:
 
 
 def uses_reentrant_checkpointing(model: nn.Module) -> bool:
-    """Reentrant checkpointing re-runs a layer without the forward kwargs that carry the prefix
-    context, which breaks phase A (trap 8); verl itself enables the non-reentrant kind."""
+    """Reentrant checkpointing runs a layer's forward under no_grad, so phase A's K/V carry no graph and
+    the prefix would get no gradient (trap 8); verl itself enables the non-reentrant kind. Found through
+    HF's flags, torch's ``CheckpointWrapper`` and forwards patched onto a module that close over
+    ``checkpoint(use_reentrant=True)``; any other wrapper is caught by phase C (``prefix_backward``)."""
     if not model.training:
         return False
     for module in model.modules():
@@ -77,13 +88,158 @@ def uses_reentrant_checkpointing(model: nn.Module) -> bool:
         if getattr(module, "gradient_checkpointing", False) and checkpoint_fn is not None:
             if (getattr(checkpoint_fn, "keywords", None) or {}).get("use_reentrant", True):
                 return True
+        if _is_reentrant_checkpoint(getattr(module, "checkpoint_fn", None)):  # torch's CheckpointWrapper
+            return True
+        patched = vars(module).get("forward")
+        if patched is not None and any(_is_reentrant_checkpoint(obj) for obj in _reachable(patched)):
+            return True
     return False
 
 
 def _has_mm_inputs(data: TensorDict) -> bool:
-    from verl.utils.model import extract_multi_modal_inputs
-
+    """verl's agent loop attaches an empty ``multi_modal_inputs`` to every text sample: only real inputs count."""
     return bool(extract_multi_modal_inputs(list(data["multi_modal_inputs"])))
+
+
+def uses_activation_offload(model: nn.Module) -> bool:
+    """verl's ``enable_activation_offload`` wraps each decoder layer's forward in an ``ActivationHandler``:
+    a reentrant checkpoint when checkpointing is on (phase A's K/V lose their graph), and in any case an
+    offload state machine that counts one forward per layer then one backward per layer, which phases
+    A/B/C do not follow. It is idle in eval mode, so forward-only passes still reuse."""
+    if not model.training:
+        return False
+    for module in model.modules():
+        patched = vars(module).get("forward")
+        if patched is not None and any(isinstance(obj, ActivationHandler) for obj in _reachable(patched)):
+            return True
+    return False
+
+
+def _is_reentrant_checkpoint(obj: object) -> bool:
+    if isinstance(obj, functools.partial) and obj.func is torch.utils.checkpoint.checkpoint:
+        return bool(obj.keywords.get("use_reentrant", True))
+    return obj is torch.utils.checkpoint.CheckpointFunction
+
+
+def _reachable(fn: object, depth: int = 4) -> Iterator[object]:
+    """What a patched forward closes over: bound methods' functions, ``functools.partial`` parts,
+    ``__wrapped__`` and closure cells, ``depth`` steps deep."""
+    seen: set[int] = set()
+    stack = [(fn, 0)]
+    while stack:
+        obj, level = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        yield obj
+        if level >= depth:
+            continue
+        children: list[object] = []
+        if isinstance(obj, functools.partial):
+            children += [obj.func, *obj.args, *obj.keywords.values()]
+        for attr in ("__func__", "__wrapped__"):
+            child = getattr(obj, attr, None) if callable(obj) else None
+            if child is not None:
+                children.append(child)
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                children.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        stack += [(child, level + 1) for child in children]
+
+
+def attention_windows(model: nn.Module) -> list[int]:
+    """The sliding window of each windowed attention layer, as HF 5.10.4 hands it to the kernel.
+
+    Families with ``layer_types`` (Qwen2/Qwen3 via ``use_sliding_window``/``max_window_layers``, Gemma...)
+    store ``sliding_window`` on each attention module, None on full-attention layers; the others (Mistral,
+    Mixtral, Phi-3, Starcoder2) pass ``config.sliding_window`` from every layer.
+    """
+    windows = []
+    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    for module in attention:
+        if "sliding_window" in vars(module):
+            window = module.sliding_window
+        else:
+            window = getattr(getattr(module, "config", None), "sliding_window", None)
+        if window is not None:
+            windows.append(int(window))
+    if not attention:  # no module to read: trust the config
+        window = getattr(model.config.get_text_config(), "sliding_window", None)
+        windows += [int(window)] if window is not None else []
+    return windows
+
+
+def _declared_window(model: nn.Module) -> list[int]:
+    """A window the config declares (``use_sliding_window``, ``sliding_attention`` layers) even where the
+    modules ended up without it: verl's ``override_config`` sets attributes after the config derived its
+    ``layer_types``. Dense is the safe side of that disagreement."""
+    config = model.config.get_text_config()
+    declared = getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or []
+    )
+    window = getattr(config, "sliding_window", None)
+    return [int(window)] if declared and window is not None else []
+
+
+def rope_length_limit(model: nn.Module) -> int | None:
+    """For RoPE that recomputes its frequencies from each call's largest position (HF's
+    ``dynamic_rope_update``: ``rope_type`` containing "dynamic", or "longrope"), the sequence length
+    from which phase A (prefix only) and phase B (prefix + suffix) could rotate with other frequencies
+    than the dense call; None for RoPE with fixed frequencies.
+
+    Below it every call rotates with the original frequencies: longrope switches above
+    ``original_max_position_embeddings``; dynamic grows above its cached length and resets only below
+    ``max_position_embeddings``, so a call at exactly that length keeps an earlier call's frequencies.
+    """
+    config = model.config.get_text_config()
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    entries = [v for v in params.values() if isinstance(v, dict)] or [params]  # one dict per layer type
+    types = [str(e.get("rope_type", e.get("type", "default"))) for e in entries]
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        if isinstance(rope_type, dict):
+            types += [str(t) for t in rope_type.values()]
+        elif isinstance(rope_type, str):
+            types.append(rope_type)
+    if not any("dynamic" in t or t == "longrope" for t in types):
+        return None
+    limits = [getattr(config, name, None) for name in ("max_position_embeddings", "original_max_position_embeddings")]
+    limits += [e.get("original_max_position_embeddings") for e in entries]
+    limits += [getattr(m, "original_max_seq_len", None) for m in model.modules()]
+    known = [int(v) for v in limits if isinstance(v, int | float)]
+    return min(known) if known else 0  # no length known: every batch runs dense
+
+
+def length_fallback_reason(model: nn.Module, data: TensorDict) -> str | None:
+    """A reason from the model and this mini-batch's longest sequence (tokens or largest position + 1):
+    a sliding window shorter than it (phase B's masks give a suffix query the whole prefix), or RoPE
+    whose frequencies would differ between phase A, phase B and the dense call (``rope_length_limit``)."""
+    positions = data["position_ids"]
+    positions = positions.values() if positions.is_nested else positions
+    longest = max(int(data["input_ids"].offsets().diff().max()), int(positions.max()) + 1)
+    windows = attention_windows(model) + _declared_window(model)
+    if windows and min(windows) < longest:
+        return "sliding_window"
+    limit = rope_length_limit(model)
+    if limit is not None and longest >= limit:
+        return "dynamic_rope"
+    return None
+
+
+def log_fallbacks(reasons: Iterable[str]) -> None:
+    """One warning per reason per process, next to the ``prefix/fallback_<reason>`` metric: a metric
+    nobody plots is still silent."""
+    for reason in reasons:
+        if reason in _LOGGED_REASONS:
+            continue
+        _LOGGED_REASONS.add(reason)
+        logger.warning(
+            "prefix reuse: samples run through the stock dense path, counted as prefix/fallback_%s "
+            "(logged once per process; see 'What runs dense' in the verl-prefix README)",
+            reason,
+        )
 
 
 def batch_fallback_reason(data: TensorDict) -> str | None:

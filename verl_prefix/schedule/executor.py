@@ -191,13 +191,28 @@ def _unshard_interrupted(model: nn.Module, interrupted: nn.Module | None) -> Non
 
 
 def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None = None) -> None:
-    """Phase C: one backward through the prefix, seeded with the dK/dV every suffix left on the leaves."""
+    """Phase C: one backward through the prefix, seeded with the dK/dV every suffix left on the leaves.
+
+    A root without a graph is skipped only when phase A captured it with autograd on (nothing trainable
+    feeds it, e.g. frozen layers under LoRA); otherwise its gradient would be dropped silently (a
+    reentrant checkpoint around the layer ran it under no_grad), which is an error.
+    """
     if model is not None:
         _unshard_interrupted(model, prefix.interrupted)
     roots, grads = [], []
-    for root, leaf in zip(prefix.tensors(), leaves.tensors()):
+    num_layers = len(prefix.keys)
+    for index, (root, leaf) in enumerate(zip(prefix.tensors(), leaves.tensors())):
         if not root.requires_grad:
-            continue
+            layers = [index // 2] if index < 2 * num_layers else range(num_layers)
+            if all(prefix.captured_with_grad[layer] for layer in layers):
+                continue  # a constant: no trainable parameter upstream
+            what = f"{'KV'[index % 2]} of layer {index // 2}" if index < 2 * num_layers else "router statistics"
+            raise RuntimeError(
+                f"phase C: the prefix {what} has no autograd graph: phase A ran that layer with autograd off "
+                "(a reentrant activation checkpoint around the decoder layer, e.g. verl's "
+                "enable_activation_offload, runs its forward under no_grad), so the prefix gradient would be "
+                "dropped. Use non-reentrant checkpointing or turn prefix reuse off for this model."
+            )
         roots.append(root)
         # Zeros where no suffix reached a leaf (e.g. the router leaf of a lockstep filler group): every
         # rank then gives (zero) grads to the same parameters, and FSDP2 reduce-scatters exactly those.

@@ -88,6 +88,8 @@ class PrefixKV:
         self.router_stats: RouterStats | None = None
         # the module whose forward phase A cut short (early exit), if any
         self.interrupted: nn.Module | None = None
+        # per layer: phase A captured its K/V with autograd on (a K/V without a graph is then a constant)
+        self.captured_with_grad: list[bool] = [False] * num_layers
 
     @property
     def complete(self) -> bool:
@@ -148,6 +150,7 @@ class CaptureContext:
         first = self.kv.keys[layer] is None
         if first:
             self.kv.keys[layer], self.kv.values[layer] = key, value
+            self.kv.captured_with_grad[layer] = torch.is_grad_enabled()
         if first and self.early_exit and layer == self.last_layer and self.ready():
             self.kv.interrupted = module
             raise PrefixCaptured

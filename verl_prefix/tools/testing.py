@@ -24,7 +24,7 @@ from tensordict import NonTensorData, TensorDict
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
-_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def write_tiny_model(
@@ -45,13 +45,15 @@ def write_tiny_model(
     num_experts_per_tok: int = 2,
     seed: int = 0,
     experts_implementation: str | None = None,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-init HF causal LM plus a local tokenizer, loadable with no network.
 
     A large-ish ``initializer_range`` keeps next-token distributions away from uniform so that
     log-prob and gradient comparisons are not trivially satisfied. Dropout is always 0.
     ``experts_implementation`` (MoE only) is written into ``config.json``: transformers defaults to
-    ``grouped_mm``, which has no fp64 kernel; ``"eager"`` loads everywhere.
+    ``grouped_mm``, which has no fp64 kernel; ``"eager"`` loads everywhere. ``extra_config`` is passed
+    to the config last (a sliding window, ``rope_parameters``...), so it wins.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -99,6 +101,9 @@ def write_tiny_model(
             output_router_logits=False,
             router_aux_loss_coef=0.001,
         )
+    if family == "mistral":
+        kwargs["sliding_window"] = None  # Mistral's config defaults to a 4096 window; tests choose their own
+    kwargs.update(extra_config or {})
     config = AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
