@@ -333,3 +333,16 @@ def test_each_fallback_reason_is_logged_once_per_process(tiny_model, monkeypatch
     assert sum("prefix/fallback_short_prefix" in line for line in lines) == 1
     assert sum("prefix/fallback_disabled" in line for line in lines) == 1
     assert len(lines) == 2
+
+
+def test_empty_multimodal_inputs_of_text_samples_still_reuse():
+    """verl's agent loop attaches ``multi_modal_inputs={}`` to every text sample; counting that as multimodal
+    sent every real main_ppo batch dense. Only non-empty inputs are multimodal."""
+    from tensordict import NonTensorStack
+
+    batch = grpo_batch()
+    batch["multi_modal_inputs"] = NonTensorStack(*[{} for _ in range(len(batch))])
+    assert fallbacks.batch_fallback_reason(batch) is None
+    pixels = {"pixel_values": torch.zeros(1, 3), "image_grid_thw": torch.ones(1, 3, dtype=torch.long)}
+    batch["multi_modal_inputs"] = NonTensorStack(*[pixels if i == 0 else {} for i in range(len(batch))])
+    assert fallbacks.batch_fallback_reason(batch) == "multimodal"
