@@ -35,7 +35,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
-from verl_prefix.backend.inputs import per_row_temperature, row_layout
+from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import (
     as_micro_batch_lists,
@@ -44,9 +44,10 @@ from verl_prefix.backend.outputs import (
     static_bsz,
     token_counts,
 )
+from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.executor import infer_group, train_group
-from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch, validate_batch
+from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
 
 logger = logging.getLogger(__name__)
@@ -145,14 +146,25 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self.module, self.reuse_config, forward_only=forward_only, ulysses=self.use_ulysses_sp
         )
 
-    def _fallback_reason(self, data: TensorDict, forward_only: bool) -> str | None:
-        """The reason this mini-batch runs dense on every data-parallel rank, or None to reuse."""
-        reason = (
-            self._model_fallback_reason(forward_only)
-            or fallbacks.batch_fallback_reason(data)
-            or fallbacks.length_fallback_reason(self.module, data)
-        )
-        return fallbacks.agree_on_fallback(reason, self.get_data_parallel_group())
+    def _checked_batch(self, data: TensorDict, forward_only: bool) -> tuple[str | None, RowLayout | None]:
+        """This rank's own fallback reason (None: it would reuse) and, when it would reuse, the row layout.
+
+        The first collective of the mini-batch: the checks run locally and every data-parallel rank agrees on
+        the outcome, so a bad batch on any rank raises the same ``BatchRejected`` on all of them
+        (``verl_prefix.backend.validation``) instead of leaving the others in a collective.
+        """
+
+        def check() -> tuple[str | None, RowLayout | None]:
+            reason = (
+                self._model_fallback_reason(forward_only)
+                or fallbacks.batch_fallback_reason(data)
+                or fallbacks.length_fallback_reason(self.module, data)
+            )
+            if reason == "disabled":  # reuse off: the stock engine, which checks nothing
+                return reason, None
+            return reason, check_batch(data, forward_only=forward_only, reuse=reason is None)
+
+        return agree_on_validity(check, self.get_data_parallel_group())
 
     # -- the mini-batch -----------------------------------------------------------------------------
 
@@ -162,9 +174,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return output
 
     def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        local_reason, layout = self._checked_batch(data, forward_only)
         if self._moe_aux_on(forward_only) and loss_function is not None:
             self._attach_moe_normalisation(data)
-        reason = self._fallback_reason(data, forward_only)
+        # every data-parallel rank takes the same path, or their FSDP collectives would not match
+        reason = fallbacks.agree_on_fallback(local_reason, self.get_data_parallel_group())
         if reason is not None:
             meter = PhaseMeter(self._device(), model=self.module)
             with meter.phase("dense"):
@@ -174,7 +188,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             fallbacks.log_fallbacks([reason])
             output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
             return output
-        return self._reuse_batch(data, loss_function, forward_only)
+        assert layout is not None, "a rank that reuses has checked its layout"
+        return self._reuse_batch(data, layout, loss_function, forward_only)
 
     def _attach_global_normalisation(self, data: TensorDict) -> None:
         """What the stock engine attaches before splitting: loss terms are shares of the mini-batch."""
@@ -235,17 +250,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         scaler = getattr(self, "scaler", None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
-    def _reuse_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+    def _reuse_batch(self, data: TensorDict, layout: RowLayout, loss_function: Callable, forward_only: bool) -> Any:
         self._attach_global_normalisation(data)
-        layout = row_layout(data)
-        if forward_only:
-            validate_batch(layout)
-        else:
-            validate_batch(
-                layout,
-                data["advantages"].to_padded_tensor(0.0) if data["advantages"].is_nested else data["advantages"],
-                None,
-            )
         plan = self._plan(data, layout, forward_only)
         dense_rows = plan.all_dense_rows
         dense_chunks = self._dense_chunks(data, dense_rows)

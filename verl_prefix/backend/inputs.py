@@ -13,15 +13,17 @@ def row_layout(data: TensorDict) -> RowLayout:
     """Per-row token ids, positions, prompt/response lengths and uids of a verl mini-batch."""
     input_ids = list(data["input_ids"].unbind())
     position_ids = list(data["position_ids"].unbind())
+    prompt_lens, response_lens = row_lengths(data)
+    return RowLayout(input_ids, position_ids, prompt_lens, response_lens, uids_of(data))
+
+
+def row_lengths(data: TensorDict) -> tuple[list[int], list[int]]:
+    """Per-row prompt and response lengths, from the nested fields or (legacy layout) the attention mask."""
     prompts, responses = data["prompts"], data["responses"]
     if prompts.is_nested:
-        prompt_lens = prompts.offsets().diff().tolist()
-        response_lens = responses.offsets().diff().tolist()
-    else:
-        mask = data["attention_mask"]
-        prompt_lens = mask[:, : prompts.shape[1]].sum(dim=1).tolist()
-        response_lens = mask[:, prompts.shape[1] :].sum(dim=1).tolist()
-    return RowLayout(input_ids, position_ids, prompt_lens, response_lens, uids_of(data))
+        return prompts.offsets().diff().tolist(), responses.offsets().diff().tolist()
+    mask = data["attention_mask"]
+    return mask[:, : prompts.shape[1]].sum(dim=1).tolist(), mask[:, prompts.shape[1] :].sum(dim=1).tolist()
 
 
 def uids_of(data: TensorDict) -> list[str]:

@@ -81,17 +81,37 @@ def validate_batch(
 ) -> None:
     """Refuse input that would train on garbage: empty responses, non-finite advantages, and samples
     that share a uid but not their prompt (reuse would silently train them on another prompt)."""
-    empty = [i for i, s in enumerate(layout.response_lens) if s <= 0]
+    validate_rows(layout.prompt_lens, layout.response_lens, advantages, response_mask)
+    validate_uid_groups(layout)
+
+
+def validate_rows(
+    prompt_lens: list[int],
+    response_lens: list[int],
+    advantages: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+) -> None:
+    """The checks that do not depend on uids, so they also apply to a mini-batch that runs dense:
+    every sample has a prompt and a response, and finite advantages (``[batch, response]``, padded)."""
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(response_lens)} response lengths")
+    empty = [i for i, s in enumerate(response_lens) if s <= 0]
     if empty:
-        raise ValueError(f"samples {_fmt(empty)} have empty responses; prefix reuse needs at least one token")
-    empty_prompt = [i for i, p in enumerate(layout.prompt_lens) if p <= 0]
+        raise ValueError(f"samples {_fmt(empty)} have empty responses; every sample needs at least one response token")
+    empty_prompt = [i for i, p in enumerate(prompt_lens) if p <= 0]
     if empty_prompt:
         raise ValueError(f"samples {_fmt(empty_prompt)} have empty prompts")
     if advantages is not None:
+        if advantages.shape[0] != len(response_lens):
+            raise ValueError(f"{advantages.shape[0]} rows of advantages for {len(response_lens)} samples")
         values = advantages if response_mask is None else advantages.masked_fill(~response_mask.bool(), 0.0)
         bad = (~torch.isfinite(values)).reshape(values.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
         if bad:
             raise ValueError(f"samples {_fmt(bad)} have non-finite advantages (NaN or inf)")
+
+
+def validate_uid_groups(layout: RowLayout) -> None:
+    """Samples that share a uid must share their prompt (tokens and positions): reuse computes it once."""
     for uid, rows in group_rows_by_uid(layout.uids).items():
         first = rows[0]
         p = layout.prompt_lens[first]

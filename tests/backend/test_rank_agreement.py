@@ -1,0 +1,89 @@
+"""A bad mini-batch on one data-parallel rank stops every rank with the same error naming the samples,
+instead of leaving the others waiting in a collective until its timeout (DESIGN trap 15)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers.ranks import run_two_ranks
+
+GROUPS = [(9, [3, 2, 4, 1]), (7, [2, 5, 1, 3])]  # 8 rows, prompts long enough to reuse with min_prefix_len=4
+
+# case -> (forward_only, rank whose batch is bad or "both", what every rank's error must say)
+CASES = {
+    "nan_advantage": (False, 1, r"rank 1 rejected the mini-batch.*samples \[2, 5\] have non-finite advantages"),
+    "uid_conflict": (False, 0, r"rank 0 rejected the mini-batch.*samples 0 and 4 share uid 'same'"),
+    "empty_response": (True, 1, r"rank 1 rejected the mini-batch.*samples \[3\] have empty responses"),
+    # rank 1 falls back to dense for its own reason; its bad advantages are still caught before any collective
+    "dense_fallback_nan": (False, 1, r"rank 1 rejected the mini-batch.*samples \[6\] have non-finite advantages"),
+    "both_ranks": (False, "both", r"2 ranks rejected.*rank 0: samples 0 and 4 share uid 'same'.*rank 1: .*`uid`"),
+}
+
+
+def _batch(case: str | None, rank: int):
+    import torch
+    from helpers.batches import groups_batch, nested, rows_batch
+    from verl.utils import tensordict_utils as tu
+
+    batch, prompts, responses, uids = groups_batch(GROUPS, seed=3 + rank)
+    bad_rank = CASES[case][1] if case else None
+    if bad_rank not in (rank, "both"):
+        return batch
+    if case in ("nan_advantage", "dense_fallback_nan"):
+        rows = [r.clone() for r in batch["advantages"].unbind()]
+        bad = [2, 5] if case == "nan_advantage" else [6]
+        rows[bad[0]][0] = float("nan")
+        rows[bad[-1]][-1] = float("inf")
+        batch["advantages"] = nested(rows)
+        if case == "dense_fallback_nan":
+            tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
+    elif case == "uid_conflict" or (case == "both_ranks" and rank == 0):
+        batch = rows_batch(prompts, responses, ["same"] * len(uids), seed=3 + rank)
+    elif case == "both_ranks":
+        batch = rows_batch(prompts, responses, None, seed=3 + rank)
+    elif case == "empty_response":
+        responses = list(responses)
+        responses[3] = torch.zeros(0, dtype=torch.int64)
+        batch = rows_batch(prompts, responses, uids, seed=3 + rank)
+    return batch
+
+
+def _body(rank: int, model_dir: str) -> dict:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.tools import testing as T
+
+    engine, loss_fn, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+    engine.reuse_config = PrefixReuseConfig(min_prefix_len=4)
+    results: dict = {}
+    for case, (forward_only, _, _) in CASES.items():
+        batch = _batch(case, rank)
+        try:
+            if forward_only:
+                T.run_infer(engine, batch)
+            else:
+                T.run_train_step(engine, loss_fn, batch)
+            results[case] = {"raised": None}
+        except ValueError as exc:
+            results[case] = {"raised": type(exc).__name__, "message": str(exc)}
+    # after the rejections both ranks are still in lockstep: a good mini-batch trains, with reuse
+    good = T.run_train_step(engine, loss_fn, _batch(None, rank))
+    results["good"] = {k: good["reduced_metrics"][k] for k in ("prefix/groups", "prefix/physical_tokens")}
+    results["good"]["logical"] = good["reduced_metrics"]["prefix/logical_tokens"]
+    return results
+
+
+def test_a_bad_batch_on_one_rank_stops_both_with_the_same_error(tiny_model):
+    results = run_two_ranks(_body, str(tiny_model("qwen3")), timeout=240)
+    for case, (_, _, expected) in CASES.items():
+        for rank in range(2):
+            got = results[rank][case]
+            assert got["raised"] == "BatchRejected", (case, rank, got)
+            assert re.search(expected, got["message"]), (case, rank, got["message"])
+        assert results[0][case]["message"] == results[1][case]["message"], case
+    for rank in range(2):
+        assert results[rank]["good"]["prefix/groups"] == 2.0
+        assert results[rank]["good"]["prefix/physical_tokens"] < results[rank]["good"]["logical"]
+
+
+pytestmark = pytest.mark.timeout(600)
