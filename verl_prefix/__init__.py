@@ -6,7 +6,12 @@ a ``verl.plugins`` entry point, so ``import verl`` does this in the driver and i
 the CPU platform activates here when ``VERL_PLATFORM=cpu`` is set.
 """
 
-from verl_prefix.backend.platform_cpu import cpu_platform_requested, ensure_cpu_platform
+from verl_prefix._cli_quiet import invoked_as_cli, prepare_cli_process
+
+if invoked_as_cli():  # the `verl-prefix` command: before anything imports verl
+    prepare_cli_process()
+
+from verl_prefix.backend.platform_cpu import cpu_platform_requested, ensure_cpu_platform  # noqa: E402
 
 if cpu_platform_requested():
     ensure_cpu_platform()

@@ -31,6 +31,7 @@ from verl.utils.metric import reduce_metrics
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from verl_prefix.backend.balance import balance_groups
+from verl_prefix.backend.plugin_check import check_plugin_on_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,10 @@ class PrefixActorRolloutRefWorker(ActorRolloutRefWorker):
         import verl_prefix
 
         if not verl_prefix.is_registered():
-            raise RuntimeError("verl_prefix is imported but prefix_fsdp2 is not registered in verl's EngineRegistry")
+            raise RuntimeError(
+                "verl_prefix is imported but prefix_fsdp2 is not registered in verl's EngineRegistry in this "
+                "worker: install verl-prefix on every node (or ship it with the job's runtime_env)"
+            )
         super().__init__(config, role, **kwargs)
 
 
@@ -67,6 +71,8 @@ class PrefixPPOTrainer(PPOTrainerSync):
             config.trainer.v1.trainer_mode = TRAINER_MODE
 
     def _init_resource_pool_mgr(self) -> Any:
+        # before any worker exists: a node without verl-prefix would fail with Ray's unpickling error
+        check_plugin_on_nodes()
         result = super()._init_resource_pool_mgr()
         for role in list(self.role_worker_mapping):
             if _role_name(role) in _ACTOR_ROLES:

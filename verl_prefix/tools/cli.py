@@ -9,6 +9,8 @@
   trains on with verl's own ``main_ppo``;
 - ``verl-prefix demo``: a few GRPO steps on CPU, verl's stock trainer then prefix reuse on the same
   rollouts, logged through verl's ``Tracking`` (console + wandb), ending in a comparison table.
+- ``verl-prefix dashboard wandb --entity E --project P``: a wandb workspace with the engine's panels;
+  ``verl-prefix dashboard html RUN [RUN ...] --out FILE``: the same panels as one offline HTML page.
 
 User mistakes print one line to stderr and exit 2, so scripts can tell them from crashes.
 """
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,trace,replay,report,smoke-data}")
+    commands = "{demo,bench,trace,replay,report,smoke-data,dashboard}"
+    sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     bench = sub.add_parser(
         "bench",
         help="time verl's fsdp2 engine against prefix_fsdp2 on the same GRPO batch",
@@ -95,7 +98,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("result", type=Path, help="a bench or replay result JSON")
     report.add_argument("--out", type=Path, required=True, help="directory for the PNGs (created)")
+    _add_dashboard_parser(sub)
     return parser
+
+
+def _add_dashboard_parser(sub: argparse._SubParsersAction) -> None:
+    dash = sub.add_parser(
+        "dashboard",
+        help="dashboards of the engine's metrics: a wandb workspace, or one offline HTML page",
+        description="Panels for update time (dense vs prefix), per-phase time and memory, logical vs physical "
+        "tokens, the reuse factor and fallbacks by reason, as a wandb workspace or a self-contained HTML page.",
+    )
+    dsub = dash.add_subparsers(dest="dashboard_command", required=True, metavar="{wandb,html}")
+    wb = dsub.add_parser(
+        "wandb",
+        help="create the workspace in a wandb project (needs a wandb login and pip install 'verl-prefix[dashboard]')",
+    )
+    wb.add_argument("--entity", required=True, help="wandb entity (user or team)")
+    wb.add_argument("--project", required=True, help="wandb project the runs log to (trainer.project_name)")
+    wb.add_argument("--name", default=None, help="workspace name")
+    page = dsub.add_parser(
+        "html",
+        help="one self-contained HTML page from runs on disk (no network needed to view it)",
+        description="RUN: an offline wandb run directory, a verl file-logger JSONL (trainer.logger=[file]), or a "
+        "directory searched for both (e.g. the demo's --out-dir).",
+    )
+    page.add_argument("runs", nargs="+", type=Path, metavar="RUN")
+    page.add_argument("--out", type=Path, required=True, help="the HTML file to write")
+    page.add_argument("--title", default=None, help="page title (default: the run names)")
 
 
 def _length(text: str) -> int | tuple[int, int]:
@@ -481,6 +511,22 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from verl_prefix.tools.dashboard import WORKSPACE_NAME, DashboardError, save_workspace, write_html
+
+    try:
+        if args.dashboard_command == "html":
+            problem = _writable_file(args.out, "--out")
+            if problem is not None:
+                return _fail(problem)
+            print(write_html(args.runs, args.out, title=args.title))
+            return 0
+        print(save_workspace(args.entity, args.project, args.name or WORKSPACE_NAME))
+    except DashboardError as exc:
+        return _fail(exc)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``verl-prefix`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -492,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.command == "smoke-data":
         return _smoke_data(args)
+    if args.command == "dashboard":
+        return _dashboard(args)
     _select_platform()
     if args.command == "trace":
         return _trace(args)

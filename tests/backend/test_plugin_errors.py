@@ -1,0 +1,129 @@
+"""verl-prefix on the driver but not on a worker node: the error says so, and says what to do.
+
+The missing package is simulated the way a node without it behaves: worker processes whose ``PYTHONPATH``
+puts a ``verl_prefix`` first that cannot be imported. The probe must run there (it is shipped by value),
+and the prefix_sync trainer's node check raises the message naming the node. A negative control shows the
+simulation really hides the package: a function pickled by reference cannot be loaded there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from ray import cloudpickle
+
+from verl_prefix.backend import plugin_check
+from verl_prefix.backend.plugin_check import (
+    SKIP_ENV,
+    PluginMissingError,
+    check_plugin_on_nodes,
+    missing_plugin_message,
+    plugin_probe,
+)
+
+SIMULATED = "simulated: verl-prefix is not installed on this node"
+_RUN_PICKLED = (
+    "import sys, json; from ray import cloudpickle; "
+    "fn = cloudpickle.loads(sys.stdin.buffer.read()); print(json.dumps(fn()))"
+)
+
+
+@pytest.fixture
+def node_without_plugin(tmp_path):
+    """A PYTHONPATH whose ``verl_prefix`` fails to import, shadowing any installed one."""
+    package = tmp_path / "verl_prefix"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"raise ModuleNotFoundError({SIMULATED!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(tmp_path)
+    return env
+
+
+def _run_pickled(fn, env, cwd) -> subprocess.CompletedProcess:
+    """Run ``fn`` in a fresh interpreter (``python -c`` puts ``cwd`` first on sys.path: not the checkout)."""
+    return subprocess.run(
+        [sys.executable, "-c", _RUN_PICKLED],
+        input=cloudpickle.dumps(fn),
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_probe_runs_where_the_package_is_missing(node_without_plugin, tmp_path):
+    proc = _run_pickled(plugin_probe(), node_without_plugin, tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    report = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    assert report["import_error"] == f"ModuleNotFoundError: {SIMULATED}"
+    assert report["registered"] is False
+    message = missing_plugin_message([report])
+    assert SIMULATED in message and report["node"] in message
+    assert "Install verl-prefix (same version) on every node" in message and "runtime_env" in message
+
+
+def test_negative_control_the_simulation_hides_the_package(node_without_plugin, tmp_path):
+    proc = _run_pickled(plugin_check.missing_plugin_message, node_without_plugin, tmp_path)  # pickled by reference
+    assert proc.returncode != 0
+    assert SIMULATED in proc.stderr.decode()
+
+
+def test_probe_reports_a_working_install(tmp_path):
+    proc = _run_pickled(plugin_probe(), dict(os.environ), tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    report = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    assert report["import_error"] is None and report["registered"] is True
+
+
+def test_message_for_an_import_that_did_not_register():
+    message = missing_plugin_message([{"node": "n1", "python": "/py", "import_error": None, "registered": False}])
+    assert "node n1" in message and "prefix_fsdp2 is not in verl's EngineRegistry" in message
+
+
+def test_skip_switch(monkeypatch):
+    monkeypatch.setenv(SKIP_ENV, "1")
+    assert check_plugin_on_nodes() == []
+
+
+def test_trainer_checks_nodes_before_creating_workers(monkeypatch):
+    from verl_prefix.backend import trainer
+
+    calls = []
+
+    def missing() -> None:
+        calls.append("check")
+        raise PluginMissingError("verl-prefix missing on node x")
+
+    monkeypatch.setattr(trainer, "check_plugin_on_nodes", missing)
+    with pytest.raises(PluginMissingError, match="missing on node x"):
+        trainer.PrefixPPOTrainer._init_resource_pool_mgr(object())  # no worker mapping touched before it
+    assert calls == ["check"]
+
+
+def test_ray_node_without_the_package_fails_with_the_message(node_without_plugin, tmp_path, monkeypatch):
+    """A real local Ray cluster whose workers cannot import verl_prefix (the job's runtime_env; Ray also puts
+    the driver's working directory on the workers' path, so that is not the checkout either)."""
+    import ray
+
+    assert not ray.is_initialized()
+    monkeypatch.chdir(tmp_path)
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": node_without_plugin["PYTHONPATH"]}},
+    )
+    try:
+        with pytest.raises(PluginMissingError) as info:
+            check_plugin_on_nodes(timeout_s=300)
+    finally:
+        ray.shutdown()
+    message = str(info.value)
+    assert "not usable in the Ray worker processes of 1 node(s)" in message
+    assert f"ModuleNotFoundError: {SIMULATED}" in message
+    assert "Install verl-prefix (same version) on every node" in message

@@ -1,0 +1,188 @@
+"""The dashboard panels, defined once for both dashboards (wandb workspace and offline HTML page).
+
+Every key is one verl's trainer logs: ``timing_s/<stage>`` from its ``marked_timer`` blocks, the engine's
+``prefix/...`` metrics as ``actor/prefix/...`` (verl prefixes the update's metrics with ``actor/``) and the
+forward-only passes' as ``actor/prefix/old_log_prob/...`` (logged by the ``prefix_sync`` trainer mode).
+Fallback reasons are open-ended, so that panel matches its keys with a pattern instead of a list.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from verl_prefix.schedule.telemetry import PHASES
+
+ACTOR = "actor/prefix/"
+OLD_LOG_PROB = "actor/prefix/old_log_prob/"
+PHASE_LABELS = {
+    "A": "A prefix forward",
+    "B": "B suffix micro-batches",
+    "C": "C prefix backward",
+    "dense": "dense rows",
+    "lockstep": "lockstep fillers",
+}
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One chart: a line per (run, key) against the training step.
+
+    ``keys`` are exact metric names with their legend labels; ``pattern`` (a regex) adds every logged key
+    it matches, labelled by what follows ``pattern_label_after``.
+    """
+
+    id: str
+    title: str
+    unit: str
+    keys: tuple[tuple[str, str], ...] = ()
+    pattern: str | None = None
+    pattern_label_after: str = ""
+    note: str = ""
+
+    def metric_keys(self) -> list[str]:
+        """The exact keys this panel plots (not those its pattern adds)."""
+        return [key for key, _ in self.keys]
+
+    def matches(self, key: str) -> bool:
+        """Whether ``key`` belongs on this panel (an exact key or a pattern match)."""
+        return key in dict(self.keys) or (self.pattern is not None and re.fullmatch(self.pattern, key) is not None)
+
+    def label(self, key: str) -> str:
+        """The legend label of ``key``."""
+        labels = dict(self.keys)
+        return labels[key] if key in labels else key.removeprefix(self.pattern_label_after)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A titled group of panels (a wandb workspace section; a heading on the HTML page)."""
+
+    name: str
+    panels: tuple[Panel, ...]
+
+
+# forward-only passes have no backward: no phase C
+FORWARD_ONLY_PHASES = tuple(phase for phase in PHASES if phase != "C")
+
+
+def _per_phase(head: str, kind: str) -> tuple[tuple[str, str], ...]:
+    phases = FORWARD_ONLY_PHASES if head == OLD_LOG_PROB else PHASES
+    return tuple((f"{head}{kind}/{phase}", PHASE_LABELS[phase]) for phase in phases)
+
+
+def _panel_id(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
+def _panel(title: str, unit: str, keys: tuple[tuple[str, str], ...], **kwargs: str) -> Panel:
+    return Panel(id=_panel_id(title), title=title, unit=unit, keys=keys, **kwargs)
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        "Update time: dense vs prefix",
+        (
+            _panel("update_actor time", "s", (("timing_s/update_actor", "update_actor"),)),
+            _panel("old log-prob time", "s", (("timing_s/old_log_prob", "old_log_prob"),)),
+            _panel("step time", "s", (("timing_s/step", "step"),)),
+        ),
+    ),
+    Section(
+        "Per-phase time (update)",
+        (
+            _panel("phase time, mean over ranks", "s", _per_phase(ACTOR, "time_s")),
+            _panel("phase time, slowest rank", "s", _per_phase(ACTOR, "max_time_s")),
+            _panel(
+                "schedule and optimizer time",
+                "s",
+                ((f"{ACTOR}time_s/schedule", "schedule"), (f"{ACTOR}time_s/optimizer", "optimizer")),
+            ),
+        ),
+    ),
+    Section(
+        "Per-phase memory (update)",
+        (
+            _panel("saved for backward", "MiB", _per_phase(ACTOR, "max_saved_for_backward_mib")),
+            _panel("process RSS", "MiB", _per_phase(ACTOR, "max_rss_mib")),
+            _panel(
+                "device allocator peak",
+                "MiB",
+                _per_phase(ACTOR, "max_peak_device_mib"),
+                note="logged on CUDA/NPU only",
+            ),
+            _panel(
+                "held at once and prefix K/V",
+                "MiB",
+                (
+                    (f"{ACTOR}max_saved_for_backward_held_mib", "saved for backward, held at once"),
+                    (f"{ACTOR}max_prefix_kv_mib", "one group's prefix K/V"),
+                ),
+            ),
+        ),
+    ),
+    Section(
+        "Tokens and reuse",
+        (
+            _panel(
+                "logical vs physical tokens",
+                "tokens",
+                ((f"{ACTOR}logical_tokens", "logical (dense computes)"), (f"{ACTOR}physical_tokens", "physical")),
+            ),
+            _panel("reuse factor", "x", ((f"{ACTOR}reuse_factor", "logical / physical"),)),
+            _panel("logical tokens per second", "tokens/s", ((f"{ACTOR}logical_tokens_per_s", "update"),)),
+            _panel(
+                "groups reused", "groups", ((f"{ACTOR}groups", "update"), (f"{OLD_LOG_PROB}groups", "old log-prob"))
+            ),
+            _panel(
+                "rank balance (prefix_sync)",
+                "x mean",
+                ((f"{ACTOR}balance/max_rank_workload_over_mean", "busiest rank's workload / mean"),),
+            ),
+        ),
+    ),
+    Section(
+        "Fallbacks (samples run dense, by reason)",
+        (
+            _panel(
+                "update fallbacks",
+                "samples",
+                (),
+                pattern=re.escape(ACTOR) + r"fallback_\w+",
+                pattern_label_after=f"{ACTOR}fallback_",
+                note="none logged: every sample reused",
+            ),
+            _panel(
+                "old log-prob fallbacks",
+                "samples",
+                (),
+                pattern=re.escape(OLD_LOG_PROB) + r"fallback_\w+",
+                pattern_label_after=f"{OLD_LOG_PROB}fallback_",
+                note="none logged: every sample reused",
+            ),
+        ),
+    ),
+    Section(
+        "Old log-prob pass (forward only)",
+        (
+            _panel("old log-prob phase time", "s", _per_phase(OLD_LOG_PROB, "time_s")),
+            _panel("old log-prob process RSS", "MiB", _per_phase(OLD_LOG_PROB, "max_rss_mib")),
+            _panel(
+                "old log-prob tokens",
+                "tokens",
+                (
+                    (f"{OLD_LOG_PROB}logical_tokens", "logical"),
+                    (f"{OLD_LOG_PROB}physical_tokens", "physical"),
+                ),
+            ),
+        ),
+    ),
+)
+
+
+def all_panels() -> list[Panel]:
+    """Every panel of every section, in page order."""
+    return [panel for section in SECTIONS for panel in section.panels]
+
+
+__all__ = ["ACTOR", "OLD_LOG_PROB", "PHASE_LABELS", "SECTIONS", "Panel", "Section", "all_panels"]
