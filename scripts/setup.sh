@@ -9,5 +9,5 @@ TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
-.venv/bin/python -m pip install --quiet -e '.[test]'
+.venv/bin/python -m pip install --quiet -e '.[test,dashboard]'
 .venv/bin/python -c "import verl, verl_prefix; assert verl_prefix.is_registered(); print('verl-prefix ready:', verl.__version__)"
