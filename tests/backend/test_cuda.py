@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from helpers.precision import promote_fp32_upcasts
+from helpers.reuse import assert_reuse_ran
 from test_engine_exactness import compare_update, grpo_batch, worst_relative
 
 from verl_prefix import PrefixReuseConfig
@@ -39,7 +40,7 @@ def test_update_matches_stock_engine_on_cuda(tiny_model, dtype):
     )
     assert grads < GRAD_TOL[dtype]
     assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-4)
-    assert prefix["reduced_metrics"]["prefix/groups"] == 3.0
+    assert_reuse_ran(prefix["metrics"], groups=3)
     # the allocator-peak metric exists only when the engine ran on the accelerator
     assert prefix["reduced_metrics"]["prefix/max_peak_device_mib/B"] > 0
 
@@ -51,7 +52,10 @@ def _bf16_grads(model_dir, backend, micro_batch_size, batch):
     if backend == "prefix_fsdp2":
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     with promote_fp32_upcasts():
-        return T.run_train_step(engine, loss_fn, batch, capture_grads=True)["grads"]
+        result = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    if backend == "prefix_fsdp2":
+        assert_reuse_ran(result["metrics"], groups=3)
+    return result["grads"]
 
 
 def test_bf16_drift_stays_within_the_dense_noise_floor(tiny_model):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers.layouts import use_suffix_only_mask
 from helpers.precision import promote_fp32_upcasts
+from helpers.reuse import assert_reuse_ran
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.schedule import executor as schedule
@@ -44,13 +45,15 @@ def worst_relative(got: dict, want: dict) -> float:
 
 
 def compare_update(model_dir, batch, dtype="float64", reuse=None, **kwargs):
-    """One update through both engines; returns (worst grad rel, worst update rel, dense, prefix results)."""
+    """One update through both engines; returns (worst grad rel, worst update rel, dense, prefix results).
+    Fails unless the prefix engine reused: a silent fallback to dense would match trivially."""
     (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(model_dir, reuse=reuse, dtype=dtype, **kwargs)
     before = T.params_of(d_engine)
     with promote_fp32_upcasts():
         dense = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
         prefix = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
     assert dense["grads"], "the stock engine produced no gradients"
+    assert_reuse_ran(prefix["metrics"])
     d_after, p_after = T.params_of(d_engine), T.params_of(p_engine)
     d_update = {n: d_after[n] - before[n] for n in before}
     p_update = {n: p_after[n] - before[n] for n in before}
@@ -76,7 +79,7 @@ def test_update_matches_stock_engine(tiny_model, family, attn, dtype):
         assert update < 1e-9  # Adam's first step is ~lr*sign(g): fp32 noise can flip near-zero elements
     assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-5)
     assert prefix["grad_norm"] == pytest.approx(dense["grad_norm"], rel=1e-5)
-    assert prefix["reduced_metrics"]["prefix/groups"] == 3.0
+    assert_reuse_ran(prefix["metrics"], groups=3)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])  # micro-batch counts 8, 4, 2, 1 for G = 8
@@ -150,7 +153,41 @@ def test_dynamic_batch_size_and_gradient_checkpointing(tiny_model):
         entropy_coeff=0.01,
     )
     assert grads < 1e-10 and update < 1e-9
-    assert prefix["reduced_metrics"]["prefix/groups"] == 3.0
+    assert_reuse_ran(prefix["metrics"], groups=3)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_long_prompts_on_a_deeper_model(tiny_model, dtype):
+    """Prompts of 64-96 tokens on 4 layers: long enough that phase B's suffix-to-prefix attention carries
+    most of each row's context and every layer's K/V leaf gets a real phase-C gradient."""
+    batch = grpo_batch(prompt_lens=[64, 96, 72], response_len_range=(4, 12))
+    grads, update, dense, prefix = compare_update(
+        tiny_model("qwen3", num_layers=4),
+        batch,
+        dtype=dtype,
+        micro_batch_size_per_gpu=2,
+        use_kl_loss=True,
+        entropy_coeff=0.01,
+    )
+    assert grads < GRAD_TOL[dtype]
+    if dtype == "float64":
+        assert update < 1e-9
+    assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-5)
+    assert_reuse_ran(prefix["metrics"], groups=3)
+
+
+def test_sampling_temperature_on_the_training_path(tiny_model):
+    """verl divides the logits by the rollout temperature before the loss; reuse must do the same per row."""
+    grads, update, dense, prefix = compare_update(
+        tiny_model("qwen3"),
+        grpo_batch(temperature=0.7),
+        micro_batch_size_per_gpu=2,
+        use_kl_loss=True,
+        entropy_coeff=0.01,
+    )
+    assert grads < 1e-10 and update < 1e-9
+    assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-10)
+    assert_reuse_ran(prefix["metrics"], groups=3)
 
 
 def test_legacy_padded_layout(tiny_model):
@@ -182,7 +219,7 @@ def test_infer_batch_matches_stock(tiny_model, dtype, attn):
         want_v = want.values() if want.is_nested else want
         got_v = got.values() if got.is_nested else got
         torch.testing.assert_close(got_v, want_v, rtol=tol, atol=tol)
-    assert T.reduce_step_metrics(prefix["metrics"])["prefix/groups"] == 3.0
+    assert_reuse_ran(prefix["metrics"], groups=3)
 
 
 FAULTS = {
@@ -213,4 +250,5 @@ def test_entropy_variants_follow_the_engine_config(tiny_model, knob, tol):
     with promote_fp32_upcasts():
         dense = T.run_train_step(d_engine, d_loss, grpo_batch(), capture_grads=True)
         prefix = T.run_train_step(p_engine, p_loss, grpo_batch(), capture_grads=True)
+    assert_reuse_ran(prefix["metrics"], groups=3)
     assert worst_relative(prefix["grads"], dense["grads"]) < tol

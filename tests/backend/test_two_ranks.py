@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.ranks import run_two_ranks
+from helpers.reuse import assert_no_reuse, assert_reuse_ran
 
 VOCAB = 128
 
@@ -67,21 +68,37 @@ def _body(rank: int, model_dir: str, mixed_fallback: bool) -> dict:
         want_infer = T.run_infer(dense, batch)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     lp = (got_infer["response_log_probs"].values() - want_infer["response_log_probs"].values()).abs().max()
-    return {"worst": worst, "infer": lp.item(), "metrics": got["reduced_metrics"]}
+    return {
+        "worst": worst,
+        "infer": lp.item(),
+        "metrics": got["reduced_metrics"],
+        "infer_metrics": T.reduce_step_metrics(got_infer["metrics"]),
+    }
 
 
-@pytest.mark.parametrize("mixed_fallback", [False, True], ids=["reuse", "one-rank-falls-back"])
-def test_two_ranks_with_different_group_structure(tiny_model, mixed_fallback):
-    results = run_two_ranks(_body, str(tiny_model("qwen3")), mixed_fallback)
+@pytest.mark.parametrize(
+    "mixed_fallback, tied",
+    [(False, False), (False, True), (True, False)],
+    ids=["reuse", "reuse-tied-embeddings", "one-rank-falls-back"],
+)
+def test_two_ranks_with_different_group_structure(tiny_model, mixed_fallback, tied):
+    """``tied``: the LM head is the embedding matrix, sharded over both ranks; its gradient sums the head's
+    (phase B) and the embedding's (phases A and B) contributions, reduce-scattered once."""
+    model_dir = tiny_model("qwen3", tie_word_embeddings=True) if tied else tiny_model("qwen3")
+    results = run_two_ranks(_body, str(model_dir), mixed_fallback)
     for rank in range(2):
         assert results[rank]["worst"] < 1e-10
         assert results[rank]["infer"] < 1e-10
     if mixed_fallback:  # both ranks ran dense, each saying why
         assert results[1]["metrics"]["prefix/fallback_sum_pi_squared"] == 8.0
         assert results[0]["metrics"]["prefix/fallback_peer_fallback"] == 8.0
+        for rank in range(2):
+            assert_no_reuse(results[rank]["metrics"])
     else:
         assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
-        assert results[0]["metrics"]["prefix/groups"] == 2.0
+        for rank, groups in ((0, 2), (1, 1)):  # rank 1: one group reused, four singletons dense
+            assert_reuse_ran(results[rank]["metrics"], groups=groups)
+            assert_reuse_ran(results[rank]["infer_metrics"], groups=groups)
         # rank 0 fills in for rank 1's two dense chunks, rank 1 for rank 0's second group: both are counted
         for rank in range(2):
             assert results[rank]["metrics"]["prefix/time_s/lockstep"] > 0, rank

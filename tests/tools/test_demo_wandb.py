@@ -9,14 +9,17 @@ their values are plausible (phase times within the update time, logical >= physi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.reuse import assert_reuse_ran
 
 from verl_prefix.tools import cli
 from verl_prefix.tools.demo import DemoError, read_wandb_run, wandb_login_configured, wandb_mode
@@ -61,7 +64,13 @@ def test_demo_prints_the_comparison_and_logs_through_tracking(demo):
     for step in range(1, STEPS + 1):
         assert len(re.findall(rf"^step:{step} - ", text, flags=re.MULTILINE)) == 2, step
     summary = json.loads((out / "demo.json").read_text())
-    assert len(summary["steps"]) == STEPS and summary["speedup_median"] > 0
+    assert len(summary["steps"]) == STEPS
+    # no timing assertions: the speedups are finite and derived from the logged times as the table says
+    for row in summary["steps"]:
+        assert math.isfinite(row["speedup"]) and row["speedup"] == row["dense_update_s"] / row["prefix_update_s"]
+        assert row["logical_tokens"] > row["physical_tokens"] > 0, row  # the prefix run reused
+    assert summary["speedup_median"] == statistics.median(r["speedup"] for r in summary["steps"])
+    assert summary["max_update_rel"] == max(r["update_rel"] for r in summary["steps"])
     assert summary["wandb_mode"] == "offline"
     # AdamW magnifies rounding in near-zero gradient entries; the gradient norm shows the schedule is exact
     assert summary["max_grad_norm_rel"] < 1e-4
@@ -98,8 +107,7 @@ def test_prefix_telemetry_read_back_from_wandb_is_plausible(demo):
         phase_total = sum(times.values()) + row["actor/prefix/time_s/dense"] + row["actor/prefix/time_s/lockstep"]
         assert phase_total <= row["timing_s/update_actor"], (times, row["timing_s/update_actor"])
         assert row["actor/prefix/time_s/schedule"] == pytest.approx(phase_total, rel=1e-6)
-        logical, physical = row["actor/prefix/logical_tokens"], row["actor/prefix/physical_tokens"]
-        assert logical >= physical > 0
+        assert_reuse_ran(row, namespace="actor/prefix/")
         assert row["actor/prefix/reuse_factor"] > 1
         for p in PHASES:
             assert row[f"actor/prefix/max_rss_mib/{p}"] > 0
@@ -124,7 +132,7 @@ def test_forward_only_telemetry_read_back_from_wandb_is_plausible(demo):
         assert all(t > 0 for t in times.values()), times
         assert f"{old}time_s/C" not in row
         assert sum(times.values()) <= row["timing_s/old_log_prob"]
-        assert row[f"{old}logical_tokens"] >= row[f"{old}physical_tokens"] > 0
+        assert_reuse_ran(row, namespace=old)
         assert row[f"{old}reuse_factor"] > 1
         assert row[f"{old}max_prefix_kv_mib"] > 0
         assert row[f"{old}max_rss_mib/A"] > 0

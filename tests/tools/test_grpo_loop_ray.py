@@ -9,6 +9,7 @@ trained on the same rollouts. SGD makes the comparison sensitive to the gradient
 from __future__ import annotations
 
 import pytest
+from helpers.reuse import assert_reuse_ran
 
 from verl_prefix.tools.cpu_loop import compare_runs, local_cluster, run_cpu_grpo, split_groups
 
@@ -17,6 +18,13 @@ pytestmark = pytest.mark.timeout(600)
 STEPS = 2
 N = 4
 PROMPTS = 4
+
+
+# Two PPO mini-batches per step (2 prompts x N samples each): every rank takes two optimizer steps per
+# training step, the second at parameters the first moved. verl's stock balancer would put other samples
+# in each mini-batch than ours, so the dense reference runs our trainer mode (same slots) with fsdp2.
+MINI_BATCH_PROMPTS = 2
+TWO_MINI_BATCHES = (f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI_BATCH_PROMPTS}",)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +38,12 @@ def all_runs(tiny_qwen3_dir):
                 tiny_qwen3_dir, prefix=True, replay=dense.rollouts, optimizer=optimizer, lr=lr, **common
             )
             runs[optimizer] = (dense, prefix)
+        sgd = dict(optimizer="SGD", lr=0.5, replay=runs["SGD"][0].rollouts, **common)
+        dense = run_cpu_grpo(
+            tiny_qwen3_dir, prefix=False, overrides=(*TWO_MINI_BATCHES, "trainer.v1.trainer_mode=prefix_sync"), **sgd
+        )
+        prefix = run_cpu_grpo(tiny_qwen3_dir, prefix=True, overrides=TWO_MINI_BATCHES, **sgd)
+        runs["SGD, two mini-batches"] = (dense, prefix)
     return runs
 
 
@@ -64,7 +78,7 @@ def test_both_runs_went_through_the_selected_trainer_mode_and_engine(runs):
     for step in dense.steps:
         assert len(step.groups) == PROMPTS and all(len(g) == N for g in step.groups)
         # GRPO needs reward spread inside a group, or every advantage is zero and nothing is trained
-        assert step.metrics["critic/advantages/max"] > 0
+        assert step.metrics["critic/advantages/max"] > 0 > step.metrics["critic/advantages/min"]
 
 
 def assert_updates_agree(dense, prefix) -> None:
@@ -92,9 +106,39 @@ def test_groups_stay_whole_on_their_rank(runs):
         assert split_groups(step.rank_uids) == 0, step.rank_uids
         assert step.metrics["actor/prefix/balance/split_groups"] == 0.0
         assert step.metrics["actor/prefix/balance/groups"] == PROMPTS
-        # the engine on each rank saw its two whole groups and reused their prefixes
-        assert step.metrics["actor/prefix/groups"] == PROMPTS / 2
+        # the engine on each rank saw its two whole groups and reused their prefixes, in the update and in
+        # the old log-prob pass
+        assert_reuse_ran(step.metrics, groups=PROMPTS / 2, namespace="actor/prefix/")
+        assert_reuse_ran(step.metrics, groups=PROMPTS / 2, namespace="actor/prefix/old_log_prob/")
         assert step.metrics["actor/prefix/reuse_factor"] > 1.5
+
+
+def test_two_mini_batches_per_step_match_dense(all_runs):
+    """Two optimizer steps per training step: state carried between mini-batches (prefix caches, token
+    normalisation, lockstep counts) must not leak, and the second update starts where the first left."""
+    dense, prefix = all_runs["SGD, two mini-batches"]
+    assert (dense.mode, dense.strategy, prefix.mode, prefix.strategy) == (
+        "prefix_sync",
+        "fsdp2",
+        "prefix_sync",
+        "prefix_fsdp2",
+    )
+    assert_updates_agree(dense, prefix)
+    per_slot = MINI_BATCH_PROMPTS * N // 2  # samples per (rank, mini-batch)
+    for d_step, p_step in zip(dense.steps, prefix.steps, strict=True):
+        # the same balancer on both sides (uids are fresh per run): each rank, two mini-batches of one whole group
+        for uids in d_step.rank_uids + p_step.rank_uids:
+            assert len(uids) == 2 * per_slot
+            assert [len(set(uids[i : i + per_slot])) for i in range(0, len(uids), per_slot)] == [1, 1]
+            assert uids[0] != uids[-1]
+        # the engine reports per mini-batch: one group in each of a rank's two mini-batches
+        assert_reuse_ran(p_step.metrics, groups=1, namespace="actor/prefix/")
+    # the two-step update differs from the one-step update of the same rollouts: the knob took effect
+    one_step = all_runs["SGD"][0]
+    moved = [
+        (s2.params[k] - s1.params[k]).norm() for s1, s2 in zip(one_step.steps[:1], dense.steps[:1]) for k in s1.params
+    ]
+    assert max(moved) > 1e-4
 
 
 def test_metrics_arrive_with_actor_names(runs):
