@@ -62,11 +62,12 @@ class WorkerGroup:
 
 
 def test_the_wrapper_collects_and_then_restores_the_method():
-    group = WorkerGroup(worker_output({"prefix/time_s/A": [0.5, 0.5]}))
+    output = worker_output({"prefix/time_s/A": [0.5, 0.5]})
+    group = WorkerGroup(output)
     original = group.compute_log_prob
     metrics: dict = {}
     with forward_only_telemetry(group, "compute_log_prob", metrics, "actor/prefix/old_log_prob/"):
-        assert group.compute_log_prob("batch") is not None
+        assert group.compute_log_prob("batch") is output  # the trainer gets the worker's own output
     assert group.compute_log_prob is original and group.calls == 1
     assert metrics == {"actor/prefix/old_log_prob/time_s/A": 0.5}
     with pytest.raises(RuntimeError), forward_only_telemetry(group, "compute_log_prob", metrics, "p/"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from verl_prefix import PrefixReuseConfig
@@ -36,7 +37,9 @@ def test_update_reports_every_phase(tiny_qwen3_dir):
     assert sum(phases) == metrics["prefix/time_s/schedule"] <= wall
     assert 0 < metrics["prefix/time_s/optimizer"] <= wall
     assert metrics["prefix/logical_tokens"] > metrics["prefix/physical_tokens"] > 0
-    assert metrics["prefix/logical_tokens_per_s"] > 0
+    assert metrics["prefix/logical_tokens_per_s"] == pytest.approx(
+        metrics["prefix/logical_tokens"] / metrics["prefix/time_s/schedule"]
+    )
     saved_a = metrics["prefix/max_saved_for_backward_mib/A"]
     saved_b = metrics["prefix/max_saved_for_backward_mib/B"]
     assert saved_a > 0 and saved_b > 0
