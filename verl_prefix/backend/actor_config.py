@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from verl.workers.config import FSDPActorConfig
 
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
+from verl_prefix.schedule.dormant import KNOB_VALUES, validate_policy
 
-DORMANT_PREFIX_POLICIES = ("keep",)
+DORMANT_PREFIX_POLICIES = KNOB_VALUES
 
 
 @dataclass
@@ -21,8 +22,9 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
 
     Args:
         prefix_reuse: the reuse knobs; a dict from YAML is converted and validated.
-        dormant_prefix: what happens to a group's prefix K/V and graph between phases; ``keep``
-            holds them on the device (offload and recompute policies are planned).
+        dormant_prefix: where a group's phase-A graph waits until phase C: ``keep``, ``recompute``,
+            ``offload`` (accelerators only) or ``auto`` (see ``PrefixFSDPEngineConfig``).
+        dormant_prefix_budget_bytes: bytes per device the dormant prefix graph may hold (``auto``).
         moe_aux_loss_coef: coefficient of the MoE router load-balancing loss, in dense and reuse mode
             alike (verl's FSDP engine adds none); 0 keeps the backend a drop-in for the stock engine.
         record_trace_dir: record every actor-update batch there for ``verl-prefix replay``.
@@ -31,6 +33,7 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
     strategy: str = PREFIX_BACKEND
     prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
     dormant_prefix: str = "keep"
+    dormant_prefix_budget_bytes: int | None = None
     moe_aux_loss_coef: float = 0.0
     record_trace_dir: str | None = None
 
@@ -39,11 +42,10 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
             object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
         elif not isinstance(self.prefix_reuse, PrefixReuseConfig):  # an OmegaConf node
             object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**dict(self.prefix_reuse)))
-        if self.dormant_prefix not in DORMANT_PREFIX_POLICIES:
-            raise ValueError(
-                f"actor.dormant_prefix={self.dormant_prefix!r} is not supported; "
-                f"choose one of {DORMANT_PREFIX_POLICIES}"
-            )
+        try:
+            validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
+        except ValueError as error:
+            raise ValueError(f"actor.{error}") from None
         if self.strategy != PREFIX_BACKEND:
             raise ValueError(
                 f"PrefixFSDPActorConfig needs actor.strategy={PREFIX_BACKEND} (and ref.strategy, which follows "
@@ -54,3 +56,5 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
         object.__setattr__(self.engine, "prefix_reuse", self.prefix_reuse)
         object.__setattr__(self.engine, "moe_aux_loss_coef", self.moe_aux_loss_coef)
         object.__setattr__(self.engine, "record_trace_dir", self.record_trace_dir)
+        object.__setattr__(self.engine, "dormant_prefix", self.dormant_prefix)
+        object.__setattr__(self.engine, "dormant_prefix_budget_bytes", self.dormant_prefix_budget_bytes)

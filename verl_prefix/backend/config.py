@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from verl.base_config import BaseConfig
 from verl.workers.config import FSDPEngineConfig
 
+from verl_prefix.schedule.dormant import validate_policy
 from verl_prefix.schedule.prefix_kv import PHASE_B_ATTENTION
 
 PREFIX_BACKEND = "prefix_fsdp2"
@@ -89,12 +90,18 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
             engine a drop-in for the stock one. The model config's ``router_aux_loss_coef`` is not read.
         record_trace_dir: when set, every ``train_batch`` input is recorded there (``rank<r>``
             subdirectories with several ranks) for ``verl-prefix replay``; see ``verl_prefix.backend.trace``.
+        dormant_prefix: where a group's phase-A graph waits until phase C: ``keep`` (on the device),
+            ``recompute`` (not kept; phase C re-runs the prefix forward), ``offload`` (pinned host memory;
+            accelerators only), ``auto`` (per group, the cheapest that fits ``dormant_prefix_budget_bytes``).
+        dormant_prefix_budget_bytes: bytes per device the dormant prefix graph may hold (``auto``).
     """
 
     strategy: str = PREFIX_BACKEND
     prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
     moe_aux_loss_coef: float = 0.0
     record_trace_dir: str | None = None
+    dormant_prefix: str = "keep"
+    dormant_prefix_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         requested = self.strategy
@@ -105,3 +112,4 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
         if isinstance(self.prefix_reuse, dict):
             object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
         object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))
+        validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)

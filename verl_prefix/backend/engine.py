@@ -35,6 +35,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
+from verl_prefix.backend.dormant import agree_on_policies
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import (
@@ -46,6 +47,7 @@ from verl_prefix.backend.outputs import (
 )
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
+from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
@@ -68,6 +70,15 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self.record_trace_dir: str | None = getattr(engine_config, "record_trace_dir", None)
         self._trace_writer: Any = None
         self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
+        self.dormant_prefix = validate_policy(
+            getattr(engine_config, "dormant_prefix", "keep"),
+            getattr(engine_config, "dormant_prefix_budget_bytes", None),
+        )
+        self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
+        if self.dormant_prefix == "offload":
+            refuse_offload_on(self._device())
+        self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
+        self._dormant_now = Dormant()
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
@@ -243,7 +254,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if real:
             options.update(meter=self._meter, entropy_fn=self._entropy_fn())
         if train:
-            options.update(backward=self._backward, early_exit=self.reuse_config.early_exit)
+            options.update(backward=self._backward, early_exit=self.reuse_config.early_exit, dormant=self._dormant_now)
         return options
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -261,6 +272,16 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._meter = PhaseMeter(device, model=self.module)
         for attention in ("merged", "concat"):  # every rank reports both, zero where none ran
             self._meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
+        dormant_stats = DormantStats()
+        policies = agree_on_policies(
+            self.dormant_prefix if not forward_only else "keep",
+            self.dormant_prefix_budget_bytes,
+            self.module,
+            plan,
+            lockstep.num_groups,
+            device,
+            self.get_data_parallel_group(),
+        )
         temperature = per_row_temperature(data)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
@@ -278,6 +299,13 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         for slot in range(lockstep.num_groups):
             group = plan.groups[slot] if slot < len(plan.groups) else None
             num_micro = lockstep.micro_batches[slot]
+            policy, why = policies[slot]
+            self._dormant_now = Dormant(
+                policy,
+                why,
+                stats=dormant_stats if group is not None else None,
+                store_factory=self.offload_store_factory,
+            )
             if group is None:
                 with self._meter.phase("lockstep"):
                     self._dummy_group(num_micro, forward_only, device)
@@ -314,6 +342,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
         phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
         output["metrics"].update(self._meter.metrics(logical, physical, phases=phases))
+        output["metrics"].update(dormant_stats.metrics())
+        self._dormant_now = Dormant()
         return output
 
     def _device(self) -> torch.device:

@@ -25,6 +25,7 @@ from torch import nn
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 from verl_prefix.schedule import moe
+from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
 from verl_prefix.schedule.prefix_kv import CaptureContext, PrefixCaptured, PrefixKV, ServeContext, prefix_attention_mode
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
@@ -246,6 +247,7 @@ def train_group(
     entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
     phase_b_attention: str = "auto",
     prefix_grad_dtype: torch.dtype | None = torch.float32,
+    dormant: Dormant | None = None,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
@@ -254,20 +256,27 @@ def train_group(
     ``stats`` count the prefix once per row of the micro-batch (``moe.logical_stats``).
     ``phase_b_attention``: see ``ServeContext``. ``prefix_grad_dtype``: the least dtype dK/dV accumulate
     in across micro-batches (``None``: K/V's own dtype, e.g. bf16 under autocast).
+    ``dormant`` says where phase A's graph waits until phase C (``verl_prefix.schedule.dormant``; keep).
     """
     if (routers is None) != (aux_fn is None):
         raise ValueError("routers and aux_fn go together")
     meter = meter or NullMeter()
+    dormant = dormant or Dormant()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     losses = []
+
+    def run_prefix() -> PrefixKV:
+        return prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
+
+    last = len(group.micro_batches) + group.filler_micro_batches - 1
     with prefix_attention_mode(model):
-        with meter.phase("A"), autocast():
-            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
+        with meter.phase("A") as saved_a, autocast(), dormant.phase_a(device):
+            prefix = run_prefix()
         meter.note_prefix_kv(prefix.tensors())
         leaves = prefix.as_leaves(requires_grad=True, min_dtype=prefix_grad_dtype)
-        for rows in group.micro_batches:
+        for index, rows in enumerate(group.micro_batches):
             batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
-            with meter.phase("B"):
+            with meter.phase("B") as saved_b:
                 with autocast():
                     capture = routers.capture() if routers is not None else nullcontext([])
                     with capture as router_logits:
@@ -286,19 +295,33 @@ def train_group(
                         suffix_stats = routers.stats(router_logits, batch.tokens)
                         stats = moe.logical_stats(leaves.router_stats, suffix_stats, copies=len(rows))
                         loss = loss + aux_fn(rows, stats)
+                if index == last:
+                    dormant.before_last_backward()
                 backward(loss)
+            _note_held(dormant, saved_a, saved_b)
             losses.append(loss.detach())
-        for _ in range(group.filler_micro_batches):
+        for index in range(len(group.micro_batches), last + 1):
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
-            with meter.phase("B"):
+            with meter.phase("B") as saved_b:
                 with autocast():
                     log_probs, _ = suffix_forward(
                         model, leaves, batch, temperature[group.rows[:1]], False, attention=phase_b_attention
                     )
+                if index == last:
+                    dormant.before_last_backward()
                 backward(log_probs[0].sum() * 0.0)
         with meter.phase("C"):
+            with autocast():
+                prefix = dormant.phase_c_prefix(prefix, run_prefix)
             prefix_backward(prefix, leaves, model)
     return losses
+
+
+def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
+    """Bytes held for backward during a suffix micro-batch: phase A's graph (as the policy left it)
+    plus the micro-batch's own, from the meter's per-phase counts (none without a meter)."""
+    if saved_a is not None and saved_b is not None:
+        dormant.note_held_in_b(saved_a.total, saved_b.total)
 
 
 @torch.no_grad()

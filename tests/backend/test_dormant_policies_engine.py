@@ -1,0 +1,177 @@
+"""Dormant-prefix policies through the engine against verl's stock fsdp2 engine: every policy in fp64
+and fp32, with gradient checkpointing, with the MoE aux loss, and on two ranks with different group
+structures (recompute adds prefix forwards, so ranks must agree on it per group slot)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.precision import promote_fp32_upcasts
+from helpers.ranks import run_two_ranks
+
+from verl_prefix import PrefixReuseConfig
+from verl_prefix.schedule import dormant as D
+from verl_prefix.tools import testing as T
+
+VOCAB = 128
+TOL = {"float64": 1e-10, "float32": 1e-5}
+BUDGET_TINY = 1  # nothing fits: auto recomputes (CPU)
+BUDGET_HUGE = 1 << 40  # everything fits: auto keeps
+
+
+def grpo_batch(seed: int = 3):
+    return T.make_grpo_batch(
+        num_groups=3,
+        group_size=4,
+        prompt_lens=[9, 5, 12],
+        response_len_range=(1, 7),
+        vocab_size=VOCAB,
+        seed=seed,
+        calculate_entropy=True,
+    )
+
+
+def set_policy(engine, policy: str, budget: int | None = None) -> None:
+    """What the engine config's ``dormant_prefix`` knobs set; ``offload`` gets the CPU stand-in store
+    (the engine refuses offload on a CPU device otherwise)."""
+    engine.dormant_prefix = D.validate_policy(policy, budget)
+    engine.dormant_prefix_budget_bytes = budget
+    engine.offload_store_factory = D.HostOffload
+
+
+def worst_relative(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want)
+
+
+def check_reuse_ran(metrics: dict, policy: str, groups: float) -> None:
+    assert metrics["prefix/groups"] == groups > 0
+    assert metrics["prefix/physical_tokens"] < metrics["prefix/logical_tokens"]
+    assert metrics[f"prefix/policy/{policy}"] == groups
+    assert not [k for k in metrics if k.startswith("prefix/policy/") and k != f"prefix/policy/{policy}"]
+
+
+CASES = [  # (policy, budget, the policy that runs)
+    ("keep", None, "keep"),
+    ("recompute", None, "recompute"),
+    ("offload", None, "offload"),
+    ("auto", BUDGET_TINY, "recompute"),
+    ("auto", BUDGET_HUGE, "keep"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("policy, budget, runs", CASES, ids=[f"{p}-{r}" for p, _, r in CASES])
+def test_every_policy_matches_stock_fsdp2(tiny_model, policy, budget, runs, dtype):
+    model_dir = tiny_model("qwen3")
+    batch = grpo_batch()
+    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    set_policy(prefix, policy, budget)
+    with promote_fp32_upcasts():
+        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    assert worst_relative(got["grads"], want["grads"]) < TOL[dtype]
+    m = got["reduced_metrics"]
+    check_reuse_ran(m, runs, 3.0)
+    reason = "configured" if policy != "auto" else ("fits_budget" if runs == "keep" else "over_budget_cpu")
+    assert m[f"prefix/policy_reason/{reason}"] == 3.0
+    held = m[f"prefix/max_saved_for_backward_held_in_B_mib/{runs}"]
+    assert held > 0
+    if runs == "recompute":
+        assert m["prefix/max_recompute_kv_diff"] == 0.0
+        assert m["prefix/max_saved_for_backward_mib/A"] == 0.0  # phase A kept no graph
+    if runs == "offload":
+        assert m["prefix/offloaded_mib"] > 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+def test_policies_with_checkpointing_and_moe_aux(tiny_model, policy):
+    """Gradient checkpointing and the MoE router aux loss (its probability-sum leaf) together, fp64,
+    against ``keep`` on the same batch and partition (``tests/schedule/test_moe.py`` holds keep to the
+    dense aux path; the aux is a per-micro-batch mean, so only equal partitions compare)."""
+    model_dir = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+    batch = grpo_batch()
+    results = {}
+    for name in ("keep", policy):
+        engine, loss_fn, _ = T.build_verl_engine(
+            model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True
+        )
+        engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+        engine.moe_aux_loss_coef = 0.5
+        set_policy(engine, name)
+        with promote_fp32_upcasts():
+            results[name] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    for name, result in results.items():
+        check_reuse_ran(result["reduced_metrics"], name, 3.0)
+        assert result["reduced_metrics"]["moe_aux_loss"] > 0
+    assert worst_relative(results[policy]["grads"], results["keep"]["grads"]) < 1e-10
+    gates = [n for n in results[policy]["grads"] if n.endswith("mlp.gate.weight")]
+    assert gates and all(results[policy]["grads"][n].norm() > 0 for n in gates)
+
+
+def test_offload_is_refused_on_a_cpu_run(tiny_model):
+    with pytest.raises(ValueError, match="this run's device is the CPU"):
+        T.build_verl_engine(
+            tiny_model("qwen3"),
+            backend="prefix_fsdp2",
+            overrides=[
+                "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig",
+                "+actor_rollout_ref.actor.fsdp_config.dormant_prefix=offload",
+            ],
+        )
+
+
+def _rank_batch(rank: int):
+    from verl.utils import tensordict_utils as tu
+
+    if rank == 0:  # two groups of four, one with a long prefix
+        return T.make_grpo_batch(
+            num_groups=2, group_size=4, prompt_lens=[40, 5], response_len_range=(1, 6), vocab_size=VOCAB, seed=11
+        )
+    # one group of four plus four singletons with a short prompt: one reuse group and two dense chunks
+    group = T.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=12, response_len_range=(1, 6), vocab_size=VOCAB, seed=12
+    )
+    singles = T.make_grpo_batch(
+        num_groups=4, group_size=1, prompt_lens=3, response_len_range=(2, 4), vocab_size=VOCAB, seed=13
+    )
+    return tu.concat_tensordict([group, singles])
+
+
+def _rank_body(rank: int, model_dir: str, policy: str, budget: int | None) -> dict:
+    kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True)
+    batch = _rank_batch(rank)
+    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
+    set_policy(prefix, policy, budget)
+    with promote_fp32_upcasts():
+        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    return {"worst": worst, "metrics": got["reduced_metrics"]}
+
+
+def test_two_ranks_recompute_and_auto(tiny_model):
+    """recompute on both ranks (rank 1 fills rank 0's second group slot with a recomputing filler), then
+    auto with a budget only rank 0's long-prefix group exceeds: rank 1 recomputes that slot's filler too."""
+    model_dir = str(tiny_model("qwen3"))
+    results = run_two_ranks(_rank_body, model_dir, "recompute", None)
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-10, rank
+    assert results[0]["metrics"]["prefix/policy/recompute"] == 2.0
+    assert results[1]["metrics"]["prefix/policy/recompute"] == 1.0
+    # the estimate of a 39-token prefix exceeds it, the 11- and 4-token prefixes fit (checkpointing: H per layer)
+    budget = 20 * 2 * 64 * 8  # 20 prefix tokens: 2 layers x hidden 64 x fp64 each
+    results = run_two_ranks(_rank_body, model_dir, "auto", budget)
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-10, rank
+    m0, m1 = results[0]["metrics"], results[1]["metrics"]
+    assert m0["prefix/policy/recompute"] == 1.0 and m0["prefix/policy/keep"] == 1.0
+    assert m0["prefix/policy_reason/over_budget_cpu"] == 1.0
+    # rank 1's only group (slot 0) is recomputed because rank 0's slot-0 group is over budget
+    assert m1["prefix/policy/recompute"] == 1.0 and m1["prefix/policy_reason/peer_recompute"] == 1.0
+
+
+pytestmark = pytest.mark.timeout(900)
