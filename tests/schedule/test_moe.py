@@ -252,7 +252,11 @@ def test_low_precision_drift_is_explained_by_counted_flips(case):
         model = tiny_moe(torch.bfloat16)
     else:  # 32 experts, top-4: dense and reuse round one near tie differently
         model = tiny_moe(torch.bfloat16, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=16)
-    grads, aux, flips, _, _ = compare(model, layout, 4, torch.bfloat16)
+    # The flip budget was measured on the concat phase-B path, which rounds attention like dense sdpa. The
+    # merged path rounds each part's output to bf16 before the log-sum-exp merge: against dense bf16 it flips
+    # more near ties here (3 and 12 of 540, measured 2026-12-01); its bf16 error is judged against an fp32
+    # run of the stock engine instead (tests/backend/test_phase_b_attention.py, DESIGN trap 18).
+    grads, aux, flips, _, _ = compare(model, layout, 4, torch.bfloat16, phase_b_attention="concat")
     decisions = (sum(layout.prompt_lens) + sum(layout.response_lens)) * model.config.num_hidden_layers
     print(f"bf16 {case}: worst grad rel {grads:.2e}, aux rel {aux:.2e}, {flips} top-k flips of {decisions}")
     assert aux < 1e-2
