@@ -221,6 +221,13 @@ PRESETS: dict[str, Preset] = {
         description="29M-param model, fp32: stock fsdp2 vs prefix_fsdp2 with phase_b_attention merged and concat, "
         "prefix 2048/8192, suffix 128, G=8, suffix micro-batches of 2 and 8 rows; slow",
     ),
+    "phase_b_smoke": Preset(
+        cells=(Cell("P512/S32/G8/mb4", SMOKE_MODEL, 1, 8, 512, (32, 32), variants=VARIANTS),),
+        reps=3,
+        threads=1,
+        description="1M-param model, fp32: the phase_b variants on one small group; about a minute "
+        "(also bench/gpu_check.sh's CPU dry run)",
+    ),
     "gpu": Preset(
         cells=tuple(
             # 2 rows per micro-batch: the dense engine's fp32 log-softmax over 2 x 12K tokens x 152K vocab
@@ -1014,9 +1021,10 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 def variants_table(result: dict) -> str:
     """Variant cells as a markdown table, one row per cell and variant. Speedups are medians of per-rep
-    ratios (stock / variant); "time / concat" is the median of per-rep merged / concat times (below 1:
-    merged faster). Attention K/V inputs: what the shapes say a micro-batch hands its kernels
-    (``attention_kv_bytes``); "attention saved": measured (``count_attention_saved``)."""
+    ratios (stock / variant), and the stock row shows the FLOP model's prediction for reuse; "time / concat"
+    is the median of per-rep merged / concat times (below 1: merged faster). Attention K/V inputs: what
+    the shapes say a micro-batch hands its kernels (``attention_kv_bytes``); "attention saved": measured
+    (``count_attention_saved``)."""
     rows = [VARIANTS_HEADER]
     for c in result["cells"]:
         if "variants" not in c:
@@ -1027,9 +1035,12 @@ def variants_table(result: dict) -> str:
             attention = max(v["attention_saved_mib"]) if v.get("attention_saved_mib") else None
             rss = v.get("fresh_process", {}).get("peak_rss_mib")
             ratio = c.get("merged_over_concat_time_median") if name == "merged" else None
+            speedup = _fmt(v.get("speedup_vs_stock_median"), ".2f", "x")
+            if name == "fsdp2" and "predicted_speedup" in c:
+                speedup = f"FLOP model {c['predicted_speedup']:.2f}x"
             rows.append(
                 f"| {c['cell']} | {name} | {c['reps']} | {v['update_median_s']:.3f} | "
-                f"{_fmt(v.get('speedup_vs_stock_median'), '.2f', 'x')} | {_fmt(ratio, '.3f')} | "
+                f"{speedup} | {_fmt(ratio, '.3f')} | "
                 f"{_fmt(v['saved_for_backward_per_micro_batch_mib'], '.1f')} | "
                 f"{_fmt(v['saved_for_backward_held_mib'], '.1f')} | {_fmt(attention, '.1f')} | "
                 f"{_fmt(v.get('attention_kv_mib', {}).get('held'), '.1f')} | {_fmt(rss, '.0f')} | "
