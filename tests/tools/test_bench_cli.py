@@ -196,6 +196,7 @@ def test_phase_b_variants_run_interleaved_and_report(phase_b_run):
         assert v["saved_for_backward_per_micro_batch_mib"] > 0 and v["saved_for_backward_held_mib"] > 0, name
         fresh = v["fresh_process"]  # a fresh process per variant: its peak covers its own update at least
         assert fresh["peak_rss_mib"] >= fresh["rss_before_update_mib"] > 0, name
+        assert fresh["peak_reset_before_update"] is True, name  # the peak is the update's own (Linux)
     for name in ("merged", "concat"):
         v = cell["variants"][name]
         assert v["prefix_metrics"]["prefix/groups"] == 1  # reuse ran, no fallback
@@ -250,3 +251,24 @@ def test_unknown_variant_is_a_clear_error(tmp_path):
     cell = dataclasses.replace(TINY_PHASE_B.cells[0], variants=("merged", "flash"))
     with pytest.raises(B.BenchError, match="unknown variant 'flash'"):
         B.run_bench(dataclasses.replace(TINY_PHASE_B, cells=(cell,), fresh_rss=False))
+
+
+def test_peak_rss_is_this_process_images_own():
+    """``ru_maxrss`` of a fork + exec child reports its parent's RSS at the fork; VmHWM after a reset does not."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    ballast = b"\x01" * (600 * 2**20)  # touched: the parent holds 600 MiB more than a child needs
+    parent_rss = psutil.Process().memory_info().rss / 2**20
+    code = (
+        "from verl_prefix.tools.bench import _peak_rss_mib, _reset_peak_rss; "
+        "before = _peak_rss_mib(); assert _reset_peak_rss(); block = bytearray(100 * 2**20); "
+        "print(before, _peak_rss_mib())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    before, after = float(out[0]), float(out[1])
+    assert before < parent_rss - 300  # the child's own peak, not the parent's RSS at the fork
+    assert after >= 100  # the 100 MiB block counts after the reset
+    del ballast

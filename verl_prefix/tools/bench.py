@@ -782,8 +782,9 @@ def measure_variants(
 
 def rss_probe(cell: Cell, variant: str, model_dir: Path, *, timeout_s: float = 3600.0) -> dict[str, float]:
     """One variant's first update in a fresh process: its RSS after building the engine and its peak RSS
-    (``ru_maxrss``: the process's lifetime peak, imports and build included). A process's RSS never
-    shrinks back below an earlier peak in that figure, so only a fresh process per variant compares."""
+    during that update (``VmHWM``, reset just before the update where Linux allows; otherwise the peak
+    since the process started, build included). A peak in a shared process would carry the other
+    variants' earlier peaks, so each variant gets its own process."""
     import subprocess
 
     package_root = str(Path(__file__).resolve().parents[2])
@@ -813,8 +814,6 @@ def rss_probe(cell: Cell, variant: str, model_dir: Path, *, timeout_s: float = 3
 
 def _rss_probe_main(request: str) -> None:
     """Child side of ``rss_probe``: build one variant, run one update, print the RSS figures as JSON."""
-    import resource
-
     import psutil
 
     from verl_prefix.tools.cli import _select_platform
@@ -836,9 +835,30 @@ def _rss_probe_main(request: str) -> None:
     batch = _cell_batch(cell)
     gc.collect()
     before = psutil.Process().memory_info().rss / 1024.0**2
+    reset = _reset_peak_rss()
     seconds, _ = _time_update(engine, loss_fn, batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-    print(json.dumps({"rss_before_update_mib": before, "peak_rss_mib": peak, "update_s": seconds}), flush=True)
+    peak = _peak_rss_mib()
+    result = {"rss_before_update_mib": before, "peak_rss_mib": peak, "peak_reset_before_update": reset}
+    print(json.dumps({**result, "update_s": seconds}), flush=True)
+
+
+def _reset_peak_rss() -> bool:
+    """Start the process's RSS high-water mark (``VmHWM``) afresh at the current RSS (Linux ``clear_refs``
+    5), so that the peak read later is the update's own. False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib() -> float:
+    """The RSS high-water mark of this process image: ``VmHWM`` (not ``ru_maxrss``, which a child started
+    by fork + exec inherits from its parent's RSS at the fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return float(line.split()[1]) / 1024.0  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux")
 
 
 def resolve_preset(
