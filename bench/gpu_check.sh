@@ -13,23 +13,28 @@
 #                    <!-- bench:gpu:start/end --> markers; appended at the end while the doc has none)
 #   nvidia_smi.csv   GPU memory, utilisation and clocks every 5 s during both runs
 #
+# The gpu preset's cells run three engines side by side (issue 14): the stock fsdp2 engine and
+# prefix_fsdp2 with prefix_reuse.phase_b_attention=merged and =concat, interleaved rep by rep (rotating
+# order), each timed for one update and one forward-only pass; the table has one row per cell and engine.
+#
 # Time (one run may last 600 s; the session has 15 min of device time, machine start included).
 # FLOPs from verl_prefix.tools.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,
-# bf16, gradient checkpointing so an update is ~4 forwards): one rep of cell P10240/S2048 is ~6.0 PFLOP
-# (dense update 3.8, prefix 1.0, forward-only 0.95 + 0.24), of cell P2048/S10240 ~9.0 PFLOP; at ~400
-# TFLOP/s effective that is ~15 s + ~22 s = ~37 s per rep of both cells. Warm-up + 5 reps would be
-# ~225 s of compute, plus ~10 s of pip install (5 s here), ~45 s of smoke and version checks, ~20 s of
-# imports, ~25 s writing the 7.6 GB random model (48 s on this 2-core VM) and 4 engine builds of 15-30 s:
-# ~420 s when all goes to plan, too close to 600 s if the GPU runs at 250-300 TFLOP/s. Default REPS=3
-# (~150 s of compute, ~330 s in all); REPS=5 for the preset's own count once a first run has shown the
-# real time per rep. The bench is also stopped (SIGINT, so Python prints where it was) when BUDGET
-# seconds of this script have passed, so that the logs still come back inside the call.
+# bf16, gradient checkpointing so an update is ~4 forwards): one rep of cell P10240/S2048 is ~7.2 PFLOP
+# (dense update 3.8, merged and concat prefix updates 1.0 each, forward-only 0.95 + 2 x 0.24), of cell
+# P2048/S10240 ~13 PFLOP (prefix updates 3.4 each); at ~400 TFLOP/s that is ~18 s + ~33 s = ~51 s per rep.
+# Warm-up + 3 reps is ~205 s of compute, plus ~10 s of pip install, ~45 s of smoke and version checks,
+# ~20 s of imports, ~25 s writing the 7.6 GB random model and 6 engine builds of 15-30 s: ~435 s when all
+# goes to plan; three engines hold ~41 GB of fp32 weights and gradients. Default REPS=3; run the headline
+# cell alone (CELLS="P10240/S2048/G16") if the GPU runs slower than that. The bench is also stopped
+# (SIGINT, so Python prints where it was) when BUDGET seconds of this script have passed, so that the
+# logs still come back inside the call.
 #
 # Overrides (env): REPS=3, BUDGET=560 (seconds for the whole script), PRESET=gpu, CELLS (space-separated
 # cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity
 # step), CUDA_TESTS=1 (0 skips tests/backend/test_cuda.py, about a minute), KIT=.whl, SITE=/tmp/site, PY=python3.
-# Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway):
-#   OUT=/tmp/out PY=/path/to/venv/python KIT=/tmp/kit311 PRESET=smoke CUDA_TESTS=0 VERL_PLATFORM=cpu \
+# Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway;
+# PRESET=phase_b_smoke runs the same three engines side by side on a 1M-param model in about a minute):
+#   OUT=/tmp/out PY=/path/to/venv/python KIT=/tmp/kit311 PRESET=phase_b_smoke CUDA_TESTS=0 VERL_PLATFORM=cpu \
 #     bash bench/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

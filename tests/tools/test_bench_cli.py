@@ -175,3 +175,124 @@ def test_cells_can_be_chosen_and_each_is_saved_as_it_finishes(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(B.BenchError, match="tiny, tiny-b, tiny-c"):
         B.resolve_preset(preset, cells=["nope"])
+
+
+TINY_PHASE_B = B.Preset(
+    cells=(
+        B.Cell(
+            "tiny-b",
+            B.ModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=64),
+            num_groups=1,
+            group_size=4,
+            prompt_len=40,
+            response_len_range=(6, 6),
+            micro_batch_size=2,
+            min_prefix_len=8,
+            variants=B.VARIANTS,
+            dense_micro_batch_size=4,
+        ),
+    ),
+    reps=1,
+    threads=1,
+    fresh_rss=True,
+)
+
+
+@pytest.fixture(scope="module")
+def phase_b_run(tmp_path_factory):
+    """``verl-prefix bench --preset phase_b`` in-process with the preset swapped for a minuscule one."""
+    tmp = tmp_path_factory.mktemp("phase_b")
+    out, table = tmp / "phase_b.json", tmp / "bench.md"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(B.PRESETS, "phase_b", TINY_PHASE_B)
+        code = cli.main(["bench", "--preset", "phase_b", "--no-progress", "--out", str(out), "--table", str(table)])
+    return code, json.loads(out.read_text()), table.read_text()
+
+
+def test_phase_b_variants_run_interleaved_and_report(phase_b_run):
+    code, result, _ = phase_b_run
+    assert code == 0 and result["complete"]
+    (cell,) = result["cells"]
+    assert list(cell["variants"]) == ["fsdp2", "merged", "concat"] and cell["reps"] == 1
+    assert cell["stock_micro_batch_size"] == 4 and cell["micro_batch_size"] == 2
+    for name, v in cell["variants"].items():
+        assert len(v["update_s"]) == 1 and math.isfinite(v["update_median_s"]) and v["update_median_s"] > 0, name
+        assert v["saved_for_backward_per_micro_batch_mib"] > 0 and v["saved_for_backward_held_mib"] > 0, name
+        fresh = v["fresh_process"]  # a fresh process per variant: its peak covers its own update at least
+        assert fresh["peak_rss_mib"] >= fresh["rss_before_update_mib"] > 0, name
+        assert fresh["peak_reset_before_update"] is True, name  # the peak is the update's own (Linux)
+    for name in ("merged", "concat"):
+        v = cell["variants"][name]
+        assert v["prefix_metrics"]["prefix/groups"] == 1  # reuse ran, no fallback
+        assert v["prefix_metrics"]["prefix/physical_tokens"] < v["prefix_metrics"]["prefix/logical_tokens"]
+        assert v["speedup_vs_stock_median"] > 0
+        assert 0 <= v["max_rel_grad_diff"] < 1e-5  # against the stock engine, same update
+        # 4 rows in micro-batches of 2: both ran the attention asked for, every micro-batch
+        other = "concat" if name == "merged" else "merged"
+        assert v["phase_b_micro_batches"] == {name: 2.0, other: 0.0}
+        assert len(v["attention_saved_mib"]) == 2 and min(v["attention_saved_mib"]) > 0
+    assert math.isfinite(cell["merged_over_concat_time_median"]) and cell["merged_over_concat_time_median"] > 0
+    merged, concat = cell["variants"]["merged"], cell["variants"]["concat"]
+    # merged saves one prefix copy where concat saves one per row and query head: measured, not just computed
+    assert max(merged["attention_saved_mib"]) < max(concat["attention_saved_mib"])
+    assert merged["saved_for_backward_per_micro_batch_mib"] < concat["saved_for_backward_per_micro_batch_mib"]
+
+
+def test_phase_b_table(phase_b_run):
+    _, _, text = phase_b_run
+    assert "<!-- bench:phase_b:start -->" in text
+    for name in ("fsdp2", "merged", "concat"):
+        assert f"| tiny-b | {name} | 1 |" in text
+
+
+def test_attention_kv_bytes_from_shapes():
+    """The issue's yardstick: merged hands its kernels one prefix copy plus the suffix rows (heads repeated),
+    concat a prefix copy per row and query head."""
+    model = B.MODEL_29M  # 6 layers, 8 heads, 4 KV heads, head_dim 64
+    merged = B.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8)
+    concat = B.attention_kv_bytes(model, "concat", prefix_len=2047, suffix_len=129, rows=8)
+    unit = 2 * 6 * 64 * 4
+    assert merged["one_prefix_copy"] == concat["one_prefix_copy"] == unit * 4 * 2047
+    assert merged["suffix_rows"] == unit * 8 * 4 * 129
+    assert merged["held"] == merged["one_prefix_copy"] + 2 * merged["suffix_rows"]
+    assert concat["held"] == unit * 8 * 8 * (2047 + 129)
+    with pytest.raises(ValueError):
+        B.attention_kv_bytes(model, "fsdp2", prefix_len=1, suffix_len=1, rows=1)
+
+
+def test_phase_b_preset_cells():
+    preset = B.PRESETS["phase_b"]
+    names = [c.name for c in preset.cells]
+    assert names == ["P2048/S128/G8/mb2", "P2048/S128/G8/mb8", "P8192/S128/G8/mb2", "P8192/S128/G8/mb8"]
+    assert all(c.model == B.MODEL_29M and c.dtype == "float32" and c.group_size == 8 for c in preset.cells)
+    assert all({"merged", "concat"} <= set(c.variants) for c in preset.cells + B.PRESETS["gpu"].cells)
+    assert all("fsdp2" in c.variants for c in B.PRESETS["gpu"].cells)
+
+
+def test_unknown_variant_is_a_clear_error(tmp_path):
+    import dataclasses
+
+    cell = dataclasses.replace(TINY_PHASE_B.cells[0], variants=("merged", "flash"))
+    with pytest.raises(B.BenchError, match="unknown variant 'flash'"):
+        B.run_bench(dataclasses.replace(TINY_PHASE_B, cells=(cell,), fresh_rss=False))
+
+
+def test_peak_rss_is_this_process_images_own():
+    """``ru_maxrss`` of a fork + exec child reports its parent's RSS at the fork; VmHWM after a reset does not."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    ballast = b"\x01" * (600 * 2**20)  # touched: the parent holds 600 MiB more than a child needs
+    parent_rss = psutil.Process().memory_info().rss / 2**20
+    code = (
+        "from verl_prefix.tools.bench import _peak_rss_mib, _reset_peak_rss; "
+        "before = _peak_rss_mib(); assert _reset_peak_rss(); block = bytearray(100 * 2**20); "
+        "print(before, _peak_rss_mib())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    before, after = float(out[0]), float(out[1])
+    assert before < parent_rss - 300  # the child's own peak, not the parent's RSS at the fork
+    assert after >= 100  # the 100 MiB block counts after the reset
+    del ballast

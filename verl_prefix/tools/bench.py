@@ -82,6 +82,13 @@ class Cell:
     dtype: str = "float32"
     min_prefix_len: int = 32
     overrides: tuple[str, ...] = ()
+    # Non-empty: a phase-B attention cell (``measure_variants``) timing these engines side by side, any of
+    # ``VARIANTS``: "fsdp2" (the stock engine), "merged"/"concat" (``prefix_fsdp2`` with that
+    # ``prefix_reuse.phase_b_attention``). Empty: the classic dense vs prefix cell (``measure_cell``).
+    variants: tuple[str, ...] = ()
+    dense_micro_batch_size: int | None = None  # the stock engine's rows per micro-batch, if not micro_batch_size
+    max_reps: int | None = None  # at most this many timed reps for this cell (the slow ones)
+    time_forward_only: bool = False  # variant cells: also time the forward-only log-prob pass
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ class Preset:
     # 0.7 s to 80 s from rep to rep (OpenMP barriers wait on preempted vCPUs); 1 thread was steady.
     threads: int | None = None
     description: str = ""
+    # variant cells: each variant's first update also runs once in a fresh process, for its peak RSS
+    fresh_rss: bool = False
 
 
 SMOKE_MODEL = ModelSpec(
@@ -146,6 +155,37 @@ MODEL_GPU = ModelSpec(
 _GPU = (*_BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
 
 
+VARIANTS = ("fsdp2", "merged", "concat")
+
+
+def _phase_b_cells() -> tuple[Cell, ...]:
+    """Issue 14: merged vs concat phase-B attention beside the stock engine, one G=8 group, suffix 128.
+
+    The stock engine runs 2 rows per micro-batch in every cell (its work does not depend on the prefix
+    engine's suffix micro-batch; 8 rows of 2176 tokens would hold about 7 GB of CPU attention weights on a
+    shared 23 GB VM) and only at prefix 2048: at 8192 its CPU attention (an explicit mask, the math kernel)
+    would save about 13 GB of attention weights even at one row per micro-batch. The 8192 cells run at
+    most 2 timed reps (2 cores shared with other work)."""
+    cells = []
+    for prefix in (2048, 8192):
+        for rows in (2, 8):
+            cells.append(
+                Cell(
+                    f"P{prefix}/S128/G8/mb{rows}",
+                    MODEL_29M,
+                    1,
+                    8,
+                    prefix,
+                    (128, 128),
+                    micro_batch_size=rows,
+                    variants=VARIANTS if prefix <= 2048 else VARIANTS[1:],
+                    dense_micro_batch_size=2,
+                    max_reps=None if prefix <= 2048 else 2,  # about 4x the work per update
+                )
+            )
+    return tuple(cells)
+
+
 def _cpu_cells() -> tuple[Cell, ...]:
     pairs = [(2048, 128), (1024, 256), (512, 512), (256, 1024)]
     cells = [Cell(f"P{p}/S{s}/G8", MODEL_29M, 1, 8, p, (s, s)) for p, s in pairs]
@@ -173,6 +213,21 @@ PRESETS: dict[str, Preset] = {
         threads=1,
         description="29M-param Qwen3-style model, fp32, one group per cell; slow (about half an hour on 2 cores)",
     ),
+    "phase_b": Preset(
+        cells=_phase_b_cells(),
+        reps=3,
+        threads=1,
+        fresh_rss=True,
+        description="29M-param model, fp32: stock fsdp2 vs prefix_fsdp2 with phase_b_attention merged and concat, "
+        "prefix 2048/8192, suffix 128, G=8, suffix micro-batches of 2 and 8 rows; slow",
+    ),
+    "phase_b_smoke": Preset(
+        cells=(Cell("P512/S32/G8/mb4", SMOKE_MODEL, 1, 8, 512, (32, 32), variants=VARIANTS),),
+        reps=3,
+        threads=1,
+        description="1M-param model, fp32: the phase_b variants on one small group; about a minute "
+        "(also bench/gpu_check.sh's CPU dry run)",
+    ),
     "gpu": Preset(
         cells=tuple(
             # 2 rows per micro-batch: the dense engine's fp32 log-softmax over 2 x 12K tokens x 152K vocab
@@ -187,12 +242,15 @@ PRESETS: dict[str, Preset] = {
                 micro_batch_size=2,
                 dtype="bfloat16",
                 overrides=_GPU,
+                variants=VARIANTS,  # phase B's merged and concat attention side by side (issue 14)
+                time_forward_only=True,
             )
             for p, s in ((10240, 2048), (2048, 10240))
         ),
         reps=5,
         needs_cuda=True,
-        description="1.7B-param Qwen3-style model, bf16 mixed precision, gradient checkpointing, G=16, 12K tokens",
+        description="1.7B-param Qwen3-style model, bf16 mixed precision, gradient checkpointing, G=16, 12K tokens; "
+        "stock fsdp2 vs prefix_fsdp2 with merged and with concat phase-B attention",
     ),
 }
 
@@ -476,6 +534,333 @@ def measure_cell(
     }
 
 
+def cell_reps(cell: Cell, reps: int) -> int:
+    """The timed reps this cell runs: the run's, capped by the cell's ``max_reps``."""
+    return min(reps, cell.max_reps) if cell.max_reps else reps
+
+
+def _cell_batch(cell: Cell) -> Any:
+    return T.make_grpo_batch(
+        num_groups=cell.num_groups,
+        group_size=cell.group_size,
+        prompt_lens=cell.prompt_len,
+        response_len_range=cell.response_len_range,
+        vocab_size=cell.model.vocab_size,
+        seed=0,
+    )
+
+
+def _build_variant(cell: Cell, variant: str, model_dir: Path) -> tuple[Any, Callable]:
+    """``(engine, loss_fn)`` for one variant: the stock engine, or ``prefix_fsdp2`` with that phase-B attention."""
+    import verl_prefix
+
+    if variant not in VARIANTS:
+        raise BenchError(f"cell {cell.name!r}: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
+    stock = variant == "fsdp2"
+    rows = cell.dense_micro_batch_size if stock and cell.dense_micro_batch_size else cell.micro_batch_size
+    engine, loss_fn, _ = T.build_verl_engine(
+        model_dir,
+        backend="fsdp2" if stock else "prefix_fsdp2",
+        dtype=dtype,
+        micro_batch_size_per_gpu=rows,
+        overrides=cell.overrides,
+    )
+    if not stock:
+        engine.reuse_config = verl_prefix.PrefixReuseConfig(
+            min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size, phase_b_attention=variant
+        )
+    return engine, loss_fn
+
+
+@contextmanager
+def count_attention_saved() -> Iterator[list[int]]:
+    """Bytes phase B's attention calls save for backward, one total per suffix micro-batch (all layers).
+
+    Wraps ``ServeContext.attend`` (one context per micro-batch) with a saved-tensors hook that counts each
+    storage once (parameters excluded) and hands every tensor on to the hook outside (the engine's own
+    ``prefix/max_saved_for_backward_mib/B`` counter), so both counts stay whole. Recomputes in backward
+    (gradient checkpointing) are not counted. The list is filled as micro-batches run."""
+    import weakref
+
+    from verl_prefix.schedule.prefix_kv import ServeContext
+
+    original = ServeContext.attend
+    totals: list[int] = []
+    index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    seen: dict[int, set[int]] = {}
+
+    def attend(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
+            return original(self, *args, **kwargs)  # a checkpoint's recompute, or forward-only
+        if self not in index:
+            index[self] = len(totals)
+            totals.append(0)
+            seen[index[self]] = set()
+        slot = index[self]
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = top if top is not None else (lambda t: t, lambda t: t)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            if not isinstance(tensor, torch.nn.Parameter) and not isinstance(tensor._base, torch.nn.Parameter):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen[slot]:
+                    seen[slot].add(storage.data_ptr())
+                    totals[slot] += storage.nbytes()
+            return outer_pack(tensor)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
+            return original(self, *args, **kwargs)
+
+    ServeContext.attend = attend
+    try:
+        yield totals
+    finally:
+        ServeContext.attend = original
+
+
+def attention_kv_bytes(
+    model: ModelSpec, variant: str, *, prefix_len: int, suffix_len: int, rows: int
+) -> dict[str, int]:
+    """K/V bytes one phase-B micro-batch hands its attention kernels, all layers, in fp32, from the shapes.
+
+    ``concat``: every row gets ``cat(prefix, suffix)`` with K/V heads repeated to the query heads (what
+    ``sdpa_lower_right`` passes sdpa and sdpa saves). ``merged``: the one ``[1, kv_heads, P, d]`` prefix
+    plus the suffix rows' K/V, which ``merged_attention`` repeats to the query heads. Also returned: one
+    prefix copy and the suffix rows' K/V at KV heads, the issue's yardstick."""
+    head_dim = model.hidden_size // model.num_heads
+    unit = 2 * model.num_layers * head_dim * 4  # K and V, every layer, fp32
+    one_prefix = unit * model.num_kv_heads * prefix_len
+    suffix_rows = unit * rows * model.num_kv_heads * suffix_len
+    if variant == "concat":
+        held = unit * rows * model.num_heads * (prefix_len + suffix_len)
+    elif variant == "merged":
+        held = one_prefix + unit * rows * model.num_heads * suffix_len
+    else:
+        raise ValueError(f"phase-B attention variant must be merged or concat, got {variant!r}")
+    return {"held": held, "one_prefix_copy": one_prefix, "suffix_rows": suffix_rows}
+
+
+def _median_ratio(num: list[float], den: list[float]) -> float:
+    return statistics.median(n / d for n, d in zip(num, den))
+
+
+def measure_variants(
+    cell: Cell,
+    model_dir: Path,
+    *,
+    reps: int,
+    log: Callable[[str], None] = print,
+    tick: Callable[[], None] | None = None,
+    fresh_rss: bool = False,
+) -> dict[str, Any]:
+    """Time ``cell.variants`` on one batch in one interleaved run: each rep runs every variant once, the
+    order rotating rep by rep, so machine noise and the position in a rep hit all of them alike.
+
+    The warm-up rep (times discarded) measures memory and captures gradients; every variant is checked
+    against the stock engine (against concat where the stock engine does not run). ``fresh_rss`` also
+    runs each variant's first update in a fresh process for its peak RSS (``rss_probe``)."""
+    from transformers import AutoConfig
+
+    reps = cell_reps(cell, reps)
+    variants = tuple(cell.variants)
+    batch = _cell_batch(cell)
+    engines = {v: _build_variant(cell, v, model_dir) for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    infer: dict[str, list[float]] = {v: [] for v in variants}
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    info: dict[str, dict[str, Any]] = {v: {} for v in variants}
+    for rep in range(WARMUP + reps):
+        gc.collect()  # outside the timed regions
+        order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
+        line = []
+        for v in order:
+            engine, loss_fn = engines[v]
+            if rep == 0 and v == "fsdp2":
+                with measure_update_memory(engine) as memory:
+                    t, out = _time_update(engine, loss_fn, batch, capture_grads=True)
+                info[v]["memory"] = memory
+            elif rep == 0:
+                with measure_update_memory(engine, count_saved=False) as memory, count_attention_saved() as attn:
+                    t, out = _time_update(engine, loss_fn, batch, capture_grads=True)
+                info[v].update(memory=memory, attention_saved_mib=[b / 1024.0**2 for b in attn])
+                info[v]["prefix_metrics"] = _prefix_metrics(out)
+            else:
+                t, out = _time_update(engine, loss_fn, batch)
+            if rep == 0:
+                grads[v] = out["grads"]
+            del out
+            line.append(f"{v} {t:.3f}s")
+            if rep >= WARMUP:
+                times[v].append(t)
+            if cell.time_forward_only:
+                i = _time_infer(engine, batch)
+                line[-1] += f" (forward-only {i:.3f}s)"
+                if rep >= WARMUP:
+                    infer[v].append(i)
+        tag = "warm-up" if rep < WARMUP else f"rep {rep - WARMUP + 1}/{reps}"
+        log(f"  {cell.name} {tag}: update " + " | ".join(line))
+        if rep == 0:
+            reference = "fsdp2" if "fsdp2" in grads else "concat"
+            for v in variants:
+                if v != reference and reference in grads:
+                    info[v]["max_rel_grad_diff"], info[v]["max_rel_grad_diff_param"] = max_rel_grad_diff(
+                        grads[reference], grads[v]
+                    )
+            grads.clear()
+        if tick is not None:
+            tick()
+
+    params = sum(p.numel() for p in T.params_of(engines[variants[0]][0]).values())
+    del engines
+    gc.collect()
+    response_lens = [int(r.numel()) for r in batch["responses"].unbind()]
+    prompt_lens = [int(p.numel()) for p in batch["prompts"].unbind()]
+    summary: dict[str, Any] = {}
+    for v in variants:
+        entry: dict[str, Any] = {"update_s": times[v], "update_median_s": statistics.median(times[v]), **info[v]}
+        if "fsdp2" in variants and v != "fsdp2":
+            entry["speedup_vs_stock_median"] = _median_ratio(times["fsdp2"], times[v])
+            entry["speedup_vs_stock_of_medians"] = statistics.median(times["fsdp2"]) / entry["update_median_s"]
+        if cell.time_forward_only:
+            entry["infer_s"] = infer[v]
+            entry["infer_median_s"] = statistics.median(infer[v])
+            if "fsdp2" in variants and v != "fsdp2":
+                entry["infer_speedup_vs_stock_median"] = _median_ratio(infer["fsdp2"], infer[v])
+        if v == "fsdp2":
+            entry["saved_for_backward_per_micro_batch_mib"] = info[v]["memory"]["saved_for_backward_held_mib"]
+            entry["saved_for_backward_held_mib"] = info[v]["memory"]["saved_for_backward_held_mib"]
+        else:
+            metrics = info[v]["prefix_metrics"]
+            entry["saved_for_backward_per_micro_batch_mib"] = metrics.get("prefix/max_saved_for_backward_mib/B")
+            entry["saved_for_backward_held_mib"] = metrics.get("prefix/max_saved_for_backward_held_mib")
+            entry["phase_b_micro_batches"] = {
+                a: metrics.get(f"prefix/phase_b_attention/{a}", 0.0) for a in ("merged", "concat")
+            }
+            entry["attention_kv_mib"] = {
+                k: b / 1024.0**2
+                for k, b in attention_kv_bytes(
+                    cell.model,
+                    v,
+                    prefix_len=min(prompt_lens) - 1,  # the shared prefix: the prompt minus its last token
+                    suffix_len=max(response_lens) + 1,
+                    rows=min(cell.micro_batch_size, cell.group_size),
+                ).items()
+            }
+        if fresh_rss:
+            entry["fresh_process"] = rss_probe(cell, v, model_dir)
+        summary[v] = entry
+    result: dict[str, Any] = {
+        "cell": cell.name,
+        "model": {**dataclasses.asdict(cell.model), "params": int(params)},
+        "dtype": cell.dtype,
+        "num_groups": cell.num_groups,
+        "group_size": cell.group_size,
+        "prompt_len": cell.prompt_len,
+        "response_lens": response_lens,
+        "micro_batch_size": cell.micro_batch_size,
+        "stock_micro_batch_size": cell.dense_micro_batch_size or cell.micro_batch_size,
+        "reps": reps,
+        "warmup": WARMUP,
+        "variant_order": "rotated by one each rep",
+        "variants": summary,
+    }
+    if {"merged", "concat"} <= set(variants):
+        result["merged_over_concat_time_median"] = _median_ratio(times["merged"], times["concat"])
+        result["merged_over_concat_time_of_medians"] = (
+            summary["merged"]["update_median_s"] / summary["concat"]["update_median_s"]
+        )
+    if "fsdp2" in variants:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        groups = [
+            (prompt_lens[g * cell.group_size], response_lens[g * cell.group_size : (g + 1) * cell.group_size])
+            for g in range(cell.num_groups)
+        ]
+        result["predicted_speedup"] = predicted_speedup(ModelShape.from_config(hf_config), groups)
+    return result
+
+
+def rss_probe(cell: Cell, variant: str, model_dir: Path, *, timeout_s: float = 3600.0) -> dict[str, float]:
+    """One variant's first update in a fresh process: its RSS after building the engine and its peak RSS
+    during that update (``VmHWM``, reset just before the update where Linux allows; otherwise the peak
+    since the process started, build included). A peak in a shared process would carry the other
+    variants' earlier peaks, so each variant gets its own process."""
+    import subprocess
+
+    package_root = str(Path(__file__).resolve().parents[2])
+    # the parent's process group owns MASTER_PORT: the child picks its own
+    dist_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in dist_keys}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    request = json.dumps(
+        {
+            "cell": dataclasses.asdict(cell),
+            "variant": variant,
+            "model_dir": str(model_dir),
+            "threads": torch.get_num_threads(),
+        }
+    )
+    code = "import sys; from verl_prefix.tools.bench import _rss_probe_main; _rss_probe_main(sys.argv[1])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, request], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"rss probe for {cell.name} {variant} failed (exit {proc.returncode}): {proc.stderr[-2000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def _rss_probe_main(request: str) -> None:
+    """Child side of ``rss_probe``: build one variant, run one update, print the RSS figures as JSON."""
+    import psutil
+
+    from verl_prefix.tools.cli import _select_platform
+
+    _select_platform()
+    spec = json.loads(request)
+    raw = spec["cell"]
+    cell = Cell(
+        **{
+            **raw,
+            "model": ModelSpec(**raw["model"]),
+            "response_len_range": tuple(raw["response_len_range"]),
+            "overrides": tuple(raw["overrides"]),
+            "variants": tuple(raw["variants"]),
+        }
+    )
+    torch.set_num_threads(spec["threads"])
+    engine, loss_fn = _build_variant(cell, spec["variant"], Path(spec["model_dir"]))
+    batch = _cell_batch(cell)
+    gc.collect()
+    before = psutil.Process().memory_info().rss / 1024.0**2
+    reset = _reset_peak_rss()
+    seconds, _ = _time_update(engine, loss_fn, batch)
+    peak = _peak_rss_mib()
+    result = {"rss_before_update_mib": before, "peak_rss_mib": peak, "peak_reset_before_update": reset}
+    print(json.dumps({**result, "update_s": seconds}), flush=True)
+
+
+def _reset_peak_rss() -> bool:
+    """Start the process's RSS high-water mark (``VmHWM``) afresh at the current RSS (Linux ``clear_refs``
+    5), so that the peak read later is the update's own. False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib() -> float:
+    """The RSS high-water mark of this process image: ``VmHWM`` (not ``ru_maxrss``, which a child started
+    by fork + exec inherits from its parent's RSS at the fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return float(line.split()[1]) / 1024.0  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux")
+
+
 def resolve_preset(
     preset: str | Preset,
     reps: int | None = None,
@@ -533,13 +918,15 @@ def run_bench(
     progress: bool = False,
     compile: bool = False,
     cells: Sequence[str] | None = None,
+    fresh_rss: bool | None = None,
 ) -> dict:
     """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON,
     rewritten after every cell so a run cut short keeps what it measured (``complete`` says which).
 
     ``threads`` (default: the preset's) sets ``torch.set_num_threads`` for the run and is restored after.
     ``progress`` shows a tqdm bar over all reps on stderr (runs take minutes to hours). ``compile`` runs
-    both engines with verl's ``use_torch_compile``.
+    both engines with verl's ``use_torch_compile``. ``fresh_rss`` (default: the preset's) measures each
+    variant cell's peak RSS in a fresh process per variant.
     """
     spec, reps = resolve_preset(preset, reps, threads, cells)
     if compile:
@@ -550,7 +937,16 @@ def run_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run_cells(name, spec.cells, reps=reps, out_json=out_json, command=command, log=log, progress=progress)
+        return _run_cells(
+            name,
+            spec.cells,
+            reps=reps,
+            out_json=out_json,
+            command=command,
+            log=log,
+            progress=progress,
+            fresh_rss=spec.fresh_rss if fresh_rss is None else fresh_rss,
+        )
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -564,6 +960,7 @@ def _run_cells(
     command: str | None,
     log: Callable[[str], None],
     progress: bool = False,
+    fresh_rss: bool = False,
 ) -> dict:
     from tqdm.auto import tqdm
 
@@ -576,7 +973,8 @@ def _run_cells(
         "cells": [],
     }
     models: dict[ModelSpec, Path] = {}
-    bar = tqdm(total=len(cells) * (WARMUP + reps), desc="bench", unit="rep", disable=not progress)
+    total = sum(WARMUP + cell_reps(c, reps) for c in cells)
+    bar = tqdm(total=total, desc="bench", unit="rep", disable=not progress)
     if progress:
         log = functools.partial(tqdm.write, file=sys.stdout)  # keep the bar below the log lines
     with bar, tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
@@ -584,7 +982,13 @@ def _run_cells(
             if cell.model not in models:
                 models[cell.model] = cell.model.write(Path(tmp) / f"model{len(models)}")
             bar.set_postfix_str(cell.name)
-            result["cells"].append(measure_cell(cell, models[cell.model], reps=reps, log=log, tick=bar.update))
+            if cell.variants:
+                measured = measure_variants(
+                    cell, models[cell.model], reps=reps, log=log, tick=bar.update, fresh_rss=fresh_rss
+                )
+            else:
+                measured = measure_cell(cell, models[cell.model], reps=reps, log=log, tick=bar.update)
+            result["cells"].append(measured)
             result["complete"] = len(result["cells"]) == len(cells)
             result["wall_s"] = time.perf_counter() - started
             _save(result, out_json)
@@ -609,7 +1013,10 @@ TABLE_HEADER = (
 
 
 def markdown_table(result: dict) -> str:
-    """The result as a markdown table, one row per cell (what the CLI prints and docs embed)."""
+    """The result as a markdown table, one row per cell (what the CLI prints and docs embed); a result of
+    variant cells gets ``variants_table``."""
+    if any("variants" in c for c in result["cells"]):
+        return variants_table(result)
     rows = [TABLE_HEADER]
     for c in result["cells"]:
         rows.append(
@@ -617,4 +1024,47 @@ def markdown_table(result: dict) -> str:
             f"{c['prefix_median_s']:.3f} | {c['ratio_median']:.2f}x | {c['ratio_of_medians']:.2f}x | "
             f"{c['predicted_speedup']:.2f}x | {c['infer_ratio_median']:.2f}x | {c['max_rel_grad_diff']:.1e} |"
         )
+    return "\n".join(rows)
+
+
+VARIANTS_HEADER = (
+    "| cell | variant | reps | update median (s) | speedup vs stock | time / concat | saved for backward, "
+    "B per micro-batch (MiB) | held (MiB) | attention saved per micro-batch (MiB) | attention K/V inputs (MiB) "
+    "| peak RSS, fresh process (MiB) | phase-B micro-batches merged/concat | max rel grad diff |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def variants_table(result: dict) -> str:
+    """Variant cells as a markdown table, one row per cell and variant. Speedups are medians of per-rep
+    ratios (stock / variant), and the stock row shows the FLOP model's prediction for reuse; "time / concat"
+    is the median of per-rep merged / concat times (below 1: merged faster). Attention K/V inputs: what
+    the shapes say a micro-batch hands its kernels (``attention_kv_bytes``); "attention saved": measured
+    (``count_attention_saved``)."""
+    rows = [VARIANTS_HEADER]
+    for c in result["cells"]:
+        if "variants" not in c:
+            continue
+        for name, v in c["variants"].items():
+            counts = v.get("phase_b_micro_batches")
+            ran = "-" if counts is None else f"{counts['merged']:g}/{counts['concat']:g}"
+            attention = max(v["attention_saved_mib"]) if v.get("attention_saved_mib") else None
+            rss = v.get("fresh_process", {}).get("peak_rss_mib")
+            ratio = c.get("merged_over_concat_time_median") if name == "merged" else None
+            speedup = _fmt(v.get("speedup_vs_stock_median"), ".2f", "x")
+            if name == "fsdp2" and "predicted_speedup" in c:
+                speedup = f"FLOP model {c['predicted_speedup']:.2f}x"
+            rows.append(
+                f"| {c['cell']} | {name} | {c['reps']} | {v['update_median_s']:.3f} | "
+                f"{speedup} | {_fmt(ratio, '.3f')} | "
+                f"{_fmt(v['saved_for_backward_per_micro_batch_mib'], '.1f')} | "
+                f"{_fmt(v['saved_for_backward_held_mib'], '.1f')} | {_fmt(attention, '.1f')} | "
+                f"{_fmt(v.get('attention_kv_mib', {}).get('held'), '.1f')} | {_fmt(rss, '.0f')} | "
+                f"{ran} | "
+                f"{_fmt(v.get('max_rel_grad_diff'), '.1e')} |"
+            )
     return "\n".join(rows)
