@@ -162,9 +162,9 @@ def _phase_b_cells() -> tuple[Cell, ...]:
     """Issue 14: merged vs concat phase-B attention beside the stock engine, one G=8 group, suffix 128.
 
     The stock engine runs 2 rows per micro-batch in every cell (its work does not depend on the prefix
-    engine's suffix micro-batch; 8 rows of 2176 tokens would hold about 7 GB of CPU attention weights on a
-    shared 23 GB VM) and only at prefix 2048: at 8192 its CPU attention (an explicit mask, the math kernel)
-    would save about 13 GB of attention weights even at one row per micro-batch. The 8192 cells run at
+    engine's suffix micro-batch; it saves 1.6 GB for backward per 2-row micro-batch at prefix 2048, so 8
+    rows would hold about 6.5 GB on a shared 23 GB VM) and only at prefix 2048: at 8192 it would save about
+    6 GB per 2-row micro-batch and take several times the 2048 update's 50 s per rep. The 8192 cells run at
     most 2 timed reps (2 cores shared with other work)."""
     cells = []
     for prefix in (2048, 8192):
