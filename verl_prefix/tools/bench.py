@@ -158,6 +158,20 @@ _GPU = (*_BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
 VARIANTS = ("fsdp2", "merged", "concat")
 
 
+def _cell_header(cell: Cell, params: int, response_lens: list[int]) -> dict[str, Any]:
+    """What every result row says about its cell: the model, the batch shape and the micro-batching."""
+    return {
+        "cell": cell.name,
+        "model": {**dataclasses.asdict(cell.model), "params": int(params)},
+        "dtype": cell.dtype,
+        "num_groups": cell.num_groups,
+        "group_size": cell.group_size,
+        "prompt_len": cell.prompt_len,
+        "response_lens": response_lens,
+        "micro_batch_size": cell.micro_batch_size,
+    }
+
+
 def _phase_b_cells() -> tuple[Cell, ...]:
     """Issue 14: merged vs concat phase-B attention beside the stock engine, one G=8 group, suffix 128.
 
@@ -514,14 +528,7 @@ def measure_cell(
     del engines, dense, prefix
     gc.collect()
     return {
-        "cell": cell.name,
-        "model": {**dataclasses.asdict(cell.model), "params": int(params)},
-        "dtype": cell.dtype,
-        "num_groups": cell.num_groups,
-        "group_size": cell.group_size,
-        "prompt_len": cell.prompt_len,
-        "response_lens": response_lens,
-        "micro_batch_size": cell.micro_batch_size,
+        **_cell_header(cell, params, response_lens),
         "reps": reps,
         "warmup": WARMUP,
         **train.summary(""),
@@ -751,14 +758,7 @@ def measure_variants(
             entry["fresh_process"] = rss_probe(cell, v, model_dir)
         summary[v] = entry
     result: dict[str, Any] = {
-        "cell": cell.name,
-        "model": {**dataclasses.asdict(cell.model), "params": int(params)},
-        "dtype": cell.dtype,
-        "num_groups": cell.num_groups,
-        "group_size": cell.group_size,
-        "prompt_len": cell.prompt_len,
-        "response_lens": response_lens,
-        "micro_batch_size": cell.micro_batch_size,
+        **_cell_header(cell, params, response_lens),
         "stock_micro_batch_size": cell.dense_micro_batch_size or cell.micro_batch_size,
         "reps": reps,
         "warmup": WARMUP,
