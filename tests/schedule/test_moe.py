@@ -252,10 +252,12 @@ def test_low_precision_drift_is_explained_by_counted_flips(case):
         model = tiny_moe(torch.bfloat16)
     else:  # 32 experts, top-4: dense and reuse round one near tie differently
         model = tiny_moe(torch.bfloat16, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=16)
-    # The flip budget was measured on the concat phase-B path, which rounds attention like dense sdpa. The
-    # merged path rounds each part's output to bf16 before the log-sum-exp merge: against dense bf16 it flips
-    # more near ties here (3 and 12 of 540, measured 2026-12-01); its bf16 error is judged against an fp32
-    # run of the stock engine instead (tests/backend/test_phase_b_attention.py, DESIGN trap 18).
+    # The flip budget was measured on the concat phase-B path, which rounds attention like dense sdpa (bf16
+    # probabilities times bf16 V). The merged path computes both parts in fp32 on CPU and rounds once: it is
+    # closer to fp64 than dense sdpa, so against dense bf16 it still flips near ties dense rounds the other
+    # way (1 and 4 of 540 here, grads 2.9e-2 and 2.2e-1; 3 and 12 before the fp32 forward, measured
+    # 2026-12-01), which the no-flip case cannot take. Its bf16 error is judged against an fp32 run of the
+    # stock engine instead (tests/backend/test_phase_b_attention.py, DESIGN trap 18).
     grads, aux, flips, _, _ = compare(model, layout, 4, torch.bfloat16, phase_b_attention="concat")
     decisions = (sum(layout.prompt_lens) + sum(layout.response_lens)) * model.config.num_hidden_layers
     print(f"bf16 {case}: worst grad rel {grads:.2e}, aux rel {aux:.2e}, {flips} top-k flips of {decisions}")

@@ -128,11 +128,24 @@ def backward_stats(
     return [out, lse, out, lse]
 
 
+def forward_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype the forward kernels run in. On CPU, half-precision queries run both parts in fp32: the
+    parts' outputs then reach the log-sum-exp merge unrounded and the merged output is rounded to the
+    compute dtype once, as a single sdpa call rounds it (rounding each part first doubles the rounding).
+    The prefix leaf is fp32 already and the suffix is short, so the upcasts are cheap; the CPU forward
+    kernel measured as fast in fp32 as in bf16 (its backward not: that stays in the compute dtype).
+    On CUDA the flash kernels are half precision only: each part's output is rounded, the merge is fp32."""
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return query.dtype
+
+
 class MergedAttention(torch.autograd.Function):
     """``softmax(q [pk; sk]^T * scale) [pv; sv]`` with the suffix part causal, from two kernel calls.
 
-    q ``[B, Hq, S, d]``; prefix_k/v ``[1, Hkv, P, d]``; suffix_k/v ``[B, Hq, S, d]`` (heads repeated:
-    S is short). Returns ``[B, Hq, S, d]``.
+    q ``[B, Hq, S, d]``; prefix_k/v ``[1, Hkv, P, d]`` in any dtype (the fp32 leaves; their grads come back
+    in it); suffix_k/v ``[B, Hq, S, d]`` in q's dtype (heads repeated: S is short). Returns ``[B, Hq, S, d]``
+    in q's dtype. The forward runs in ``forward_dtype``, the backward in q's dtype.
     """
 
     @staticmethod
@@ -147,11 +160,15 @@ class MergedAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         rows, heads = query.shape[:2]
         kv_heads = prefix_key.shape[1]
-        folded = fold_queries(query, kv_heads)
-        out1, lse1, aux1 = attention_forward(folded, prefix_key, prefix_value, False, scale)
-        out1, lse1 = unfold_queries(out1, rows, heads), unfold_queries(lse1, rows, heads)
-        out2, lse2, aux2 = attention_forward(query, suffix_key, suffix_value, True, scale)
-        out, lse = merge(out1, lse1, out2, lse2)
+        work = forward_dtype(query)
+        with torch.autocast(query.device.type, enabled=False):
+            q = query.to(work)
+            folded = fold_queries(q, kv_heads)
+            out1, lse1, aux1 = attention_forward(folded, prefix_key.to(work), prefix_value.to(work), False, scale)
+            out1, lse1 = unfold_queries(out1, rows, heads), unfold_queries(lse1, rows, heads)
+            out2, lse2, aux2 = attention_forward(q, suffix_key.to(work), suffix_value.to(work), True, scale)
+            out, lse = merge(out1, lse1, out2, lse2)
+            out = out.to(query.dtype)  # the one rounding to the compute dtype
         saved = backward_stats(out, lse, ((out1, lse1), (out2, lse2)))
         ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, *saved)
         ctx.aux, ctx.scale = (aux1, aux2), scale
@@ -162,24 +179,26 @@ class MergedAttention(torch.autograd.Function):
         query, prefix_key, prefix_value, suffix_key, suffix_value, out_p, lse_p, out_s, lse_s = ctx.saved_tensors
         rows, heads = query.shape[:2]
         kv_heads = prefix_key.shape[1]
-        grad = grad.contiguous()
-        dq_p, dk_p, dv_p = attention_backward(
-            fold_queries(grad, kv_heads),
-            fold_queries(query, kv_heads),
-            prefix_key,
-            prefix_value,
-            fold_queries(out_p, kv_heads),
-            fold_queries(lse_p, kv_heads),
-            ctx.aux[0],
-            False,
-            ctx.scale,
-        )
-        dq_s, dk_s, dv_s = attention_backward(
-            grad, query, suffix_key, suffix_value, out_s, lse_s, ctx.aux[1], True, ctx.scale
-        )
-        acc = torch.promote_types(query.dtype, torch.float32)
-        dq = (unfold_queries(dq_p, rows, heads).to(acc) + dq_s.to(acc)).to(query.dtype)
-        return dq, dk_p, dv_p, dk_s, dv_s, None
+        dtype = query.dtype
+        grad = grad.contiguous().to(dtype)
+        with torch.autocast(query.device.type, enabled=False):
+            dq_p, dk_p, dv_p = attention_backward(
+                fold_queries(grad, kv_heads),
+                fold_queries(query, kv_heads),
+                prefix_key.to(dtype),
+                prefix_value.to(dtype),
+                fold_queries(out_p, kv_heads),
+                fold_queries(lse_p, kv_heads),
+                ctx.aux[0],
+                False,
+                ctx.scale,
+            )
+            dq_s, dk_s, dv_s = attention_backward(
+                grad, query, suffix_key, suffix_value, out_s, lse_s, ctx.aux[1], True, ctx.scale
+            )
+            acc = torch.promote_types(dtype, torch.float32)
+            dq = (unfold_queries(dq_p, rows, heads).to(acc) + dq_s.to(acc)).to(dtype)
+        return dq, dk_p.to(prefix_key.dtype), dv_p.to(prefix_value.dtype), dk_s, dv_s, None
 
 
 def merged_attention(
@@ -191,8 +210,8 @@ def merged_attention(
     scaling: float | None = None,
 ) -> torch.Tensor:
     """HF layout in, HF layout out: query ``[B, Hq, S, d]``, prefix K/V ``[1, Hkv, P, d]``, suffix K/V
-    ``[B, Hkv, S, d]`` -> ``[B, S, Hq, d]``. Every tensor is computed in the query's dtype (a prefix leaf
-    held in fp32 is cast here; its gradient flows back in fp32)."""
+    ``[B, Hkv, S, d]`` -> ``[B, S, Hq, d]`` in the query's dtype. A prefix leaf held in fp32 goes in as it
+    is (no per-micro-batch copy is saved for backward) and its gradient comes back in fp32."""
     heads, kv_heads = query.shape[1], suffix_key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
@@ -201,5 +220,5 @@ def merged_attention(
     suffix_key = suffix_key.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else suffix_key.to(dtype)
     suffix_value = suffix_value.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else suffix_value.to(dtype)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = MergedAttention.apply(query, prefix_key.to(dtype), prefix_value.to(dtype), suffix_key, suffix_value, scale)
+    out = MergedAttention.apply(query, prefix_key, prefix_value, suffix_key, suffix_value, scale)
     return out.transpose(1, 2).contiguous()
