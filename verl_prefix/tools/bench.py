@@ -422,7 +422,10 @@ def _time_infer(engine: Any, batch: Any) -> float:
 
 
 def max_rel_grad_diff(dense: dict[str, torch.Tensor], prefix: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """Largest ``||g_p - g_d|| / ||g_d||`` over parameters: the reuse schedule must not change gradients."""
+    """Largest ``||g_p - g_d|| / ||g_d||`` over parameters: the reuse schedule must not change gradients.
+
+    A NaN anywhere is the result (NaN, that parameter): a comparison ``rel > worst`` alone skips NaNs and
+    would report 0.0 for gradients that are all NaN."""
     if not dense:
         raise RuntimeError("no parameter gradients captured")
     if dense.keys() != prefix.keys():
@@ -434,6 +437,8 @@ def max_rel_grad_diff(dense: dict[str, torch.Tensor], prefix: dict[str, torch.Te
         num = float(torch.linalg.vector_norm(gp64 - gd64))
         den = float(torch.linalg.vector_norm(gd64))
         rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+        if math.isnan(rel):
+            return math.nan, name
         if rel > worst or not worst_name:
             worst, worst_name = rel, name
     return worst, worst_name
@@ -714,6 +719,7 @@ def measure_variants(
                     info[v]["max_rel_grad_diff"], info[v]["max_rel_grad_diff_param"] = max_rel_grad_diff(
                         grads[reference], grads[v]
                     )
+                    info[v]["max_rel_grad_diff_vs"] = reference  # the P8192 cells have no stock engine
             grads.clear()
         if tick is not None:
             tick()
