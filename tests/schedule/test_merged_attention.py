@@ -404,3 +404,26 @@ def test_token_budget_holds_for_any_group(lens, prefix, budget):
     assert sorted(i for b in batches for i in b) == rows
     for b in batches:
         assert len(b) == 1 or len(b) * (max(lens[i] for i in b) + prefix) <= budget
+
+
+# -- the meters see the fp32 leaves ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_prefix_leaves_are_metered(autocast):
+    """``prefix/max_prefix_kv_leaves_mib``: the fp32 dK/dV leaves' copies plus their grads. In fp32 the
+    leaves share the K/V's storage and only the grads count (1x ``max_prefix_kv_mib``). Under bf16 autocast
+    Qwen3's V is bf16 (a copy of twice its bytes) while K leaves k_norm in fp32 (its fp32 weight promotes
+    the product; the leaf shares it), and both grads are fp32."""
+    model = gqa_model(2, torch.float32)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float32)
+    meter = PhaseMeter(CPU)
+    kwargs = {"autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)} if autocast else {}
+    _reuse(model, layout, weights, 4, "merged", meter, **kwargs)
+    metrics = meter.metrics(logical_tokens=1, physical_tokens=1)
+    one = 3 * 2 * 8 * 12 / 2**20  # elements of K (or V), all layers: 3 layers x 2 KV heads x 8 tokens x 12
+    kv_bytes = one * (4 + 2) if autocast else one * (4 + 4)
+    leaves_bytes = one * (4 + 8) if autocast else one * 8  # (V's fp32 copy +) K and V fp32 grads
+    assert metrics["prefix/max_prefix_kv_mib"] == pytest.approx(kv_bytes)
+    assert metrics["prefix/max_prefix_kv_leaves_mib"] == pytest.approx(leaves_bytes)

@@ -274,6 +274,7 @@ def train_group(
             prefix = run_prefix()
         meter.note_prefix_kv(prefix.tensors())
         leaves = prefix.as_leaves(requires_grad=True, min_dtype=prefix_grad_dtype)
+        meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
         for index, rows in enumerate(group.micro_batches):
             batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
             with meter.phase("B") as saved_b:

@@ -207,6 +207,7 @@ class PhaseMeter:
         self.held_saved_mib = 0.0  # prefix saved bytes of the current group, live until phase C
         self.peak_held_saved_mib = 0.0
         self.peak_prefix_kv_mib = 0.0
+        self.peak_prefix_leaves_mib = 0.0
         self.counts: dict[str, float] = defaultdict(float)  # e.g. prefix/phase_b_attention/merged
         self._accelerator = device.type in ("cuda", "npu")
         self._module = getattr(torch, device.type) if self._accelerator else None
@@ -269,6 +270,18 @@ class PhaseMeter:
         mib = sum(t.numel() * t.element_size() for t in tensors) / _MIB
         self.peak_prefix_kv_mib = max(self.peak_prefix_kv_mib, mib)
 
+    def note_prefix_leaves(self, kv: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+        """Record what a training group's dK/dV leaves hold beside its prefix K/V (once per group, before
+        phase B): each leaf held as a copy (fp32 leaves over bf16 K/V; none when the dtypes agree and the
+        leaf shares the K/V's storage) plus its gradient, the fp32 dK/dV accumulated through phase B."""
+        copies = sum(
+            leaf.numel() * leaf.element_size()
+            for t, leaf in zip(kv, leaves)
+            if leaf.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        )
+        grads = sum(leaf.numel() * leaf.element_size() for leaf in leaves if leaf.requires_grad)
+        self.peak_prefix_leaves_mib = max(self.peak_prefix_leaves_mib, (copies + grads) / _MIB)
+
     def _account_saved(self, name: str, mib: float, recompute_mib: float = 0.0) -> None:
         """``mib`` is held from the phase's forward to its backward; ``recompute_mib`` on top of it
         while backward rematerialises the largest checkpointed layer."""
@@ -304,6 +317,8 @@ class PhaseMeter:
         out["prefix/max_saved_for_backward_held_mib"] = self.peak_held_saved_mib
         if "prefix/time_s/A" in out:
             out["prefix/max_prefix_kv_mib"] = self.peak_prefix_kv_mib
+        if "prefix/time_s/C" in out:
+            out["prefix/max_prefix_kv_leaves_mib"] = self.peak_prefix_leaves_mib
         out["prefix/time_s/schedule"] = total
         out["prefix/logical_tokens_per_s"] = logical_tokens / total if total > 0 else 0.0
         out["prefix/logical_tokens"] = float(logical_tokens)
@@ -324,4 +339,7 @@ class NullMeter(PhaseMeter):
         yield None
 
     def note_prefix_kv(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+    def note_prefix_leaves(self, kv: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
         pass
