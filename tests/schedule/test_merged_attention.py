@@ -90,6 +90,30 @@ def test_cpu_op_is_upper_left_causal_and_supports_the_dtype(dtype):
     torch.testing.assert_close(out_sq, want, rtol=1e-12, atol=1e-12)
 
 
+def test_cpu_op_takes_gqa_natively():
+    """The CPU flash op takes K/V with fewer heads than the queries (query head h reads KV head h // groups)
+    and its backward sums dK/dV over each group: merged feeds the suffix K/V unrepeated on CPU."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 8, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out, lse = OPS._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True, scale=0.3
+    )
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = OPS._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=0.3)
+    for g, w in zip(got, torch.autograd.grad(want, (q, k, v), grad)):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert MA.native_gqa(q)
+    # negative control: heads h and h + 1 swapped in the repeat (not HF's order) is a different attention
+    wrong = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat(1, 4, 1, 1), v.repeat(1, 4, 1, 1), is_causal=True, scale=0.3
+    )
+    assert (wrong - out).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("rows", [1, 2, 5])

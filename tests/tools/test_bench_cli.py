@@ -277,7 +277,8 @@ def test_phase_b_table(phase_b_run):
 
 
 def test_attention_kv_bytes_from_shapes():
-    """The issue's yardstick: merged hands its kernels one prefix copy plus the suffix rows (heads repeated),
+    """The issue's yardstick: merged hands its kernels one prefix copy plus the suffix rows (heads repeated
+    only where the kernel lacks GQA),
     concat a prefix copy per row and query head."""
     model = B.MODEL_29M  # 6 layers, 8 heads, 4 KV heads, head_dim 64
     merged = B.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8)
@@ -285,7 +286,9 @@ def test_attention_kv_bytes_from_shapes():
     unit = 2 * 6 * 64 * 4
     assert merged["one_prefix_copy"] == concat["one_prefix_copy"] == unit * 4 * 2047
     assert merged["suffix_rows"] == unit * 8 * 4 * 129
-    assert merged["held"] == merged["one_prefix_copy"] + 2 * merged["suffix_rows"]
+    assert merged["held"] == merged["one_prefix_copy"] + merged["suffix_rows"]  # CPU: GQA native, no repeat
+    repeated = B.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8, repeat_suffix=True)
+    assert repeated["held"] == merged["one_prefix_copy"] + 2 * merged["suffix_rows"]
     assert concat["held"] == unit * 8 * 8 * (2047 + 129)
     with pytest.raises(ValueError):
         B.attention_kv_bytes(model, "fsdp2", prefix_len=1, suffix_len=1, rows=1)

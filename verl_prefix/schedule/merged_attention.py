@@ -128,6 +128,15 @@ def backward_stats(
     return [out, lse, out, lse]
 
 
+def native_gqa(query: torch.Tensor) -> bool:
+    """Whether the suffix part's kernel takes K/V with fewer heads than the queries (query head h reads KV
+    head h // groups, and its backward returns dK/dV summed over each group). The CPU flash op does, forward
+    and backward (tests/schedule/test_merged_attention.py checks it against sdpa with repeated heads), so
+    the suffix K/V go in unrepeated. torch's CUDA flash op is not known to here (no GPU to check it on): the
+    suffix K/V are repeated to the query heads there, ``B x (Hq - Hkv) x S x d`` more K and V per layer."""
+    return query.device.type == "cpu"
+
+
 def forward_dtype(query: torch.Tensor) -> torch.dtype:
     """The dtype the forward kernels run in. On CPU, half-precision queries run both parts in fp32: the
     parts' outputs then reach the log-sum-exp merge unrounded and the merged output is rounded to the
@@ -144,8 +153,8 @@ class MergedAttention(torch.autograd.Function):
     """``softmax(q [pk; sk]^T * scale) [pv; sv]`` with the suffix part causal, from two kernel calls.
 
     q ``[B, Hq, S, d]``; prefix_k/v ``[1, Hkv, P, d]`` in any dtype (the fp32 leaves; their grads come back
-    in it); suffix_k/v ``[B, Hq, S, d]`` in q's dtype (heads repeated: S is short). Returns ``[B, Hq, S, d]``
-    in q's dtype. The forward runs in ``forward_dtype``, the backward in q's dtype.
+    in it); suffix_k/v ``[B, Hkv, S, d]`` in q's dtype (repeated to ``Hq`` heads where ``native_gqa`` is
+    False). Returns ``[B, Hq, S, d]`` in q's dtype. The forward runs in ``forward_dtype``, the backward in q's dtype.
     """
 
     @staticmethod
@@ -217,8 +226,10 @@ def merged_attention(
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
     groups = heads // kv_heads
     dtype = query.dtype
-    suffix_key = suffix_key.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else suffix_key.to(dtype)
-    suffix_value = suffix_value.to(dtype).repeat_interleave(groups, dim=1) if groups > 1 else suffix_value.to(dtype)
+    suffix_key, suffix_value = suffix_key.to(dtype), suffix_value.to(dtype)
+    if groups > 1 and not native_gqa(query):
+        suffix_key = suffix_key.repeat_interleave(groups, dim=1)
+        suffix_value = suffix_value.repeat_interleave(groups, dim=1)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = MergedAttention.apply(query, prefix_key, prefix_value, suffix_key, suffix_value, scale)
     return out.transpose(1, 2).contiguous()

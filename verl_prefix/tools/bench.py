@@ -632,13 +632,14 @@ def count_attention_saved() -> Iterator[list[int]]:
 
 
 def attention_kv_bytes(
-    model: ModelSpec, variant: str, *, prefix_len: int, suffix_len: int, rows: int
+    model: ModelSpec, variant: str, *, prefix_len: int, suffix_len: int, rows: int, repeat_suffix: bool = False
 ) -> dict[str, int]:
     """K/V bytes one phase-B micro-batch hands its attention kernels, all layers, in fp32, from the shapes.
 
     ``concat``: every row gets ``cat(prefix, suffix)`` with K/V heads repeated to the query heads (what
     ``sdpa_lower_right`` passes sdpa and sdpa saves). ``merged``: the one ``[1, kv_heads, P, d]`` prefix
-    plus the suffix rows' K/V, which ``merged_attention`` repeats to the query heads. Also returned: one
+    plus the suffix rows' K/V, repeated to the query heads only with ``repeat_suffix`` (CUDA: see
+    ``merged_attention.native_gqa``; the CPU kernel takes them as they are). Also returned: one
     prefix copy and the suffix rows' K/V at KV heads, the issue's yardstick."""
     head_dim = model.hidden_size // model.num_heads
     unit = 2 * model.num_layers * head_dim * 4  # K and V, every layer, fp32
@@ -647,7 +648,7 @@ def attention_kv_bytes(
     if variant == "concat":
         held = unit * rows * model.num_heads * (prefix_len + suffix_len)
     elif variant == "merged":
-        held = one_prefix + unit * rows * model.num_heads * suffix_len
+        held = one_prefix + unit * rows * (model.num_heads if repeat_suffix else model.num_kv_heads) * suffix_len
     else:
         raise ValueError(f"phase-B attention variant must be merged or concat, got {variant!r}")
     return {"held": held, "one_prefix_copy": one_prefix, "suffix_rows": suffix_rows}
@@ -758,6 +759,7 @@ def measure_variants(
                     prefix_len=min(prompt_lens) - 1,  # the shared prefix: the prompt minus its last token
                     suffix_len=max(response_lens) + 1,
                     rows=min(cell.micro_batch_size, cell.group_size),
+                    repeat_suffix=torch.cuda.is_available(),  # the engines run on CUDA when there is one
                 ).items()
             }
         if fresh_rss:
