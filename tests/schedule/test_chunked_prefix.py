@@ -15,13 +15,13 @@ from test_dormant_policies import CountingStore
 from test_moe import compare as moe_compare
 from test_moe import tiny_moe
 from test_schedule_hf import TOLERANCE, dense_grads, dense_response_outputs, tiny_model, weighted_loss, worst_relative
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from verl_prefix.schedule import chunked as C
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.executor import infer_group, train_group
 from verl_prefix.schedule.grouping import plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.tools.dormant_memory import LiveSaved
 
 CPU = torch.device("cpu")
 # prefixes of 12, 7 and 3 tokens: chunks of 4 divide 12, chunks of 5 divide none
@@ -145,30 +145,6 @@ def test_forward_only_chunks(attn):
         torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)
 
 
-def _peak_live_saved(run) -> int:
-    """Largest number of bytes autograd holds saved at once (storages still alive), parameters excluded."""
-    live: dict[int, tuple[StorageWeakRef, int]] = {}
-    params: set[int] = set()
-    peak = 0
-
-    def pack(t):
-        nonlocal peak
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-            for key in [k for k, (ref, _) in live.items() if ref.expired()]:
-                del live[key]
-            peak = max(peak, sum(n for _, n in live.values()))
-        return t
-
-    def go(model):
-        params.update(p.untyped_storage().data_ptr() for p in model.parameters())
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run(model)
-
-    return go, lambda: peak
-
-
 def test_recompute_with_chunks_holds_one_chunk_graph():
     """Peak bytes saved for backward at once over the whole update (P=256, G=2, S=4): recompute alone
     holds the whole prefix graph in phase C; recompute with chunks of 32 holds one chunk's graph."""
@@ -177,9 +153,10 @@ def test_recompute_with_chunks_holds_one_chunk_graph():
     weights = token_weights(layout, torch.float32)
     peaks = {}
     for name, chunk_tokens in (("whole", None), ("chunks", 32)):
-        go, peak = _peak_live_saved(lambda m, c=chunk_tokens: run_chunked(m, layout, weights, "recompute", c))
-        go(model)
-        peaks[name] = peak()
+        live = LiveSaved(model)
+        with live.hooks():
+            run_chunked(model, layout, weights, "recompute", chunk_tokens)
+        peaks[name] = live.peak
     assert peaks["chunks"] < 0.4 * peaks["whole"], peaks
 
 
