@@ -310,3 +310,21 @@ def plot_capacity(result: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m verl_prefix.tools.capacity RESULT.json PLOT.png``: the table and the plot of a
+    ``verl-prefix bench --preset capacity`` result."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="table and plot of a capacity result")
+    parser.add_argument("result", type=Path)
+    parser.add_argument("plot", type=Path)
+    args = parser.parse_args(argv)
+    result = json.loads(args.result.read_text())["capacity"]
+    print(capacity_table(result))
+    print(f"plot: {plot_capacity(result, args.plot)}")
+
+
+if __name__ == "__main__":
+    main()
