@@ -22,7 +22,7 @@ def check_chunked(metrics: dict, chunks: float) -> None:
 
 # prefixes of 8, 4 and 11 tokens (prompts 9, 5, 12): chunks of 4 divide two of them, chunks of 3 none
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("policy", ["keep", "recompute", "offload"])
+@pytest.mark.parametrize("policy", ["keep", "recompute", "offload", "auto"])
 def test_chunked_prefix_matches_stock_fsdp2(tiny_model, policy, dtype):
     model_dir = tiny_model("qwen3")
     batch = grpo_batch()
@@ -34,10 +34,10 @@ def test_chunked_prefix_matches_stock_fsdp2(tiny_model, policy, dtype):
                 model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
             )
             prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk_tokens)
-            set_policy(prefix, policy)
+            set_policy(prefix, policy, 1 if policy == "auto" else None)  # auto: nothing fits, recompute (CPU)
             got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
             assert worst_relative(got["grads"], want["grads"]) < TOL[dtype], chunk_tokens
-            check_reuse_ran(got["reduced_metrics"], policy, 3.0)
+            check_reuse_ran(got["reduced_metrics"], "recompute" if policy == "auto" else policy, 3.0)
             check_chunked(got["reduced_metrics"], chunks)
 
 

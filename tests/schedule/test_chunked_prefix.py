@@ -28,7 +28,9 @@ CPU = torch.device("cpu")
 LAYOUT = [(13, [4, 7, 1, 6, 3]), (8, [5, 3, 6]), (4, [2, 4])]
 
 
-def run_chunked(model, layout, weights, policy, chunk_tokens, *, min_chunks=0, meter=None, stats=None, rows=2):
+def run_chunked(
+    model, layout, weights, policy, chunk_tokens, *, min_chunks=0, meter=None, stats=None, rows=2, early_exit=True
+):
     model.zero_grad()
     plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
     for group in plan.groups:
@@ -44,6 +46,7 @@ def run_chunked(model, layout, weights, policy, chunk_tokens, *, min_chunks=0, m
             dormant=D.Dormant(policy, stats=stats, store_factory=CountingStore),
             prefix_chunk_tokens=chunk_tokens,
             prefix_chunks=min_chunks,
+            early_exit=early_exit,
         )
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, plan
 
@@ -103,6 +106,18 @@ def test_lockstep_filler_chunks_change_nothing():
             got, _ = run_chunked(model, layout, weights, policy, chunk_tokens, min_chunks=6, meter=meter)
             assert meter.counts["prefix/prefix_chunks"] == 18  # every group ran 6 prefix forwards
             assert worst_relative(got, want) < 1e-10
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_chunks_without_early_exit(policy):
+    """Early exit off: every chunk also runs the last layer's MLP and the LM head (which feed nothing)."""
+    model = tiny_model("qwen3", "sdpa", torch.float64)
+    layout = make_layout(LAYOUT)
+    weights = token_weights(layout, torch.float64)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        got, _ = run_chunked(model, layout, weights, policy, 5, early_exit=False)
+    assert worst_relative(got, want) < 1e-10
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute"])

@@ -295,10 +295,16 @@ def train_group(
         return prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
 
     chunked = _chunked(
-        model, prefix_ids, prefix_pos, prefix_chunk_tokens, prefix_chunks, early_exit, routers, phase_b_attention
+        model,
+        prefix_ids,
+        prefix_pos,
+        prefix_chunk_tokens,
+        prefix_chunks,
+        early_exit,
+        routers,
+        phase_b_attention,
+        min_dtype=prefix_grad_dtype,
     )
-    if chunked is not None:
-        chunked.min_dtype = prefix_grad_dtype
     last = len(group.micro_batches) + group.filler_micro_batches - 1
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(device):
@@ -370,6 +376,7 @@ def _chunked(
     routers: moe.MoeRouters | None,
     attention: str,
     requires_grad: bool = True,
+    min_dtype: torch.dtype | None = torch.float32,
 ) -> ChunkedPrefix | None:
     """The group's prefix in chunks, or None where it runs whole (chunking off, or one chunk and no
     lockstep fillers to run)."""
@@ -387,7 +394,14 @@ def _chunked(
             attention=attention,
         )
 
-    return ChunkedPrefix(len(prefix_ids), chunk_tokens, run_chunk, requires_grad=requires_grad, min_chunks=min_chunks)
+    return ChunkedPrefix(
+        len(prefix_ids),
+        chunk_tokens,
+        run_chunk,
+        requires_grad=requires_grad,
+        min_dtype=min_dtype,
+        min_chunks=min_chunks,
+    )
 
 
 def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
@@ -419,10 +433,8 @@ def infer_group(
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     chunked = _chunked(
-        model, prefix_ids, prefix_pos, prefix_chunk_tokens, prefix_chunks, True, None, phase_b_attention, False
+        model, prefix_ids, prefix_pos, prefix_chunk_tokens, prefix_chunks, True, None, phase_b_attention, False, None
     )
-    if chunked is not None:
-        chunked.min_dtype = None
     with prefix_attention_mode(model), autocast():
         with meter.phase("A"):
             if chunked is None:
