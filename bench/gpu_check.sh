@@ -41,6 +41,8 @@ cd "$(dirname "$0")/.."
 
 REPS="${REPS:-3}"
 BUDGET="${BUDGET:-560}"
+# PRESET=gpu_offload runs the 10K/2K cell with dormant_prefix=offload; PRESET=gpu_capacity the capacity
+# search (stock fsdp2, keep, recompute with 4K-token chunks; a fresh process per probe, about 8 probes).
 PRESET="${PRESET:-gpu}"
 SMOKE="${SMOKE:-1}"
 CUDA_TESTS="${CUDA_TESTS:-1}"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from verl.base_config import BaseConfig
 from verl.workers.config import FSDPEngineConfig
 
+from verl_prefix.schedule.chunked import validate_chunk_tokens
 from verl_prefix.schedule.dormant import validate_policy
 from verl_prefix.schedule.prefix_kv import PHASE_B_ATTENTION
 
@@ -49,6 +50,11 @@ class PrefixReuseConfig(BaseConfig):
             ``auto``: merged wherever its kernels serve the call (sdpa/flash models; sliding windows,
             softcapping, sinks, eager attention run concat), counted as
             ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
+        prefix_chunk_tokens: run phase A in chunks of this many prefix tokens, each attending to the
+            earlier chunks' K/V as leaves, and phase C chunk by chunk from the last; with
+            ``dormant_prefix=recompute`` only one chunk's graph ever exists (memory grows with the K/V,
+            not the activations). ``None``/0: the prefix runs whole. Counted as ``prefix/chunked_groups``
+            and ``prefix/prefix_chunks``.
     """
 
     enable: bool = True
@@ -59,8 +65,10 @@ class PrefixReuseConfig(BaseConfig):
     forward_only_reuse: bool = True
     early_exit: bool = True
     phase_b_attention: str = "auto"
+    prefix_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix_chunk_tokens", validate_chunk_tokens(self.prefix_chunk_tokens))
         if self.phase_b_attention not in PHASE_B_ATTENTION:
             raise ValueError(
                 f"prefix_reuse.phase_b_attention must be one of {PHASE_B_ATTENTION}, got {self.phase_b_attention!r}"

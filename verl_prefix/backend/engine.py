@@ -70,6 +70,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self.record_trace_dir: str | None = getattr(engine_config, "record_trace_dir", None)
         self._trace_writer: Any = None
         self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
+        self._prefix_chunks_now = 0  # prefix forwards of the current group slot all ranks agreed on
         self.dormant_prefix = validate_policy(
             getattr(engine_config, "dormant_prefix", "keep"),
             getattr(engine_config, "dormant_prefix_budget_bytes", None),
@@ -250,6 +251,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             "device": device,
             "autocast": self._autocast(),
             "phase_b_attention": self.reuse_config.phase_b_attention,
+            "prefix_chunk_tokens": self.reuse_config.prefix_chunk_tokens,
+            "prefix_chunks": self._prefix_chunks_now,
         }
         if real:
             options.update(meter=self._meter, entropy_fn=self._entropy_fn())
@@ -266,7 +269,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         plan = self._plan(data, layout, forward_only)
         dense_rows = plan.all_dense_rows
         dense_chunks = self._dense_chunks(data, dense_rows)
-        lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
+        lockstep = agree_on_schedule(
+            plan, len(dense_chunks), self.get_data_parallel_group(), chunk_tokens=self.reuse_config.prefix_chunk_tokens
+        )
 
         device = self._device()
         self._meter = PhaseMeter(device, model=self.module)
@@ -300,6 +305,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             group = plan.groups[slot] if slot < len(plan.groups) else None
             num_micro = lockstep.micro_batches[slot]
             policy, why = policies[slot]
+            self._prefix_chunks_now = lockstep.prefix_chunks[slot]
             self._dormant_now = Dormant(
                 policy,
                 why,
@@ -344,6 +350,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         output["metrics"].update(self._meter.metrics(logical, physical, phases=phases))
         output["metrics"].update(dormant_stats.metrics())
         self._dormant_now = Dormant()
+        self._prefix_chunks_now = 0
         return output
 
     def _device(self) -> torch.device:

@@ -5,11 +5,12 @@ work on a two-token filler sequence (the same device work verl's synthetic paddi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from verl_prefix.schedule.chunked import num_chunks
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
 
 
@@ -18,23 +19,31 @@ class LockstepPlan:
     num_groups: int
     micro_batches: list[int]  # per group slot
     num_dense_chunks: int
+    prefix_chunks: list[int] = field(default_factory=list)  # per group slot: prefix forwards (chunked prefix)
 
 
 def agree_on_schedule(
-    plan: BatchPlan, num_dense_chunks: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+    plan: BatchPlan,
+    num_dense_chunks: int,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    chunk_tokens: int | None = None,
 ) -> LockstepPlan:
-    """Max over ranks of the schedule's shape; a no-op without a process group of size > 1."""
+    """Max over ranks of the schedule's shape; a no-op without a process group of size > 1.
+    ``chunk_tokens`` (``prefix_chunk_tokens``): ranks also agree on each slot's number of prefix chunks."""
     counts = [len(g.micro_batches) for g in plan.groups]
+    chunks = [num_chunks(g.prefix_len, chunk_tokens) for g in plan.groups]
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return LockstepPlan(len(counts), counts, num_dense_chunks)
+        return LockstepPlan(len(counts), counts, num_dense_chunks, chunks)
     device = device or _collective_device(group)
     shape = torch.tensor([len(counts), num_dense_chunks], device=device)
     dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
     num_groups, dense = (int(x) for x in shape.tolist())
-    padded = torch.zeros(num_groups, dtype=torch.long, device=device)
-    padded[: len(counts)] = torch.tensor(counts, dtype=torch.long)
+    padded = torch.zeros(2, num_groups, dtype=torch.long, device=device)
+    padded[0, : len(counts)] = torch.tensor(counts, dtype=torch.long)
+    padded[1, : len(chunks)] = torch.tensor(chunks, dtype=torch.long)
     dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=group)
-    return LockstepPlan(num_groups, padded.tolist(), dense)
+    return LockstepPlan(num_groups, padded[0].tolist(), dense, padded[1].tolist())
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -25,9 +25,17 @@ from torch import nn
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 from verl_prefix.schedule import moe
+from verl_prefix.schedule.chunked import ChunkedPrefix, num_chunks
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
-from verl_prefix.schedule.prefix_kv import CaptureContext, PrefixCaptured, PrefixKV, ServeContext, prefix_attention_mode
+from verl_prefix.schedule.prefix_kv import (
+    CaptureContext,
+    ChunkCaptureContext,
+    PrefixCaptured,
+    PrefixKV,
+    ServeContext,
+    prefix_attention_mode,
+)
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
@@ -94,10 +102,14 @@ def prefix_forward(
     prefix_positions: torch.Tensor,
     early_exit: bool = True,
     routers: moe.MoeRouters | None = None,
+    earlier: PrefixKV | None = None,
+    attention: str = "auto",
 ) -> PrefixKV:
     """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
     ``routers``, the prefix's router statistics). Early exit comes after the last K/V or the last
-    router, whichever runs later."""
+    router, whichever runs later. With ``earlier`` (a chunked prefix, ``verl_prefix.schedule.chunked``)
+    the tokens are a later chunk that attends to the earlier chunks' K/V the way phase B's rows do
+    (``attention`` as ``phase_b_attention``)."""
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -106,11 +118,13 @@ def prefix_forward(
 
     capture = routers.capture(on_complete=routers_done) if routers is not None else nullcontext([])
     with capture as router_logits:
-        ctx = CaptureContext(
-            num_decoder_layers(model),
-            early_exit=early_exit,
-            ready=lambda: all(lg is not None for lg in router_logits),
-        )
+        ready = lambda: all(lg is not None for lg in router_logits)  # noqa: E731
+        if earlier is None:
+            ctx = CaptureContext(num_decoder_layers(model), early_exit=early_exit, ready=ready)
+        else:
+            ctx = ChunkCaptureContext(
+                num_decoder_layers(model), early_exit, earlier, len(prefix_ids), prefix_ids.device, attention, ready
+            )
         try:
             model(
                 input_ids=prefix_ids[None],
@@ -198,11 +212,18 @@ def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None 
     feeds it, e.g. frozen layers under LoRA); otherwise its gradient would be dropped silently (a
     reentrant checkpoint around the layer ran it under no_grad), which is an error.
     """
+    seeded_backward(prefix, [leaf.grad for leaf in leaves.tensors()], model)
+
+
+def seeded_backward(prefix: PrefixKV, seeds: list[torch.Tensor | None], model: nn.Module | None = None) -> None:
+    """``prefix_backward`` with the seeds given: per boundary tensor of ``prefix`` its accumulated
+    gradient, or None where nothing reached it (zeros are used; see below). A chunked prefix seeds each
+    chunk with its slice of the whole prefix's leaf gradients."""
     if model is not None:
         _unshard_interrupted(model, prefix.interrupted)
     roots, grads = [], []
     num_layers = len(prefix.keys)
-    for index, (root, leaf) in enumerate(zip(prefix.tensors(), leaves.tensors())):
+    for index, (root, seed) in enumerate(zip(prefix.tensors(), seeds)):
         if not root.requires_grad:
             layers = [index // 2] if index < 2 * num_layers else range(num_layers)
             if all(prefix.captured_with_grad[layer] for layer in layers):
@@ -217,7 +238,7 @@ def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None 
         roots.append(root)
         # Zeros where no suffix reached a leaf (e.g. the router leaf of a lockstep filler group): every
         # rank then gives (zero) grads to the same parameters, and FSDP2 reduce-scatters exactly those.
-        grads.append(leaf.grad.to(root.dtype) if leaf.grad is not None else torch.zeros_like(root))
+        grads.append(seed.to(root.dtype) if seed is not None else torch.zeros_like(root))
     if roots:
         torch.autograd.backward(roots, grad_tensors=grads)
 
@@ -248,6 +269,8 @@ def train_group(
     phase_b_attention: str = "auto",
     prefix_grad_dtype: torch.dtype | None = torch.float32,
     dormant: Dormant | None = None,
+    prefix_chunk_tokens: int | None = None,
+    prefix_chunks: int = 0,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
@@ -257,6 +280,9 @@ def train_group(
     ``phase_b_attention``: see ``ServeContext``. ``prefix_grad_dtype``: the least dtype dK/dV accumulate
     in across micro-batches (``None``: K/V's own dtype, e.g. bf16 under autocast).
     ``dormant`` says where phase A's graph waits until phase C (``verl_prefix.schedule.dormant``; keep).
+    ``prefix_chunk_tokens`` runs phases A and C in chunks of that many prefix tokens
+    (``verl_prefix.schedule.chunked``); ``prefix_chunks`` is the least number of prefix forwards to run
+    (data-parallel lockstep: one-token filler chunks make up the difference).
     """
     if (routers is None) != (aux_fn is None):
         raise ValueError("routers and aux_fn go together")
@@ -268,13 +294,33 @@ def train_group(
     def run_prefix() -> PrefixKV:
         return prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
 
+    chunked = _chunked(
+        model,
+        prefix_ids,
+        prefix_pos,
+        prefix_chunk_tokens,
+        prefix_chunks,
+        early_exit,
+        routers,
+        phase_b_attention,
+        min_dtype=prefix_grad_dtype,
+    )
     last = len(group.micro_batches) + group.filler_micro_batches - 1
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(device):
-            prefix = run_prefix()
-        meter.note_prefix_kv(prefix.tensors())
-        leaves = prefix.as_leaves(requires_grad=True, min_dtype=prefix_grad_dtype)
-        meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
+            if chunked is None:
+                prefix = run_prefix()
+            else:
+                leaves = chunked.forward(keep_graphs=dormant.policy != "recompute")
+                meter.count("prefix/chunked_groups")
+                meter.count("prefix/prefix_chunks", chunked.count)
+        if chunked is None:
+            meter.note_prefix_kv(prefix.tensors())
+            leaves = prefix.as_leaves(requires_grad=True, min_dtype=prefix_grad_dtype)
+            meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
+        else:
+            meter.note_prefix_kv(leaves.tensors())
+            meter.note_prefix_leaves(leaves.tensors(), leaves.tensors())  # the leaves are the K/V: grads only
         for index, rows in enumerate(group.micro_batches):
             batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
             with meter.phase("B") as saved_b:
@@ -312,10 +358,52 @@ def train_group(
                     dormant.before_last_backward()
                 backward(log_probs[0].sum() * 0.0)
         with meter.phase("C"):
-            with autocast():
-                prefix = dormant.phase_c_prefix(prefix, run_prefix)
-            prefix_backward(prefix, leaves, model)
+            if chunked is not None:
+                with autocast():  # each chunk's backward runs inside too, as phase B's do
+                    chunked.backward(dormant, seeded_backward, model)
+            else:
+                with autocast():
+                    prefix = dormant.phase_c_prefix(prefix, run_prefix)
+                prefix_backward(prefix, leaves, model)
     return losses
+
+
+def _chunked(
+    model: nn.Module,
+    prefix_ids: torch.Tensor,
+    prefix_pos: torch.Tensor,
+    chunk_tokens: int | None,
+    min_chunks: int,
+    early_exit: bool,
+    routers: moe.MoeRouters | None,
+    attention: str,
+    requires_grad: bool = True,
+    min_dtype: torch.dtype | None = torch.float32,
+) -> ChunkedPrefix | None:
+    """The group's prefix in chunks, or None where it runs whole (chunking off, or one chunk and no
+    lockstep fillers to run)."""
+    if num_chunks(len(prefix_ids), chunk_tokens) == 1 and min_chunks <= 1:
+        return None
+
+    def run_chunk(start: int, end: int, earlier: PrefixKV | None) -> PrefixKV:
+        return prefix_forward(
+            model,
+            prefix_ids[start:end],
+            prefix_pos[..., start:end],
+            early_exit=early_exit,
+            routers=routers,
+            earlier=earlier,
+            attention=attention,
+        )
+
+    return ChunkedPrefix(
+        len(prefix_ids),
+        chunk_tokens,
+        run_chunk,
+        requires_grad=requires_grad,
+        min_dtype=min_dtype,
+        min_chunks=min_chunks,
+    )
 
 
 def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
@@ -338,14 +426,23 @@ def infer_group(
     meter: PhaseMeter | None = None,
     entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
     phase_b_attention: str = "auto",
+    prefix_chunk_tokens: int | None = None,
+    prefix_chunks: int = 0,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
+    """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``.
+    ``prefix_chunk_tokens``/``prefix_chunks``: phase A in chunks, as in ``train_group`` (no backward)."""
     meter = meter or NullMeter()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    chunked = _chunked(
+        model, prefix_ids, prefix_pos, prefix_chunk_tokens, prefix_chunks, True, None, phase_b_attention, False, None
+    )
     with prefix_attention_mode(model), autocast():
         with meter.phase("A"):
-            prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
+            if chunked is None:
+                prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
+            else:
+                prefix = chunked.forward(keep_graphs=False)
         meter.note_prefix_kv(prefix.tensors())
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)

@@ -154,10 +154,39 @@ class CaptureContext:
         if first and self.early_exit and layer == self.last_layer and self.ready():
             self.kv.interrupted = module
             raise PrefixCaptured
+        return self._attention(module, base, query, key, value, **kwargs)
+
+    def _attention(
+        self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prefix (or its first chunk) attends causally to itself."""
         mask = None  # sdpa: a single unpadded row takes the causal fast path
         if base is not sdpa_attention_forward:
             mask = _as_eager_mask(causal_keep_mask(query.shape[2], 0, query.device), query.dtype)
         return base(module, query, key, value, mask, **kwargs)
+
+
+class ChunkCaptureContext(CaptureContext):
+    """Phase A in chunks: a later chunk records its own K/V like ``CaptureContext`` and attends to the
+    earlier chunks' K/V (held as leaves) exactly as a suffix row attends to the prefix in phase B."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        early_exit: bool,
+        earlier: PrefixKV,
+        query_len: int,
+        device: torch.device,
+        attention: str = "auto",
+        ready: Callable[[], bool] = lambda: True,
+    ) -> None:
+        super().__init__(num_layers, early_exit, ready)
+        self.serve = ServeContext(earlier, query_len, device, attention)
+
+    def _attention(
+        self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.serve.attend(module, base, query, key, value, **kwargs)
 
 
 class ServeContext:

@@ -104,6 +104,8 @@ class Preset:
     description: str = ""
     # variant cells: each variant's first update also runs once in a fresh process, for its peak RSS
     fresh_rss: bool = False
+    # a capacity preset (``verl_prefix.tools.capacity.CapacitySpec``): a search instead of timed cells
+    capacity: Any = None
 
 
 SMOKE_MODEL = ModelSpec(
@@ -156,6 +158,42 @@ _GPU = (*_BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
 
 
 VARIANTS = ("fsdp2", "merged", "concat")
+
+# The capacity presets' model: the smoke model's shape with positions long enough for the search grid.
+CAPACITY_MODEL = dataclasses.replace(SMOKE_MODEL, max_position_embeddings=65536)
+# The gpu preset's offload cell: prefix_fsdp2 with dormant_prefix=offload (set on the engine config).
+_OFFLOAD = (
+    "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig",
+    "+actor_rollout_ref.actor.fsdp_config.dormant_prefix=offload",
+)
+
+
+def _capacity_spec(gpu: bool) -> Any:
+    from verl_prefix.tools.capacity import CapacitySpec
+
+    if gpu:  # the gpu preset's model and precision; budget 40 GiB above the loaded model, G=16, suffix 2048
+        return CapacitySpec(
+            model=MODEL_GPU,
+            group_size=16,
+            suffix_len=2048,
+            budget_mib=40 * 1024,
+            # few probes: each loads the 1.7B model in a fresh process (a lent GPU has minutes, not hours)
+            grid=(4096, 8192, 16384, 32768, 65536),
+            engines=("fsdp2:1", "keep", "recompute:4096"),
+            micro_batch_size=2,
+            overrides=_GPU,
+            timeout_s=600.0,
+        )
+    # CPU, short enough to run once on 2 shared cores: the 1M smoke model, G=8, suffix 128, 256 MiB
+    return CapacitySpec(
+        model=CAPACITY_MODEL,
+        group_size=8,
+        suffix_len=128,
+        budget_mib=256.0,
+        grid=(512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384),
+        engines=("fsdp2:1", "fsdp2:2", "fsdp2:4", "keep", "recompute", "recompute:1024"),
+        micro_batch_size=4,
+    )
 
 
 def _cell_header(cell: Cell, params: int, response_lens: list[int]) -> dict[str, Any]:
@@ -265,6 +303,42 @@ PRESETS: dict[str, Preset] = {
         needs_cuda=True,
         description="1.7B-param Qwen3-style model, bf16 mixed precision, gradient checkpointing, G=16, 12K tokens; "
         "stock fsdp2 vs prefix_fsdp2 with merged and with concat phase-B attention",
+    ),
+    "gpu_offload": Preset(
+        cells=(
+            Cell(
+                "P10240/S2048/G16 offload",
+                MODEL_GPU,
+                1,
+                16,
+                10240,
+                (2048, 2048),
+                micro_batch_size=2,
+                dtype="bfloat16",
+                overrides=_GPU + _OFFLOAD,
+                variants=("fsdp2", "merged"),
+            ),
+        ),
+        reps=3,
+        needs_cuda=True,
+        description="the gpu preset's 10K/2K cell with dormant_prefix=offload (saved tensors in pinned host memory)",
+    ),
+    "capacity": Preset(
+        cells=(),
+        reps=1,
+        threads=1,
+        capacity=_capacity_spec(gpu=False),
+        description="longest prefix whose update fits 256 MiB above the loaded 1M model (G=8, suffix 128), "
+        "stock fsdp2 at micro-batches 1/2/4 vs keep/recompute/recompute+chunks; fresh process per probe; "
+        "about 15 minutes on 2 cores",
+    ),
+    "gpu_capacity": Preset(
+        cells=(),
+        reps=1,
+        needs_cuda=True,
+        capacity=_capacity_spec(gpu=True),
+        description="capacity on the gpu preset's 1.7B model: 40 GiB above the loaded model enforced with "
+        "set_per_process_memory_fraction (real OOM boundary), G=16, suffix 2048",
     ),
 }
 
@@ -937,6 +1011,8 @@ def run_bench(
     variant cell's peak RSS in a fresh process per variant.
     """
     spec, reps = resolve_preset(preset, reps, threads, cells)
+    if spec.capacity is not None:
+        return _run_capacity(preset if isinstance(preset, str) else "custom", spec, out_json, command, log, threads)
     if compile:
         spec = dataclasses.replace(spec, cells=compiled(spec.cells))
     name = preset if isinstance(preset, str) else "custom"
@@ -1003,6 +1079,33 @@ def _run_cells(
     return result
 
 
+def _run_capacity(
+    name: str, spec: Preset, out_json: Path | None, command: str | None, log: Callable, threads: int | None
+) -> dict:
+    """A capacity preset: ``verl_prefix.tools.capacity.run_capacity`` with the bench's result header."""
+    from verl_prefix.tools.capacity import run_capacity
+
+    started = time.perf_counter()
+    previous = torch.get_num_threads()
+    threads = spec.threads if threads is None else threads
+    if threads is not None:
+        torch.set_num_threads(threads)  # each probe child takes the parent's thread count
+    try:
+        result = {
+            "preset": name,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": command or shlex.join(sys.argv),
+            "machine": machine_info(),
+            "capacity": run_capacity(spec.capacity, log=log),
+        }
+    finally:
+        torch.set_num_threads(previous)
+    result["wall_s"] = time.perf_counter() - started
+    result["complete"] = True
+    _save(result, out_json)
+    return result
+
+
 def _save(result: dict, out_json: Path | None) -> None:
     if out_json is None:
         return
@@ -1022,7 +1125,11 @@ TABLE_HEADER = (
 
 def markdown_table(result: dict) -> str:
     """The result as a markdown table, one row per cell (what the CLI prints and docs embed); a result of
-    variant cells gets ``variants_table``."""
+    variant cells gets ``variants_table``, a capacity result ``capacity.capacity_table``."""
+    if "capacity" in result:
+        from verl_prefix.tools.capacity import capacity_table
+
+        return capacity_table(result["capacity"])
     if any("variants" in c for c in result["cells"]):
         return variants_table(result)
     rows = [TABLE_HEADER]

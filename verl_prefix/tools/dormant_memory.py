@@ -6,6 +6,9 @@ group (prefix 2048, G=8 suffixes of 128, micro-batches of 4) through the schedul
 the bytes held for backward during phase B (``prefix/max_saved_for_backward_held_in_B_mib/<policy>``)
 and the process's peak RSS above its RSS once the model is loaded. Byte counts are deterministic;
 RSS depends on the allocator.
+
+A policy written ``recompute:512`` (or ``keep:512``) also runs the prefix in chunks of 512 tokens
+(``prefix_reuse.prefix_chunk_tokens``); ``--model smoke`` uses the 1M-parameter bench model instead.
 """
 
 from __future__ import annotations
@@ -19,14 +22,48 @@ from typing import Any
 
 import psutil
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools.bench import MODEL_29M
+from verl_prefix.tools.bench import MODEL_29M, SMOKE_MODEL, ModelSpec
 
 _MIB = 1024.0**2
+MODELS = {"29m": MODEL_29M, "smoke": SMOKE_MODEL}
+
+
+class LiveSaved:
+    """The most bytes autograd holds saved for backward at once (storages still alive; parameters
+    excluded): a true high-water mark, unlike the per-phase sums of ``PhaseMeter`` (which add up every
+    chunk rebuilt in phase C). Runs as the only saved-tensor hook, i.e. without a meter and without
+    checkpointing (an inner hook would hide the saves from it, DESIGN.md trap 17)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._params:
+            self._live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+            for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+                del self._live[key]
+            self.peak = max(self.peak, sum(n for _, n in self._live.values()))
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+def parse_policy(spec: str) -> tuple[str, int | None]:
+    """``"recompute:512"`` -> ``("recompute", 512)``; ``"keep"`` -> ``("keep", None)``."""
+    policy, _, chunk = spec.partition(":")
+    if policy not in D.POLICIES or policy == "offload":
+        raise ValueError(f"policy {policy!r}: choose keep or recompute (offload needs an accelerator)")
+    return policy, (int(chunk) if chunk else None)
 
 
 def _model(spec: Any = MODEL_29M) -> torch.nn.Module:
@@ -48,16 +85,24 @@ def _model(spec: Any = MODEL_29M) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).float().train()
 
 
-def measure(policy: str, prefix_len: int, suffix_len: int, group_size: int, rows: int) -> dict[str, float]:
-    """One group through A/B/C under ``policy`` in this process; the figures of ``main``."""
+def measure(
+    policy: str,
+    prefix_len: int,
+    suffix_len: int,
+    group_size: int,
+    rows: int,
+    chunk_tokens: int | None = None,
+    spec: ModelSpec = MODEL_29M,
+) -> dict[str, float]:
+    """One group through A/B/C under ``policy`` (prefix in chunks of ``chunk_tokens`` if set) in this
+    process; the figures of ``main``."""
     torch.set_num_threads(1)
-    model = _model()
+    model = _model(spec)
     loaded_rss = psutil.Process().memory_info().rss
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, MODEL_29M.vocab_size, (prefix_len + 1,), generator=gen)
+    prompt = torch.randint(0, spec.vocab_size, (prefix_len + 1,), generator=gen)
     ids = [
-        torch.cat([prompt, torch.randint(0, MODEL_29M.vocab_size, (suffix_len,), generator=gen)])
-        for _ in range(group_size)
+        torch.cat([prompt, torch.randint(0, spec.vocab_size, (suffix_len,), generator=gen)]) for _ in range(group_size)
     ]
     layout = RowLayout(
         ids,
@@ -68,22 +113,31 @@ def measure(policy: str, prefix_len: int, suffix_len: int, group_size: int, rows
     )
     plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
     stats, meter = D.DormantStats(), PhaseMeter(torch.device("cpu"))
-    train_group(
-        model,
-        layout,
-        plan.groups[0],
-        torch.ones(group_size),
-        lambda rows, log_probs, entropy: sum(lp.sum() for lp in log_probs),
-        calculate_entropy=False,
-        device=torch.device("cpu"),
-        meter=meter,
-        dormant=D.Dormant(policy, stats=stats),
-    )
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+    def run(meter: PhaseMeter | None, stats: D.DormantStats | None) -> None:
+        train_group(
+            model,
+            layout,
+            plan.groups[0],
+            torch.ones(group_size),
+            lambda rows, log_probs, entropy: sum(lp.sum() for lp in log_probs),
+            calculate_entropy=False,
+            device=torch.device("cpu"),
+            meter=meter,
+            dormant=D.Dormant(policy, stats=stats),
+            prefix_chunk_tokens=chunk_tokens,
+        )
+
+    run(meter, stats)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; this run only
+    live = LiveSaved(model)
+    with live.hooks():  # a second, unmetered run: the live high-water mark of saved tensors
+        run(None, None)
     return {
         "held_in_B_mib": stats.held_in_b[policy] / _MIB,
         "phase_A_saved_mib": meter.saved_mib["A"],
-        "peak_held_mib": meter.peak_held_saved_mib,  # over A, B and C (recompute's phase-C graph too)
+        "peak_held_mib": meter.peak_held_saved_mib,  # per-phase sums: phase C adds up every rebuilt chunk
+        "peak_live_saved_mib": live.peak / _MIB,  # the true high-water mark of saved tensors over A/B/C
         "params_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / _MIB,
         "peak_rss_above_model_mib": (peak_rss - loaded_rss) / _MIB,
         "time_s": sum(meter.seconds.values()),
@@ -98,17 +152,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suffix", type=int, default=128)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--model", choices=sorted(MODELS), default="29m")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cell = (args.prefix, args.suffix, args.group, args.rows)
+    specs = args.policies.split(",")
+    for spec in specs:
+        parse_policy(spec)  # a typo fails before any child runs
     if args.child:
-        print(json.dumps(measure(args.child, *cell)))
+        policy, chunk = parse_policy(args.child)
+        print(json.dumps(measure(policy, *cell, chunk_tokens=chunk, spec=MODELS[args.model])))
         return
     results = {}
-    for policy in args.policies.split(","):
+    for policy in specs:
         command = [sys.executable, "-m", "verl_prefix.tools.dormant_memory", "--child", policy]
         command += ["--prefix", str(args.prefix), "--suffix", str(args.suffix)]
-        command += ["--group", str(args.group), "--rows", str(args.rows)]
+        command += ["--group", str(args.group), "--rows", str(args.rows), "--model", args.model]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results[policy] = json.loads(out.strip().splitlines()[-1])
     header = (
@@ -116,17 +175,19 @@ def main(argv: list[str] | None = None) -> None:
         "held for backward in B",
         "phase A saved",
         "peak held (A/B/C)",
+        "peak live saved",
         "parameters",
         "peak RSS above model",
         "time (s)",
     )
     print("| " + " | ".join(header) + " |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|" + "---:|" * (len(header) - 1))
     for policy, r in results.items():
         keys = (
             "held_in_B_mib",
             "phase_A_saved_mib",
             "peak_held_mib",
+            "peak_live_saved_mib",
             "params_mib",
             "peak_rss_above_model_mib",
             "time_s",

@@ -1,0 +1,185 @@
+"""Chunked prefix (``prefix_reuse.prefix_chunk_tokens``): phase A runs the prefix in chunks, phase C
+backpropagates it chunk by chunk from the last.
+
+Chunk ``i`` covers prefix tokens ``[s_i, e_i)``. Its forward attends to the K/V of tokens ``[0, s_i)``
+held as (views of) the whole prefix's K/V leaves, exactly as a suffix row attends to the prefix in
+phase B (``ChunkCaptureContext`` serves them through ``ServeContext``), and captures its own K/V,
+which are then written into the leaves at ``[s_i, e_i)``. The first chunk is plain capture. Phase B
+attends to the whole leaves, so dK/dV of every prefix token accumulate there; phase C runs chunk by
+chunk from the last: chunk ``k``'s K/V roots are seeded with the leaf gradient at ``[s_k, e_k)`` (from
+the suffixes and from every later chunk, whose backward already ran), and its own backward deposits
+dK/dV on ``[0, s_k)``. Exact by construction: the same K/V, the same causal attention, the chain rule
+split at the chunk boundaries.
+
+With ``recompute`` phase A keeps no graph and phase C rebuilds chunk ``k``'s graph right before its
+own backward, so only one chunk's activations exist at a time: memory then grows with the K/V
+(``2 x layers x kv width`` per token) rather than with the activations. ``keep`` and ``offload`` keep
+(or offload) every chunk's graph from A to C. Router statistics (MoE aux loss) of the chunks sum;
+every chunk's probability-sum root is seeded with the one router leaf's gradient.
+
+Leaves are written through ``.data``: an earlier chunk's graph saved a view of ``[0, s_i)`` only, which
+later writes (``[s_j, e_j)``, ``j >= i``) never touch, so no saved value changes behind autograd's back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from verl_prefix.schedule.dormant import Dormant
+from verl_prefix.schedule.moe import RouterStats
+from verl_prefix.schedule.prefix_kv import PrefixKV
+
+# run_chunk(start, end, earlier) -> the chunk's captured K/V (graph-attached under grad). ``earlier`` is
+# None for the first chunk; a filler chunk is run as ``run_chunk(0, 1, None)`` (see ``ChunkedPrefix``).
+RunChunk = Callable[[int, int, PrefixKV | None], PrefixKV]
+# seeded_backward(prefix, seeds, model): one backward through ``prefix`` seeded per boundary tensor
+SeededBackward = Callable[[PrefixKV, list[torch.Tensor | None], nn.Module | None], None]
+
+
+def validate_chunk_tokens(value: object) -> int | None:
+    """``prefix_chunk_tokens`` as an int (or None: off); 0 means off too."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"prefix_reuse.prefix_chunk_tokens must be a positive integer, 0 or null (off), got {value!r}")
+    return value
+
+
+def chunk_bounds(prefix_len: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` covering ``prefix_len`` tokens; one chunk when chunking is off or the
+    prefix fits in one."""
+    if not chunk_tokens or chunk_tokens >= prefix_len:
+        return [(0, prefix_len)]
+    return [(s, min(s + chunk_tokens, prefix_len)) for s in range(0, prefix_len, chunk_tokens)]
+
+
+def num_chunks(prefix_len: int, chunk_tokens: int | None) -> int:
+    """How many prefix forwards phase A runs for a prefix (what data-parallel ranks agree on)."""
+    return len(chunk_bounds(prefix_len, chunk_tokens))
+
+
+def _view(full: PrefixKV, start: int, end: int, detach: bool = False) -> PrefixKV:
+    view = PrefixKV(len(full.keys))
+    view.keys = [k[:, :, start:end] for k in full.keys]
+    view.values = [v[:, :, start:end] for v in full.values]
+    if detach:
+        view.keys = [k.detach() for k in view.keys]
+        view.values = [v.detach() for v in view.values]
+    return view
+
+
+def _sum_stats(parts: list[RouterStats]) -> RouterStats:
+    return RouterStats(
+        counts=sum(p.counts for p in parts[1:]) + parts[0].counts,
+        prob_sum=torch.stack([p.prob_sum.detach() for p in parts]).sum(0),
+        tokens=sum(p.tokens for p in parts),
+        layers=parts[0].layers,
+    )
+
+
+@dataclass
+class _Chunk:
+    start: int
+    end: int
+    record: PrefixKV | None  # graph-attached roots (keep/offload) or detached values (recompute, no grad)
+    filler: bool = False
+
+
+class ChunkedPrefix:
+    """One group's prefix in chunks: ``forward`` is phase A, ``leaves`` what phase B attends to,
+    ``backward`` phase C.
+
+    ``requires_grad=False`` (forward-only passes): the chunks run under the caller's no_grad and
+    ``leaves`` are plain tensors. ``min_chunks``: lockstep across data-parallel ranks; every forward
+    and backward issues FSDP collectives, so a group with fewer chunks than a peer's group in the same
+    slot runs one-token filler chunks (zero-seeded in phase C) up to the agreed count.
+    """
+
+    def __init__(
+        self,
+        prefix_len: int,
+        chunk_tokens: int | None,
+        run_chunk: RunChunk,
+        *,
+        requires_grad: bool,
+        min_dtype: torch.dtype | None = torch.float32,
+        min_chunks: int = 0,
+    ) -> None:
+        self.bounds = chunk_bounds(prefix_len, chunk_tokens)
+        self.prefix_len = prefix_len
+        self.run_chunk = run_chunk
+        self.requires_grad = requires_grad
+        self.min_dtype = min_dtype
+        self.fillers = max(0, min_chunks - len(self.bounds))
+        self.leaves: PrefixKV | None = None
+        self.chunks: list[_Chunk] = []
+
+    @property
+    def count(self) -> int:
+        """Prefix forwards phase A runs (fillers included)."""
+        return len(self.bounds) + self.fillers
+
+    def _allocate(self, first: PrefixKV) -> PrefixKV:
+        full = PrefixKV(len(first.keys))
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            dtype = t.dtype if self.min_dtype is None else torch.promote_types(t.dtype, self.min_dtype)
+            shape = (*t.shape[:2], self.prefix_len, *t.shape[3:])
+            return torch.empty(shape, dtype=dtype, device=t.device).requires_grad_(self.requires_grad)
+
+        full.keys = [empty(k) for k in first.keys]
+        full.values = [empty(v) for v in first.values]
+        return full
+
+    def forward(self, keep_graphs: bool) -> PrefixKV:
+        """Phase A under the caller's grad mode and policy context. ``keep_graphs``: hold each chunk's
+        graph-attached K/V until phase C (keep/offload); otherwise only their values, in the leaves."""
+        stats: list[RouterStats] = []
+        for start, end in self.bounds:
+            earlier = _view(self.leaves, 0, start) if start else None
+            kv = self.run_chunk(start, end, earlier)
+            if self.leaves is None:
+                self.leaves = self._allocate(kv)
+            with torch.no_grad():
+                for dst, src in zip(self.leaves.tensors(), kv.tensors()):
+                    dst.data[:, :, start:end].copy_(src.detach())
+            if kv.router_stats is not None:
+                stats.append(kv.router_stats)
+            record = kv if keep_graphs else _view(self.leaves, start, end, detach=True)
+            if not keep_graphs and kv.router_stats is not None:
+                record.router_stats = kv.router_stats.detached_leaf(False)
+            self.chunks.append(_Chunk(start, end, record))
+        for _ in range(self.fillers):
+            kv = self.run_chunk(0, 1, None)
+            self.chunks.append(_Chunk(0, 1, kv, filler=True))
+        if stats:
+            self.leaves.router_stats = _sum_stats(stats).detached_leaf(self.requires_grad)
+        return self.leaves
+
+    def backward(self, dormant: Dormant, seeded_backward: SeededBackward, model: nn.Module | None) -> None:
+        """Phase C, last chunk first: each chunk's roots (phase A's, or rebuilt now under
+        ``recompute``) seeded with the leaf gradient of its tokens; fillers with zeros."""
+        leaves = self.leaves
+        router_seed = leaves.router_stats.prob_sum.grad if leaves.router_stats is not None else None
+        for index in reversed(range(len(self.chunks))):
+            chunk = self.chunks[index]
+            self.chunks[index] = None  # phase A's graph of this chunk goes with its backward
+            earlier = _view(leaves, 0, chunk.start) if chunk.start and not chunk.filler else None
+            roots = dormant.phase_c_prefix(chunk.record, lambda c=chunk, e=earlier: self.run_chunk(c.start, c.end, e))
+            chunk.record = None
+            if chunk.filler:
+                seeds: list[torch.Tensor | None] = [None] * len(roots.tensors())
+            else:
+                seeds = [
+                    leaf.grad[:, :, chunk.start : chunk.end].clone() if leaf.grad is not None else None
+                    for pair in zip(leaves.keys, leaves.values)
+                    for leaf in pair
+                ]
+                if roots.router_stats is not None:
+                    seeds.append(router_seed)
+            seeded_backward(roots, seeds, model)
+            del roots

@@ -1,0 +1,330 @@
+"""Capacity search (``verl-prefix bench --preset capacity``): for a model, G, a suffix length and a memory
+budget, the longest prefix whose update fits, for verl's stock ``fsdp2`` engine (each micro-batch size
+given; the table takes its best) and for ``prefix_fsdp2`` under each dormant policy (and chunked).
+
+Every probe is a fresh process: it builds the engine, then runs one update (zero_grad + forward/backward,
+no optimizer step) on one GRPO group (prompt of P+1 tokens, G responses of S tokens). On CPU the figure is
+the process's peak RSS during the update above its RSS once the engine (the loaded model) is built
+(``VmHWM`` reset before the update, after a warm-up update on a 64-token prefix); it fits when that is
+within the budget. On CUDA the figure is the
+allocator's peak above what the built engine holds, and the budget is enforced:
+``torch.cuda.set_per_process_memory_fraction`` caps the process at built + budget, and a probe fits when
+it does not raise an out-of-memory error (the real OOM boundary).
+
+The search is a binary search over a coarse ascending grid of prefix lengths, assuming that a longer
+prefix never needs less memory: the answer is the longest grid point that fits, with the next grid point
+probed and not fitting (or the answer is the grid's end: a lower bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_prefix.tools import testing as T
+
+_MIB = 1024.0**2
+
+
+@dataclass(frozen=True)
+class CapacitySpec:
+    """What a capacity preset searches. ``engines``: ``fsdp2:<micro-batch rows>`` (the stock engine),
+    ``<policy>`` or ``<policy>:<prefix_chunk_tokens>`` (``prefix_fsdp2``, policy keep/recompute/offload)."""
+
+    model: Any  # bench.ModelSpec
+    group_size: int
+    suffix_len: int
+    budget_mib: float
+    grid: tuple[int, ...]
+    engines: tuple[str, ...]
+    micro_batch_size: int = 4  # prefix_fsdp2's suffix rows per phase-B micro-batch
+    dtype: str = "float32"
+    overrides: tuple[str, ...] = ()
+    timeout_s: float = 1800.0
+
+
+def parse_engine(name: str) -> dict[str, Any]:
+    """``"fsdp2:2"`` -> stock with 2 rows per micro-batch; ``"recompute:512"`` -> prefix_fsdp2, recompute,
+    chunks of 512; a ``ValueError`` for anything else."""
+    kind, _, arg = name.partition(":")
+    if kind == "fsdp2":
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"engine {name!r}: the stock engine needs its micro-batch rows, e.g. fsdp2:1")
+        return {"stock": True, "rows": int(arg)}
+    if kind not in ("keep", "recompute", "offload"):
+        raise ValueError(f"engine {name!r}: choose fsdp2:<rows>, keep, recompute or offload (optionally :<chunk>)")
+    if arg and (not arg.isdigit() or int(arg) < 1):
+        raise ValueError(f"engine {name!r}: the chunk size must be a positive integer")
+    return {"stock": False, "policy": kind, "chunk": int(arg) if arg else None}
+
+
+def validate_spec(spec: CapacitySpec) -> None:
+    """Reject a spec before any probe runs."""
+    for name in spec.engines:
+        parse_engine(name)
+    if not spec.grid or list(spec.grid) != sorted(set(spec.grid)) or spec.grid[0] < 1:
+        raise ValueError(f"capacity grid must be distinct ascending positive prefix lengths, got {spec.grid}")
+    if spec.budget_mib <= 0 or spec.group_size < 2 or spec.suffix_len < 1:
+        raise ValueError("capacity needs budget_mib > 0, group_size >= 2 and suffix_len >= 1")
+
+
+def search(grid: tuple[int, ...], fits: Callable[[int], bool]) -> dict[str, Any]:
+    """Binary search for the longest ``grid`` point that ``fits`` (monotone: fits at n => fits below n).
+
+    Returns ``longest`` (None when even the first point does not fit), ``first_over`` (the next grid point,
+    probed and not fitting; None when ``longest`` is the grid's end) and ``probes`` in the order run."""
+    probes: list[tuple[int, bool]] = []
+
+    def probe(i: int) -> bool:
+        ok = fits(grid[i])
+        probes.append((grid[i], ok))
+        return ok
+
+    lo, hi = -1, len(grid)  # grid[lo] fits (or lo = -1), grid[hi] does not (or hi = len)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {
+        "longest": grid[lo] if lo >= 0 else None,
+        "first_over": grid[hi] if hi < len(grid) else None,
+        "probes": probes,
+    }
+
+
+def _child_env() -> dict[str, str]:
+    package_root = str(Path(__file__).resolve().parents[2])
+    dist_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in dist_keys}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def probe(spec: CapacitySpec, engine: str, prefix_len: int, model_dir: Path) -> dict[str, Any]:
+    """One update in a fresh process; ``fits`` and the measured peak above the built engine (MiB)."""
+    request = json.dumps(
+        {
+            "spec": {**dataclasses.asdict(spec), "model": None},
+            "vocab": spec.model.vocab_size,
+            "engine": engine,
+            "prefix_len": prefix_len,
+            "model_dir": str(model_dir),
+            "threads": torch.get_num_threads(),
+        }
+    )
+    code = "import sys; from verl_prefix.tools.capacity import _probe_main; _probe_main(sys.argv[1])"
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, request],
+            env=_child_env(),
+            capture_output=True,
+            text=True,
+            timeout=spec.timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {"fits": False, "error": f"timed out after {spec.timeout_s:.0f} s", "wall_s": spec.timeout_s}
+    wall = time.perf_counter() - start
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        # a killed or crashed probe (e.g. the kernel's OOM killer) did not fit; say so in the result
+        return {"fits": False, "error": f"exit {proc.returncode}: {proc.stderr[-500:]}", "wall_s": wall}
+    result = json.loads(lines[-1])
+    result["wall_s"] = wall
+    return result
+
+
+def _probe_main(request: str) -> None:
+    """Child side of ``probe``: build, measure one update, print JSON."""
+    import psutil
+
+    import verl_prefix
+    from verl_prefix.schedule.dormant import HostOffload
+    from verl_prefix.tools.bench import _peak_rss_mib, _reset_peak_rss, _time_update
+    from verl_prefix.tools.cli import _select_platform
+
+    _select_platform()
+    req = json.loads(request)
+    spec = req["spec"]
+    torch.set_num_threads(req["threads"])
+    what = parse_engine(req["engine"])
+    rows = what["rows"] if what["stock"] else spec["micro_batch_size"]
+    engine, loss_fn, _ = T.build_verl_engine(
+        Path(req["model_dir"]),
+        backend="fsdp2" if what["stock"] else "prefix_fsdp2",
+        dtype=spec["dtype"],
+        micro_batch_size_per_gpu=rows,
+        overrides=tuple(spec["overrides"]),
+    )
+    if not what["stock"]:
+        engine.reuse_config = verl_prefix.PrefixReuseConfig(
+            min_prefix_len=1, suffix_micro_batch_size=rows, prefix_chunk_tokens=what["chunk"]
+        )
+        engine.dormant_prefix = what["policy"]
+        if what["policy"] == "offload" and not torch.cuda.is_available():
+            engine.offload_store_factory = HostOffload  # CPU stand-in (copies are real, nothing is freed)
+
+    def group(prefix_len: int) -> Any:
+        return T.make_grpo_batch(
+            num_groups=1,
+            group_size=spec["group_size"],
+            prompt_lens=prefix_len + 1,
+            response_len_range=(spec["suffix_len"], spec["suffix_len"]),
+            vocab_size=req["vocab"],
+            seed=0,
+        )
+
+    # a warm-up update on a 64-token prefix first: one-time costs (kernel code pages, thread pools, lazy
+    # initialisation) would otherwise count as the probe's memory
+    _time_update(engine, loss_fn, group(64))
+    batch = group(req["prefix_len"])
+    gc.collect()
+    budget = spec["budget_mib"] * _MIB
+    result: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        built = torch.cuda.memory_allocated()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (built + budget) / total))
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            seconds, _ = _time_update(engine, loss_fn, batch)
+            result.update(fits=True, update_s=seconds)
+        except torch.OutOfMemoryError:
+            result.update(fits=False, oom=True)
+        result["peak_above_mib"] = (torch.cuda.max_memory_allocated() - built) / _MIB
+    else:
+        before = psutil.Process().memory_info().rss
+        result["peak_reset_before_update"] = _reset_peak_rss()
+        seconds, _ = _time_update(engine, loss_fn, batch)
+        result["peak_above_mib"] = _peak_rss_mib() - before / _MIB
+        result.update(fits=result["peak_above_mib"] <= spec["budget_mib"], update_s=seconds)
+    print(json.dumps(result), flush=True)
+
+
+def run_capacity(
+    spec: CapacitySpec,
+    *,
+    log: Callable[[str], None] = print,
+    probe_fn: Callable[[CapacitySpec, str, int, Path], dict[str, Any]] | None = None,
+    model_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Search every engine of ``spec``; ``probe_fn`` (default ``probe``) is injectable (tests check the
+    search on a fake)."""
+    import tempfile
+
+    probe_fn = probe_fn or probe
+    validate_spec(spec)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="verl_prefix_capacity_") as tmp:
+        directory = model_dir or spec.model.write(Path(tmp) / "model")
+        for engine in spec.engines:
+            measured: dict[int, dict[str, Any]] = {}
+
+            def fits(prefix_len: int, engine: str = engine, measured: dict = measured) -> bool:
+                measured[prefix_len] = probe_fn(spec, engine, prefix_len, directory)
+                r = measured[prefix_len]
+                log(
+                    f"capacity {engine} P={prefix_len}: peak {r.get('peak_above_mib', float('nan')):.0f} MiB "
+                    f"-> {'fits' if r['fits'] else 'over'}" + (f" ({r['error'][:80]})" if r.get("error") else "")
+                )
+                return bool(r["fits"])
+
+            found = search(spec.grid, fits)
+            found["measured"] = {str(k): v for k, v in measured.items()}
+            results[engine] = found
+    stock = [e for e in spec.engines if parse_engine(e)["stock"]]
+    best = max(stock, key=lambda e: results[e]["longest"] or 0) if stock else None
+    return {
+        "model": dataclasses.asdict(spec.model),
+        "group_size": spec.group_size,
+        "suffix_len": spec.suffix_len,
+        "budget_mib": spec.budget_mib,
+        "grid": list(spec.grid),
+        "micro_batch_size": spec.micro_batch_size,
+        "dtype": spec.dtype,
+        "engines": results,
+        "stock_best": best,
+    }
+
+
+def capacity_table(result: dict[str, Any]) -> str:
+    """Markdown: per engine the longest prefix that fits, the first grid point over, and the ratio to the
+    stock engine at its best micro-batch size."""
+    best = result.get("stock_best")
+    base = result["engines"][best]["longest"] if best else None
+    lines = [
+        "| engine | longest prefix that fits | next grid point (over) "
+        "| peak above model at the longest (MiB) | vs stock best |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for engine, r in result["engines"].items():
+        longest, over = r["longest"], r["first_over"]
+        peak = r["measured"].get(str(longest), {}).get("peak_above_mib") if longest else None
+        ratio = f"{longest / base:.2f}x" if longest and base else "-"
+        label = engine + (" (best stock)" if engine == best else "")
+        lines.append(
+            f"| {label} | {longest if longest else 'none'}{'' if over or not longest else ' (grid end)'} | "
+            f"{over if over else '-'} | {f'{peak:.0f}' if peak is not None else '-'} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_capacity(result: dict[str, Any], path: Path) -> Path:
+    """Every probe's peak above the model against the prefix length, per engine, with the budget line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for engine, r in result["engines"].items():
+        points = sorted((int(p), m["peak_above_mib"]) for p, m in r["measured"].items() if "peak_above_mib" in m)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{engine} (longest {r['longest'] or 'none'})")
+    ax.axhline(result["budget_mib"], color="k", linestyle="--", label=f"budget {result['budget_mib']:.0f} MiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("peak above loaded model (MiB)")
+    model = result["model"]
+    ax.set_title(
+        f"capacity: G={result['group_size']}, suffix {result['suffix_len']}, "
+        f"model h{model['hidden_size']}xL{model['num_layers']}, {result['dtype']}"
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m verl_prefix.tools.capacity RESULT.json PLOT.png``: the table and the plot of a
+    ``verl-prefix bench --preset capacity`` result."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="table and plot of a capacity result")
+    parser.add_argument("result", type=Path)
+    parser.add_argument("plot", type=Path)
+    args = parser.parse_args(argv)
+    result = json.loads(args.result.read_text())["capacity"]
+    print(capacity_table(result))
+    print(f"plot: {plot_capacity(result, args.plot)}")
+
+
+if __name__ == "__main__":
+    main()
