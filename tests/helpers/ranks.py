@@ -49,6 +49,8 @@ def run_ranks(body: Callable, *args: object, world: int, timeout: float = 300) -
             p.kill()
         assert not hung, "ranks hung: collectives out of lockstep"
         results = dict(results)
+    died = [f"rank {r} died with exit code {procs[r].exitcode}" for r in range(world) if r not in results]
+    assert not died, "; ".join(died)
     errors = [f"rank {r}: {results[r]['error']}" for r in range(world) if "error" in results[r]]
     assert not errors, "\n".join(errors)
     return results

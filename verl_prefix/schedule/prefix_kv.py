@@ -164,7 +164,7 @@ class CaptureContext:
             self.kv.keys[layer], self.kv.values[layer] = key[:, :, :end], value[:, :, :end]
             self.kv.captured_with_grad[layer] = torch.is_grad_enabled()
         if first and self.early_exit and layer == self.last_layer and self.ready():
-            self.kv.interrupted = module
+            self.kv.interrupted = getattr(module, "wrapped", module)  # the real module under a head-shard view
             raise PrefixCaptured
         mask = None  # sdpa: a single unpadded row takes the causal fast path
         if base is not sdpa_attention_forward:

@@ -99,6 +99,14 @@ class Ulysses:
         self.all_to_all_bytes += x.numel() * x.element_size()
         return out
 
+    def metrics(self) -> dict[str, float]:
+        """The sequence-parallel size and the attention all-to-alls this group issued in forward."""
+        return {
+            "prefix/sp/size": float(self.size),
+            "prefix/sp/all_to_all_mib": self.all_to_all_bytes / 2**20,
+            "prefix/time_s/all_to_all": self.all_to_all_seconds,
+        }
+
     def sum_stats(self, stats: RouterStats) -> RouterStats:
         """Router statistics of whole sequences: the sum of every rank's slice (differentiable in ``prob_sum``)."""
         counts = stats.counts.clone()
@@ -115,8 +123,8 @@ class ShardedAttentionModule:
     repeated)."""
 
     def __init__(self, module: nn.Module, query_heads: int, kv_heads: int) -> None:
-        self._wrapped = module
+        self.wrapped = module
         self.num_key_value_groups = query_heads // kv_heads
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._wrapped, name)
+        return getattr(self.wrapped, name)
