@@ -9,7 +9,10 @@ the same global batch and the same micro-batch partition."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from helpers.ranks import run_ranks
 from helpers.reuse import assert_reuse_ran
 
@@ -124,6 +127,18 @@ def test_ulysses_reuse_matches_the_engine_without_sequence_parallelism(tiny_mode
             peers = range(rank - rank % sp, rank - rank % sp + sp)
             want = sum(results[p]["want_metrics"]["moe_aux_loss"] for p in peers) / sp
             assert r["metrics"]["moe_aux_loss"] == pytest.approx(want, rel=tol * 10)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or os.environ.get("VERL_PLATFORM") == "cpu",
+    reason="needs two CUDA GPUs and VERL_PLATFORM=nvidia (bench/gpu_check.sh runs it where they exist)",
+)
+def test_ulysses_reuse_on_two_gpus(tiny_model):
+    """The same comparison on NCCL and CUDA kernels (fp32 sdpa: the reference without SP, as on CPU)."""
+    results = run_ranks(_body, str(tiny_model("qwen3")), 2, 2, "float32", False, False, world=2, cuda=True)
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-4 and results[rank]["infer"] < 1e-4, results[rank]
+        assert_reuse_ran(results[rank]["metrics"], groups=2)
 
 
 def test_dense_rows_under_ulysses_without_flash_attention_are_an_error(tiny_model):

@@ -15,19 +15,20 @@ from helpers.ranks import run_ranks
 GROUPS = [(9, [4, 7, 1, 6]), (6, [3, 5, 2])]
 
 
-def _body(rank: int, kv_heads: int, attn: str, attention: str, control: str | None) -> dict:
+def _body(rank: int, kv_heads: int, attn: str, attention: str, control: str | None, variant: str = "") -> dict:
     from helpers.precision import promote_fp32_upcasts
 
     with promote_fp32_upcasts():
-        return _compare(kv_heads, attn, attention, control)
+        return _compare(kv_heads, attn, attention, control, variant)
 
 
-def _compare(kv_heads: int, attn: str, attention: str, control: str | None) -> dict:
+def _compare(kv_heads: int, attn: str, attention: str, control: str | None, variant: str) -> dict:
     import torch.distributed as dist
     from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from verl_prefix.schedule import ulysses as ulysses_mod
+    from verl_prefix.schedule.dormant import Dormant
     from verl_prefix.schedule.executor import infer_group, train_group
     from verl_prefix.schedule.grouping import plan_batch
     from verl_prefix.schedule.ulysses import Ulysses
@@ -38,13 +39,15 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None) -> d
         hidden_size=48,
         intermediate_size=80,
         num_hidden_layers=3,
-        num_attention_heads=4,
+        num_attention_heads=max(4, dist.get_world_size()),  # heads divide over the ranks
         num_key_value_heads=kv_heads,
         head_dim=12,
         attn_implementation=attn,
         initializer_range=0.2,
     )
     model = AutoModelForCausalLM.from_config(config).to(torch.float64).train()
+    if variant == "checkpointed-recompute":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layout = make_layout(GROUPS, seed=3)
     weights = token_weights(layout, torch.float64)
     want = dense_grads(model, layout, weights, with_entropy=True)
@@ -65,7 +68,8 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None) -> d
     assert not plan.dense_rows and len(plan.groups) == 2
     options = dict(calculate_entropy=True, device=torch.device("cpu"), phase_b_attention=attention, ulysses=sp)
     for group in plan.groups:
-        train_group(model, layout, group, torch.ones(len(layout)), weighted_loss(weights), **options)
+        dormant = Dormant("recompute") if variant == "checkpointed-recompute" else None
+        train_group(model, layout, group, torch.ones(len(layout)), weighted_loss(weights), dormant=dormant, **options)
     got = {}
     for name, param in model.named_parameters():
         grad = param.grad.clone()
@@ -94,6 +98,20 @@ def test_sequence_parallel_schedule_matches_dense_hf(kv_heads, attn, attention):
         assert results[rank]["worst"] < 1e-10, results[rank]
         assert results[rank]["infer"] < 1e-10, results[rank]
         assert results[rank]["all_to_all_bytes"] > 0  # the attention really ran sequence-parallel
+
+
+@pytest.mark.parametrize(
+    "world, kv_heads, variant",
+    [(4, 2, ""), (8, 2, ""), (2, 2, "checkpointed-recompute")],
+    ids=["sp4-kv2-repeated", "sp8-kv2-repeated", "sp2-checkpointed-recompute"],
+)
+def test_more_ranks_and_the_memory_policies(world, kv_heads, variant):
+    """SP=4 and 8 over as many query heads and 2 K/V heads (repeated to one per rank); non-reentrant checkpointing with
+    the ``recompute`` policy, whose phase C re-runs the prefix (all-to-alls included) before its backward."""
+    results = run_ranks(_body, kv_heads, "sdpa", "merged", None, variant, world=world)
+    for rank in range(world):
+        assert results[rank]["worst"] < 1e-10, results[rank]
+        assert results[rank]["infer"] < 1e-10, results[rank]
 
 
 @pytest.mark.parametrize("control", ["padded_prefix_kv", "unscaled_gather"])

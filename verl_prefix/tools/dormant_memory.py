@@ -24,6 +24,7 @@ from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.schedule.ulysses import Ulysses
 from verl_prefix.tools.bench import MODEL_29M
 
 _MIB = 1024.0**2
@@ -48,8 +49,11 @@ def _model(spec: Any = MODEL_29M) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).float().train()
 
 
-def measure(policy: str, prefix_len: int, suffix_len: int, group_size: int, rows: int) -> dict[str, float]:
-    """One group through A/B/C under ``policy`` in this process; the figures of ``main``."""
+def measure(
+    policy: str, prefix_len: int, suffix_len: int, group_size: int, rows: int, ulysses: Ulysses | None = None
+) -> dict[str, float]:
+    """One group through A/B/C under ``policy`` in this process; the figures of ``main``. With ``ulysses``
+    this rank runs its sequence-parallel share (``verl_prefix.tools.sp_memory``)."""
     torch.set_num_threads(1)
     model = _model()
     loaded_rss = psutil.Process().memory_info().rss
@@ -78,6 +82,7 @@ def measure(policy: str, prefix_len: int, suffix_len: int, group_size: int, rows
         device=torch.device("cpu"),
         meter=meter,
         dormant=D.Dormant(policy, stats=stats),
+        ulysses=ulysses,
     )
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {
