@@ -31,7 +31,9 @@
 #
 # Overrides (env): REPS=3, BUDGET=560 (seconds for the whole script), PRESET=gpu, CELLS (space-separated
 # cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity
-# step), CUDA_TESTS=1 (0 skips tests/backend/test_cuda.py, about a minute), KIT=.whl, SITE=/tmp/site, PY=python3.
+# step), CUDA_TESTS=1 (0 skips tests/backend/test_cuda.py, about a minute), SP_TESTS=1 (on a machine with two or
+# more GPUs, runs the Ulysses SP=2 reuse test on NCCL, sp_tests.log; skipped with one GPU), KIT=.whl,
+# SITE=/tmp/site, PY=python3.
 # Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway;
 # PRESET=phase_b_smoke runs the same three engines side by side on a 1M-param model in about a minute):
 #   OUT=/tmp/out PY=/path/to/venv/python KIT=/tmp/kit311 PRESET=phase_b_smoke CUDA_TESTS=0 VERL_PLATFORM=cpu \
@@ -46,6 +48,7 @@ BUDGET="${BUDGET:-560}"
 PRESET="${PRESET:-gpu}"
 SMOKE="${SMOKE:-1}"
 CUDA_TESTS="${CUDA_TESTS:-1}"
+SP_TESTS="${SP_TESTS:-1}"
 CELLS="${CELLS:-}"
 KIT="${KIT:-.whl}"
 SITE="${SITE:-/tmp/site}"
@@ -140,6 +143,18 @@ if [ "$CUDA_TESTS" = 1 ]; then
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/backend/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" || rc=$?
   # a failing test is a finding to read, not a reason to skip the benchmark
   [ "$rc" = 0 ] || echo "gpu_check: tests/backend/test_cuda.py exited $rc (see cuda_tests.log); going on" >&2
+fi
+
+gpus=$(command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l || echo 0)
+if [ "$SP_TESTS" = 1 ] && [ "$gpus" -ge 2 ]; then
+  step "Ulysses sequence parallelism on 2 of the $gpus GPUs: reuse with SP=2 vs the engine without SP (NCCL)"
+  rc=0
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 150 \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/backend/test_ulysses_engine.py -k two_gpus 2>&1 \
+    | tee "$OUT/sp_tests.log" || rc=$?
+  [ "$rc" = 0 ] || echo "gpu_check: the Ulysses GPU test exited $rc (see sp_tests.log); going on" >&2
+elif [ "$SP_TESTS" = 1 ]; then
+  echo "gpu_check: $gpus GPU(s): the Ulysses cell needs two; skipped"
 fi
 
 left=$((BUDGET - SECONDS))

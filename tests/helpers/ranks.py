@@ -1,4 +1,5 @@
-"""Run a test body on two gloo ranks in spawned processes; a rank's error or a hang fails the test."""
+"""Run a test body on several ranks (gloo, or NCCL on GPUs) in spawned processes; a rank's error or a hang
+fails the test."""
 
 from __future__ import annotations
 
@@ -12,34 +13,37 @@ import torch.multiprocessing as mp
 from verl_prefix.tools.testing import _free_port
 
 
-def _rank_main(body: Callable, rank: int, port: int, results, args: tuple) -> None:
+def _rank_main(body: Callable, rank: int, port: int, results, args: tuple, world: int = 2, cuda: bool = False) -> None:
     try:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            VERL_PLATFORM="cpu",
-            VERL_ENGINE_DEVICE="cpu",
+            WORLD_SIZE=str(world),
+            VERL_PLATFORM="nvidia" if cuda else "cpu",
+            VERL_ENGINE_DEVICE="cuda" if cuda else "cpu",
         )
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
         results[rank] = body(rank, *args)
         dist.destroy_process_group()
     except BaseException:  # report to the parent instead of hanging it
         results[rank] = {"error": traceback.format_exc()}
 
 
-def run_two_ranks(body: Callable, *args: object, timeout: float = 300) -> dict[int, dict]:
-    """``body(rank, *args)`` on ranks 0 and 1 (a module-level function: spawn pickles it by name)."""
+def run_ranks(body: Callable, *args: object, world: int, timeout: float = 300, cuda: bool = False) -> dict[int, dict]:
+    """``body(rank, *args)`` on ranks ``0 .. world-1`` (a module-level function: spawn pickles it by name);
+    gloo on CPU, or with ``cuda`` NCCL with one GPU per rank and verl on its CUDA platform."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(body, r, port, results, args)) for r in range(2)]
+        procs = [ctx.Process(target=_rank_main, args=(body, r, port, results, args, world, cuda)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -49,6 +53,13 @@ def run_two_ranks(body: Callable, *args: object, timeout: float = 300) -> dict[i
             p.kill()
         assert not hung, "ranks hung: collectives out of lockstep"
         results = dict(results)
-    errors = [f"rank {r}: {results[r]['error']}" for r in range(2) if "error" in results[r]]
+    died = [f"rank {r} died with exit code {procs[r].exitcode}" for r in range(world) if r not in results]
+    assert not died, "; ".join(died)
+    errors = [f"rank {r}: {results[r]['error']}" for r in range(world) if "error" in results[r]]
     assert not errors, "\n".join(errors)
     return results
+
+
+def run_two_ranks(body: Callable, *args: object, timeout: float = 300) -> dict[int, dict]:
+    """``body(rank, *args)`` on ranks 0 and 1."""
+    return run_ranks(body, *args, world=2, timeout=timeout)

@@ -51,6 +51,7 @@ from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, r
 from verl_prefix.schedule.executor import infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.schedule.ulysses import Ulysses
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             refuse_offload_on(self._device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
         self._dormant_now = Dormant()
+        self._sp_now: Ulysses | None = None  # the mini-batch's sequence-parallel group, while it runs
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
@@ -104,11 +106,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def _attach_moe_normalisation(self, data: TensorDict) -> None:
         """Logical tokens (prompt + response, every row) of the mini-batch over all DP ranks: the aux
         weights' denominator. Collective: every rank runs it when the knob is on."""
-        if self.use_ulysses_sp:
-            raise ValueError(
-                "moe_aux_loss_coef > 0 with Ulysses sequence parallelism: each rank would see only a shard "
-                "of every sequence's router statistics. Set moe_aux_loss_coef=0 or ulysses_sequence_parallel_size=1."
-            )
         self._moe_routers()
         # a fresh tensor: offsets()[-1] is a view, and all_reduce works in place
         tokens = torch.tensor(int(data["input_ids"].offsets()[-1]), device=get_device_id())
@@ -154,9 +151,29 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def _model_fallback_reason(self, forward_only: bool) -> str | None:
         """A reason the whole mini-batch must run dense because of the model or the knobs, or None."""
-        return fallbacks.model_fallback_reason(
-            self.module, self.reuse_config, forward_only=forward_only, ulysses=self.use_ulysses_sp
-        )
+        return fallbacks.model_fallback_reason(self.module, self.reuse_config, forward_only=forward_only)
+
+    def _agreement_group(self) -> Any:
+        """Where ranks agree on the path a mini-batch takes: FSDP's collectives (and, under Ulysses, the
+        all-to-alls) span every rank, so every rank of the data-parallel x sequence-parallel mesh."""
+        return None if self.use_ulysses_sp else self.get_data_parallel_group()
+
+    def _ulysses(self) -> Ulysses | None:
+        """The sequence-parallel group the schedule shards over (verl's Ulysses mesh), or None."""
+        return Ulysses(self.ulysses_parallel_group) if self.use_ulysses_sp else None
+
+    def _refuse_dense_under_ulysses(self, reason: str, dense_rows: int) -> None:
+        """A clear error instead of verl's dense Ulysses path where it is silently wrong (not flash attention)."""
+        if not self.use_ulysses_sp or dense_rows == 0:
+            return
+        error = fallbacks.dense_under_ulysses_error(self.module, reason)
+        if error is None and self._moe_aux_on(forward_only=False):
+            error = (
+                f"rows fall back to the stock engine ({reason}) under Ulysses with moe_aux_loss_coef > 0: the dense "
+                "path's router statistics would cover one slice of each sequence"
+            )
+        if error is not None:
+            raise ValueError(error)
 
     def _checked_batch(self, data: TensorDict, forward_only: bool) -> tuple[str | None, RowLayout | None]:
         """This rank's own fallback reason (None: it would reuse) and, when it would reuse, the row layout.
@@ -176,7 +193,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 return reason, None
             return reason, check_batch(data, forward_only=forward_only, reuse=reason is None)
 
-        return agree_on_validity(check, self.get_data_parallel_group())
+        return agree_on_validity(check, self._agreement_group())
 
     # -- the mini-batch -----------------------------------------------------------------------------
 
@@ -190,8 +207,10 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self._moe_aux_on(forward_only) and loss_function is not None:
             self._attach_moe_normalisation(data)
         # every data-parallel rank takes the same path, or their FSDP collectives would not match
-        reason = fallbacks.agree_on_fallback(local_reason, self.get_data_parallel_group())
+        reason = fallbacks.agree_on_fallback(local_reason, self._agreement_group())
         if reason is not None:
+            if reason != "disabled":  # reuse switched off is the stock engine, as the user asked
+                self._refuse_dense_under_ulysses(reason, len(data))
             meter = PhaseMeter(self._device(), model=self.module)
             with meter.phase("dense"):
                 output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
@@ -253,6 +272,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             "phase_b_attention": self.reuse_config.phase_b_attention,
             "prefix_chunk_tokens": self.reuse_config.prefix_chunk_tokens,
             "prefix_chunks": self._prefix_chunks_now,
+            "ulysses": self._sp_now,
         }
         if real:
             options.update(meter=self._meter, entropy_fn=self._entropy_fn())
@@ -270,8 +290,15 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         dense_rows = plan.all_dense_rows
         dense_chunks = self._dense_chunks(data, dense_rows)
         lockstep = agree_on_schedule(
-            plan, len(dense_chunks), self.get_data_parallel_group(), chunk_tokens=self.reuse_config.prefix_chunk_tokens
+            plan, len(dense_chunks), self._agreement_group(), chunk_tokens=self.reuse_config.prefix_chunk_tokens
         )
+        reasons = ", ".join(reason for reason, rows in plan.dense_rows.items() if rows)
+        self._refuse_dense_under_ulysses(reasons, len(dense_rows))
+        if self.use_ulysses_sp and self.reuse_config.prefix_chunk_tokens:
+            raise ValueError(
+                "prefix_reuse.prefix_chunk_tokens does not run under Ulysses sequence parallelism yet: set it to 0"
+            )
+        self._sp_now = self._ulysses()
 
         device = self._device()
         self._meter = PhaseMeter(device, model=self.module)
@@ -285,7 +312,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             plan,
             lockstep.num_groups,
             device,
-            self.get_data_parallel_group(),
+            self._agreement_group(),
         )
         temperature = per_row_temperature(data)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
@@ -349,8 +376,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
         output["metrics"].update(self._meter.metrics(logical, physical, phases=phases))
         output["metrics"].update(dormant_stats.metrics())
+        if self._sp_now is not None:
+            output["metrics"].update(self._sp_now.metrics())
         self._dormant_now = Dormant()
         self._prefix_chunks_now = 0
+        self._sp_now = None
         return output
 
     def _device(self) -> torch.device:

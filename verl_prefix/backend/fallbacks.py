@@ -39,16 +39,12 @@ _BATCH_FLAGS = {
 }
 
 
-def model_fallback_reason(
-    module: nn.Module, reuse: PrefixReuseConfig, *, forward_only: bool, ulysses: bool
-) -> str | None:
+def model_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, *, forward_only: bool) -> str | None:
     """A reason the whole mini-batch must run dense because of the model or the knobs, or None."""
     if not reuse.enable:
         return "disabled"
     if forward_only and not reuse.forward_only_reuse:
         return "forward_only_disabled"
-    if ulysses:
-        return "ulysses"
     if base_attention_implementation(module) not in PREFIX_ATTENTION_NAMES:
         return "attn_implementation"
     if not forward_only and has_active_dropout(module):
@@ -61,6 +57,27 @@ def model_fallback_reason(
         # a per-forward random router sample or an in-gate aux loss would see the prefix once per group
         return moe.stochastic_routing_reason(module) or moe.in_model_aux_reason(module)
     return None
+
+
+# attention implementations verl's Ulysses patch wraps with its all-to-alls (``_flash_attention_forward``)
+ULYSSES_DENSE_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def dense_under_ulysses_error(module: nn.Module, reason: str) -> str | None:
+    """Why rows that fall back to the stock engine cannot run under Ulysses, or None.
+
+    verl's dense Ulysses path all-to-alls only inside flash attention; with sdpa or eager each rank would
+    attend within its own slice of every sequence and train on the result without a word. Reuse does
+    its own all-to-alls for any attention, so only the dense rows are refused."""
+    implementation = base_attention_implementation(module)
+    if implementation in ULYSSES_DENSE_ATTENTION:
+        return None
+    return (
+        f"rows fall back to the stock engine ({reason}) under Ulysses sequence parallelism, but verl's dense "
+        f"Ulysses path only covers flash attention and this model uses attn_implementation={implementation!r}: "
+        "each rank would attend within its own slice of every sequence. Use flash_attention_2, make every "
+        "row reusable, or set ulysses_sequence_parallel_size=1."
+    )
 
 
 def has_active_dropout(model: nn.Module) -> bool:

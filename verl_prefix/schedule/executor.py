@@ -37,6 +37,7 @@ from verl_prefix.schedule.prefix_kv import (
     prefix_attention_mode,
 )
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
+from verl_prefix.schedule.ulysses import Ulysses
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
 # log-probs of rows[k] (length = its response), entropy likewise or None.
@@ -104,12 +105,16 @@ def prefix_forward(
     routers: moe.MoeRouters | None = None,
     earlier: PrefixKV | None = None,
     attention: str = "auto",
+    ulysses: Ulysses | None = None,
 ) -> PrefixKV:
     """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
     ``routers``, the prefix's router statistics). Early exit comes after the last K/V or the last
     router, whichever runs later. With ``earlier`` (a chunked prefix, ``verl_prefix.schedule.chunked``)
     the tokens are a later chunk that attends to the earlier chunks' K/V the way phase B's rows do
-    (``attention`` as ``phase_b_attention``)."""
+    (``attention`` as ``phase_b_attention``). With ``ulysses`` this rank runs its slice of the prefix and
+    keeps its head shard of the whole prefix's K/V; router statistics are summed over the slices."""
+    if earlier is not None and ulysses is not None:
+        raise ValueError("a chunked prefix does not run under Ulysses sequence parallelism")
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -119,12 +124,21 @@ def prefix_forward(
     capture = routers.capture(on_complete=routers_done) if routers is not None else nullcontext([])
     with capture as router_logits:
         ready = lambda: all(lg is not None for lg in router_logits)  # noqa: E731
+        length = prefix_ids.shape[-1]
         if earlier is None:
-            ctx = CaptureContext(num_decoder_layers(model), early_exit=early_exit, ready=ready)
+            ctx = CaptureContext(
+                num_decoder_layers(model),
+                early_exit=early_exit,
+                ready=ready,
+                ulysses=ulysses,
+                length=length if ulysses is not None else None,
+            )
         else:
             ctx = ChunkCaptureContext(
                 num_decoder_layers(model), early_exit, earlier, len(prefix_ids), prefix_ids.device, attention, ready
             )
+        if ulysses is not None:
+            prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
         try:
             model(
                 input_ids=prefix_ids[None],
@@ -138,8 +152,21 @@ def prefix_forward(
     if not ctx.kv.complete:
         raise RuntimeError("phase A did not capture K/V for every layer; is the model a supported decoder?")
     if routers is not None:
-        ctx.kv.router_stats = routers.stats(router_logits)
+        if ulysses is None:
+            ctx.kv.router_stats = routers.stats(router_logits)
+        else:
+            local = routers.stats(router_logits, ulysses.real_tokens(length, prefix_ids.device))
+            ctx.kv.router_stats = ulysses.sum_stats(local)
     return ctx.kv
+
+
+def suffix_router_stats(
+    routers: moe.MoeRouters, router_logits: list, batch: SuffixBatch, ulysses: Ulysses | None = None
+) -> moe.RouterStats:
+    """The micro-batch's own router statistics over its real tokens (summed over sequence slices)."""
+    if ulysses is None:
+        return routers.stats(router_logits, batch.tokens)
+    return ulysses.sum_stats(routers.stats(router_logits, ulysses.shard(batch.tokens)))
 
 
 def suffix_forward(
@@ -151,6 +178,7 @@ def suffix_forward(
     entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
     attention: str = "auto",
     meter: PhaseMeter | None = None,
+    ulysses: Ulysses | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does.
 
@@ -159,19 +187,32 @@ def suffix_forward(
 
     No copy of the ``[tokens, vocab]`` logits: log-probs and entropy are row-wise, so they run on a view
     of the padded ``[B * S, vocab]`` logits (pad positions cost a little compute, no memory) and only the
-    ``[B, S]`` results are indexed; a temperature other than 1 divides the logits in place."""
-    ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device, attention)
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, prefix_ctx=ctx)
+    ``[B, S]`` results are indexed; a temperature other than 1 divides the logits in place.
+
+    With ``ulysses`` the rows run as this rank's slice of their positions; the ``[B, S]`` results are
+    gathered over the group (the gather's backward scales the local slice, see ``schedule.ulysses``)."""
+    rows, full_width = batch.input_ids.shape
+    input_ids, position_ids, labels = batch.input_ids, batch.position_ids, batch.labels
+    if ulysses is not None:
+        input_ids, labels = ulysses.shard(input_ids), ulysses.shard(labels)
+        position_ids = ulysses.shard(position_ids, continue_positions=True)
+    query_len = full_width if ulysses is None else ulysses.padded(full_width)
+    ctx = ServeContext(prefix, query_len, batch.input_ids.device, attention, ulysses)
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(meter, ctx)
-    rows, width = batch.input_ids.shape
+    width = input_ids.shape[1]
     logits = out.logits.reshape(rows * width, -1)  # a view: lm_head's output is contiguous
     if not bool((temperature == 1).all()):
         row_temperature = temperature.to(logits.device, torch.float32).repeat_interleave(width)
         logits = logits.div_(row_temperature.to(logits.dtype).unsqueeze(-1))  # lm_head's backward needs no output
-    entropy = entropy_fn(logits).view(rows, width)[batch.valid] if calculate_entropy else None
-    log_probs = logprobs_from_logits(logits, batch.labels.reshape(-1), inplace_backward=not calculate_entropy)
-    split = list(log_probs.view(rows, width)[batch.valid].split(batch.lengths))
-    return split, (list(entropy.split(batch.lengths)) if entropy is not None else None)
+    entropy = entropy_fn(logits).view(rows, width) if calculate_entropy else None
+    log_probs = logprobs_from_logits(logits, labels.reshape(-1), inplace_backward=not calculate_entropy)
+    log_probs = log_probs.view(rows, width)
+    if ulysses is not None:
+        log_probs = ulysses.gather(log_probs, full_width)
+        entropy = ulysses.gather(entropy, full_width) if entropy is not None else None
+    split = list(log_probs[batch.valid].split(batch.lengths))
+    return split, (list(entropy[batch.valid].split(batch.lengths)) if entropy is not None else None)
 
 
 def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
@@ -271,6 +312,7 @@ def train_group(
     dormant: Dormant | None = None,
     prefix_chunk_tokens: int | None = None,
     prefix_chunks: int = 0,
+    ulysses: Ulysses | None = None,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
@@ -283,6 +325,7 @@ def train_group(
     ``prefix_chunk_tokens`` runs phases A and C in chunks of that many prefix tokens
     (``verl_prefix.schedule.chunked``); ``prefix_chunks`` is the least number of prefix forwards to run
     (data-parallel lockstep: one-token filler chunks make up the difference).
+    ``ulysses``: run every phase sequence-parallel over that group (``verl_prefix.schedule.ulysses``).
     """
     if (routers is None) != (aux_fn is None):
         raise ValueError("routers and aux_fn go together")
@@ -292,7 +335,7 @@ def train_group(
     losses = []
 
     def run_prefix() -> PrefixKV:
-        return prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers)
+        return prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers, ulysses=ulysses)
 
     chunked = _chunked(
         model,
@@ -305,6 +348,11 @@ def train_group(
         phase_b_attention,
         min_dtype=prefix_grad_dtype,
     )
+    if chunked is not None and ulysses is not None:
+        raise ValueError(
+            "prefix_reuse.prefix_chunk_tokens does not run under Ulysses sequence parallelism yet: "
+            "set it to 0 (the slices already divide the prefix's activations by the SP size)"
+        )
     last = len(group.micro_batches) + group.filler_micro_batches - 1
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(device):
@@ -336,10 +384,11 @@ def train_group(
                             entropy_fn,
                             phase_b_attention,
                             meter,
+                            ulysses,
                         )
                     loss = loss_fn(rows, log_probs, entropy)
                     if routers is not None:
-                        suffix_stats = routers.stats(router_logits, batch.tokens)
+                        suffix_stats = suffix_router_stats(routers, router_logits, batch, ulysses)
                         stats = moe.logical_stats(leaves.router_stats, suffix_stats, copies=len(rows))
                         loss = loss + aux_fn(rows, stats)
                 if index == last:
@@ -352,7 +401,13 @@ def train_group(
             with meter.phase("B") as saved_b:
                 with autocast():
                     log_probs, _ = suffix_forward(
-                        model, leaves, batch, temperature[group.rows[:1]], False, attention=phase_b_attention
+                        model,
+                        leaves,
+                        batch,
+                        temperature[group.rows[:1]],
+                        False,
+                        attention=phase_b_attention,
+                        ulysses=ulysses,
                     )
                 if index == last:
                     dormant.before_last_backward()
@@ -428,6 +483,7 @@ def infer_group(
     phase_b_attention: str = "auto",
     prefix_chunk_tokens: int | None = None,
     prefix_chunks: int = 0,
+    ulysses: Ulysses | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``.
     ``prefix_chunk_tokens``/``prefix_chunks``: phase A in chunks, as in ``train_group`` (no backward)."""
@@ -437,10 +493,15 @@ def infer_group(
     chunked = _chunked(
         model, prefix_ids, prefix_pos, prefix_chunk_tokens, prefix_chunks, True, None, phase_b_attention, False, None
     )
+    if chunked is not None and ulysses is not None:
+        raise ValueError(
+            "prefix_reuse.prefix_chunk_tokens does not run under Ulysses sequence parallelism yet: "
+            "set it to 0 (the slices already divide the prefix's activations by the SP size)"
+        )
     with prefix_attention_mode(model), autocast():
         with meter.phase("A"):
             if chunked is None:
-                prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True)
+                prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True, ulysses=ulysses)
             else:
                 prefix = chunked.forward(keep_graphs=False)
         meter.note_prefix_kv(prefix.tensors())
@@ -448,12 +509,28 @@ def infer_group(
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)
             with meter.phase("B"):
                 log_probs, entropy = suffix_forward(
-                    model, prefix, batch, temperature[rows], calculate_entropy, entropy_fn, phase_b_attention, meter
+                    model,
+                    prefix,
+                    batch,
+                    temperature[rows],
+                    calculate_entropy,
+                    entropy_fn,
+                    phase_b_attention,
+                    meter,
+                    ulysses,
                 )
             for k, i in enumerate(rows):
                 results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
         for _ in range(group.filler_micro_batches):
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
             with meter.phase("B"):
-                suffix_forward(model, prefix, batch, temperature[group.rows[:1]], False, attention=phase_b_attention)
+                suffix_forward(
+                    model,
+                    prefix,
+                    batch,
+                    temperature[group.rows[:1]],
+                    False,
+                    attention=phase_b_attention,
+                    ulysses=ulysses,
+                )
     return results

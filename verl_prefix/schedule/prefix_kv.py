@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.models.llama import modeling_llama
 
 from verl_prefix.schedule.merged_attention import merged_attention, merged_refusal
+from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
 
 if TYPE_CHECKING:
     from verl_prefix.schedule.moe import RouterStats
@@ -128,12 +129,22 @@ class PrefixKV:
 class CaptureContext:
     """Phase A: record each layer's K/V while the prefix runs causally over itself."""
 
-    def __init__(self, num_layers: int, early_exit: bool, ready: Callable[[], bool] = lambda: True) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        early_exit: bool,
+        ready: Callable[[], bool] = lambda: True,
+        ulysses: Ulysses | None = None,
+        length: int | None = None,
+    ) -> None:
         self.kv = PrefixKV(num_layers)
         self.last_layer = num_layers - 1
         self.early_exit = early_exit
         # early exit at the last K/V only once nothing else phase A needs is still to come (MoE routers)
         self.ready = ready
+        # under sequence parallelism attention sees the padded whole prefix; the K/V kept are its real part
+        self.ulysses = ulysses
+        self.length = length
 
     def attend(
         self,
@@ -149,10 +160,11 @@ class CaptureContext:
         # only the first pass decides the early exit (a recompute must replay what the forward did).
         first = self.kv.keys[layer] is None
         if first:
-            self.kv.keys[layer], self.kv.values[layer] = key, value
+            end = key.shape[2] if self.length is None else self.length
+            self.kv.keys[layer], self.kv.values[layer] = key[:, :, :end], value[:, :, :end]
             self.kv.captured_with_grad[layer] = torch.is_grad_enabled()
         if first and self.early_exit and layer == self.last_layer and self.ready():
-            self.kv.interrupted = module
+            self.kv.interrupted = getattr(module, "wrapped", module)  # the real module under a head-shard view
             raise PrefixCaptured
         return self._attention(module, base, query, key, value, **kwargs)
 
@@ -197,10 +209,18 @@ class ServeContext:
     ``cat(prefix.expand(B), suffix)`` (the reference path); ``auto`` runs merged where its kernels serve
     the call (sdpa/flash models) and concat elsewhere, recording why in ``refusals``."""
 
-    def __init__(self, prefix: PrefixKV, query_len: int, device: torch.device, attention: str = "auto") -> None:
+    def __init__(
+        self,
+        prefix: PrefixKV,
+        query_len: int,
+        device: torch.device,
+        attention: str = "auto",
+        ulysses: Ulysses | None = None,
+    ) -> None:
         if attention not in PHASE_B_ATTENTION:
             raise ValueError(f"phase_b_attention must be one of {PHASE_B_ATTENTION}, got {attention!r}")
         self.prefix = prefix
+        self.ulysses = ulysses  # query_len is then the padded whole suffix width attention sees
         self.query_len = query_len
         self.device = device
         self.attention = attention
@@ -294,7 +314,13 @@ def _make_prefix_attention(base_kind: str) -> Callable:
                 "implementation was left switched to prefix mode outside the reuse schedule"
             )
         base = sdpa_attention_forward if base_kind == "sdpa" else _eager_for(module)
-        return ctx.attend(module, base, query, key, value, **kwargs)
+        ulysses = ctx.ulysses
+        if ulysses is None:
+            return ctx.attend(module, base, query, key, value, **kwargs)
+        query, key, value = ulysses.heads_in(query, key, value)
+        shard = ShardedAttentionModule(module, query.shape[1], key.shape[1])
+        out, weights = ctx.attend(shard, base, query, key, value, **kwargs)
+        return ulysses.heads_out(out), weights
 
     prefix_attention.__name__ = f"verl_prefix_{base_kind}_attention"
     return prefix_attention

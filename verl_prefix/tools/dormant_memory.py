@@ -28,6 +28,7 @@ from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.schedule.ulysses import Ulysses
 from verl_prefix.tools.bench import MODEL_29M, SMOKE_MODEL, ModelSpec
 
 _MIB = 1024.0**2
@@ -93,9 +94,11 @@ def measure(
     rows: int,
     chunk_tokens: int | None = None,
     spec: ModelSpec = MODEL_29M,
+    ulysses: Ulysses | None = None,
 ) -> dict[str, float]:
     """One group through A/B/C under ``policy`` (prefix in chunks of ``chunk_tokens`` if set) in this
-    process; the figures of ``main``."""
+    process; the figures of ``main``. With ``ulysses`` this rank runs its sequence-parallel share
+    (``verl_prefix.tools.sp_memory``)."""
     torch.set_num_threads(1)
     model = _model(spec)
     loaded_rss = psutil.Process().memory_info().rss
@@ -126,6 +129,7 @@ def measure(
             meter=meter,
             dormant=D.Dormant(policy, stats=stats),
             prefix_chunk_tokens=chunk_tokens,
+            ulysses=ulysses,
         )
 
     run(meter, stats)

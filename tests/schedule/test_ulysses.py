@@ -1,0 +1,124 @@
+"""The A/B/C schedule under Ulysses sequence parallelism (gloo ranks, plain HF model, no FSDP).
+
+Each rank runs its slice of every sequence; summed over the group and divided by its size (what FSDP's
+average over the sequence-parallel ranks does), the parameter gradients must be plain HF's dense ones,
+and the gathered log-probs dense's log-probs. Prompts of 9 and 6 tokens give prefixes of 8 and 5:
+one divides the group size, one does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.layouts import make_layout, token_weights
+from helpers.ranks import run_ranks
+
+GROUPS = [(9, [4, 7, 1, 6]), (6, [3, 5, 2])]
+
+
+def _body(rank: int, kv_heads: int, attn: str, attention: str, control: str | None, variant: str = "") -> dict:
+    from helpers.precision import promote_fp32_upcasts
+
+    with promote_fp32_upcasts():
+        return _compare(kv_heads, attn, attention, control, variant)
+
+
+def _compare(kv_heads: int, attn: str, attention: str, control: str | None, variant: str) -> dict:
+    import torch.distributed as dist
+    from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from verl_prefix.schedule import ulysses as ulysses_mod
+    from verl_prefix.schedule.dormant import Dormant
+    from verl_prefix.schedule.executor import infer_group, train_group
+    from verl_prefix.schedule.grouping import plan_batch
+    from verl_prefix.schedule.ulysses import Ulysses
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=max(4, dist.get_world_size()),  # heads divide over the ranks
+        num_key_value_heads=kv_heads,
+        head_dim=12,
+        attn_implementation=attn,
+        initializer_range=0.2,
+    )
+    model = AutoModelForCausalLM.from_config(config).to(torch.float64).train()
+    if variant == "checkpointed-recompute":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layout = make_layout(GROUPS, seed=3)
+    weights = token_weights(layout, torch.float64)
+    want = dense_grads(model, layout, weights, with_entropy=True)
+    want_lp, want_ent = dense_response_outputs(model, layout)
+
+    if control == "padded_prefix_kv":  # phase A keeps the prefix's alignment padding as K/V
+        from verl_prefix.schedule import prefix_kv
+
+        init = prefix_kv.CaptureContext.__init__
+        prefix_kv.CaptureContext.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "length": None})
+    if control == "unscaled_gather":  # log-prob gradients not scaled back by the group size
+        ulysses_mod.Ulysses.gather = lambda self, x, length: ulysses_mod.gather_outputs_and_unpad(
+            x, 1, 1, self.padded(length) - length, grad_scaler=False, group=self.group
+        )
+    sp = Ulysses(dist.group.WORLD)
+    model.zero_grad()
+    plan = plan_batch(layout, max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    assert not plan.dense_rows and len(plan.groups) == 2
+    options = dict(calculate_entropy=True, device=torch.device("cpu"), phase_b_attention=attention, ulysses=sp)
+    for group in plan.groups:
+        dormant = Dormant("recompute") if variant == "checkpointed-recompute" else None
+        train_group(model, layout, group, torch.ones(len(layout)), weighted_loss(weights), dormant=dormant, **options)
+    got = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        got[name] = grad / sp.size
+    worst = max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
+    results = {}
+    for group in plan.groups:
+        results.update(infer_group(model, layout, group, torch.ones(len(layout)), **options))
+    infer = max(
+        max((results[i][0] - want_lp[i]).abs().max().item(), (results[i][1] - want_ent[i]).abs().max().item())
+        for i in range(len(layout))
+    )
+    return {"worst": worst, "infer": infer, "all_to_all_bytes": sp.all_to_all_bytes}
+
+
+@pytest.mark.parametrize(
+    "kv_heads, attn, attention",
+    [(2, "sdpa", "merged"), (2, "sdpa", "concat"), (1, "sdpa", "merged"), (1, "eager", "auto")],
+    ids=["gqa2-merged", "gqa2-concat", "kv1-repeated-merged", "kv1-eager"],
+)
+def test_sequence_parallel_schedule_matches_dense_hf(kv_heads, attn, attention):
+    """fp64 1e-10 against plain HF on one rank; ``kv_heads=1`` < sp=2 repeats the K/V heads as verl does."""
+    results = run_ranks(_body, kv_heads, attn, attention, None, world=2)
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-10, results[rank]
+        assert results[rank]["infer"] < 1e-10, results[rank]
+        assert results[rank]["all_to_all_bytes"] > 0  # the attention really ran sequence-parallel
+
+
+@pytest.mark.parametrize(
+    "world, kv_heads, variant",
+    [(4, 2, ""), (8, 2, ""), (2, 2, "checkpointed-recompute")],
+    ids=["sp4-kv2-repeated", "sp8-kv2-repeated", "sp2-checkpointed-recompute"],
+)
+def test_more_ranks_and_the_memory_policies(world, kv_heads, variant):
+    """SP=4 and 8 over as many query heads and 2 K/V heads (repeated to one per rank); non-reentrant checkpointing with
+    the ``recompute`` policy, whose phase C re-runs the prefix (all-to-alls included) before its backward."""
+    results = run_ranks(_body, kv_heads, "sdpa", "merged", None, variant, world=world)
+    for rank in range(world):
+        assert results[rank]["worst"] < 1e-10, results[rank]
+        assert results[rank]["infer"] < 1e-10, results[rank]
+
+
+@pytest.mark.parametrize("control", ["padded_prefix_kv", "unscaled_gather"])
+def test_negative_controls_fail(control):
+    """Serving the prefix's alignment padding as keys, or dropping the gather's gradient scale, must show."""
+    results = run_ranks(_body, 2, "sdpa", "merged", control, world=2)
+    assert max(results[r]["worst"] for r in range(2)) > 1e-3
+
+
+pytestmark = pytest.mark.timeout(600)
