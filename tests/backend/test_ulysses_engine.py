@@ -44,7 +44,9 @@ def _rows(nested, start: int, count: int) -> list:
     return list(nested.unbind())[start : start + count]
 
 
-def _body(rank: int, model_dir: str, world: int, sp: int, dtype: str, aux: bool, short_prefix: bool) -> dict:
+def _body(
+    rank: int, model_dir: str, world: int, sp: int, dtype: str, aux: bool, short_prefix: bool, chunks: int = 0
+) -> dict:
     from helpers.precision import promote_fp32_upcasts
     from verl.utils import tensordict_utils as tu
 
@@ -54,7 +56,7 @@ def _body(rank: int, model_dir: str, world: int, sp: int, dtype: str, aux: bool,
     parts = [_part(i, short_prefix) for i in range(world)]
     dp_rank = rank // sp
     mine = tu.concat_tensordict(parts[dp_rank * sp : (dp_rank + 1) * sp])  # this SP group's mini-batch
-    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2, prefix_chunk_tokens=chunks)
     kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=2, entropy_coeff=0.01, use_remove_padding=True)
     ref_backend = "prefix_fsdp2" if aux else "fsdp2"
     ref, ref_loss, _ = T.build_verl_engine(model_dir, backend=ref_backend, **kwargs)
@@ -65,6 +67,8 @@ def _body(rank: int, model_dir: str, world: int, sp: int, dtype: str, aux: bool,
         **kwargs,
     )
     got_engine.reuse_config = reuse
+    if chunks:  # one chunk's graph at a time: phase C rebuilds each before its backward
+        got_engine.dormant_prefix = "recompute"
     if aux:
         ref.reuse_config = reuse
         ref.moe_aux_loss_coef = got_engine.moe_aux_loss_coef = 0.01
@@ -100,6 +104,7 @@ CASES = {
     "sp2-kv1-below-sp": (2, 2, dict(family="qwen3", num_kv_heads=1), "float64", False),
     "sp2-moe-aux": (2, 2, dict(family="qwen3_moe", experts_implementation="eager"), "float64", True),
     "dp2xsp2": (4, 2, dict(family="qwen3"), "float32", False),
+    "sp2-chunked-recompute": (2, 2, dict(family="qwen3"), "float64", False),
 }
 
 
@@ -107,7 +112,8 @@ CASES = {
 def test_ulysses_reuse_matches_the_engine_without_sequence_parallelism(tiny_model, case):
     world, sp, model, dtype, aux = CASES[case]
     model_dir = tiny_model(**model)
-    results = run_ranks(_body, str(model_dir), world, sp, dtype, aux, False, world=world, timeout=540)
+    chunks = 4 if "chunked" in case else 0  # prefixes of 8, 5, 11, 6 in chunks of 4: 2, 2, 3, 2 chunks
+    results = run_ranks(_body, str(model_dir), world, sp, dtype, aux, False, chunks, world=world, timeout=540)
     tol = 1e-10 if dtype == "float64" else 1e-5
     for rank in range(world):
         r = results[rank]
@@ -121,6 +127,8 @@ def test_ulysses_reuse_matches_the_engine_without_sequence_parallelism(tiny_mode
             assert metrics["prefix/sp/size"] == sp
             assert metrics["prefix/sp/all_to_all_mib"] > 0
             assert not [k for k in metrics if k.startswith("prefix/fallback_") and metrics[k]], metrics
+        if chunks:
+            assert r["metrics"]["prefix/chunked_groups"] == 2 and r["metrics"]["prefix/prefix_chunks"] == 4
         if world == 4 and rank < sp:  # the SP group with two groups ran a filler group for the other's third
             assert r["metrics"]["prefix/time_s/lockstep"] > 0
         if aux:  # the reference splits the SP group's mini-batch over its ranks: its mean over them

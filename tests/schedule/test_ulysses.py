@@ -67,8 +67,10 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None, vari
     plan = plan_batch(layout, max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
     assert not plan.dense_rows and len(plan.groups) == 2
     options = dict(calculate_entropy=True, device=torch.device("cpu"), phase_b_attention=attention, ulysses=sp)
+    if variant.startswith("chunked"):  # chunks of 3: prefixes 8 = 3+3+2 and 5 = 3+2, odd slices padded
+        options["prefix_chunk_tokens"] = 3
     for group in plan.groups:
-        dormant = Dormant("recompute") if variant == "checkpointed-recompute" else None
+        dormant = Dormant("recompute") if variant.endswith("recompute") else None
         train_group(model, layout, group, torch.ones(len(layout)), weighted_loss(weights), dormant=dormant, **options)
     got = {}
     for name, param in model.named_parameters():
@@ -102,12 +104,13 @@ def test_sequence_parallel_schedule_matches_dense_hf(kv_heads, attn, attention):
 
 @pytest.mark.parametrize(
     "world, kv_heads, variant",
-    [(4, 2, ""), (8, 2, ""), (2, 2, "checkpointed-recompute")],
-    ids=["sp4-kv2-repeated", "sp8-kv2-repeated", "sp2-checkpointed-recompute"],
+    [(4, 2, ""), (8, 2, ""), (2, 2, "checkpointed-recompute"), (2, 1, "chunked-recompute"), (2, 2, "chunked-keep")],
+    ids=["sp4-kv2-repeated", "sp8-kv2-repeated", "sp2-checkpointed-recompute", "sp2-chunked-recompute", "sp2-chunked"],
 )
 def test_more_ranks_and_the_memory_policies(world, kv_heads, variant):
     """SP=4 and 8 over as many query heads and 2 K/V heads (repeated to one per rank); non-reentrant checkpointing with
-    the ``recompute`` policy, whose phase C re-runs the prefix (all-to-alls included) before its backward."""
+    the ``recompute`` policy, whose phase C re-runs the prefix (all-to-alls included) before its backward;
+    a chunked prefix (each chunk sliced over the ranks, attending to the earlier chunks' head shards)."""
     results = run_ranks(_body, kv_heads, "sdpa", "merged", None, variant, world=world)
     for rank in range(world):
         assert results[rank]["worst"] < 1e-10, results[rank]

@@ -294,10 +294,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         )
         reasons = ", ".join(reason for reason, rows in plan.dense_rows.items() if rows)
         self._refuse_dense_under_ulysses(reasons, len(dense_rows))
-        if self.use_ulysses_sp and self.reuse_config.prefix_chunk_tokens:
-            raise ValueError(
-                "prefix_reuse.prefix_chunk_tokens does not run under Ulysses sequence parallelism yet: set it to 0"
-            )
         self._sp_now = self._ulysses()
 
         device = self._device()

@@ -113,8 +113,6 @@ def prefix_forward(
     the tokens are a later chunk that attends to the earlier chunks' K/V the way phase B's rows do
     (``attention`` as ``phase_b_attention``). With ``ulysses`` this rank runs its slice of the prefix and
     keeps its head shard of the whole prefix's K/V; router statistics are summed over the slices."""
-    if earlier is not None and ulysses is not None:
-        raise ValueError("a chunked prefix does not run under Ulysses sequence parallelism")
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -135,7 +133,14 @@ def prefix_forward(
             )
         else:
             ctx = ChunkCaptureContext(
-                num_decoder_layers(model), early_exit, earlier, len(prefix_ids), prefix_ids.device, attention, ready
+                num_decoder_layers(model),
+                early_exit,
+                earlier,
+                length,
+                prefix_ids.device,
+                attention,
+                ready,
+                ulysses,
             )
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
@@ -347,12 +352,8 @@ def train_group(
         routers,
         phase_b_attention,
         min_dtype=prefix_grad_dtype,
+        ulysses=ulysses,
     )
-    if chunked is not None and ulysses is not None:
-        raise ValueError(
-            "prefix_reuse.prefix_chunk_tokens does not run under Ulysses sequence parallelism yet: "
-            "set it to 0 (the slices already divide the prefix's activations by the SP size)"
-        )
     last = len(group.micro_batches) + group.filler_micro_batches - 1
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(device):
@@ -434,6 +435,7 @@ def _chunked(
     attention: str,
     requires_grad: bool = True,
     min_dtype: torch.dtype | None = torch.float32,
+    ulysses: Ulysses | None = None,
 ) -> ChunkedPrefix | None:
     """The group's prefix in chunks, or None where it runs whole (chunking off, or one chunk and no
     lockstep fillers to run)."""
@@ -449,6 +451,7 @@ def _chunked(
             routers=routers,
             earlier=earlier,
             attention=attention,
+            ulysses=ulysses,
         )
 
     return ChunkedPrefix(
@@ -491,13 +494,18 @@ def infer_group(
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     chunked = _chunked(
-        model, prefix_ids, prefix_pos, prefix_chunk_tokens, prefix_chunks, True, None, phase_b_attention, False, None
+        model,
+        prefix_ids,
+        prefix_pos,
+        prefix_chunk_tokens,
+        prefix_chunks,
+        True,
+        None,
+        phase_b_attention,
+        False,
+        None,
+        ulysses,
     )
-    if chunked is not None and ulysses is not None:
-        raise ValueError(
-            "prefix_reuse.prefix_chunk_tokens does not run under Ulysses sequence parallelism yet: "
-            "set it to 0 (the slices already divide the prefix's activations by the SP size)"
-        )
     with prefix_attention_mode(model), autocast():
         with meter.phase("A"):
             if chunked is None:

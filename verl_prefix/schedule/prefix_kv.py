@@ -191,9 +191,12 @@ class ChunkCaptureContext(CaptureContext):
         device: torch.device,
         attention: str = "auto",
         ready: Callable[[], bool] = lambda: True,
+        ulysses: Ulysses | None = None,
     ) -> None:
-        super().__init__(num_layers, early_exit, ready)
-        self.serve = ServeContext(earlier, query_len, device, attention)
+        # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
+        super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
+        padded = query_len if ulysses is None else ulysses.padded(query_len)
+        self.serve = ServeContext(earlier, padded, device, attention, ulysses)
 
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
