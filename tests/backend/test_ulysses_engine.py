@@ -149,13 +149,17 @@ def test_ulysses_reuse_on_two_gpus(tiny_model):
         assert_reuse_ran(results[rank]["metrics"], groups=2)
 
 
-def test_dense_rows_under_ulysses_without_flash_attention_are_an_error(tiny_model):
+@pytest.mark.parametrize("world", [2, 4])
+def test_dense_rows_under_ulysses_without_flash_attention_are_an_error(tiny_model, world):
     """A group with a 2-token prompt cannot reuse; verl's dense Ulysses path would attend within each
-    rank's slice under sdpa, so every rank raises the same clear error instead of training on it."""
-    results = run_ranks(_body, str(tiny_model("qwen3")), 2, 2, "float64", False, True, world=2)
-    for rank in range(2):
+    rank's slice under sdpa, so every rank raises a clear error instead of training on it. With four ranks
+    only the first SP group has that row: the other raises too (it would have filled in for it) instead
+    of waiting in a collective."""
+    results = run_ranks(_body, str(tiny_model("qwen3")), world, 2, "float64", False, True, world=world)
+    for rank in range(world):
         message = results[rank]["error_message"]
-        assert "short_prefix" in message and "attn_implementation='sdpa'" in message
+        assert "attn_implementation='sdpa'" in message
+        assert ("short_prefix" if rank < 2 else "another rank's rows") in message
 
 
 def test_dense_rows_are_refused_only_where_verls_ulysses_path_is_wrong():

@@ -162,9 +162,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """The sequence-parallel group the schedule shards over (verl's Ulysses mesh), or None."""
         return Ulysses(self.ulysses_parallel_group) if self.use_ulysses_sp else None
 
-    def _refuse_dense_under_ulysses(self, reason: str, dense_rows: int) -> None:
+    def _refuse_dense_under_ulysses(self, reason: str, dense_runs: int) -> None:
         """A clear error instead of verl's dense Ulysses path where it is silently wrong (not flash attention)."""
-        if not self.use_ulysses_sp or dense_rows == 0:
+        if not self.use_ulysses_sp or dense_runs == 0:
             return
         error = fallbacks.dense_under_ulysses_error(self.module, reason)
         if error is None and self._moe_aux_on(forward_only=False):
@@ -292,8 +292,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         lockstep = agree_on_schedule(
             plan, len(dense_chunks), self._agreement_group(), chunk_tokens=self.reuse_config.prefix_chunk_tokens
         )
-        reasons = ", ".join(reason for reason, rows in plan.dense_rows.items() if rows)
-        self._refuse_dense_under_ulysses(reasons, len(dense_rows))
+        # on the agreed count, so that every rank refuses together (a rank without dense rows fills in for them)
+        reasons = ", ".join(reason for reason, rows in plan.dense_rows.items() if rows) or "another rank's rows"
+        self._refuse_dense_under_ulysses(reasons, lockstep.num_dense_chunks)
         self._sp_now = self._ulysses()
 
         device = self._device()
