@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
+from helpers.schedule_runs import train_reuse
 from hypothesis import given
 from hypothesis import strategies as st
 from test_dormant_policies import CountingStore
@@ -18,7 +19,7 @@ from test_schedule_hf import TOLERANCE, dense_grads, dense_response_outputs, tin
 
 from verl_prefix.schedule import chunked as C
 from verl_prefix.schedule import dormant as D
-from verl_prefix.schedule.executor import infer_group, train_group
+from verl_prefix.schedule.executor import infer_group
 from verl_prefix.schedule.grouping import plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.tools.dormant_memory import LiveSaved
@@ -31,24 +32,18 @@ LAYOUT = [(13, [4, 7, 1, 6, 3]), (8, [5, 3, 6]), (4, [2, 4])]
 def run_chunked(
     model, layout, weights, policy, chunk_tokens, *, min_chunks=0, meter=None, stats=None, rows=2, early_exit=True
 ):
-    model.zero_grad()
-    plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    for group in plan.groups:
-        train_group(
-            model,
-            layout,
-            group,
-            torch.ones(len(layout)),
-            weighted_loss(weights),
-            calculate_entropy=True,
-            device=CPU,
-            meter=meter,
-            dormant=D.Dormant(policy, stats=stats, store_factory=CountingStore),
-            prefix_chunk_tokens=chunk_tokens,
-            prefix_chunks=min_chunks,
-            early_exit=early_exit,
-        )
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, plan
+    return train_reuse(
+        model,
+        layout,
+        weighted_loss(weights),
+        rows=rows,
+        calculate_entropy=True,
+        meter=meter,
+        dormant=lambda: D.Dormant(policy, stats=stats, store_factory=CountingStore),
+        prefix_chunk_tokens=chunk_tokens,
+        prefix_chunks=min_chunks,
+        early_exit=early_exit,
+    )
 
 
 @pytest.mark.parametrize(

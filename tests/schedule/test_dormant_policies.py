@@ -8,14 +8,13 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
+from helpers.schedule_runs import train_reuse
 from test_moe import compare as moe_compare
 from test_moe import tiny_moe
 from test_schedule_hf import TOLERANCE, dense_grads, tiny_model, weighted_loss, worst_relative
 
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import executor
-from verl_prefix.schedule.executor import train_group
-from verl_prefix.schedule.grouping import plan_batch
 from verl_prefix.schedule.prefix_kv import prefix_attention_mode
 from verl_prefix.schedule.telemetry import PhaseMeter
 
@@ -38,21 +37,15 @@ def dormant(policy: str, stats: D.DormantStats | None = None, **kwargs) -> D.Dor
 
 
 def run_policy(model, layout, weights, policy, *, rows=3, meter=None, stats=None, **kwargs):
-    model.zero_grad()
-    plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    for group in plan.groups:
-        train_group(
-            model,
-            layout,
-            group,
-            torch.ones(len(layout)),
-            weighted_loss(weights),
-            calculate_entropy=True,
-            device=CPU,
-            meter=meter,
-            dormant=dormant(policy, stats, **kwargs),
-        )
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, plan
+    return train_reuse(
+        model,
+        layout,
+        weighted_loss(weights),
+        rows=rows,
+        calculate_entropy=True,
+        meter=meter,
+        dormant=lambda: dormant(policy, stats, **kwargs),
+    )
 
 
 @pytest.mark.parametrize(

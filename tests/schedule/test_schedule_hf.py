@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers.layouts import VOCAB, make_layout, token_weights, use_suffix_only_mask
 from helpers.precision import promote_fp32_upcasts
+from helpers.schedule_runs import train_reuse
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from verl_prefix.schedule import executor as schedule
@@ -67,20 +68,16 @@ def dense_grads(model, layout, weights, with_entropy=False) -> dict[str, torch.T
 
 
 def reuse_grads(model, layout, weights, *, max_rows=None, with_entropy=False, min_group_size=1):
-    model.zero_grad()
-    plan = plan_batch(layout, max_rows=max_rows, max_tokens=None, min_prefix_len=1, min_group_size=min_group_size)
+    grads, plan = train_reuse(
+        model,
+        layout,
+        weighted_loss(weights),
+        rows=max_rows,
+        min_group_size=min_group_size,
+        calculate_entropy=with_entropy,
+    )
     assert not plan.dense_rows
-    for group in plan.groups:
-        train_group(
-            model,
-            layout,
-            group,
-            torch.ones(len(layout)),
-            weighted_loss(weights),
-            calculate_entropy=with_entropy,
-            device=torch.device("cpu"),
-        )
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads
 
 
 def worst_relative(got: dict, want: dict) -> float:

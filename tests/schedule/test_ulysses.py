@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.ranks import run_ranks
+from helpers.schedule_runs import train_reuse
 
 GROUPS = [(9, [4, 7, 1, 6]), (6, [3, 5, 2])]
 
@@ -29,8 +30,7 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None, vari
 
     from verl_prefix.schedule import ulysses as ulysses_mod
     from verl_prefix.schedule.dormant import Dormant
-    from verl_prefix.schedule.executor import infer_group, train_group
-    from verl_prefix.schedule.grouping import plan_batch
+    from verl_prefix.schedule.executor import infer_group
     from verl_prefix.schedule.ulysses import Ulysses
 
     torch.manual_seed(0)
@@ -63,18 +63,14 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None, vari
             x, 1, 1, self.padded(length) - length, grad_scaler=False, group=self.group
         )
     sp = Ulysses(dist.group.WORLD)
-    model.zero_grad()
-    plan = plan_batch(layout, max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    assert not plan.dense_rows and len(plan.groups) == 2
     options = dict(calculate_entropy=True, device=torch.device("cpu"), phase_b_attention=attention, ulysses=sp)
     if variant.startswith("chunked"):  # chunks of 3: prefixes 8 = 3+3+2 and 5 = 3+2, odd slices padded
         options["prefix_chunk_tokens"] = 3
-    for group in plan.groups:
-        dormant = Dormant("recompute") if variant.endswith("recompute") else None
-        train_group(model, layout, group, torch.ones(len(layout)), weighted_loss(weights), dormant=dormant, **options)
+    recompute = (lambda: Dormant("recompute")) if variant.endswith("recompute") else None
+    grads, plan = train_reuse(model, layout, weighted_loss(weights), rows=2, dormant=recompute, **options)
+    assert not plan.dense_rows and len(plan.groups) == 2
     got = {}
-    for name, param in model.named_parameters():
-        grad = param.grad.clone()
+    for name, grad in grads.items():
         dist.all_reduce(grad)
         got[name] = grad / sp.size
     worst = max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
