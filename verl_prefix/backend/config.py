@@ -49,6 +49,11 @@ class PrefixReuseConfig(BaseConfig):
             ``auto``: merged wherever its kernels serve the call (sdpa/flash models; sliding windows,
             softcapping, sinks, eager attention run concat), counted as
             ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
+            ``merged_varlen``: merged on the rows' real tokens packed without padding (``cu_seqlens``):
+            flash-attn's varlen kernels on CUDA (needs ``flash_attn``; not yet run on a GPU here), a
+            per-row reference on CPU (exact, slower than merged); raises where it cannot serve a call
+            (no flash_attn, sequence parallelism), counted as ``prefix/phase_b_attention/merged_varlen``.
+            ``auto`` does not pick it.
     """
 
     enable: bool = True

@@ -146,7 +146,8 @@ def suffix_forward(
     No copy of the ``[tokens, vocab]`` logits: log-probs and entropy are row-wise, so they run on a view
     of the padded ``[B * S, vocab]`` logits (pad positions cost a little compute, no memory) and only the
     ``[B, S]`` results are indexed; a temperature other than 1 divides the logits in place."""
-    ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device, attention)
+    row_lengths = batch.tokens.sum(1)  # real tokens per row, MoE's extra last token included
+    ctx = ServeContext(prefix, batch.input_ids.shape[1], batch.input_ids.device, attention, row_lengths)
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(meter, ctx)
     rows, width = batch.input_ids.shape
@@ -161,11 +162,14 @@ def suffix_forward(
 
 
 def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
-    """Count the micro-batch under the attention it ran: merged when every layer ran merged."""
+    """Count the micro-batch under the attention it ran: merged (or merged_varlen) when every layer ran it."""
     if meter is None:
         return
-    merged = ctx.merged_calls > 0 and not ctx.refusals
-    meter.count(f"prefix/phase_b_attention/{'merged' if merged else 'concat'}")
+    if ctx.varlen_calls > 0 and not ctx.merged_calls and not ctx.refusals:
+        ran = "merged_varlen"
+    else:
+        ran = "merged" if ctx.merged_calls > 0 and not ctx.refusals else "concat"
+    meter.count(f"prefix/phase_b_attention/{ran}")
     for reason in sorted(ctx.refusals):
         meter.count(f"prefix/phase_b_attention/concat_{reason}")
 
