@@ -244,6 +244,17 @@ def test_schedule_varlen_matches_dense_and_concat(dtype, kv_heads):
             assert "prefix/phase_b_attention/concat" not in meter.counts
 
 
+def test_schedule_varlen_under_gradient_checkpointing():
+    """Non-reentrant checkpointing recomputes each layer's varlen attention in backward (same packing)."""
+    model = gqa_model(2, torch.float64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        assert worst_relative(_reuse(model, layout, weights, 3, "merged_varlen"), want) < 1e-10
+
+
 def test_schedule_negative_control_wrong_offsets(monkeypatch):
     """The schedule with every micro-batch's cu_seqlens one token off must miss dense."""
     model = gqa_model(2, torch.float64)

@@ -177,6 +177,7 @@ def varlen_forward(
     kernels = flash_attn_varlen()
     if kernels is None:
         raise RuntimeError("merged_varlen on CUDA needs flash_attn (pip install flash-attn)")
+    q, k, v = (x.contiguous() for x in (q, k, v))
     out, lse, _, _ = kernels[0](
         q,
         k,
@@ -189,6 +190,8 @@ def varlen_forward(
         softmax_scale=softmax_scale,
         causal=causal,
     )
+    if lse.shape != (q.shape[1], q.shape[0]):  # flash-attn < 2.4 returned [B, H, max_seqlen_q]
+        raise RuntimeError(f"flash_attn's varlen LSE is {tuple(lse.shape)}, not [heads, tokens]: unsupported version")
     return out, lse
 
 
@@ -214,6 +217,7 @@ def varlen_backward(
     kernels = flash_attn_varlen()
     if kernels is None:
         raise RuntimeError("merged_varlen on CUDA needs flash_attn (pip install flash-attn)")
+    q, k, v = (x.contiguous() for x in (q, k, v))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kernels[1](  # writes dq, dk, dv in place
         dout.contiguous(),
@@ -239,6 +243,15 @@ def varlen_backward(
         deterministic=False,
     )
     return dq, dk, dv
+
+
+def _prefix_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[1, Hkv, P, d]`` prefix leaf as ``[P, Hkv, d]`` in ``dtype``: a view on CPU where no cast is
+    needed (the reference kernel transposes it back), else one contiguous copy (flash-attn's layout)."""
+    rows = t[0].transpose(0, 1)
+    if rows.dtype == dtype and rows.device.type == "cpu":
+        return rows
+    return torch.empty(rows.shape, dtype=dtype, device=rows.device).copy_(rows)
 
 
 def _whole(length: int, device: torch.device) -> torch.Tensor:
@@ -276,7 +289,7 @@ class MergedVarlenAttention(torch.autograd.Function):
         cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
         with torch.autocast(query.device.type, enabled=False):
             q = query.to(work)
-            pk, pv = (t.to(work)[0].transpose(0, 1) for t in (prefix_key, prefix_value))  # [P, Hkv, d]
+            pk, pv = (_prefix_rows(t, work) for t in (prefix_key, prefix_value))  # [P, Hkv, d]
             out1, lse1 = varlen_forward(q, pk, pv, cu_q, cu_p, total, prefix_len, scale, False)
             sk, sv = suffix_key.to(work), suffix_value.to(work)
             out2, lse2 = varlen_forward(q, sk, sv, cu_seqlens, cu_seqlens, max_len, max_len, scale, True)
@@ -297,7 +310,7 @@ class MergedVarlenAttention(torch.autograd.Function):
         grad = grad.contiguous().to(dtype)
         cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
         with torch.autocast(query.device.type, enabled=False):
-            pk, pv = (t.to(dtype)[0].transpose(0, 1) for t in (prefix_key, prefix_value))
+            pk, pv = (_prefix_rows(t, dtype) for t in (prefix_key, prefix_value))
             dq_p, dk_p, dv_p = varlen_backward(
                 grad, query, pk, pv, out_p, lse_p, cu_q, cu_p, total, prefix_len, ctx.scale, False
             )
