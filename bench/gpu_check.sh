@@ -16,6 +16,8 @@
 # The gpu preset's cells run three engines side by side (issue 14): the stock fsdp2 engine and
 # prefix_fsdp2 with prefix_reuse.phase_b_attention=merged and =concat, interleaved rep by rep (rotating
 # order), each timed for one update and one forward-only pass; the table has one row per cell and engine.
+# A fourth, prefix_fsdp2 with =merged_varlen (flash-attn's varlen kernels), runs where flash_attn imports;
+# the kit does not carry flash-attn, so without it the cell logs the skip (gpu.json: skipped_variants).
 #
 # Time (one run may last 600 s; the session has 15 min of device time, machine start included).
 # FLOPs from verl_prefix.tools.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,
@@ -24,7 +26,8 @@
 # P2048/S10240 ~13 PFLOP (prefix updates 3.4 each); at ~400 TFLOP/s that is ~18 s + ~33 s = ~51 s per rep.
 # Warm-up + 3 reps is ~205 s of compute, plus ~10 s of pip install, ~45 s of smoke and version checks,
 # ~20 s of imports, ~25 s writing the 7.6 GB random model and 6 engine builds of 15-30 s: ~435 s when all
-# goes to plan; three engines hold ~41 GB of fp32 weights and gradients. Default REPS=3; run the headline
+# goes to plan; three engines hold ~41 GB of fp32 weights and gradients. With merged_varlen running as a
+# fourth engine: ~25 PFLOP (~63 s) per rep, ~250 s of compute, ~500 s in all, ~55 GB. Default REPS=3; run the headline
 # cell alone (CELLS="P10240/S2048/G16") if the GPU runs slower than that. The bench is also stopped
 # (SIGINT, so Python prints where it was) when BUDGET seconds of this script have passed, so that the
 # logs still come back inside the call.

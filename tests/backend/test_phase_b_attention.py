@@ -1,5 +1,5 @@
-"""``prefix_reuse.phase_b_attention`` through the engine: merged and concat against verl's stock fsdp2
-engine on the same batch (fp64, fp32; GQA factors 1, 2, 4; micro-batches of 1, 2 and G rows), the
+"""``prefix_reuse.phase_b_attention`` through the engine: merged, merged_varlen and concat against verl's
+stock fsdp2 engine on the same batch (fp64, fp32; GQA factors 1, 2, 4; micro-batches of 1, 2 and G rows), the
 metric that says which ran, the knob's validation, and bf16 under CPU autocast judged against an fp32
 run of the stock engine (DESIGN.md trap 18)."""
 
@@ -19,9 +19,9 @@ from verl_prefix.tools import testing as T
 def _assert_reuse_ran(metrics: dict, attention: str, micro_batches: int) -> None:
     assert metrics["prefix/groups"] > 0
     assert metrics["prefix/physical_tokens"] < metrics["prefix/logical_tokens"]
-    other = "concat" if attention == "merged" else "merged"
     assert metrics[f"prefix/phase_b_attention/{attention}"] == micro_batches
-    assert metrics[f"prefix/phase_b_attention/{other}"] == 0
+    for other in {"merged", "concat", "merged_varlen"} - {attention}:
+        assert metrics[f"prefix/phase_b_attention/{other}"] == 0
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -75,7 +75,58 @@ def test_forward_only_merged_matches_stock(tiny_model):
     _assert_reuse_ran(T.reduce_step_metrics(got["metrics"]), "merged", 3 * 2)
 
 
-@given(value=st.text(max_size=12).filter(lambda v: v not in ("auto", "merged", "concat")))
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa2", "gqa4"])
+def test_merged_varlen_matches_stock_engine(tiny_model, dtype, kv_heads):
+    """``merged_varlen`` (CPU: the reference varlen kernel) through the engine against the stock fsdp2 engine,
+    3 ragged groups of 4 in micro-batches of 2 and of G rows; then the forward-only pass."""
+    model_dir = tiny_model("qwen3", num_kv_heads=kv_heads)
+    for rows in (2, 4):
+        reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=rows, phase_b_attention="merged_varlen")
+        grads, update, dense, prefix = compare_update(
+            model_dir, grpo_batch(), dtype=dtype, reuse=reuse, micro_batch_size_per_gpu=2, use_kl_loss=True,
+            entropy_coeff=0.01,
+        )  # fmt: skip
+        assert grads < GRAD_TOL[dtype], rows
+        assert prefix["grad_norm"] == pytest.approx(dense["grad_norm"], rel=1e-5)
+        _assert_reuse_ran(prefix["reduced_metrics"], "merged_varlen", 3 * (4 // rows))
+    if dtype == "float64":
+        dense, _, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+        engine, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+        engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, phase_b_attention="merged_varlen")
+        with promote_fp32_upcasts():
+            want = T.run_infer(dense, grpo_batch(), calculate_entropy=True)
+            got = T.run_infer(engine, grpo_batch(), calculate_entropy=True)
+        for key in ("response_log_probs", "response_entropy"):
+            w, g = want[key], got[key]
+            torch.testing.assert_close(
+                g.values() if g.is_nested else g, w.values() if w.is_nested else w, rtol=1e-10, atol=1e-10
+            )
+        _assert_reuse_ran(T.reduce_step_metrics(got["metrics"]), "merged_varlen", 3 * 2)
+
+
+def test_merged_varlen_negative_control_wrong_offsets(tiny_model, monkeypatch):
+    """The engine with every micro-batch's cu_seqlens one token off must miss the stock engine."""
+    from verl_prefix.schedule import varlen_attention as V
+
+    real = V.Packing.from_lengths
+
+    def shifted(*args):
+        packing = real(*args)
+        cu = packing.cu_seqlens.clone()
+        cu[1:-1] += 1
+        return V.Packing(packing.mask, cu, packing.lengths, packing.width)
+
+    monkeypatch.setattr(V.Packing, "from_lengths", shifted)
+    reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2, phase_b_attention="merged_varlen")
+    grads, _, _, prefix = compare_update(
+        tiny_model("qwen3", num_kv_heads=2), grpo_batch(), dtype="float64", reuse=reuse, micro_batch_size_per_gpu=2
+    )
+    _assert_reuse_ran(prefix["reduced_metrics"], "merged_varlen", 3 * 2)
+    assert grads > 1e-3
+
+
+@given(value=st.text(max_size=14).filter(lambda v: v not in ("auto", "merged", "concat", "merged_varlen")))
 def test_knob_is_validated_at_config_time(value):
     with pytest.raises(ValueError, match="phase_b_attention"):
         PrefixReuseConfig(phase_b_attention=value)

@@ -86,8 +86,14 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None, vari
 
 @pytest.mark.parametrize(
     "kv_heads, attn, attention",
-    [(2, "sdpa", "merged"), (2, "sdpa", "concat"), (1, "sdpa", "merged"), (1, "eager", "auto")],
-    ids=["gqa2-merged", "gqa2-concat", "kv1-repeated-merged", "kv1-eager"],
+    [
+        (2, "sdpa", "merged"),
+        (2, "sdpa", "concat"),
+        (2, "sdpa", "merged_varlen"),
+        (1, "sdpa", "merged"),
+        (1, "eager", "auto"),
+    ],
+    ids=["gqa2-merged", "gqa2-concat", "gqa2-merged-varlen", "kv1-repeated-merged", "kv1-eager"],
 )
 def test_sequence_parallel_schedule_matches_dense_hf(kv_heads, attn, attention):
     """fp64 1e-10 against plain HF on one rank; ``kv_heads=1`` < sp=2 repeats the K/V heads as verl does."""

@@ -235,7 +235,7 @@ def test_phase_b_variants_run_interleaved_and_report(phase_b_run):
         assert v["max_rel_grad_diff_vs"] == "fsdp2"
         # 4 rows in micro-batches of 2: both ran the attention asked for, every micro-batch
         other = "concat" if name == "merged" else "merged"
-        assert v["phase_b_micro_batches"] == {name: 2.0, other: 0.0}
+        assert v["phase_b_micro_batches"] == {name: 2.0, other: 0.0, "merged_varlen": 0.0}
         assert len(v["attention_saved_mib"]) == 2 and min(v["attention_saved_mib"]) > 0
     assert math.isfinite(cell["merged_over_concat_time_median"]) and cell["merged_over_concat_time_median"] > 0
     merged, concat = cell["variants"]["merged"], cell["variants"]["concat"]
@@ -290,6 +290,11 @@ def test_attention_kv_bytes_from_shapes():
     repeated = B.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8, repeat_suffix=True)
     assert repeated["held"] == merged["one_prefix_copy"] + 2 * merged["suffix_rows"]
     assert concat["held"] == unit * 8 * 8 * (2047 + 129)
+    # merged_varlen: one prefix copy plus the real suffix tokens only (no pads, no GQA repeat, on any device)
+    varlen = B.attention_kv_bytes(model, "merged_varlen", prefix_len=2047, suffix_len=129, rows=8)
+    assert varlen["held"] == merged["held"]  # equal rows: nothing padded
+    ragged = B.attention_kv_bytes(model, "merged_varlen", prefix_len=2047, suffix_len=129, rows=8, suffix_tokens=300)
+    assert ragged["held"] == merged["one_prefix_copy"] + unit * 4 * 300
     with pytest.raises(ValueError):
         B.attention_kv_bytes(model, "fsdp2", prefix_len=1, suffix_len=1, rows=1)
 
@@ -301,6 +306,43 @@ def test_phase_b_preset_cells():
     assert all(c.model == B.MODEL_29M and c.dtype == "float32" and c.group_size == 8 for c in preset.cells)
     assert all({"merged", "concat"} <= set(c.variants) for c in preset.cells + B.PRESETS["gpu"].cells)
     assert all("fsdp2" in c.variants for c in B.PRESETS["gpu"].cells)
+
+
+def test_gpu_preset_runs_merged_varlen_with_a_valid_config():
+    """The gpu preset times merged_varlen beside merged and concat; every prefix variant is a valid knob value
+    (checked here on CPU, where the preset cannot run), and on CUDA without flash_attn the cell skips
+    merged_varlen with a reason instead of failing the whole run."""
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.schedule import varlen_attention as V
+
+    for cell in B.PRESETS["gpu"].cells:
+        assert cell.variants == ("fsdp2", "merged", "concat", "merged_varlen")
+        for variant in cell.variants[1:]:
+            assert PrefixReuseConfig(phase_b_attention=variant).phase_b_attention == variant
+    assert B.unavailable_variant("merged_varlen", cuda=False) is None  # CPU: the reference kernel
+    assert B.unavailable_variant("merged", cuda=True) is None
+    want = None if V.flash_attn_varlen() is not None else "flash_attn does not import"
+    got = B.unavailable_variant("merged_varlen", cuda=True)
+    assert got == want or (want and got.startswith(want))
+
+
+def test_merged_varlen_variant_runs_and_reports(tmp_path):
+    """A tiny ragged cell with concat and merged_varlen: varlen ran every micro-batch, matches concat to fp32
+    rounding and hands its kernels fewer K/V bytes (ragged rows: no pads)."""
+    import dataclasses
+
+    cell = dataclasses.replace(
+        TINY_PHASE_B.cells[0], name="tiny-v", response_len_range=(2, 9), variants=("concat", "merged_varlen")
+    )
+    result = B.run_bench(dataclasses.replace(TINY_PHASE_B, cells=(cell,), fresh_rss=False))
+    (measured,) = result["cells"]
+    varlen, concat = measured["variants"]["merged_varlen"], measured["variants"]["concat"]
+    assert varlen["phase_b_micro_batches"] == {"merged": 0.0, "concat": 0.0, "merged_varlen": 2.0}
+    assert varlen["prefix_metrics"]["prefix/groups"] == 1
+    assert varlen["max_rel_grad_diff_vs"] == "concat" and 0 < varlen["max_rel_grad_diff"] < 1e-5
+    assert varlen["attention_kv_mib"]["held"] < concat["attention_kv_mib"]["held"]
+    assert math.isfinite(measured["merged_varlen_over_concat_time_median"])
+    assert "(varlen 2)" in B.markdown_table(result)
 
 
 def test_unknown_variant_is_a_clear_error(tmp_path):

@@ -50,6 +50,11 @@ class PrefixReuseConfig(BaseConfig):
             ``auto``: merged wherever its kernels serve the call (sdpa/flash models; sliding windows,
             softcapping, sinks, eager attention run concat), counted as
             ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
+            ``merged_varlen``: merged on the rows' real tokens packed without padding (``cu_seqlens``):
+            flash-attn's varlen kernels on CUDA (needs ``flash_attn``; not yet run on a GPU here), a
+            per-row reference on CPU (exact, slower than merged); raises where it cannot serve a call
+            (e.g. no flash_attn on CUDA), counted as ``prefix/phase_b_attention/merged_varlen``.
+            ``auto`` does not pick it.
         prefix_chunk_tokens: run phase A in chunks of this many prefix tokens, each attending to the
             earlier chunks' K/V as leaves, and phase C chunk by chunk from the last; with
             ``dormant_prefix=recompute`` only one chunk's graph ever exists (memory grows with the K/V,

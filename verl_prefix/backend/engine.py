@@ -299,7 +299,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         device = self._device()
         self._meter = PhaseMeter(device, model=self.module)
-        for attention in ("merged", "concat"):  # every rank reports both, zero where none ran
+        for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
             self._meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
         dormant_stats = DormantStats()
         policies = agree_on_policies(

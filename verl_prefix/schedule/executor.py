@@ -202,7 +202,8 @@ def suffix_forward(
         input_ids, labels = ulysses.shard(input_ids), ulysses.shard(labels)
         position_ids = ulysses.shard(position_ids, continue_positions=True)
     query_len = full_width if ulysses is None else ulysses.padded(full_width)
-    ctx = ServeContext(prefix, query_len, batch.input_ids.device, attention, ulysses)
+    row_lengths = batch.tokens.sum(1)  # real tokens per row, MoE's extra last token included
+    ctx = ServeContext(prefix, query_len, batch.input_ids.device, attention, ulysses, row_lengths)
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(meter, ctx)
     width = input_ids.shape[1]
@@ -221,11 +222,14 @@ def suffix_forward(
 
 
 def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
-    """Count the micro-batch under the attention it ran: merged when every layer ran merged."""
+    """Count the micro-batch under the attention it ran: merged (or merged_varlen) when every layer ran it."""
     if meter is None:
         return
-    merged = ctx.merged_calls > 0 and not ctx.refusals
-    meter.count(f"prefix/phase_b_attention/{'merged' if merged else 'concat'}")
+    if ctx.varlen_calls > 0 and not ctx.merged_calls and not ctx.refusals:
+        ran = "merged_varlen"
+    else:
+        ran = "merged" if ctx.merged_calls > 0 and not ctx.refusals else "concat"
+    meter.count(f"prefix/phase_b_attention/{ran}")
     for reason in sorted(ctx.refusals):
         meter.count(f"prefix/phase_b_attention/concat_{reason}")
 

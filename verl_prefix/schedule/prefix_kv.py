@@ -25,6 +25,7 @@ from transformers.models.llama import modeling_llama
 
 from verl_prefix.schedule.merged_attention import merged_attention, merged_refusal
 from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
+from verl_prefix.schedule.varlen_attention import Packing, merged_varlen_attention, varlen_refusal
 
 if TYPE_CHECKING:
     from verl_prefix.schedule.moe import RouterStats
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # ``prefix_reuse.phase_b_attention``: how a suffix micro-batch attends to the prefix
-PHASE_B_ATTENTION = ("auto", "merged", "concat")
+PHASE_B_ATTENTION = ("auto", "merged", "concat", "merged_varlen")
 _LOGGED_REFUSALS: set[str] = set()
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
@@ -210,7 +211,11 @@ class ServeContext:
     ``attention`` (``prefix_reuse.phase_b_attention``): ``merged`` runs two-part attention against the one
     shared prefix K/V (``merged_attention``) and raises where it cannot; ``concat`` attends to
     ``cat(prefix.expand(B), suffix)`` (the reference path); ``auto`` runs merged where its kernels serve
-    the call (sdpa/flash models) and concat elsewhere, recording why in ``refusals``."""
+    the call (sdpa/flash models) and concat elsewhere, recording why in ``refusals``; ``merged_varlen``
+    runs the same two-part attention on the rows' real tokens packed without padding
+    (``varlen_attention``; flash-attn varlen on CUDA) and raises where it cannot. ``row_lengths``: each
+    row's real token count (``SuffixBatch.tokens.sum(1)``), which ``merged_varlen`` needs; the attention
+    call must see the ``query_len``-wide rows these lengths describe."""
 
     def __init__(
         self,
@@ -219,6 +224,7 @@ class ServeContext:
         device: torch.device,
         attention: str = "auto",
         ulysses: Ulysses | None = None,
+        row_lengths: torch.Tensor | list[int] | None = None,
     ) -> None:
         if attention not in PHASE_B_ATTENTION:
             raise ValueError(f"phase_b_attention must be one of {PHASE_B_ATTENTION}, got {attention!r}")
@@ -227,8 +233,27 @@ class ServeContext:
         self.query_len = query_len
         self.device = device
         self.attention = attention
+        self.row_lengths = row_lengths
         self.merged_calls = 0
+        self.varlen_calls = 0
         self.refusals: set[str] = set()
+
+    @functools.cached_property
+    def packing(self) -> Packing:
+        """Where the rows' real tokens go in the packed layout (built once per micro-batch)."""
+        return Packing.from_lengths(self.row_lengths, self.query_len, self.device)
+
+    def _varlen_refusal(self, query: torch.Tensor, kwargs: dict) -> None:
+        reason = varlen_refusal(query, kwargs)
+        if reason is None and self.row_lengths is None:
+            reason = "no_row_lengths"
+        if reason is None and query.shape[2] != self.query_len:
+            reason = "width"  # attention sees another width than the context was built for
+        if reason is not None:
+            raise ValueError(
+                f"prefix_reuse.phase_b_attention=merged_varlen cannot serve this attention call ({reason}); "
+                "use auto (merged, falls back to concat), merged or concat"
+            )
 
     @functools.cached_property
     def keep(self) -> torch.Tensor:
@@ -259,6 +284,13 @@ class ServeContext:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = module.layer_idx
         prefix_key, prefix_value = self.prefix.keys[layer], self.prefix.values[layer]
+        if self.attention == "merged_varlen":
+            self._varlen_refusal(query, kwargs)
+            self.varlen_calls += 1
+            out = merged_varlen_attention(
+                query, prefix_key, prefix_value, key, value, self.packing, kwargs.get("scaling")
+            )
+            return out, None
         reason = self._merged_refusal(base, query, kwargs)
         if reason is None:
             self.merged_calls += 1

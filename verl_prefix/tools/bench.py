@@ -83,8 +83,8 @@ class Cell:
     min_prefix_len: int = 32
     overrides: tuple[str, ...] = ()
     # Non-empty: a phase-B attention cell (``measure_variants``) timing these engines side by side, any of
-    # ``VARIANTS``: "fsdp2" (the stock engine), "merged"/"concat" (``prefix_fsdp2`` with that
-    # ``prefix_reuse.phase_b_attention``). Empty: the classic dense vs prefix cell (``measure_cell``).
+    # ``ALL_VARIANTS``: "fsdp2" (the stock engine), "merged"/"concat"/"merged_varlen" (``prefix_fsdp2`` with
+    # that ``prefix_reuse.phase_b_attention``). Empty: the classic dense vs prefix cell (``measure_cell``).
     variants: tuple[str, ...] = ()
     dense_micro_batch_size: int | None = None  # the stock engine's rows per micro-batch, if not micro_batch_size
     max_reps: int | None = None  # at most this many timed reps for this cell (the slow ones)
@@ -158,6 +158,21 @@ _GPU = (*_BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
 
 
 VARIANTS = ("fsdp2", "merged", "concat")
+# the gpu preset also runs merged_varlen (flash-attn's varlen kernels; skipped where flash_attn does not import)
+GPU_VARIANTS = (*VARIANTS, "merged_varlen")
+ALL_VARIANTS = GPU_VARIANTS
+PHASE_B_ATTENTIONS = ("merged", "concat", "merged_varlen")  # the prefix_fsdp2 variants
+
+
+def unavailable_variant(variant: str, cuda: bool | None = None) -> str | None:
+    """Why a variant cannot run on this machine (then the cell skips it, saying so), or None."""
+    from verl_prefix.schedule.varlen_attention import flash_attn_varlen
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if variant == "merged_varlen" and cuda and flash_attn_varlen() is None:
+        return "flash_attn does not import (merged_varlen needs flash-attn's varlen kernels on CUDA)"
+    return None
+
 
 # The capacity presets' model: the smoke model's shape with positions long enough for the search grid.
 CAPACITY_MODEL = dataclasses.replace(SMOKE_MODEL, max_position_embeddings=65536)
@@ -293,7 +308,7 @@ PRESETS: dict[str, Preset] = {
                 micro_batch_size=2,
                 dtype="bfloat16",
                 overrides=_GPU,
-                variants=VARIANTS,  # phase B's merged and concat attention side by side (issue 14)
+                variants=GPU_VARIANTS,  # phase B's merged, concat and merged_varlen attention side by side
                 time_forward_only=True,
             )
             for p, s in ((10240, 2048), (2048, 10240))
@@ -301,7 +316,7 @@ PRESETS: dict[str, Preset] = {
         reps=5,
         needs_cuda=True,
         description="1.7B-param Qwen3-style model, bf16 mixed precision, gradient checkpointing, G=16, 12K tokens; "
-        "stock fsdp2 vs prefix_fsdp2 with merged and with concat phase-B attention",
+        "stock fsdp2 vs prefix_fsdp2 with merged, concat and merged_varlen phase-B attention",
     ),
     "gpu_offload": Preset(
         cells=(
@@ -639,8 +654,8 @@ def _build_variant(cell: Cell, variant: str, model_dir: Path) -> tuple[Any, Call
     """``(engine, loss_fn)`` for one variant: the stock engine, or ``prefix_fsdp2`` with that phase-B attention."""
     import verl_prefix
 
-    if variant not in VARIANTS:
-        raise BenchError(f"cell {cell.name!r}: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if variant not in ALL_VARIANTS:
+        raise BenchError(f"cell {cell.name!r}: unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
     dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
     stock = variant == "fsdp2"
     rows = cell.dense_micro_batch_size if stock and cell.dense_micro_batch_size else cell.micro_batch_size
@@ -705,15 +720,24 @@ def count_attention_saved() -> Iterator[list[int]]:
 
 
 def attention_kv_bytes(
-    model: ModelSpec, variant: str, *, prefix_len: int, suffix_len: int, rows: int, repeat_suffix: bool = False
+    model: ModelSpec,
+    variant: str,
+    *,
+    prefix_len: int,
+    suffix_len: int,
+    rows: int,
+    repeat_suffix: bool = False,
+    suffix_tokens: int | None = None,
 ) -> dict[str, int]:
     """K/V bytes one phase-B micro-batch hands its attention kernels, all layers, in fp32, from the shapes.
 
     ``concat``: every row gets ``cat(prefix, suffix)`` with K/V heads repeated to the query heads (what
     ``sdpa_lower_right`` passes sdpa and sdpa saves). ``merged``: the one ``[1, kv_heads, P, d]`` prefix
     plus the suffix rows' K/V, repeated to the query heads only with ``repeat_suffix`` (CUDA: see
-    ``merged_attention.native_gqa``; the CPU kernel takes them as they are). Also returned: one
-    prefix copy and the suffix rows' K/V at KV heads, the issue's yardstick."""
+    ``merged_attention.native_gqa``; the CPU kernel takes them as they are). ``merged_varlen``: the one
+    prefix plus only the real suffix tokens (``suffix_tokens``, default ``rows x suffix_len``) at KV heads
+    (no pads, no repeat). Also returned: one prefix copy and the suffix rows' K/V at KV heads, the issue's
+    yardstick."""
     head_dim = model.hidden_size // model.num_heads
     unit = 2 * model.num_layers * head_dim * 4  # K and V, every layer, fp32
     one_prefix = unit * model.num_kv_heads * prefix_len
@@ -722,9 +746,20 @@ def attention_kv_bytes(
         held = unit * rows * model.num_heads * (prefix_len + suffix_len)
     elif variant == "merged":
         held = one_prefix + unit * rows * (model.num_heads if repeat_suffix else model.num_kv_heads) * suffix_len
+    elif variant == "merged_varlen":
+        tokens = rows * suffix_len if suffix_tokens is None else suffix_tokens
+        held = one_prefix + unit * model.num_kv_heads * tokens
     else:
-        raise ValueError(f"phase-B attention variant must be merged or concat, got {variant!r}")
+        raise ValueError(f"phase-B attention variant must be one of {PHASE_B_ATTENTIONS}, got {variant!r}")
     return {"held": held, "one_prefix_copy": one_prefix, "suffix_rows": suffix_rows}
+
+
+def _largest_micro_batch_tokens(response_lens: list[int], cell: Cell) -> int:
+    """Real suffix tokens (``response + 1`` a row, as ``attention_kv_bytes``'s ``suffix_len``) of the
+    fullest micro-batch a group can form: what ``merged_varlen`` packs at most."""
+    rows = min(cell.micro_batch_size, cell.group_size)
+    groups = [response_lens[g : g + cell.group_size] for g in range(0, len(response_lens), cell.group_size)]
+    return max(sum(sorted(lens)[-rows:]) + rows for lens in groups)
 
 
 def _median_ratio(num: list[float], den: list[float]) -> float:
@@ -749,7 +784,10 @@ def measure_variants(
     from transformers import AutoConfig
 
     reps = cell_reps(cell, reps)
-    variants = tuple(cell.variants)
+    skipped = {v: why for v in cell.variants if (why := unavailable_variant(v)) is not None}
+    for v, why in skipped.items():
+        log(f"  {cell.name}: skipping variant {v}: {why}")
+    variants = tuple(v for v in cell.variants if v not in skipped)
     batch = _cell_batch(cell)
     engines = {v: _build_variant(cell, v, model_dir) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -822,7 +860,7 @@ def measure_variants(
             entry["saved_for_backward_per_micro_batch_mib"] = metrics.get("prefix/max_saved_for_backward_mib/B")
             entry["saved_for_backward_held_mib"] = metrics.get("prefix/max_saved_for_backward_held_mib")
             entry["phase_b_micro_batches"] = {
-                a: metrics.get(f"prefix/phase_b_attention/{a}", 0.0) for a in ("merged", "concat")
+                a: metrics.get(f"prefix/phase_b_attention/{a}", 0.0) for a in PHASE_B_ATTENTIONS
             }
             entry["attention_kv_mib"] = {
                 k: b / 1024.0**2
@@ -833,6 +871,7 @@ def measure_variants(
                     suffix_len=max(response_lens) + 1,
                     rows=min(cell.micro_batch_size, cell.group_size),
                     repeat_suffix=torch.cuda.is_available(),  # the engines run on CUDA when there is one
+                    suffix_tokens=_largest_micro_batch_tokens(response_lens, cell),
                 ).items()
             }
         if fresh_rss:
@@ -846,6 +885,10 @@ def measure_variants(
         "variant_order": "rotated by one each rep",
         "variants": summary,
     }
+    if skipped:
+        result["skipped_variants"] = skipped
+    if {"merged_varlen", "concat"} <= set(variants):
+        result["merged_varlen_over_concat_time_median"] = _median_ratio(times["merged_varlen"], times["concat"])
     if {"merged", "concat"} <= set(variants):
         result["merged_over_concat_time_median"] = _median_ratio(times["merged"], times["concat"])
         result["merged_over_concat_time_of_medians"] = (
@@ -1166,9 +1209,11 @@ def variants_table(result: dict) -> str:
         for name, v in c["variants"].items():
             counts = v.get("phase_b_micro_batches")
             ran = "-" if counts is None else f"{counts['merged']:g}/{counts['concat']:g}"
+            if counts is not None and counts.get("merged_varlen"):
+                ran += f" (varlen {counts['merged_varlen']:g})"
             attention = max(v["attention_saved_mib"]) if v.get("attention_saved_mib") else None
             rss = v.get("fresh_process", {}).get("peak_rss_mib")
-            ratio = c.get("merged_over_concat_time_median") if name == "merged" else None
+            ratio = c.get(f"{name}_over_concat_time_median") if name in ("merged", "merged_varlen") else None
             speedup = _fmt(v.get("speedup_vs_stock_median"), ".2f", "x")
             if name == "fsdp2" and "predicted_speedup" in c:
                 speedup = f"FLOP model {c['predicted_speedup']:.2f}x"

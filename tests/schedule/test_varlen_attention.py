@@ -1,0 +1,331 @@
+"""``phase_b_attention: merged_varlen`` (``verl_prefix.schedule.varlen_attention``): the CPU reference varlen
+kernel against plain maths, the packed two-part attention against concat and merged (ragged rows, GQA 1/2/4,
+1/2/G rows), pads that cannot leak, negative controls (wrong ``cu_seqlens``, per-part LSE, non-causal
+suffix), the schedule through it against HF dense, and the CUDA dispatch (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.layouts import make_layout, token_weights
+from helpers.precision import promote_fp32_upcasts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_merged_attention import RAGGED, _concat_reference, _grads, _inputs, _reference_math, _reuse, gqa_model
+from test_schedule_hf import dense_grads, worst_relative
+
+from verl_prefix.schedule import merged_attention as MA
+from verl_prefix.schedule import varlen_attention as V
+from verl_prefix.schedule.executor import infer_group
+from verl_prefix.schedule.grouping import plan_batch
+from verl_prefix.schedule.prefix_kv import ServeContext
+from verl_prefix.schedule.telemetry import PhaseMeter
+
+CPU = torch.device("cpu")
+LENGTHS = {1: [4], 2: [5, 2], 5: [3, 5, 1, 4, 2]}  # ragged rows, width 5
+
+
+def _packing(lengths, width=5):
+    return V.Packing.from_lengths(torch.tensor(lengths), width, CPU)
+
+
+def _masked(x, mask):
+    """``[B, S, ...]`` with pad positions zeroed."""
+    return x * mask.view(*mask.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+# -- the CPU reference varlen kernel -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_reference_varlen_kernel_is_per_sequence_attention(causal, groups):
+    """flash-attn's varlen contract on CPU: ``[T, H, d]`` packed sequences, LSE ``[H, T]``, GQA native,
+    dK/dV summed over each KV head's query heads; against per-sequence sdpa (fp64, 1e-12)."""
+    gen = torch.Generator().manual_seed(3)
+    q_lens, k_lens = [3, 1, 4], ([3, 1, 4] if causal else [6, 2, 5])
+    heads, kv_heads, d = 2 * groups, 2, 8
+    q = torch.randn(sum(q_lens), heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(k_lens), kv_heads, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    cu_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0, *k_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    out, lse = V.reference_varlen_forward(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.3, causal)
+    assert out.shape == q.shape and lse.shape == (heads, sum(q_lens))
+    want, want_lse = [], []
+    for (qs, qe), (ks, ke) in zip(V._spans(cu_q), V._spans(cu_k)):
+        qb, kb, vb = (x.transpose(0, 1) for x in (q[qs:qe], k[ks:ke].repeat_interleave(groups, 1), v[ks:ke]))
+        vb = vb.repeat_interleave(groups, 0)
+        scores = qb @ kb.transpose(-1, -2) * 0.3
+        if causal:
+            scores = scores.masked_fill(~torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril(), float("-inf"))
+        want.append((scores.softmax(-1) @ vb).transpose(0, 1))
+        want_lse.append(scores.logsumexp(-1))
+    want, want_lse = torch.cat(want), torch.cat(want_lse, dim=1)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = V.reference_varlen_backward(grad, q, k, v, out, lse, cu_q, cu_k, max(q_lens), max(k_lens), 0.3, causal)
+    for g, w in zip(got, torch.autograd.grad(want, (q, k, v), grad)):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+# -- the packed two-part attention against concat and merged ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_varlen_matches_concat_merged_and_reference(dtype, tol, groups, rows):
+    q, pk, pv, sk, sv, w = _inputs(rows, 2 * groups, 2, prefix=7, suffix=5, dtype=dtype)
+    packing = _packing(LENGTHS[rows])
+    w = _masked(w, packing.mask)  # the loss reads real positions only, as the schedule's does
+    tensors = (q, pk, pv, sk, sv)
+    got = V.merged_varlen_attention(q, pk, pv, sk, sv, packing, scaling=0.3)
+    assert got.shape == (rows, 5, 2 * groups, 8) and got.dtype == dtype
+    assert not got[~packing.mask].any()  # pads: exactly zero
+    others = {
+        "concat": _concat_reference(q, pk, pv, sk, sv, 0.3),
+        "merged": MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3),
+        "fp64 maths": _reference_math(*(t.double() for t in tensors), 0.3).to(dtype),
+    }
+    got_grads = _grads(got, w, tensors)
+    for name, want in others.items():
+        torch.testing.assert_close(got, _masked(want, packing.mask), rtol=tol, atol=tol, msg=name)
+        for g_got, g_want in zip(got_grads, _grads(want, w, tensors)):
+            assert ((g_got - g_want).norm() / g_want.norm()).item() < tol, name
+    # the shared prefix's grads come out summed over rows and query heads: shape [1, kv_heads, P, d]
+    assert got_grads[1].shape == pk.shape and got_grads[1].dtype == dtype
+
+
+def test_pads_do_not_leak():
+    """Whatever the pad positions of q/k/v hold, real outputs and every gradient are unchanged, and the pads'
+    own gradients are zero (the varlen kernels never see them)."""
+    q, pk, pv, sk, sv, w = _inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
+    packing = _packing(LENGTHS[5])
+    pad = ~packing.mask
+
+    def run(q, sk, sv):
+        tensors = (q, pk, pv, sk, sv)
+        out = V.merged_varlen_attention(q, pk, pv, sk, sv, packing, 0.3)
+        return out, _grads(out, w, tensors)  # w is nonzero on pads too: pads must still not leak
+
+    out, grads = run(q, sk, sv)
+    for g in (grads[0], grads[3], grads[4]):  # q, suffix K, suffix V
+        assert not g.transpose(1, 2)[pad].any(), "a pad position got a gradient"
+    noisy = [x.detach().clone() for x in (q, sk, sv)]
+    for x in noisy:
+        x.transpose(1, 2)[pad] = 1e3
+    noisy = [x.requires_grad_() for x in noisy]
+    out2, grads2 = run(*noisy)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    for g2, g in zip(grads2, grads):
+        torch.testing.assert_close(g2, g, rtol=0, atol=0)
+
+
+def test_bf16_varlen_under_autocast_matches_merged():
+    """CPU bf16 autocast with fp32 prefix leaves: the output is bf16, the leaves' grads fp32, and varlen is as
+    close to fp64 as merged (the same fp32 forward kernels and one rounding)."""
+    q, pk, pv, sk, sv, w = _inputs(4, 8, 2, prefix=33, suffix=9, dtype=torch.bfloat16, dim=16)
+    packing = V.Packing.from_lengths([9, 4, 7, 1], 9, CPU)
+    w = _masked(w, packing.mask)
+    pk32, pv32 = pk.detach().float().requires_grad_(), pv.detach().float().requires_grad_()
+    ref = _masked(_reference_math(*(t.double() for t in (q, pk, pv, sk, sv)), 0.25), packing.mask)
+    errors = {}
+    for name in ("varlen", "merged"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if name == "varlen":
+                out = V.merged_varlen_attention(q, pk32, pv32, sk, sv, packing, 0.25)
+            else:
+                out = MA.merged_attention(q, pk32, pv32, sk, sv, 0.25)
+        assert out.dtype == torch.bfloat16
+        grads = _grads(out, w, (q, pk32, pv32, sk, sv))
+        assert [g.dtype for g in grads[1:3]] == [torch.float32, torch.float32]
+        errors[name] = ((_masked(out, packing.mask).double() - ref).norm() / ref.norm()).item()
+    print(f"bf16 forward rel error vs fp64: varlen {errors['varlen']:.2e}, merged {errors['merged']:.2e}")
+    assert errors["varlen"] < 1e-2
+    assert errors["varlen"] <= 1.05 * errors["merged"]
+
+
+# -- negative controls: each must move the result ---------------------------------------------------------
+
+
+def _shifted_offsets(packing):
+    """cu_seqlens one token off at every inner boundary: rows borrow a neighbour's first token."""
+    cu = packing.cu_seqlens.clone()
+    cu[1:-1] += 1
+    return V.Packing(packing.mask, cu, packing.lengths, packing.width)
+
+
+def _varlen_fault_error(monkeypatch, fault) -> float:
+    q, pk, pv, sk, sv, w = _inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
+    packing = _packing(LENGTHS[5])
+    w = _masked(w, packing.mask)
+    tensors = (q, pk, pv, sk, sv)
+    want = _grads(_masked(_concat_reference(q, pk, pv, sk, sv, 0.3), packing.mask), w, tensors)
+    packing = fault(monkeypatch, packing)
+    got = _grads(V.merged_varlen_attention(q, pk, pv, sk, sv, packing, 0.3), w, tensors)
+    return max(((g - r).norm() / r.norm()).item() for g, r in zip(got, want))
+
+
+def _wrong_offsets(mp, packing):
+    return _shifted_offsets(packing)
+
+
+def _per_part_lse(mp, packing):
+    mp.setattr(MA, "backward_stats", lambda out, lse, parts: [*parts[0], *parts[1]])
+    return packing
+
+
+def _non_causal_suffix(mp, packing):
+    forward, backward = V.varlen_forward, V.varlen_backward
+    mp.setattr(V, "varlen_forward", lambda *a: forward(*a[:-1], False))
+    mp.setattr(V, "varlen_backward", lambda *a: backward(*a[:-1], False))
+    return packing
+
+
+@pytest.mark.parametrize("fault", [_wrong_offsets, _per_part_lse, _non_causal_suffix])
+def test_varlen_negative_controls(monkeypatch, fault):
+    assert _varlen_fault_error(monkeypatch, fault) > 1e-2
+
+
+# -- packing: bad input is refused, good input packs every real token once -----------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(-2, 12), min_size=0, max_size=8), width=st.integers(1, 10))
+def test_packing_from_any_lengths(lengths, width):
+    if not lengths or min(lengths) < 1 or max(lengths) > width:
+        with pytest.raises(ValueError, match="row lengths"):
+            V.Packing.from_lengths(lengths, width, CPU)
+        return
+    packing = V.Packing.from_lengths(torch.tensor(lengths), width, CPU)
+    assert packing.cu_seqlens.dtype == torch.int32
+    assert packing.cu_seqlens.tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert packing.mask.sum(1).tolist() == lengths and packing.total == sum(lengths)
+    assert all(packing.mask[b, :n].all() for b, n in enumerate(lengths))  # right padding: real tokens first
+
+
+def test_serve_context_refuses_what_varlen_cannot_serve():
+    prefix = type("P", (), {"keys": [torch.zeros(1, 2, 4, 8)], "values": [torch.zeros(1, 2, 4, 8)], "length": 4})()
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(2, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"merged_varlen cannot serve this attention call \(no_row_lengths\)"):
+        ServeContext(prefix, 3, CPU, "merged_varlen").attend(module, None, q, q, q)
+    with pytest.raises(ValueError, match=r"\(width\)"):  # attention sees rows other than the micro-batch's
+        ServeContext(prefix, 4, CPU, "merged_varlen", [3, 2]).attend(module, None, q, q, q)
+    with pytest.raises(ValueError, match=r"\(softcap\)"):
+        ServeContext(prefix, 3, CPU, "merged_varlen", [3, 2]).attend(module, None, q, q, q, softcap=30.0)
+    out, _ = ServeContext(prefix, 3, CPU, "merged_varlen", [3, 2]).attend(module, None, q, q, q)
+    assert out.shape == (2, 3, 2, 8)
+
+
+# -- the schedule through merged_varlen -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
+def test_schedule_varlen_matches_dense_and_concat(dtype, kv_heads):
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}[dtype]
+    model = gqa_model(kv_heads, dtype)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, dtype)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        for rows in (8, 2, 1):
+            meter = PhaseMeter(CPU)
+            varlen = _reuse(model, layout, weights, rows, "merged_varlen", meter)
+            assert worst_relative(varlen, want) < tol, f"{rows} rows per micro-batch"
+            # (against merged: test_varlen_matches_concat_merged_and_reference, kernel by kernel)
+            assert worst_relative(varlen, _reuse(model, layout, weights, rows, "concat")) < tol
+            assert meter.counts["prefix/phase_b_attention/merged_varlen"] == -(-8 // rows)
+            assert "prefix/phase_b_attention/merged" not in meter.counts
+            assert "prefix/phase_b_attention/concat" not in meter.counts
+
+
+def test_schedule_varlen_under_gradient_checkpointing():
+    """Non-reentrant checkpointing recomputes each layer's varlen attention in backward (same packing)."""
+    model = gqa_model(2, torch.float64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        assert worst_relative(_reuse(model, layout, weights, 3, "merged_varlen"), want) < 1e-10
+
+
+def test_schedule_negative_control_wrong_offsets(monkeypatch):
+    """The schedule with every micro-batch's cu_seqlens one token off must miss dense."""
+    model = gqa_model(2, torch.float64)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    real = V.Packing.from_lengths
+    monkeypatch.setattr(V.Packing, "from_lengths", lambda *a: _shifted_offsets(real(*a)))
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        assert worst_relative(_reuse(model, layout, weights, 4, "merged_varlen"), want) > 1e-3
+
+
+def test_forward_only_varlen_matches_hf():
+    model = gqa_model(2, torch.float64).eval()
+    layout = make_layout([(9, [4, 7, 1, 6]), (4, [2, 3])])
+    plan = plan_batch(layout, max_rows=3, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.9, 1.1])
+    got = {}
+    with promote_fp32_upcasts(), torch.no_grad():
+        for group in plan.groups:
+            got.update(
+                infer_group(
+                    model,
+                    layout,
+                    group,
+                    temperature,
+                    calculate_entropy=True,
+                    device=CPU,
+                    phase_b_attention="merged_varlen",
+                )
+            )
+        for i, (ids, p, s) in enumerate(zip(layout.input_ids, layout.prompt_lens, layout.response_lens)):
+            logits = model(input_ids=ids[None]).logits[0, p - 1 : p - 1 + s] / temperature[i].double()
+            want = torch.log_softmax(logits, -1).gather(-1, ids[p:, None]).squeeze(-1)
+            torch.testing.assert_close(got[i][0], want, rtol=1e-12, atol=1e-12)
+
+
+def test_moe_aux_through_varlen_matches_hf_dense():
+    """MoE: each suffix row also feeds its last response token (``tokens.sum(1)`` counts it), which varlen packs."""
+    from test_moe import RAGGED as MOE_RAGGED
+    from test_moe import TOLERANCE, compare, tiny_moe
+
+    model = tiny_moe(torch.float64)
+    layout = make_layout(MOE_RAGGED)
+    with promote_fp32_upcasts():
+        for rows in (8, 3):
+            grads, aux, flips, _, _ = compare(model, layout, rows, torch.float64, phase_b_attention="merged_varlen")
+            assert flips == 0
+            assert aux < TOLERANCE[torch.float64] and grads < TOLERANCE[torch.float64], rows
+
+
+# -- CUDA: flash-attn's varlen kernels (cannot run here) -------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or V.flash_attn_varlen() is None, reason="needs CUDA and flash_attn")
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_cuda_flash_attn_varlen_matches_cpu_reference(groups):
+    """The thin CUDA dispatch: flash-attn's varlen forward/backward (bf16) against the CPU reference in fp32
+    on the same packed inputs, through MergedVarlenAttention (prefix fp32 leaves included)."""
+    q, pk, pv, sk, sv, w = _inputs(5, 2 * groups, 2, prefix=70, suffix=33, dtype=torch.float32, dim=64)
+    packing_cpu = V.Packing.from_lengths([33, 12, 1, 20, 7], 33, CPU)
+    w = _masked(w, packing_cpu.mask)
+    want_out = V.merged_varlen_attention(q, pk, pv, sk, sv, packing_cpu, 0.125)
+    want = _grads(want_out, w, (q, pk, pv, sk, sv))
+    cuda = torch.device("cuda")
+    packing = V.Packing.from_lengths([33, 12, 1, 20, 7], 33, cuda)
+    tensors = [t.detach().to(cuda, torch.bfloat16).requires_grad_() for t in (q, sk, sv)]
+    leaves = [t.detach().to(cuda).requires_grad_() for t in (pk, pv)]
+    out = V.merged_varlen_attention(tensors[0], *leaves, tensors[1], tensors[2], packing, 0.125)
+    assert ((out.float().cpu() - want_out).norm() / want_out.norm()) < 2e-2
+    got = _grads(out, w.to(cuda, torch.bfloat16), (tensors[0], *leaves, *tensors[1:]))
+    assert got[1].dtype == torch.float32
+    for g, r in zip(got, want):
+        assert ((g.float().cpu() - r).norm() / r.norm()) < 3e-2

@@ -1,0 +1,354 @@
+"""Phase B's two-part attention on packed suffixes (``prefix_reuse.phase_b_attention: merged_varlen``).
+
+The same maths as ``merged_attention`` (prefix part unmasked against the ONE shared prefix K/V, suffix
+part causal per row, merged by log-sum-exp, each part's backward called with the merged output and LSE),
+but the suffix tokens are packed without padding to ``[T, H, d]`` with ``cu_seqlens`` (the rows' real
+token counts, MoE's extra last token included), flash-attn's varlen layout:
+
+- suffix part: ``T`` packed queries, causal self-attention within each row (``cu_seqlens`` both sides);
+- prefix part: all ``T`` packed queries as ONE sequence against the ``P`` prefix keys, no mask. Both
+  kernels take GQA natively (query head ``h`` reads KV head ``h // groups``), so nothing is repeated.
+
+LSEs are ``[H, T]`` fp32 (flash-attn's varlen layout; fp64 for fp64 on CPU). Pad positions are neither
+computed nor saved for backward; their output is zero (no real position reads a pad: causal, right-padded).
+
+Kernels, with one signature (``varlen_forward``/``varlen_backward``):
+- CUDA with ``flash_attn`` importable: ``flash_attn.flash_attn_interface._flash_attn_varlen_forward`` and
+  ``_flash_attn_varlen_backward`` (flash-attn 2.x; fp16/bf16, head_dim a multiple of 8 up to 256). A thin
+  dispatch that has not run here (no GPU); ``tests/schedule/test_varlen_attention.py`` has a CUDA test that
+  skips without one.
+- CPU: ``reference_varlen_forward``/``_backward``, per-sequence calls of
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), so the packing, unpacking and
+  merge code runs in CI. It is a reference, not a fast path: ``B + 1`` kernel calls per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_prefix.schedule import merged_attention as MA
+
+
+@functools.cache
+def flash_attn_varlen() -> tuple[Any, Any] | None:
+    """flash-attn's ``(_flash_attn_varlen_forward, _flash_attn_varlen_backward)``, or None when not importable."""
+    try:
+        from flash_attn import flash_attn_interface as fa
+    except Exception:  # noqa: BLE001 - a missing or broken install (CUDA mismatch) both mean "not served"
+        return None
+    forward = getattr(fa, "_flash_attn_varlen_forward", None)
+    backward = getattr(fa, "_flash_attn_varlen_backward", None)
+    return (forward, backward) if forward is not None and backward is not None else None
+
+
+def varlen_refusal(query: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
+    """Why this attention call cannot run the varlen path (a short reason), or None when it can."""
+    reason = MA.merged_refusal(query, kwargs)
+    if reason is not None or query.device.type == "cpu":
+        return reason
+    if flash_attn_varlen() is None:
+        return "flash_attn_missing"
+    return None  # merged_refusal already checked CUDA's dtypes (fp16/bf16) and head_dim (multiple of 8, <= 256)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where a right-padded ``[B, S]`` micro-batch's real tokens go in the packed ``[T]`` layout."""
+
+    mask: torch.Tensor  # [B, S] bool: real tokens (each row's first ``lengths[b]``)
+    cu_seqlens: torch.Tensor  # [B + 1] int32 on the tokens' device: row b is ``cu[b]:cu[b + 1]``
+    lengths: tuple[int, ...]
+    width: int  # S
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor | list[int], width: int, device: torch.device) -> Packing:
+        """From each row's real token count (``SuffixBatch.tokens.sum(1)``), ``1 <= length <= width``."""
+        counts = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+        if not counts or min(counts) < 1 or max(counts) > width:
+            raise ValueError(f"row lengths must lie in 1..{width}, got {counts}")
+        cu = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        mask = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
+        return cls(mask.to(device), cu.to(device), tuple(counts), width)
+
+
+def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[L, H, d]`` -> ``[1, H, L, d]`` (a view), the CPU op's layout."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def reference_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn's varlen forward on CPU: q ``[Tq, Hq, d]``, k/v ``[Tk, Hkv, d]`` -> ``(out [Tq, Hq, d],
+    lse [Hq, Tq])``, one CPU flash call per sequence. ``causal`` is upper-left per sequence (equal to
+    flash-attn's lower-right where a sequence's query and key lengths agree, the only causal use here)."""
+    out = q.new_zeros(q.shape)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=lse_dtype, device=q.device)
+    for (qs, qe), (ks, ke) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)):
+        if qe == qs:
+            continue
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # noqa: E741
+            _heads_first(q[qs:qe]), _heads_first(k[ks:ke]), _heads_first(v[ks:ke]), 0.0, causal, scale=softmax_scale
+        )
+        out[qs:qe] = o[0].transpose(0, 1)
+        lse[:, qs:qe] = l[0]
+    return out, lse
+
+
+def reference_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn's varlen backward on CPU: ``(dq, dk, dv)`` shaped like ``(q, k, v)``, the softmax rebuilt
+    from the given ``out`` and ``lse [Hq, Tq]``; dK/dV summed over each KV head's query heads."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (qs, qe), (ks, ke) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)):
+        if qe == qs:
+            continue
+        g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _heads_first(dout[qs:qe]),
+            _heads_first(q[qs:qe]),
+            _heads_first(k[ks:ke]),
+            _heads_first(v[ks:ke]),
+            _heads_first(out[qs:qe]),
+            lse[:, qs:qe].unsqueeze(0),
+            0.0,
+            causal,
+            scale=softmax_scale,
+        )
+        dq[qs:qe] = g_q[0].transpose(0, 1)
+        dk[ks:ke] += g_k[0].transpose(0, 1)
+        dv[ks:ke] += g_v[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+def varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's varlen forward: ``(out [Tq, Hq, d], lse [Hq, Tq])``."""
+    if q.device.type == "cpu":
+        return reference_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
+    kernels = flash_attn_varlen()
+    if kernels is None:
+        raise RuntimeError("merged_varlen on CUDA needs flash_attn (pip install flash-attn)")
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out, lse, _, _ = kernels[0](
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=softmax_scale,
+        causal=causal,
+    )
+    if lse.shape != (q.shape[1], q.shape[0]):  # flash-attn < 2.4 returned [B, H, max_seqlen_q]
+        raise RuntimeError(f"flash_attn's varlen LSE is {tuple(lse.shape)}, not [heads, tokens]: unsupported version")
+    return out, lse
+
+
+def varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device's varlen backward: ``(dq, dk, dv)``."""
+    if q.device.type == "cpu":
+        return reference_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
+    kernels = flash_attn_varlen()
+    if kernels is None:
+        raise RuntimeError("merged_varlen on CUDA needs flash_attn (pip install flash-attn)")
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kernels[1](  # writes dq, dk, dv in place
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+    )
+    return dq, dk, dv
+
+
+def _prefix_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[1, Hkv, P, d]`` prefix leaf as ``[P, Hkv, d]`` in ``dtype``: a view on CPU where no cast is
+    needed (the reference kernel transposes it back), else one contiguous copy (flash-attn's layout)."""
+    rows = t[0].transpose(0, 1)
+    if rows.dtype == dtype and rows.device.type == "cpu":
+        return rows
+    return torch.empty(rows.shape, dtype=dtype, device=rows.device).copy_(rows)
+
+
+def _whole(length: int, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` of one sequence of ``length`` tokens."""
+    return torch.tensor([0, length], dtype=torch.int32, device=device)
+
+
+def merge_packed(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MA.merge`` in the varlen layout: outputs ``[T, H, d]``, LSEs ``[H, T]`` (returned contiguous)."""
+    out, lse = MA.merge(out1, lse1.t(), out2, lse2.t())
+    return out, lse.t().contiguous()
+
+
+class MergedVarlenAttention(torch.autograd.Function):
+    """``MergedAttention`` on packed suffixes: q ``[T, Hq, d]``; prefix_k/v ``[1, Hkv, P, d]`` in any dtype
+    (the fp32 leaves; their grads come back in it); suffix_k/v ``[T, Hkv, d]`` in q's dtype; rows given by
+    ``cu_seqlens``. Returns ``[T, Hq, d]`` in q's dtype. Forward in ``MA.forward_dtype``, backward in q's."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        prefix_key: torch.Tensor,
+        prefix_value: torch.Tensor,
+        suffix_key: torch.Tensor,
+        suffix_value: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        total, prefix_len = query.shape[0], prefix_key.shape[2]
+        work = MA.forward_dtype(query)
+        cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
+        with torch.autocast(query.device.type, enabled=False):
+            q = query.to(work)
+            pk, pv = (_prefix_rows(t, work) for t in (prefix_key, prefix_value))  # [P, Hkv, d]
+            out1, lse1 = varlen_forward(q, pk, pv, cu_q, cu_p, total, prefix_len, scale, False)
+            sk, sv = suffix_key.to(work), suffix_value.to(work)
+            out2, lse2 = varlen_forward(q, sk, sv, cu_seqlens, cu_seqlens, max_len, max_len, scale, True)
+            out, lse = merge_packed(out1, lse1, out2, lse2)
+            out = out.to(query.dtype)  # the one rounding to the compute dtype
+        saved = MA.backward_stats(out, lse, ((out1, lse1), (out2, lse2)))
+        ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, cu_seqlens, *saved)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        query, prefix_key, prefix_value, suffix_key, suffix_value, cu_seqlens, out_p, lse_p, out_s, lse_s = (
+            ctx.saved_tensors
+        )
+        total, prefix_len = query.shape[0], prefix_key.shape[2]
+        dtype = query.dtype
+        grad = grad.contiguous().to(dtype)
+        cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
+        with torch.autocast(query.device.type, enabled=False):
+            pk, pv = (_prefix_rows(t, dtype) for t in (prefix_key, prefix_value))
+            dq_p, dk_p, dv_p = varlen_backward(
+                grad, query, pk, pv, out_p, lse_p, cu_q, cu_p, total, prefix_len, ctx.scale, False
+            )
+            dq_s, dk_s, dv_s = varlen_backward(
+                grad, query, suffix_key, suffix_value, out_s, lse_s, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len,
+                ctx.scale, True,
+            )  # fmt: skip
+            acc = torch.promote_types(dtype, torch.float32)
+            dq = (dq_p.to(acc) + dq_s.to(acc)).to(dtype)
+        dk_p = dk_p.transpose(0, 1).unsqueeze(0).to(prefix_key.dtype).contiguous()
+        dv_p = dv_p.transpose(0, 1).unsqueeze(0).to(prefix_value.dtype).contiguous()
+        return dq, dk_p, dv_p, dk_s, dv_s, None, None, None
+
+
+def merged_varlen_attention(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    packing: Packing,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """HF layout in, HF layout out, as ``merged_attention``: query ``[B, Hq, S, d]``, prefix K/V
+    ``[1, Hkv, P, d]``, suffix K/V ``[B, Hkv, S, d]`` -> ``[B, S, Hq, d]``, zero at pad positions. Only the
+    ``packing``'s real tokens reach the kernels (and what they save for backward)."""
+    rows, heads, width = query.shape[:3]
+    kv_heads = suffix_key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
+    if packing.mask.shape != (rows, width):
+        raise ValueError(f"packing is for {tuple(packing.mask.shape)} tokens, attention sees {(rows, width)}")
+    dtype = query.dtype
+    mask = packing.mask
+    q = query.transpose(1, 2)[mask]  # [T, Hq, d]
+    sk = suffix_key.to(dtype).transpose(1, 2)[mask]
+    sv = suffix_value.to(dtype).transpose(1, 2)[mask]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = MergedVarlenAttention.apply(q, prefix_key, prefix_value, sk, sv, packing.cu_seqlens, packing.max_len, scale)
+    full = out.new_zeros(rows, width, heads, out.shape[-1])
+    return full.index_put((mask,), out)  # [B, S, Hq, d], pads zero
