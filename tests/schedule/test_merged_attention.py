@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
+from helpers.schedule_runs import train_reuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_schedule_hf import dense_grads, weighted_loss, worst_relative
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from verl_prefix.schedule import executor
 from verl_prefix.schedule import merged_attention as MA
-from verl_prefix.schedule.executor import infer_group, train_group
+from verl_prefix.schedule.executor import infer_group
 from verl_prefix.schedule.grouping import plan_batch, plan_suffix_micro_batches
 from verl_prefix.schedule.prefix_kv import ServeContext, sdpa_lower_right
 from verl_prefix.schedule.telemetry import PhaseMeter
@@ -247,22 +248,17 @@ RAGGED = [(9, [4, 7, 1, 6, 3, 5, 2, 8])]  # G = 8
 
 
 def _reuse(model, layout, weights, rows, attention, meter=None, **kwargs):
-    model.zero_grad()
-    plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    for group in plan.groups:
-        train_group(
-            model,
-            layout,
-            group,
-            torch.ones(len(layout)),
-            weighted_loss(weights),
-            calculate_entropy=True,
-            device=CPU,
-            phase_b_attention=attention,
-            meter=meter,
-            **kwargs,
-        )
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads, _ = train_reuse(
+        model,
+        layout,
+        weighted_loss(weights),
+        rows=rows,
+        calculate_entropy=True,
+        phase_b_attention=attention,
+        meter=meter,
+        **kwargs,
+    )
+    return grads
 
 
 def gqa_model(kv_heads: int, dtype: torch.dtype, attn: str = "sdpa"):
