@@ -214,10 +214,10 @@ def test_serve_context_refuses_what_varlen_cannot_serve():
     with pytest.raises(ValueError, match=r"merged_varlen cannot serve this attention call \(no_row_lengths\)"):
         ServeContext(prefix, 3, CPU, "merged_varlen").attend(module, None, q, q, q)
     with pytest.raises(ValueError, match=r"\(width\)"):  # attention sees rows other than the micro-batch's
-        ServeContext(prefix, 4, CPU, "merged_varlen", [3, 2]).attend(module, None, q, q, q)
+        ServeContext(prefix, 4, CPU, "merged_varlen", row_lengths=[3, 2]).attend(module, None, q, q, q)
     with pytest.raises(ValueError, match=r"\(softcap\)"):
-        ServeContext(prefix, 3, CPU, "merged_varlen", [3, 2]).attend(module, None, q, q, q, softcap=30.0)
-    out, _ = ServeContext(prefix, 3, CPU, "merged_varlen", [3, 2]).attend(module, None, q, q, q)
+        ServeContext(prefix, 3, CPU, "merged_varlen", row_lengths=[3, 2]).attend(module, None, q, q, q, softcap=30.0)
+    out, _ = ServeContext(prefix, 3, CPU, "merged_varlen", row_lengths=[3, 2]).attend(module, None, q, q, q)
     assert out.shape == (2, 3, 2, 8)
 
 

@@ -203,7 +203,7 @@ def suffix_forward(
         position_ids = ulysses.shard(position_ids, continue_positions=True)
     query_len = full_width if ulysses is None else ulysses.padded(full_width)
     row_lengths = batch.tokens.sum(1)  # real tokens per row, MoE's extra last token included
-    ctx = ServeContext(prefix, query_len, batch.input_ids.device, attention, ulysses, row_lengths)
+    ctx = ServeContext(prefix, query_len, batch.input_ids.device, attention, ulysses=ulysses, row_lengths=row_lengths)
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(meter, ctx)
     width = input_ids.shape[1]

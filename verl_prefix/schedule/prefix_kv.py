@@ -197,7 +197,7 @@ class ChunkCaptureContext(CaptureContext):
         # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
         super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
         padded = query_len if ulysses is None else ulysses.padded(query_len)
-        self.serve = ServeContext(earlier, padded, device, attention, ulysses)
+        self.serve = ServeContext(earlier, padded, device, attention, ulysses=ulysses)
 
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
@@ -223,6 +223,7 @@ class ServeContext:
         query_len: int,
         device: torch.device,
         attention: str = "auto",
+        *,
         ulysses: Ulysses | None = None,
         row_lengths: torch.Tensor | list[int] | None = None,
     ) -> None:
