@@ -32,7 +32,9 @@ case "$MODE" in
   dense) twin=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=fsdp2
     actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig actor_rollout_ref.ref._target_=verl.workers.config.FSDPActorConfig
     '~actor_rollout_ref.ref.prefix_reuse' '~actor_rollout_ref.actor.prefix_reuse'
-    '~actor_rollout_ref.actor.dormant_prefix' '~actor_rollout_ref.actor.moe_aux_loss_coef') ;;
+    '~actor_rollout_ref.actor.dormant_prefix' '~actor_rollout_ref.actor.moe_aux_loss_coef'
+    # Hydra cannot delete a key whose value is null: give it a value first
+    actor_rollout_ref.actor.dormant_prefix_budget_bytes=0 '~actor_rollout_ref.actor.dormant_prefix_budget_bytes') ;;
   *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;
 esac
 cluster=()
