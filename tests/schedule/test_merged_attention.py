@@ -261,14 +261,14 @@ def _reuse(model, layout, weights, rows, attention, meter=None, **kwargs):
     return grads
 
 
-def gqa_model(kv_heads: int, dtype: torch.dtype, attn: str = "sdpa"):
+def gqa_model(kv_heads: int, dtype: torch.dtype, attn: str = "sdpa", heads: int = 4):
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=101,
         hidden_size=48,
         intermediate_size=80,
         num_hidden_layers=3,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=12,
         attn_implementation=attn,

@@ -25,27 +25,15 @@ def _body(rank: int, kv_heads: int, attn: str, attention: str, control: str | No
 
 def _compare(kv_heads: int, attn: str, attention: str, control: str | None, variant: str) -> dict:
     import torch.distributed as dist
+    from test_merged_attention import gqa_model
     from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss
-    from transformers import AutoModelForCausalLM, Qwen3Config
 
     from verl_prefix.schedule import ulysses as ulysses_mod
     from verl_prefix.schedule.dormant import Dormant
     from verl_prefix.schedule.executor import infer_group
     from verl_prefix.schedule.ulysses import Ulysses
 
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=101,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=3,
-        num_attention_heads=max(4, dist.get_world_size()),  # heads divide over the ranks
-        num_key_value_heads=kv_heads,
-        head_dim=12,
-        attn_implementation=attn,
-        initializer_range=0.2,
-    )
-    model = AutoModelForCausalLM.from_config(config).to(torch.float64).train()
+    model = gqa_model(kv_heads, torch.float64, attn, heads=max(4, dist.get_world_size()))  # heads divide over ranks
     if variant == "checkpointed-recompute":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layout = make_layout(GROUPS, seed=3)
