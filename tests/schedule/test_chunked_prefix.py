@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
-from helpers.schedule_runs import train_reuse
+from helpers.schedule_runs import infer_reuse, train_reuse
 from hypothesis import given
 from hypothesis import strategies as st
 from test_dormant_policies import CountingStore
@@ -19,8 +19,6 @@ from test_schedule_hf import TOLERANCE, dense_grads, dense_response_outputs, tin
 
 from verl_prefix.schedule import chunked as C
 from verl_prefix.schedule import dormant as D
-from verl_prefix.schedule.executor import infer_group
-from verl_prefix.schedule.grouping import plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.tools.dormant_memory import LiveSaved
 
@@ -133,23 +131,9 @@ def test_chunked_prefix_with_the_moe_aux_loss(policy):
 def test_forward_only_chunks(attn):
     model = tiny_model("qwen3", attn, torch.float64).eval()
     layout = make_layout(LAYOUT)
-    plan = plan_batch(layout, max_rows=3, max_tokens=None, min_prefix_len=1, min_group_size=1)
     with promote_fp32_upcasts(), torch.no_grad():
         want_lp, want_ent = dense_response_outputs(model, layout)
-        got = {}
-        for group in plan.groups:
-            got.update(
-                infer_group(
-                    model,
-                    layout,
-                    group,
-                    torch.ones(len(layout)),
-                    calculate_entropy=True,
-                    device=CPU,
-                    prefix_chunk_tokens=5,
-                    prefix_chunks=4,
-                )
-            )
+        got = infer_reuse(model, layout, rows=3, prefix_chunk_tokens=5, prefix_chunks=4)
     for i in range(len(layout)):
         torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
-from helpers.schedule_runs import train_reuse
+from helpers.schedule_runs import infer_reuse, train_reuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_schedule_hf import dense_grads, weighted_loss, worst_relative
@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from verl_prefix.schedule import executor
 from verl_prefix.schedule import merged_attention as MA
-from verl_prefix.schedule.executor import infer_group
 from verl_prefix.schedule.grouping import plan_batch, plan_suffix_micro_batches
 from verl_prefix.schedule.prefix_kv import ServeContext, sdpa_lower_right
 from verl_prefix.schedule.telemetry import PhaseMeter
@@ -326,23 +325,12 @@ def test_merged_refuses_unserved_features():
 def test_forward_only_merged_matches_concat():
     model = gqa_model(2, torch.float64).eval()
     layout = make_layout([(9, [4, 7, 1, 6]), (4, [2, 3])])
-    plan = plan_batch(layout, max_rows=3, max_tokens=None, min_prefix_len=1, min_group_size=1)
     temperature = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.9, 1.1])
     with promote_fp32_upcasts(), torch.no_grad():
-        got = {a: {} for a in ("merged", "concat")}
-        for attention in got:
-            for group in plan.groups:
-                got[attention].update(
-                    infer_group(
-                        model,
-                        layout,
-                        group,
-                        temperature,
-                        calculate_entropy=True,
-                        device=CPU,
-                        phase_b_attention=attention,
-                    )
-                )
+        got = {
+            a: infer_reuse(model, layout, rows=3, temperature=temperature, phase_b_attention=a)
+            for a in ("merged", "concat")
+        }
         for i, (ids, p, s) in enumerate(zip(layout.input_ids, layout.prompt_lens, layout.response_lens)):
             logits = model(input_ids=ids[None]).logits[0, p - 1 : p - 1 + s] / temperature[i].double()
             want = torch.log_softmax(logits, -1).gather(-1, ids[p:, None]).squeeze(-1)

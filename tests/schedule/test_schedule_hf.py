@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers.layouts import VOCAB, make_layout, token_weights, use_suffix_only_mask
 from helpers.precision import promote_fp32_upcasts
-from helpers.schedule_runs import train_reuse
+from helpers.schedule_runs import infer_reuse, train_reuse
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from verl_prefix.schedule import executor as schedule
@@ -135,16 +135,9 @@ def test_shuffled_groups_are_regrouped():
 def test_forward_only_matches_dense_log_probs_and_entropy(attn):
     model = tiny_model("qwen3", attn, torch.float64).eval()
     layout = make_layout([(9, [4, 7, 1, 6]), (4, [2, 3])])
-    plan = plan_batch(layout, max_rows=3, max_tokens=None, min_prefix_len=1, min_group_size=1)
     with promote_fp32_upcasts(), torch.no_grad():
         want_lp, want_ent = dense_response_outputs(model, layout)
-        got = {}
-        for group in plan.groups:
-            got.update(
-                infer_group(
-                    model, layout, group, torch.ones(len(layout)), calculate_entropy=True, device=torch.device("cpu")
-                )
-            )
+        got = infer_reuse(model, layout, rows=3)
     for i in range(len(layout)):
         torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)

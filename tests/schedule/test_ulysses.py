@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.ranks import run_ranks
-from helpers.schedule_runs import train_reuse
+from helpers.schedule_runs import infer_reuse, train_reuse
 
 GROUPS = [(9, [4, 7, 1, 6]), (6, [3, 5, 2])]
 
@@ -30,7 +30,6 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None, vari
 
     from verl_prefix.schedule import ulysses as ulysses_mod
     from verl_prefix.schedule.dormant import Dormant
-    from verl_prefix.schedule.executor import infer_group
     from verl_prefix.schedule.ulysses import Ulysses
 
     model = gqa_model(kv_heads, torch.float64, attn, heads=max(4, dist.get_world_size()))  # heads divide over ranks
@@ -62,9 +61,7 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None, vari
         dist.all_reduce(grad)
         got[name] = grad / sp.size
     worst = max(((got[n] - want[n]).norm() / want[n].norm()).item() for n in want)
-    results = {}
-    for group in plan.groups:
-        results.update(infer_group(model, layout, group, torch.ones(len(layout)), **options))
+    results = infer_reuse(model, layout, rows=2, **options)
     infer = max(
         max((results[i][0] - want_lp[i]).abs().max().item(), (results[i][1] - want_ent[i]).abs().max().item())
         for i in range(len(layout))

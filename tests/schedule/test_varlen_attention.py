@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
+from helpers.schedule_runs import infer_reuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_merged_attention import RAGGED, _concat_reference, _grads, _inputs, _reference_math, _reuse, gqa_model
@@ -16,8 +17,6 @@ from test_schedule_hf import dense_grads, worst_relative
 
 from verl_prefix.schedule import merged_attention as MA
 from verl_prefix.schedule import varlen_attention as V
-from verl_prefix.schedule.executor import infer_group
-from verl_prefix.schedule.grouping import plan_batch
 from verl_prefix.schedule.prefix_kv import ServeContext
 from verl_prefix.schedule.telemetry import PhaseMeter
 
@@ -270,22 +269,9 @@ def test_schedule_negative_control_wrong_offsets(monkeypatch):
 def test_forward_only_varlen_matches_hf():
     model = gqa_model(2, torch.float64).eval()
     layout = make_layout([(9, [4, 7, 1, 6]), (4, [2, 3])])
-    plan = plan_batch(layout, max_rows=3, max_tokens=None, min_prefix_len=1, min_group_size=1)
     temperature = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.9, 1.1])
-    got = {}
     with promote_fp32_upcasts(), torch.no_grad():
-        for group in plan.groups:
-            got.update(
-                infer_group(
-                    model,
-                    layout,
-                    group,
-                    temperature,
-                    calculate_entropy=True,
-                    device=CPU,
-                    phase_b_attention="merged_varlen",
-                )
-            )
+        got = infer_reuse(model, layout, rows=3, temperature=temperature, phase_b_attention="merged_varlen")
         for i, (ids, p, s) in enumerate(zip(layout.input_ids, layout.prompt_lens, layout.response_lens)):
             logits = model(input_ids=ids[None]).logits[0, p - 1 : p - 1 + s] / temperature[i].double()
             want = torch.log_softmax(logits, -1).gather(-1, ids[p:, None]).squeeze(-1)
