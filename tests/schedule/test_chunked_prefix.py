@@ -141,17 +141,26 @@ def test_forward_only_chunks(attn):
 
 def test_recompute_with_chunks_holds_one_chunk_graph():
     """Peak bytes saved for backward at once over the whole update (P=256, G=2, S=4): recompute alone
-    holds the whole prefix graph in phase C; recompute with chunks of 32 holds one chunk's graph."""
+    holds the whole prefix graph in phase C; recompute with chunks of 32 holds one chunk's graph. The
+    phase meter's counts (``prefix/max_saved_for_backward_*``) agree with a live count."""
     model = tiny_model("qwen3", "sdpa", torch.float32)
     layout = make_layout([(257, [4, 4])])
     weights = token_weights(layout, torch.float32)
-    peaks = {}
+    peaks, metered = {}, {}
     for name, chunk_tokens in (("whole", None), ("chunks", 32)):
-        live = LiveSaved(model)
+        live, meter = LiveSaved(model), PhaseMeter(CPU)
         with live.hooks():
             run_chunked(model, layout, weights, "recompute", chunk_tokens)
+        run_chunked(model, layout, weights, "recompute", chunk_tokens, meter=meter)  # its own saved hooks
         peaks[name] = live.peak
+        metered[name] = meter.metrics(1, 1)
     assert peaks["chunks"] < 0.4 * peaks["whole"], peaks
+    # the meter agrees: phase C's count is the largest chunk's graph, not every chunk's summed
+    held = {name: m["prefix/max_saved_for_backward_held_mib"] * 1024**2 for name, m in metered.items()}
+    assert held["chunks"] < 0.4 * held["whole"], held
+    for name in peaks:
+        assert 0.5 * peaks[name] <= held[name] <= peaks[name], (name, held, peaks)
+        assert metered[name]["prefix/max_saved_for_backward_mib/C"] * 1024**2 == pytest.approx(held[name])
 
 
 @given(st.one_of(st.integers(-5, 10**6), st.booleans(), st.none(), st.floats(), st.text(max_size=3)))

@@ -160,9 +160,16 @@ class ChunkedPrefix:
             self.leaves.router_stats = _sum_stats(stats).detached_leaf(self.requires_grad)
         return self.leaves
 
-    def backward(self, dormant: Dormant, seeded_backward: SeededBackward, model: nn.Module | None) -> None:
+    def backward(
+        self,
+        dormant: Dormant,
+        seeded_backward: SeededBackward,
+        model: nn.Module | None,
+        on_chunk_done: Callable[[], None] | None = None,
+    ) -> None:
         """Phase C, last chunk first: each chunk's roots (phase A's, or rebuilt now under
-        ``recompute``) seeded with the leaf gradient of its tokens; fillers with zeros."""
+        ``recompute``) seeded with the leaf gradient of its tokens; fillers with zeros.
+        ``on_chunk_done`` runs after each chunk's backward (the meter's ``SavedBytes.segment``)."""
         leaves = self.leaves
         router_seed = leaves.router_stats.prob_sum.grad if leaves.router_stats is not None else None
         for index in reversed(range(len(self.chunks))):
@@ -183,3 +190,5 @@ class ChunkedPrefix:
                     seeds.append(router_seed)
             seeded_backward(roots, seeds, model)
             del roots
+            if on_chunk_done is not None:
+                on_chunk_done()

@@ -417,10 +417,12 @@ def train_group(
                 if index == last:
                     dormant.before_last_backward()
                 backward(log_probs[0].sum() * 0.0)
-        with meter.phase("C"):
+        with meter.phase("C") as saved_c:
             if chunked is not None:
                 with autocast():  # each chunk's backward runs inside too, as phase B's do
-                    chunked.backward(dormant, seeded_backward, model)
+                    # a chunk's graph is freed by its own backward: the meter counts the largest one
+                    done = saved_c.segment if saved_c is not None else None
+                    chunked.backward(dormant, seeded_backward, model, on_chunk_done=done)
             else:
                 with autocast():
                     prefix = dormant.phase_c_prefix(prefix, run_prefix)

@@ -91,10 +91,13 @@ class SavedBytes:
     ``bytes``: saved through the block's own hook (under checkpointing: what lives outside checkpointed
     layers, including the inputs each keeps for its recompute). ``recompute_bytes``: with ``model``, the
     most one checkpointed layer saves inside its checkpoint, which backward rematerialises at once.
+    ``segment()`` marks a graph whose backward has run (a chunk of phase C): ``bytes`` is then the most
+    one segment saved, since no two segments' graphs are alive at once.
     """
 
     def __init__(self, model: nn.Module | None = None) -> None:
-        self.bytes = 0
+        self._current = 0
+        self._largest_done = 0
         self.recompute_bytes = 0
         self._seen: dict[int, StorageWeakRef | None] = {}
         self._model = model
@@ -103,13 +106,24 @@ class SavedBytes:
         self._pushed: list[torch.autograd.graph.saved_tensors_hooks | None] = []
 
     @property
+    def bytes(self) -> int:
+        """The most bytes saved outside checkpointed layers that one segment held at once."""
+        return max(self._largest_done, self._current)
+
+    @property
     def total(self) -> int:
         """What autograd holds at most for this block's backward."""
         return self.bytes + self.recompute_bytes
 
+    def segment(self) -> None:
+        """The graph saved so far has been backpropagated and freed: count what follows afresh."""
+        self._largest_done = max(self._largest_done, self._current)
+        self._current = 0
+        self._seen = {}
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not _is_parameter(tensor):
-            self.bytes += _count_new(self._seen, tensor)
+            self._current += _count_new(self._seen, tensor)
         return tensor
 
     def _count_in_layer(self, inner_pack: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> Any:
@@ -289,8 +303,9 @@ class PhaseMeter:
         if name == "A":
             self.held_saved_mib = mib
             self.saved_mib["A"] = max(self.saved_mib["A"], total)
-        elif name == "C":
+        elif name == "C":  # what phase C saves itself (recompute's prefix graph; one chunk's with chunks)
             self.held_saved_mib = 0.0
+            self.saved_mib["C"] = max(self.saved_mib["C"], total)
         else:
             self.saved_mib[name] = max(self.saved_mib[name], total)
         held = total + (self.held_saved_mib if name == "B" else 0.0)
