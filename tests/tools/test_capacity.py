@@ -70,14 +70,21 @@ def test_minuscule_capacity_run(tmp_path):
         timeout_s=600,
     )
     model_dir = TINY.write(tmp_path / "model")
-    small = Cap.probe(spec, "fsdp2:1", 32, model_dir)
-    large = Cap.probe(spec, "fsdp2:1", 4096, model_dir)
+    unlimited = dataclasses.replace(spec, budget_mib=1e6)
+    small = Cap.probe(unlimited, "fsdp2:1", 32, model_dir)
+    large = Cap.probe(unlimited, "fsdp2:1", 4096, model_dir)
     assert "error" not in small and "error" not in large, (small, large)
     assert large["peak_above_mib"] > small["peak_above_mib"]
+    assert small["fits"] and large["fits"] and not large.get("stopped_over_budget")
     # a budget between the two measured peaks: 32 fits, 4096 does not
     budget = (small["peak_above_mib"] + large["peak_above_mib"]) / 2
     spec = dataclasses.replace(spec, budget_mib=budget)
-    result = Cap.run_capacity(spec, model_dir=model_dir, log=lambda _: None)
+    result = Cap.run_capacity(spec, model_dir=model_dir, log=lambda _: None, jobs=2)
+    assert list(result["engines"]) == list(spec.engines) and result["complete"]
+    stopped = result["engines"]["fsdp2:1"]["measured"]["4096"]
+    # the watchdog ended the over-budget probe at the budget: it never finished its update
+    assert stopped["stopped_over_budget"] and not stopped["fits"] and "update_s" not in stopped
+    assert budget < stopped["peak_above_mib"] <= large["peak_above_mib"] * 1.05
     for engine, found in result["engines"].items():
         measured = {int(p): r for p, r in found["measured"].items()}
         assert all(r["fits"] == (r["peak_above_mib"] <= budget) for r in measured.values()), engine
@@ -117,6 +124,38 @@ def test_capacity_result_through_run_bench(tmp_path, monkeypatch):
     assert saved["capacity"]["engines"]["recompute"]["first_over"] is None
     assert saved["complete"] and saved["machine"]
     assert "| recompute |" in B.markdown_table(result)
+
+
+@given(st.integers(1, 4), st.integers(0, 6))
+def test_parallel_search_matches_serial_and_reports_each_engine(jobs, threshold):
+    """``jobs`` engines searched at once give the serial answer, in the spec's engine order; each finished
+    engine is handed over as it completes (``complete`` only with the last)."""
+    engines = ("fsdp2:1", "fsdp2:2", "keep", "recompute:2")
+    spec = dataclasses.replace(B.PRESETS["capacity_smoke"].capacity, grid=(1, 2, 3, 4, 5), engines=engines)
+
+    def probe(spec, engine, prefix_len, model_dir):
+        peak = prefix_len * (1 + engines.index(engine))  # each engine its own boundary
+        return {"peak_above_mib": float(peak), "fits": peak <= threshold}
+
+    snapshots = []
+    kwargs = {"probe_fn": probe, "model_dir": "unused", "log": lambda _: None}
+    serial = Cap.run_capacity(spec, **kwargs)
+    parallel = Cap.run_capacity(spec, **kwargs, jobs=jobs, on_engine_done=snapshots.append)
+    assert parallel == serial and list(parallel["engines"]) == list(engines)
+    assert [len(s["engines"]) for s in snapshots] == [1, 2, 3, 4]
+    assert [s["complete"] for s in snapshots] == [False, False, False, True]
+    with pytest.raises(ValueError, match="jobs"):
+        Cap.run_capacity(spec, **kwargs, jobs=0)
+
+
+def test_capacity_presets_search_the_issue_setting():
+    """``capacity`` is issue 11's cell: the 29M model, G=8, suffix 128, 2 GiB above the loaded model, the
+    stock engine at micro-batch 1 (its best) among the engines; ``capacity_smoke`` the same search on 1M."""
+    spec = B.PRESETS["capacity"].capacity
+    assert (spec.model.hidden_size, spec.model.num_layers, spec.group_size, spec.suffix_len) == (512, 6, 8, 128)
+    assert spec.budget_mib == 2048 and "fsdp2:1" in spec.engines
+    assert spec.model.max_position_embeddings >= spec.grid[-1] + spec.suffix_len + 1
+    Cap.validate_spec(B.PRESETS["capacity_smoke"].capacity)
 
 
 def test_gpu_capacity_and_offload_presets_are_valid_configs():

@@ -23,6 +23,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -174,8 +175,9 @@ def unavailable_variant(variant: str, cuda: bool | None = None) -> str | None:
     return None
 
 
-# The capacity presets' model: the smoke model's shape with positions long enough for the search grid.
-CAPACITY_MODEL = dataclasses.replace(SMOKE_MODEL, max_position_embeddings=65536)
+# The capacity presets' models: the 29M and smoke models' shapes with positions long enough for the grids.
+CAPACITY_MODEL = dataclasses.replace(MODEL_29M, max_position_embeddings=65536)
+CAPACITY_SMOKE_MODEL = dataclasses.replace(SMOKE_MODEL, max_position_embeddings=65536)
 # The gpu preset's offload cell: prefix_fsdp2 with dormant_prefix=offload (set on the engine config).
 _OFFLOAD = (
     "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig",
@@ -183,10 +185,10 @@ _OFFLOAD = (
 )
 
 
-def _capacity_spec(gpu: bool) -> Any:
+def _capacity_spec(kind: str) -> Any:
     from verl_prefix.tools.capacity import CapacitySpec
 
-    if gpu:  # the gpu preset's model and precision; budget 40 GiB above the loaded model, G=16, suffix 2048
+    if kind == "gpu":  # the gpu preset's model and precision; budget 40 GiB above the loaded model, G=16, suffix 2048
         return CapacitySpec(
             model=MODEL_GPU,
             group_size=16,
@@ -199,9 +201,21 @@ def _capacity_spec(gpu: bool) -> Any:
             overrides=_GPU,
             timeout_s=600.0,
         )
-    # CPU, short enough to run once on 2 shared cores: the 1M smoke model, G=8, suffix 128, 256 MiB
+    if kind == "cpu":  # issue 11's setting: the 29M model, G=8, suffix 128, 2 GiB above the loaded model
+        return CapacitySpec(
+            model=CAPACITY_MODEL,
+            group_size=8,
+            suffix_len=128,
+            budget_mib=2048.0,
+            grid=(1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768),
+            # the stock engine's memory grows with its rows per micro-batch: 1 is its best, 2 shows the slope
+            engines=("fsdp2:1", "fsdp2:2", "keep", "recompute", "recompute:1024", "recompute:512"),
+            micro_batch_size=4,
+            timeout_s=3600.0,
+        )
+    # the same search in minutes: the 1M smoke model, G=8, suffix 128, 256 MiB
     return CapacitySpec(
-        model=CAPACITY_MODEL,
+        model=CAPACITY_SMOKE_MODEL,
         group_size=8,
         suffix_len=128,
         budget_mib=256.0,
@@ -341,16 +355,24 @@ PRESETS: dict[str, Preset] = {
         cells=(),
         reps=1,
         threads=1,
-        capacity=_capacity_spec(gpu=False),
-        description="longest prefix whose update fits 256 MiB above the loaded 1M model (G=8, suffix 128), "
-        "stock fsdp2 at micro-batches 1/2/4 vs keep/recompute/recompute+chunks; fresh process per probe; "
-        "about 15 minutes on 2 cores",
+        capacity=_capacity_spec("cpu"),
+        description="longest prefix whose update fits 2 GiB above the loaded 29M model (G=8, suffix 128), "
+        "stock fsdp2 at micro-batches 1/2 vs keep/recompute/recompute with 1024- and 512-token chunks; fresh "
+        "process per probe, stopped once over the budget; about half an hour on 2 cores with --jobs 2",
+    ),
+    "capacity_smoke": Preset(
+        cells=(),
+        reps=1,
+        threads=1,
+        capacity=_capacity_spec("smoke"),
+        description="the capacity search on the 1M smoke model at 256 MiB (stock at micro-batches 1/2/4); "
+        "about 8 minutes on 2 cores",
     ),
     "gpu_capacity": Preset(
         cells=(),
         reps=1,
         needs_cuda=True,
-        capacity=_capacity_spec(gpu=True),
+        capacity=_capacity_spec("gpu"),
         description="capacity on the gpu preset's 1.7B model: 40 GiB above the loaded model enforced with "
         "set_per_process_memory_fraction (real OOM boundary), G=16, suffix 2048",
     ),
@@ -1043,6 +1065,7 @@ def run_bench(
     compile: bool = False,
     cells: Sequence[str] | None = None,
     fresh_rss: bool | None = None,
+    jobs: int = 1,
 ) -> dict:
     """Run a preset's cells (a name, or a ``Preset`` such as a test's minuscule one); optionally save JSON,
     rewritten after every cell so a run cut short keeps what it measured (``complete`` says which).
@@ -1050,11 +1073,13 @@ def run_bench(
     ``threads`` (default: the preset's) sets ``torch.set_num_threads`` for the run and is restored after.
     ``progress`` shows a tqdm bar over all reps on stderr (runs take minutes to hours). ``compile`` runs
     both engines with verl's ``use_torch_compile``. ``fresh_rss`` (default: the preset's) measures each
-    variant cell's peak RSS in a fresh process per variant.
+    variant cell's peak RSS in a fresh process per variant. ``jobs``: a capacity preset's engines searched
+    at once (one probe process each).
     """
     spec, reps = resolve_preset(preset, reps, threads, cells)
     if spec.capacity is not None:
-        return _run_capacity(preset if isinstance(preset, str) else "custom", spec, out_json, command, log, threads)
+        name = preset if isinstance(preset, str) else "custom"
+        return _run_capacity(name, spec, out_json, command, log, threads, jobs=jobs)
     if compile:
         spec = dataclasses.replace(spec, cells=compiled(spec.cells))
     name = preset if isinstance(preset, str) else "custom"
@@ -1122,28 +1147,41 @@ def _run_cells(
 
 
 def _run_capacity(
-    name: str, spec: Preset, out_json: Path | None, command: str | None, log: Callable, threads: int | None
+    name: str,
+    spec: Preset,
+    out_json: Path | None,
+    command: str | None,
+    log: Callable,
+    threads: int | None,
+    jobs: int = 1,
 ) -> dict:
-    """A capacity preset: ``verl_prefix.tools.capacity.run_capacity`` with the bench's result header."""
+    """A capacity preset: ``verl_prefix.tools.capacity.run_capacity`` with the bench's result header, the
+    JSON rewritten after each engine's search (``complete`` false until the last)."""
     from verl_prefix.tools.capacity import run_capacity
 
     started = time.perf_counter()
     previous = torch.get_num_threads()
     threads = spec.threads if threads is None else threads
+    header = {
+        "preset": name,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command or shlex.join(sys.argv),
+        "machine": {**machine_info(), "capacity_jobs": jobs},
+    }
+    saving = threading.Lock()
+
+    def save(capacity: dict[str, Any]) -> None:
+        with saving:
+            partial = {**header, "capacity": capacity, "complete": capacity["complete"]}
+            _save({**partial, "wall_s": time.perf_counter() - started}, out_json)
+
     if threads is not None:
         torch.set_num_threads(threads)  # each probe child takes the parent's thread count
     try:
-        result = {
-            "preset": name,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": command or shlex.join(sys.argv),
-            "machine": machine_info(),
-            "capacity": run_capacity(spec.capacity, log=log),
-        }
+        capacity = run_capacity(spec.capacity, log=log, jobs=jobs, on_engine_done=save)
     finally:
         torch.set_num_threads(previous)
-    result["wall_s"] = time.perf_counter() - started
-    result["complete"] = True
+    result = {**header, "capacity": capacity, "wall_s": time.perf_counter() - started, "complete": True}
     _save(result, out_json)
     return result
 

@@ -6,8 +6,9 @@ Every probe is a fresh process: it builds the engine, then runs one update (zero
 no optimizer step) on one GRPO group (prompt of P+1 tokens, G responses of S tokens). On CPU the figure is
 the process's peak RSS during the update above its RSS once the engine (the loaded model) is built
 (``VmHWM`` reset before the update, after a warm-up update on a 64-token prefix); it fits when that is
-within the budget. On CUDA the figure is the
-allocator's peak above what the built engine holds, and the budget is enforced:
+within the budget, and a probe whose high-water mark passes the budget is stopped there and reported over
+(the CPU stand-in for an out-of-memory error; it keeps a long search cheap and inside the machine's RAM).
+On CUDA the figure is the allocator's peak above what the built engine holds, and the budget is enforced:
 ``torch.cuda.set_per_process_memory_fraction`` caps the process at built + budget, and a probe fits when
 it does not raise an out-of-memory error (the real OOM boundary).
 
@@ -209,10 +210,35 @@ def _probe_main(request: str) -> None:
     else:
         before = psutil.Process().memory_info().rss
         result["peak_reset_before_update"] = _reset_peak_rss()
+        _stop_when_over_budget(before / _MIB, spec["budget_mib"], result)
         seconds, _ = _time_update(engine, loss_fn, batch)
         result["peak_above_mib"] = _peak_rss_mib() - before / _MIB
         result.update(fits=result["peak_above_mib"] <= spec["budget_mib"], update_s=seconds)
     print(json.dumps(result), flush=True)
+
+
+def _stop_when_over_budget(before_mib: float, budget_mib: float, result: dict[str, Any]) -> None:
+    """CPU's stand-in for the GPU's OOM: a daemon thread watches the high-water mark and, once it passes the
+    budget, reports the probe as over and ends the process. An over-budget probe then costs seconds instead
+    of a whole long update, and never holds more than the budget plus one poll's growth (so a long search
+    cannot run the machine out of memory)."""
+    import threading
+
+    from verl_prefix.tools.bench import _peak_rss_mib
+
+    def watch() -> None:
+        while True:
+            above = _peak_rss_mib() - before_mib
+            if above > budget_mib:
+                report = {**result, "peak_above_mib": above, "fits": False, "stopped_over_budget": True}
+                print(json.dumps(report), flush=True)
+                os._exit(0)
+            time.sleep(_WATCH_INTERVAL_S)
+
+    threading.Thread(target=watch, name="capacity-budget-watch", daemon=True).start()
+
+
+_WATCH_INTERVAL_S = 0.02
 
 
 def run_capacity(
@@ -221,33 +247,54 @@ def run_capacity(
     log: Callable[[str], None] = print,
     probe_fn: Callable[[CapacitySpec, str, int, Path], dict[str, Any]] | None = None,
     model_dir: Path | None = None,
+    jobs: int = 1,
+    on_engine_done: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Search every engine of ``spec``; ``probe_fn`` (default ``probe``) is injectable (tests check the
-    search on a fake)."""
+    search on a fake). ``jobs`` engines search at once (each probe is its own process, so two jobs use two
+    cores; the memory measured is per process and does not change). ``on_engine_done`` gets the result so
+    far after each engine (a long search cut short keeps what it found)."""
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     probe_fn = probe_fn or probe
     validate_spec(spec)
+    if jobs < 1:
+        raise ValueError(f"capacity jobs must be >= 1, got {jobs}")
     results: dict[str, Any] = {}
+
+    def search_engine(engine: str, directory: Path) -> None:
+        measured: dict[int, dict[str, Any]] = {}
+
+        def fits(prefix_len: int) -> bool:
+            measured[prefix_len] = probe_fn(spec, engine, prefix_len, directory)
+            r = measured[prefix_len]
+            log(
+                f"capacity {engine} P={prefix_len}: peak {r.get('peak_above_mib', float('nan')):.0f} MiB "
+                f"-> {'fits' if r['fits'] else 'over'}" + (f" ({r['error'][:80]})" if r.get("error") else "")
+            )
+            return bool(r["fits"])
+
+        found = search(spec.grid, fits)
+        found["measured"] = {str(k): v for k, v in measured.items()}
+        results[engine] = found
+        if on_engine_done is not None:
+            on_engine_done(_summary(spec, results))
+
     with tempfile.TemporaryDirectory(prefix="verl_prefix_capacity_") as tmp:
         directory = model_dir or spec.model.write(Path(tmp) / "model")
-        for engine in spec.engines:
-            measured: dict[int, dict[str, Any]] = {}
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for future in [pool.submit(search_engine, engine, directory) for engine in spec.engines]:
+                future.result()  # re-raise a failed search here
+    return _summary(spec, results)
 
-            def fits(prefix_len: int, engine: str = engine, measured: dict = measured) -> bool:
-                measured[prefix_len] = probe_fn(spec, engine, prefix_len, directory)
-                r = measured[prefix_len]
-                log(
-                    f"capacity {engine} P={prefix_len}: peak {r.get('peak_above_mib', float('nan')):.0f} MiB "
-                    f"-> {'fits' if r['fits'] else 'over'}" + (f" ({r['error'][:80]})" if r.get("error") else "")
-                )
-                return bool(r["fits"])
 
-            found = search(spec.grid, fits)
-            found["measured"] = {str(k): v for k, v in measured.items()}
-            results[engine] = found
-    stock = [e for e in spec.engines if parse_engine(e)["stock"]]
-    best = max(stock, key=lambda e: results[e]["longest"] or 0) if stock else None
+def _summary(spec: CapacitySpec, results: dict[str, Any]) -> dict[str, Any]:
+    """The result JSON's ``capacity`` object: the spec, each searched engine (in the spec's order) and the
+    stock engine at its best micro-batch size."""
+    engines = {e: results[e] for e in spec.engines if e in results}
+    stock = [e for e in engines if parse_engine(e)["stock"]]
+    best = max(stock, key=lambda e: engines[e]["longest"] or 0) if stock else None
     return {
         "model": dataclasses.asdict(spec.model),
         "group_size": spec.group_size,
@@ -256,8 +303,9 @@ def run_capacity(
         "grid": list(spec.grid),
         "micro_batch_size": spec.micro_batch_size,
         "dtype": spec.dtype,
-        "engines": results,
+        "engines": engines,
         "stock_best": best,
+        "complete": len(engines) == len(spec.engines),
     }
 
 
@@ -294,11 +342,14 @@ def plot_capacity(result: dict[str, Any], path: Path) -> Path:
     for engine, r in result["engines"].items():
         points = sorted((int(p), m["peak_above_mib"]) for p, m in r["measured"].items() if "peak_above_mib" in m)
         if points:
-            ax.plot(*zip(*points), marker="o", label=f"{engine} (longest {r['longest'] or 'none'})")
+            (line,) = ax.plot(*zip(*points), marker="o", label=f"{engine} (longest {r['longest'] or 'none'})")
+            stopped = [(int(p), m["peak_above_mib"]) for p, m in r["measured"].items() if m.get("stopped_over_budget")]
+            if stopped:  # stopped at the budget: the true peak is higher
+                ax.plot(*zip(*stopped), linestyle="", marker="^", markersize=9, color=line.get_color())
     ax.axhline(result["budget_mib"], color="k", linestyle="--", label=f"budget {result['budget_mib']:.0f} MiB")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prefix length (tokens)")
-    ax.set_ylabel("peak above loaded model (MiB)")
+    ax.set_ylabel("peak above loaded model (MiB; ^ = stopped over budget)")
     model = result["model"]
     ax.set_title(
         f"capacity: G={result['group_size']}, suffix {result['suffix_len']}, "

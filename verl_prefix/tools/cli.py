@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="both engines with verl's use_torch_compile (the conservative comparison)",
     )
+    bench.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        help="capacity presets: engines searched at once, one probe process each (default 1)",
+    )
     _add_trace_parser(sub)
     _add_replay_parser(sub)
     _add_demo_parser(sub)
@@ -298,6 +304,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             progress=not args.no_progress,
             compile=args.compile,
             cells=args.cell,
+            jobs=args.jobs,
         )
     except BenchError as exc:
         print(f"verl-prefix: error: {exc}", file=sys.stderr)
