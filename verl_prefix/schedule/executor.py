@@ -16,6 +16,7 @@ response token (dense routes it too), and each micro-batch's aux sees the prefix
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -374,23 +375,15 @@ def train_group(
         else:
             meter.note_prefix_kv(leaves.tensors())
             meter.note_prefix_leaves(leaves.tensors(), leaves.tensors())  # the leaves are the K/V: grads only
+        # every suffix micro-batch (fillers too) attends to the same leaves the same way
+        serve = functools.partial(suffix_forward, model, leaves, attention=phase_b_attention, ulysses=ulysses)
         for index, rows in enumerate(group.micro_batches):
             batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
             with meter.phase("B") as saved_b:
                 with autocast():
                     capture = routers.capture() if routers is not None else nullcontext([])
                     with capture as router_logits:
-                        log_probs, entropy = suffix_forward(
-                            model,
-                            leaves,
-                            batch,
-                            temperature[rows],
-                            calculate_entropy,
-                            entropy_fn,
-                            phase_b_attention,
-                            meter,
-                            ulysses,
-                        )
+                        log_probs, entropy = serve(batch, temperature[rows], calculate_entropy, entropy_fn, meter=meter)
                     loss = loss_fn(rows, log_probs, entropy)
                     if routers is not None:
                         suffix_stats = suffix_router_stats(routers, router_logits, batch, ulysses)
@@ -405,15 +398,7 @@ def train_group(
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
             with meter.phase("B") as saved_b:
                 with autocast():
-                    log_probs, _ = suffix_forward(
-                        model,
-                        leaves,
-                        batch,
-                        temperature[group.rows[:1]],
-                        False,
-                        attention=phase_b_attention,
-                        ulysses=ulysses,
-                    )
+                    log_probs, _ = serve(batch, temperature[group.rows[:1]], False)
                 if index == last:
                     dormant.before_last_backward()
                 backward(log_probs[0].sum() * 0.0)
@@ -519,32 +504,15 @@ def infer_group(
             else:
                 prefix = chunked.forward(keep_graphs=False)
         meter.note_prefix_kv(prefix.tensors())
+        serve = functools.partial(suffix_forward, model, prefix, attention=phase_b_attention, ulysses=ulysses)
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, device)
             with meter.phase("B"):
-                log_probs, entropy = suffix_forward(
-                    model,
-                    prefix,
-                    batch,
-                    temperature[rows],
-                    calculate_entropy,
-                    entropy_fn,
-                    phase_b_attention,
-                    meter,
-                    ulysses,
-                )
+                log_probs, entropy = serve(batch, temperature[rows], calculate_entropy, entropy_fn, meter=meter)
             for k, i in enumerate(rows):
                 results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
         for _ in range(group.filler_micro_batches):
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
             with meter.phase("B"):
-                suffix_forward(
-                    model,
-                    prefix,
-                    batch,
-                    temperature[group.rows[:1]],
-                    False,
-                    attention=phase_b_attention,
-                    ulysses=ulysses,
-                )
+                serve(batch, temperature[group.rows[:1]], False)
     return results
