@@ -148,12 +148,37 @@ def test_parallel_search_matches_serial_and_reports_each_engine(jobs, threshold)
         Cap.run_capacity(spec, **kwargs, jobs=0)
 
 
+@given(st.lists(st.booleans(), min_size=5, max_size=5), st.sampled_from([1, 3, 5]))
+def test_repeated_probes_decide_by_majority(outcomes, repeats):
+    """With ``repeats`` probes per grid point the verdict is their majority, decided as soon as it is
+    certain (the rest are not run); the reported peak is the median of the probes run."""
+    spec = dataclasses.replace(
+        B.PRESETS["capacity_smoke"].capacity, grid=(7,), engines=("keep",), budget_mib=2.0, repeats=repeats
+    )
+    calls = []
+
+    def probe(spec, engine, prefix_len, model_dir):
+        calls.append(outcomes[len(calls)])
+        return {"fits": calls[-1], "peak_above_mib": 1.0 if calls[-1] else 3.0}
+
+    result = Cap.run_capacity(spec, probe_fn=probe, model_dir="unused", log=lambda _: None)
+    verdict = result["engines"]["keep"]["measured"]["7"]
+    majority = sum(outcomes[:repeats]) * 2 > repeats
+    assert verdict["fits"] == majority and result["engines"]["keep"]["longest"] == (7 if majority else None)
+    assert len(calls) <= repeats and calls == outcomes[: len(calls)]
+    decided_at = next(k for k in range(1, repeats + 1) if max(sum(calls[:k]), k - sum(calls[:k])) > repeats // 2)
+    assert len(calls) == decided_at
+    assert (verdict["peak_above_mib"] <= spec.budget_mib) == majority
+    if len(calls) > 1:
+        assert len(verdict["peaks_mib"]) == len(calls) == len(verdict["probes"])
+
+
 def test_capacity_presets_search_the_issue_setting():
     """``capacity`` is issue 11's cell: the 29M model, G=8, suffix 128, 2 GiB above the loaded model, the
     stock engine at micro-batch 1 (its best) among the engines; ``capacity_smoke`` the same search on 1M."""
     spec = B.PRESETS["capacity"].capacity
     assert (spec.model.hidden_size, spec.model.num_layers, spec.group_size, spec.suffix_len) == (512, 6, 8, 128)
-    assert spec.budget_mib == 2048 and "fsdp2:1" in spec.engines
+    assert spec.budget_mib == 2048 and "fsdp2:1" in spec.engines and spec.repeats >= 3
     assert spec.model.max_position_embeddings >= spec.grid[-1] + spec.suffix_len + 1
     Cap.validate_spec(B.PRESETS["capacity_smoke"].capacity)
 

@@ -212,6 +212,7 @@ def _capacity_spec(kind: str) -> Any:
             engines=("fsdp2:1", "fsdp2:2", "keep", "recompute", "recompute:1024", "recompute:512"),
             micro_batch_size=4,
             timeout_s=3600.0,
+            repeats=3,
         )
     # the same search in minutes: the 1M smoke model, G=8, suffix 128, 256 MiB
     return CapacitySpec(
@@ -1162,22 +1163,22 @@ def _run_capacity(
     started = time.perf_counter()
     previous = torch.get_num_threads()
     threads = spec.threads if threads is None else threads
-    header = {
-        "preset": name,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": command or shlex.join(sys.argv),
-        "machine": {**machine_info(), "capacity_jobs": jobs},
-    }
-    saving = threading.Lock()
-
-    def save(capacity: dict[str, Any]) -> None:
-        with saving:
-            partial = {**header, "capacity": capacity, "complete": capacity["complete"]}
-            _save({**partial, "wall_s": time.perf_counter() - started}, out_json)
-
     if threads is not None:
         torch.set_num_threads(threads)  # each probe child takes the parent's thread count
+    saving = threading.Lock()
     try:
+        header = {
+            "preset": name,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": command or shlex.join(sys.argv),
+            "machine": {**machine_info(), "capacity_jobs": jobs},  # the probes' thread count
+        }
+
+        def save(capacity: dict[str, Any]) -> None:
+            with saving:
+                partial = {**header, "capacity": capacity, "complete": capacity["complete"]}
+                _save({**partial, "wall_s": time.perf_counter() - started}, out_json)
+
         capacity = run_capacity(spec.capacity, log=log, jobs=jobs, on_engine_done=save)
     finally:
         torch.set_num_threads(previous)
