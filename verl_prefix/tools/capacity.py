@@ -14,7 +14,9 @@ it does not raise an out-of-memory error (the real OOM boundary).
 
 The search is a binary search over a coarse ascending grid of prefix lengths, assuming that a longer
 prefix never needs less memory: the answer is the longest grid point that fits, with the next grid point
-probed and not fitting (or the answer is the grid's end: a lower bound).
+probed and not fitting (or the answer is the grid's end: a lower bound). With ``repeats`` > 1 a grid point
+is probed in that many fresh processes (fewer once a majority is certain) and fits when most of them do:
+a CPU process's peak RSS depends on the allocator's state, which differs between identical processes.
 """
 
 from __future__ import annotations
@@ -370,6 +372,12 @@ def _peak_cell(measured: dict[str, Any]) -> str:
     return f"{measured['peak_above_mib']:.0f}{spread}"
 
 
+def _stopped(measured: dict[str, Any]) -> bool:
+    """An over-budget grid point whose probes were stopped at the budget (their peaks are lower bounds)."""
+    runs = measured.get("probes", [measured])
+    return not measured["fits"] and any(r.get("stopped_over_budget") for r in runs)
+
+
 def plot_capacity(result: dict[str, Any], path: Path) -> Path:
     """Every probe's peak above the model against the prefix length, per engine, with the budget line."""
     import matplotlib
@@ -382,13 +390,15 @@ def plot_capacity(result: dict[str, Any], path: Path) -> Path:
         points = sorted((int(p), m["peak_above_mib"]) for p, m in r["measured"].items() if "peak_above_mib" in m)
         if points:
             (line,) = ax.plot(*zip(*points), marker="o", label=f"{engine} (longest {r['longest'] or 'none'})")
-            stopped = [(int(p), m["peak_above_mib"]) for p, m in r["measured"].items() if m.get("stopped_over_budget")]
+            stopped = [(int(p), m["peak_above_mib"]) for p, m in r["measured"].items() if _stopped(m)]
             if stopped:  # stopped at the budget: the true peak is higher
-                ax.plot(*zip(*stopped), linestyle="", marker="^", markersize=9, color=line.get_color())
+                ax.plot(*zip(*stopped), linestyle="", marker="^", markersize=10, color=line.get_color())
     ax.axhline(result["budget_mib"], color="k", linestyle="--", label=f"budget {result['budget_mib']:.0f} MiB")
+    if any(_stopped(m) for r in result["engines"].values() for m in r["measured"].values()):
+        ax.plot([], [], linestyle="", marker="^", color="gray", label="over: stopped at the budget")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prefix length (tokens)")
-    ax.set_ylabel("peak above loaded model (MiB; ^ = stopped over budget)")
+    ax.set_ylabel("peak above loaded model (MiB)")
     model = result["model"]
     ax.set_title(
         f"capacity: G={result['group_size']}, suffix {result['suffix_len']}, "
