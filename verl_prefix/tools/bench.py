@@ -359,7 +359,7 @@ PRESETS: dict[str, Preset] = {
         capacity=_capacity_spec("cpu"),
         description="longest prefix whose update fits 2 GiB above the loaded 29M model (G=8, suffix 128), "
         "stock fsdp2 at micro-batches 1/2 vs keep/recompute/recompute with 1024- and 512-token chunks; fresh "
-        "process per probe, stopped once over the budget; about half an hour on 2 cores with --jobs 2",
+        "processes (3 per grid point), each stopped once over the budget; about 40 minutes on 2 cores with --jobs 2",
     ),
     "capacity_smoke": Preset(
         cells=(),
