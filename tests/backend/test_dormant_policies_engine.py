@@ -4,7 +4,10 @@ structures (recompute adds prefix forwards, so ranks must agree on it per group 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
 
@@ -172,6 +175,28 @@ def test_two_ranks_recompute_and_auto(tiny_model):
     assert m0["prefix/policy_reason/over_budget_cpu"] == 1.0
     # rank 1's only group (slot 0) is recomputed because rank 0's slot-0 group is over budget
     assert m1["prefix/policy/recompute"] == 1.0 and m1["prefix/policy_reason/peer_recompute"] == 1.0
+
+
+def test_auto_says_what_its_budget_bounds(tiny_model, monkeypatch, caplog):
+    """Over budget, auto's log line says the budget bounds phase B only: phase C still holds the graph
+    whole unless the prefix is chunked (the capacity table shows why that matters)."""
+    from helpers.layouts import make_layout
+    from transformers import AutoModelForCausalLM
+
+    from verl_prefix.backend import dormant as backend_dormant
+    from verl_prefix.schedule.grouping import plan_batch
+
+    monkeypatch.setattr(backend_dormant, "_logged", set())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3"))
+    plan = plan_batch(make_layout([(33, [4, 4])]), max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    cpu = torch.device("cpu")
+    caplog.set_level(logging.WARNING, logger=backend_dormant.__name__)
+    assert backend_dormant.agree_on_policies("auto", BUDGET_HUGE, model, plan, 1, cpu) == [("keep", "fits_budget")]
+    assert "phase C" not in caplog.text
+    assert backend_dormant.agree_on_policies("auto", BUDGET_TINY, model, plan, 1, cpu) == [
+        ("recompute", "over_budget_cpu")
+    ]
+    assert "recompute keeps it out of phase B; phase C still holds it whole unless prefix_chunk_tokens" in caplog.text
 
 
 pytestmark = pytest.mark.timeout(900)

@@ -42,9 +42,13 @@ def agree_on_policies(
         if slot < len(plan.groups):
             estimate = estimate_prefix_graph_bytes(model, plan.groups[slot].prefix_len)
             policy, reason = choose_policy(estimate, budget_bytes, device)
-            _log_once(
-                reason, f"{reason}: prefix graph of ~{estimate / 2**20:.1f} MiB, budget {budget_bytes / 2**20:.1f} MiB"
-            )
+            message = f"{reason}: prefix graph of ~{estimate / 2**20:.1f} MiB, budget {budget_bytes / 2**20:.1f} MiB"
+            if policy != "keep":  # the budget bounds phase B; phase C restores or rebuilds the graph
+                message += (
+                    f" ({policy} keeps it out of phase B; phase C still holds it whole unless prefix_chunk_tokens "
+                    "chunks the prefix)"
+                )
+            _log_once(reason, message)
         else:
             policy, reason = "keep", "filler"
         chosen.append((policy, reason))
