@@ -1167,11 +1167,11 @@ def _run_capacity(
         torch.set_num_threads(threads)  # each probe child takes the parent's thread count
     saving = threading.Lock()
     try:
-        header = {
+        header = {  # read after set_num_threads: machine_info's torch_threads is the probes' count
             "preset": name,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": command or shlex.join(sys.argv),
-            "machine": {**machine_info(), "capacity_jobs": jobs},  # the probes' thread count
+            "machine": {**machine_info(), "capacity_jobs": jobs},
         }
 
         def save(capacity: dict[str, Any]) -> None:
