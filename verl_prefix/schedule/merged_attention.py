@@ -120,6 +120,12 @@ def merge(
     return out.to(out1.dtype), lse
 
 
+def add_query_grads(dq_prefix: torch.Tensor, dq_suffix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dQ of the two parts summed in at least fp32 and rounded to ``dtype`` once (as one kernel's would be)."""
+    acc = torch.promote_types(dtype, torch.float32)
+    return (dq_prefix.to(acc) + dq_suffix.to(acc)).to(dtype)
+
+
 def backward_stats(
     out: torch.Tensor, lse: torch.Tensor, parts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 ) -> list[torch.Tensor]:
@@ -205,8 +211,7 @@ class MergedAttention(torch.autograd.Function):
             dq_s, dk_s, dv_s = attention_backward(
                 grad, query, suffix_key, suffix_value, out_s, lse_s, ctx.aux[1], True, ctx.scale
             )
-            acc = torch.promote_types(dtype, torch.float32)
-            dq = (unfold_queries(dq_p, rows, heads).to(acc) + dq_s.to(acc)).to(dtype)
+            dq = add_query_grads(unfold_queries(dq_p, rows, heads), dq_s, dtype)
         return dq, dk_p.to(prefix_key.dtype), dv_p.to(prefix_value.dtype), dk_s, dv_s, None
 
 

@@ -318,8 +318,7 @@ class MergedVarlenAttention(torch.autograd.Function):
                 grad, query, suffix_key, suffix_value, out_s, lse_s, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len,
                 ctx.scale, True,
             )  # fmt: skip
-            acc = torch.promote_types(dtype, torch.float32)
-            dq = (dq_p.to(acc) + dq_s.to(acc)).to(dtype)
+            dq = MA.add_query_grads(dq_p, dq_s, dtype)
         dk_p = dk_p.transpose(0, 1).unsqueeze(0).to(prefix_key.dtype).contiguous()
         dv_p = dv_p.transpose(0, 1).unsqueeze(0).to(prefix_value.dtype).contiguous()
         return dq, dk_p, dv_p, dk_s, dv_s, None, None, None
