@@ -278,7 +278,11 @@ def gqa_model(kv_heads: int, dtype: torch.dtype, attn: str = "sdpa", heads: int 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
-def test_schedule_merged_matches_dense_and_concat(dtype, kv_heads):
+@pytest.mark.parametrize("attention", ["merged", "merged_varlen"])
+def test_schedule_two_part_attention_matches_dense_and_concat(attention, dtype, kv_heads):
+    """The schedule with merged (padded rows) or merged_varlen (packed rows) phase-B attention against dense
+    HF and against concat, at 8, 2 and 1 rows per micro-batch; every micro-batch ran the attention asked for.
+    (merged_varlen against merged kernel by kernel: test_varlen_attention.)"""
     tol = {torch.float64: 1e-10, torch.float32: 1e-5}[dtype]
     model = gqa_model(kv_heads, dtype)
     layout = make_layout(RAGGED)
@@ -287,12 +291,13 @@ def test_schedule_merged_matches_dense_and_concat(dtype, kv_heads):
         want = dense_grads(model, layout, weights, with_entropy=True)
         for rows in (8, 2, 1):
             meter = PhaseMeter(CPU)
-            merged = _reuse(model, layout, weights, rows, "merged", meter)
+            got = _reuse(model, layout, weights, rows, attention, meter)
             concat = _reuse(model, layout, weights, rows, "concat")
-            assert worst_relative(merged, want) < tol, f"{rows} rows per micro-batch"
-            assert worst_relative(merged, concat) < tol
-            assert meter.counts["prefix/phase_b_attention/merged"] == -(-8 // rows)
-            assert "prefix/phase_b_attention/concat" not in meter.counts
+            assert worst_relative(got, want) < tol, f"{rows} rows per micro-batch"
+            assert worst_relative(got, concat) < tol
+            assert meter.counts[f"prefix/phase_b_attention/{attention}"] == -(-8 // rows)
+            for other in {"merged", "concat", "merged_varlen"} - {attention}:
+                assert f"prefix/phase_b_attention/{other}" not in meter.counts
 
 
 def test_auto_runs_merged_for_sdpa_and_concat_for_eager():

@@ -18,7 +18,6 @@ from test_schedule_hf import dense_grads, worst_relative
 from verl_prefix.schedule import merged_attention as MA
 from verl_prefix.schedule import varlen_attention as V
 from verl_prefix.schedule.prefix_kv import ServeContext
-from verl_prefix.schedule.telemetry import PhaseMeter
 
 CPU = torch.device("cpu")
 LENGTHS = {1: [4], 2: [5, 2], 5: [3, 5, 1, 4, 2]}  # ragged rows, width 5
@@ -221,26 +220,8 @@ def test_serve_context_refuses_what_varlen_cannot_serve():
 
 
 # -- the schedule through merged_varlen -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
-def test_schedule_varlen_matches_dense_and_concat(dtype, kv_heads):
-    tol = {torch.float64: 1e-10, torch.float32: 1e-5}[dtype]
-    model = gqa_model(kv_heads, dtype)
-    layout = make_layout(RAGGED)
-    weights = token_weights(layout, dtype)
-    with promote_fp32_upcasts():
-        want = dense_grads(model, layout, weights, with_entropy=True)
-        for rows in (8, 2, 1):
-            meter = PhaseMeter(CPU)
-            varlen = _reuse(model, layout, weights, rows, "merged_varlen", meter)
-            assert worst_relative(varlen, want) < tol, f"{rows} rows per micro-batch"
-            # (against merged: test_varlen_matches_concat_merged_and_reference, kernel by kernel)
-            assert worst_relative(varlen, _reuse(model, layout, weights, rows, "concat")) < tol
-            assert meter.counts["prefix/phase_b_attention/merged_varlen"] == -(-8 // rows)
-            assert "prefix/phase_b_attention/merged" not in meter.counts
-            assert "prefix/phase_b_attention/concat" not in meter.counts
+# (against dense HF and concat at 8/2/1 rows: test_merged_attention's
+# test_schedule_two_part_attention_matches_dense_and_concat)
 
 
 def test_schedule_varlen_under_gradient_checkpointing():
