@@ -9,13 +9,13 @@ import pytest
 import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
-from helpers.schedule_runs import infer_reuse, train_reuse
+from helpers.schedule_runs import infer_reuse
 from hypothesis import given
 from hypothesis import strategies as st
-from test_dormant_policies import CountingStore
+from test_dormant_policies import run_policy
 from test_moe import compare as moe_compare
 from test_moe import tiny_moe
-from test_schedule_hf import TOLERANCE, dense_grads, dense_response_outputs, tiny_model, weighted_loss, worst_relative
+from test_schedule_hf import TOLERANCE, dense_grads, dense_response_outputs, tiny_model, worst_relative
 
 from verl_prefix.schedule import chunked as C
 from verl_prefix.schedule import dormant as D
@@ -27,20 +27,9 @@ CPU = torch.device("cpu")
 LAYOUT = [(13, [4, 7, 1, 6, 3]), (8, [5, 3, 6]), (4, [2, 4])]
 
 
-def run_chunked(
-    model, layout, weights, policy, chunk_tokens, *, min_chunks=0, meter=None, stats=None, rows=2, early_exit=True
-):
-    return train_reuse(
-        model,
-        layout,
-        weighted_loss(weights),
-        rows=rows,
-        calculate_entropy=True,
-        meter=meter,
-        dormant=lambda: D.Dormant(policy, stats=stats, store_factory=CountingStore),
-        prefix_chunk_tokens=chunk_tokens,
-        prefix_chunks=min_chunks,
-        early_exit=early_exit,
+def run_chunked(model, layout, weights, policy, chunk_tokens, *, min_chunks=0, rows=2, **options):
+    return run_policy(
+        model, layout, weights, policy, rows=rows, prefix_chunk_tokens=chunk_tokens, prefix_chunks=min_chunks, **options
     )
 
 

@@ -36,15 +36,16 @@ def dormant(policy: str, stats: D.DormantStats | None = None, **kwargs) -> D.Dor
     return D.Dormant(policy, stats=stats, store_factory=CountingStore, **kwargs)
 
 
-def run_policy(model, layout, weights, policy, *, rows=3, meter=None, stats=None, **kwargs):
+def run_policy(model, layout, weights, policy, *, rows=3, stats=None, check_recompute=True, **options):
+    """``train_reuse`` with a fresh ``policy`` per group; ``options`` for ``train_group`` (meter, chunks...)."""
     return train_reuse(
         model,
         layout,
         weighted_loss(weights),
         rows=rows,
         calculate_entropy=True,
-        meter=meter,
-        dormant=lambda: dormant(policy, stats, **kwargs),
+        dormant=lambda: dormant(policy, stats, check_recompute=check_recompute),
+        **options,
     )
 
 
