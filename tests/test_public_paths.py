@@ -1,4 +1,4 @@
-"""Every import path a user may have written keeps working after the layout change (issue 9)."""
+"""One public import path per public name, and every path the docs, configs and recipes name resolves."""
 
 from __future__ import annotations
 
@@ -11,32 +11,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TEXT_FILES = [*DOC_FILES, *sorted((ROOT / "configs").rglob("*.yaml")), *sorted((ROOT / "recipes").glob("*.sh"))]
 
-# (module, attribute) pairs the README, configs/ and recipes/ name, old and new
+# (module, attribute): the public paths the README, docs/, configs/ and recipes/ name
 DOCUMENTED = [
     ("verl_prefix", "PrefixFSDPActorConfig"),
     ("verl_prefix", "PrefixFSDPEngineConfig"),
     ("verl_prefix", "PrefixReuseConfig"),
     ("verl_prefix", "is_registered"),
-    ("verl_prefix.config", "PrefixFSDPEngineConfig"),
-    ("verl_prefix.config", "PrefixReuseConfig"),
-    ("verl_prefix.trace", "recording"),
-    ("verl_prefix.trace", "load_trace"),
-    ("verl_prefix.trace", "synthetic_trace"),
-    ("verl_prefix.cpu_loop", "run_cpu_grpo"),
-    ("verl_prefix.cpu_loop", "local_cluster"),
-    ("verl_prefix.cpu_loop", "compare_runs"),
-    ("verl_prefix.demo", "read_wandb_run"),
-    ("verl_prefix.cli", "main"),
-    ("verl_prefix.backend.config", "PrefixFSDPEngineConfig"),
-    ("verl_prefix.backend.actor_config", "PrefixFSDPActorConfig"),
+    ("verl_prefix.config", "PrefixFSDPEngineConfig"),  # the YAML `_target_` path of the engine config
     ("verl_prefix.backend.trace", "recording"),
+    ("verl_prefix.backend.trace", "load_trace"),
+    ("verl_prefix.tools.synthetic_trace", "synthetic_trace"),
     ("verl_prefix.tools.cpu_loop", "run_cpu_grpo"),
+    ("verl_prefix.tools.cpu_loop", "local_cluster"),
+    ("verl_prefix.tools.cpu_loop", "compare_runs"),
     ("verl_prefix.tools.demo", "read_wandb_run"),
     ("verl_prefix.tools.cli", "main"),
+    ("verl_prefix.tools.flops", "predicted_speedup"),
     ("verl_prefix.schedule", "train_group"),
     ("verl_prefix.schedule", "infer_group"),
 ]
+
+# modules that only re-exported names for import paths older than the package layout; gone
+REMOVED_ALIASES = ["verl_prefix.cli", "verl_prefix.demo", "verl_prefix.trace", "verl_prefix.cpu_loop"]
 
 
 @pytest.mark.parametrize(("module", "name"), DOCUMENTED)
@@ -44,29 +43,50 @@ def test_documented_import_paths(module, name):
     assert callable(getattr(importlib.import_module(module), name))
 
 
-def test_aliases_are_the_same_objects():
-    from verl_prefix import backend, tools
-    from verl_prefix import config as old_config
-    from verl_prefix import trace as old_trace
+@pytest.mark.parametrize("module", REMOVED_ALIASES)
+def test_alias_modules_are_gone(module):
+    # by file, not by import: an older editable install of the package may still serve the old module
+    package = Path(importlib.import_module("verl_prefix").__file__).parent
+    name = module.rpartition(".")[2]
+    assert not (package / f"{name}.py").exists() and not (package / name).exists(), module
 
-    assert (
-        old_config.PrefixFSDPEngineConfig
-        is importlib.import_module(f"{backend.__name__}.config").PrefixFSDPEngineConfig
-    )
-    assert old_trace.recording is importlib.import_module(f"{backend.__name__}.trace").recording
-    assert importlib.import_module("verl_prefix.cli").main is importlib.import_module(f"{tools.__name__}.cli").main
+
+def test_every_dotted_path_the_docs_name_resolves():
+    """Each ``verl_prefix.x.y`` the docs, configs and recipes write imports: as a module, or as a module's name."""
+    found = set()
+    for path in TEXT_FILES:
+        found |= set(re.findall(r"\bverl_prefix(?:\.\w+)+", path.read_text()))
+    assert len(found) >= 10
+    for dotted in sorted(found):
+        assert not any(dotted == old or dotted.startswith(f"{old}.") for old in REMOVED_ALIASES), dotted
+        try:
+            importlib.import_module(dotted)
+            continue
+        except ModuleNotFoundError:
+            pass
+        module, _, name = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), dotted
+
+
+def test_the_config_module_is_the_engine_config_yaml_path():
+    from verl_prefix import config
+    from verl_prefix.backend import config as backend_config
+
+    assert config.PrefixFSDPEngineConfig is backend_config.PrefixFSDPEngineConfig
+    assert "public YAML path" in config.__doc__
 
 
 def test_yaml_targets_resolve():
-    """The ``_target_`` paths the shipped config and the README use instantiate through Hydra's resolver."""
+    """The ``_target_`` paths the shipped config and the docs use instantiate through Hydra's resolver."""
     from hydra.utils import get_class
 
     assert get_class("verl_prefix.PrefixFSDPActorConfig").__name__ == "PrefixFSDPActorConfig"
     assert get_class("verl_prefix.config.PrefixFSDPEngineConfig").__name__ == "PrefixFSDPEngineConfig"
     found = []
-    for path in [ROOT / "configs" / "prefix_grpo.yaml", ROOT / "README.md"]:
+    for path in [ROOT / "configs" / "prefix_grpo.yaml", *DOC_FILES]:
         found += re.findall(r"_target_[=:]\s*(verl_prefix[\w.]+)", path.read_text())
     assert len(found) >= 4
+    assert "verl_prefix.config.PrefixFSDPEngineConfig" in found
     for target in found:
         assert isinstance(get_class(target), type), target
 
@@ -74,16 +94,18 @@ def test_yaml_targets_resolve():
 def test_entry_points_point_at_importable_code():
     from importlib.metadata import entry_points
 
+    scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
+    assert re.findall(r'^verl-prefix = "(.+)"$', scripts, re.M) == ["verl_prefix.tools.cli:main"]
     (script,) = entry_points(group="console_scripts", name="verl-prefix")
     assert callable(script.load())
     (plugin,) = entry_points(group="verl.plugins", name="verl_prefix")
     assert plugin.value == "verl_prefix"
 
 
-def test_old_cli_module_runs():
-    """``python -m verl_prefix.cli`` (older launchers and scripts) still answers."""
+def test_cli_module_runs():
+    """``python -m verl_prefix.tools.cli`` answers like the ``verl-prefix`` command."""
     out = subprocess.run(
-        [sys.executable, "-m", "verl_prefix.cli", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-m", "verl_prefix.tools.cli", "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert out.returncode == 0, out.stderr
     assert "bench" in out.stdout and "replay" in out.stdout

@@ -29,7 +29,7 @@ def invoked_as_cli(argv0: str | None = None, orig_argv: list[str] | None = None)
     if argv0 is None:
         argv0 = sys.argv[0] if sys.argv else ""
     orig = list(getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv)
-    as_module = any(a == "-m" and b in ("verl_prefix.tools.cli", "verl_prefix.cli") for a, b in zip(orig, orig[1:]))
+    as_module = any(a == "-m" and b == "verl_prefix.tools.cli" for a, b in zip(orig, orig[1:]))
     return os.path.basename(argv0) in ("verl-prefix", "verl-prefix.exe") or as_module
 
 
