@@ -119,7 +119,8 @@ def write_tiny_model(
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: a fresh process group's ``MASTER_PORT`` (ranks, probes, tests)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -133,7 +134,7 @@ def init_single_process_group() -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     for key, val in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, val)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
