@@ -41,7 +41,8 @@ def prepare_cli_process() -> None:
     """Filter exactly those messages, and choose verl's CPU platform before verl resolves one.
 
     Any other warning or log line of verl's still shows. Without CUDA the command runs verl on CPU (as
-    ``cli._select_platform`` does); choosing it before the import spares verl's failed auto-detection.
+    ``tools.measure.select_platform`` does); choosing it before the import spares verl's failed
+    auto-detection.
     """
     warnings.filterwarnings("ignore", message=VERL_IMPORT_WARNINGS, category=UserWarning)
     platform_logger = logging.getLogger(_PLATFORM_LOGGER)

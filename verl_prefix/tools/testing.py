@@ -411,7 +411,7 @@ def make_grpo_batch(
     return batch
 
 
-def _worker_defaults(engine: Any, *, infer: bool) -> dict[str, Any]:
+def worker_defaults(engine: Any, *, infer: bool) -> dict[str, Any]:
     """The engine settings ``TrainingWorker.train_batch`` / ``infer_batch`` add when absent."""
     ec = engine.engine_config
     return dict(
@@ -463,7 +463,7 @@ def run_train_step(engine: Any, loss_fn: Callable, batch: TensorDict, *, capture
     from verl.utils import tensordict_utils as tu
 
     data = batch.copy()
-    for key, val in _worker_defaults(engine, infer=False).items():
+    for key, val in worker_defaults(engine, infer=False).items():
         if key not in data.keys():
             tu.assign_non_tensor(data, **{key: val})
     grads: dict[str, torch.Tensor] = {}
@@ -505,7 +505,7 @@ def run_infer(engine: Any, batch: TensorDict, calculate_entropy: bool = True) ->
 
     data = batch.copy()
     tu.assign_non_tensor(
-        data, calculate_entropy=calculate_entropy, compute_loss=False, **_worker_defaults(engine, infer=True)
+        data, calculate_entropy=calculate_entropy, compute_loss=False, **worker_defaults(engine, infer=True)
     )
     disable = tu.get(data, key="disable_auto_offload", default=False)
     with engine.eval_mode(disable_auto_offload=disable):
