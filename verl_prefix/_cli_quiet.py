@@ -37,13 +37,20 @@ def _drop_platform_noise(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(_PLATFORM_NOISE)
 
 
+def hide_verl_import_warnings() -> None:
+    """Drop the warnings ``import verl`` gives for each optional engine it cannot import (and only those):
+    the command line does it first thing, the demo again for its quiet mode."""
+    warnings.filterwarnings("ignore", message=VERL_IMPORT_WARNINGS, category=UserWarning)
+
+
 def prepare_cli_process() -> None:
     """Filter exactly those messages, and choose verl's CPU platform before verl resolves one.
 
     Any other warning or log line of verl's still shows. Without CUDA the command runs verl on CPU (as
-    ``cli._select_platform`` does); choosing it before the import spares verl's failed auto-detection.
+    ``tools.measure.select_platform`` does); choosing it before the import spares verl's failed
+    auto-detection.
     """
-    warnings.filterwarnings("ignore", message=VERL_IMPORT_WARNINGS, category=UserWarning)
+    hide_verl_import_warnings()
     platform_logger = logging.getLogger(_PLATFORM_LOGGER)
     if _drop_platform_noise not in platform_logger.filters:
         platform_logger.addFilter(_drop_platform_noise)
@@ -55,4 +62,4 @@ def prepare_cli_process() -> None:
             os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
 
 
-__all__ = ["VERL_IMPORT_WARNINGS", "invoked_as_cli", "prepare_cli_process"]
+__all__ = ["VERL_IMPORT_WARNINGS", "hide_verl_import_warnings", "invoked_as_cli", "prepare_cli_process"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
-from test_dormant_policies_engine import _rank_batch, check_reuse_ran, grpo_batch, set_policy, worst_relative
+from test_dormant_policies_engine import check_reuse_ran, grpo_batch, rank_batch, set_policy, worst_relative
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.tools import testing as T
@@ -83,7 +83,7 @@ def test_chunks_with_checkpointing_and_moe_aux(tiny_model, policy):
 
 def _rank_body(rank: int, model_dir: str, policy: str) -> dict:
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True)
-    batch = _rank_batch(rank)
+    batch = rank_batch(rank)
     dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4, prefix_chunk_tokens=8)

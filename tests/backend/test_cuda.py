@@ -16,7 +16,7 @@ from test_engine_exactness import compare_update, grpo_batch, worst_relative
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.tools import testing as T
-from verl_prefix.tools.bench import _BF16
+from verl_prefix.tools.bench_presets import BF16
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",
@@ -47,7 +47,7 @@ def test_update_matches_stock_engine_on_cuda(tiny_model, dtype):
 
 def _bf16_grads(model_dir, backend, micro_batch_size, batch):
     engine, loss_fn, _ = T.build_verl_engine(
-        model_dir, backend=backend, micro_batch_size_per_gpu=micro_batch_size, overrides=_BF16
+        model_dir, backend=backend, micro_batch_size_per_gpu=micro_batch_size, overrides=BF16
     )
     if backend == "prefix_fsdp2":
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)

@@ -125,7 +125,7 @@ def test_offload_is_refused_on_a_cpu_run(tiny_model):
         )
 
 
-def _rank_batch(rank: int):
+def rank_batch(rank: int):
     from verl.utils import tensordict_utils as tu
 
     if rank == 0:  # two groups of four, one with a long prefix
@@ -144,7 +144,7 @@ def _rank_batch(rank: int):
 
 def _rank_body(rank: int, model_dir: str, policy: str, budget: int | None) -> dict:
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True)
-    batch = _rank_batch(rank)
+    batch = rank_batch(rank)
     dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
@@ -186,7 +186,7 @@ def test_auto_says_what_its_budget_bounds(tiny_model, monkeypatch, caplog):
     from verl_prefix.backend import dormant as backend_dormant
     from verl_prefix.schedule.grouping import plan_batch
 
-    monkeypatch.setattr(backend_dormant, "_logged", set())
+    monkeypatch.setattr(backend_dormant, "LOGGED_REASONS", set())
     model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3"))
     plan = plan_batch(make_layout([(33, [4, 4])]), max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
     cpu = torch.device("cpu")

@@ -224,7 +224,7 @@ def fp64_mistral_norms(monkeypatch):
 
     norm = modeling_mistral.MistralRMSNorm
     monkeypatch.setattr(norm, "_fp32_forward", norm.forward, raising=False)
-    monkeypatch.setattr(norm, "forward", precision._rms_norm_in_input_dtype)
+    monkeypatch.setattr(norm, "forward", precision.rms_norm_in_input_dtype)
 
 
 def test_window_shorter_than_a_sequence_runs_dense(tiny_config_model, fp64_mistral_norms):
@@ -320,7 +320,7 @@ def test_rope_below_its_original_length_still_reuses_exactly(tiny_config_model, 
 
 
 def test_each_fallback_reason_is_logged_once_per_process(tiny_model, monkeypatch, caplog):
-    monkeypatch.setattr(fallbacks, "_LOGGED_REASONS", set())
+    monkeypatch.setattr(fallbacks, "LOGGED_REASONS", set())
     engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     caplog.set_level(logging.WARNING, logger=fallbacks.__name__)
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=6)  # the P=5 group runs dense (short_prefix)

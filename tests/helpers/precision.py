@@ -20,7 +20,7 @@ _NORMS = [
 ]
 
 
-def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+def rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != torch.float64:
         return self._fp32_forward(hidden_states)
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -41,7 +41,7 @@ def promote_fp32_upcasts() -> Iterator[None]:
         torch.nn.functional.softmax = softmax
         for cls, forward in saved:
             cls._fp32_forward = forward
-            cls.forward = _rms_norm_in_input_dtype
+            cls.forward = rms_norm_in_input_dtype
         yield
     finally:
         torch.nn.functional.softmax = original_softmax

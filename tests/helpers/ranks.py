@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
-from verl_prefix.tools.testing import _free_port
+from verl_prefix.tools.testing import free_port
 
 
 def _rank_main(body: Callable, rank: int, port: int, results, args: tuple, world: int = 2, cuda: bool = False) -> None:
@@ -42,7 +42,7 @@ def run_ranks(body: Callable, *args: object, world: int, timeout: float = 300, c
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank_main, args=(body, r, port, results, args, world, cuda)) for r in range(world)]
         for p in procs:
             p.start()

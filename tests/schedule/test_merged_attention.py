@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 OPS = torch.ops.aten
 
 
-def _inputs(rows, heads, kv_heads, prefix, suffix, dtype, seed=0, dim=8):
+def attention_inputs(rows, heads, kv_heads, prefix, suffix, dtype, seed=0, dim=8):
     gen = torch.Generator().manual_seed(seed)
 
     def t(*shape):
@@ -40,11 +40,11 @@ def _inputs(rows, heads, kv_heads, prefix, suffix, dtype, seed=0, dim=8):
     )
 
 
-def _grads(out, weight, tensors):
+def weighted_grads(out, weight, tensors):
     return torch.autograd.grad((out * weight).sum(), tensors)
 
 
-def _concat_reference(q, pk, pv, sk, sv, scaling):
+def concat_reference(q, pk, pv, sk, sv, scaling):
     module = torch.nn.Module()
     module.num_key_value_groups = q.shape[1] // sk.shape[1]
     rows = q.shape[0]
@@ -53,7 +53,7 @@ def _concat_reference(q, pk, pv, sk, sv, scaling):
     return sdpa_lower_right(module, q, key, value, scaling=scaling)[0]
 
 
-def _reference_math(q, pk, pv, sk, sv, scaling):
+def reference_math(q, pk, pv, sk, sv, scaling):
     """The same two-part maths in plain torch ops (autograd's own backward): fp64 ground truth."""
     groups = q.shape[1] // sk.shape[1]
     rows, _, s, _ = q.shape
@@ -118,29 +118,29 @@ def test_cpu_op_takes_gqa_natively():
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_merged_matches_concat_and_reference(dtype, tol, groups, rows):
-    q, pk, pv, sk, sv, w = _inputs(rows, 2 * groups, 2, prefix=7, suffix=5, dtype=dtype)
+    q, pk, pv, sk, sv, w = attention_inputs(rows, 2 * groups, 2, prefix=7, suffix=5, dtype=dtype)
     tensors = (q, pk, pv, sk, sv)
     got = MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3)
-    want = _concat_reference(q, pk, pv, sk, sv, 0.3)
-    ref = _reference_math(*(t.double() for t in tensors), 0.3)
+    want = concat_reference(q, pk, pv, sk, sv, 0.3)
+    ref = reference_math(*(t.double() for t in tensors), 0.3)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
-    got_grads = _grads(got, w, tensors)
-    for g_got, g_want in zip(got_grads, _grads(want, w, tensors)):
+    got_grads = weighted_grads(got, w, tensors)
+    for g_got, g_want in zip(got_grads, weighted_grads(want, w, tensors)):
         assert ((g_got - g_want).norm() / g_want.norm()).item() < tol
     # the shared prefix's grads come out summed over rows and query heads: shape [1, kv_heads, P, d]
     assert got_grads[1].shape == pk.shape
 
 
 def test_bf16_merged_is_as_close_to_fp64_as_concat():
-    q, pk, pv, sk, sv, w = _inputs(4, 8, 2, prefix=33, suffix=9, dtype=torch.bfloat16)
+    q, pk, pv, sk, sv, w = attention_inputs(4, 8, 2, prefix=33, suffix=9, dtype=torch.bfloat16)
     tensors = (q, pk, pv, sk, sv)
-    ref = _reference_math(*(t.double() for t in tensors), 0.25)
-    ref_grads = _grads(ref, w.double(), tensors)
-    for fn in (MA.merged_attention, _concat_reference):
+    ref = reference_math(*(t.double() for t in tensors), 0.25)
+    ref_grads = weighted_grads(ref, w.double(), tensors)
+    for fn in (MA.merged_attention, concat_reference):
         out = fn(q, pk, pv, sk, sv, 0.25)
         assert (out.double() - ref).abs().max() < 2e-2
-        for g, r in zip(_grads(out, w, tensors), ref_grads):
+        for g, r in zip(weighted_grads(out, w, tensors), ref_grads):
             assert ((g.double() - r).norm() / r.norm()) < 2e-2
 
 
@@ -149,11 +149,11 @@ def _bf16_output_errors(seeds: int = 6) -> dict[str, float]:
     them) and bf16 concat (one sdpa call), over a few random draws."""
     errors = {"merged": 0.0, "concat": 0.0}
     for seed in range(seeds):
-        q, pk, pv, sk, sv, _ = _inputs(4, 8, 2, prefix=257, suffix=17, dtype=torch.bfloat16, seed=seed, dim=64)
-        ref = _reference_math(*(t.double() for t in (q, pk, pv, sk, sv)), 0.125)
+        q, pk, pv, sk, sv, _ = attention_inputs(4, 8, 2, prefix=257, suffix=17, dtype=torch.bfloat16, seed=seed, dim=64)
+        ref = reference_math(*(t.double() for t in (q, pk, pv, sk, sv)), 0.125)
         for name, out in (
             ("merged", MA.merged_attention(q, pk.float(), pv.float(), sk, sv, 0.125)),
-            ("concat", _concat_reference(q, pk, pv, sk, sv, 0.125)),
+            ("concat", concat_reference(q, pk, pv, sk, sv, 0.125)),
         ):
             errors[name] += ((out.double() - ref).norm() / ref.norm()).item() / seeds
     return errors
@@ -179,14 +179,14 @@ def test_bf16_merged_rounds_once(monkeypatch):
 def test_bf16_merged_under_autocast_keeps_fp32_leaf_grads():
     """Under CPU bf16 autocast the fp32 prefix leaves go in as they are and their grads come back in fp32;
     the output is in the queries' dtype."""
-    q, pk, pv, sk, sv, w = _inputs(2, 4, 2, prefix=9, suffix=5, dtype=torch.bfloat16)
+    q, pk, pv, sk, sv, w = attention_inputs(2, 4, 2, prefix=9, suffix=5, dtype=torch.bfloat16)
     pk32, pv32 = pk.detach().float().requires_grad_(), pv.detach().float().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = MA.merged_attention(q, pk32, pv32, sk, sv, 0.3)
     assert out.dtype == torch.bfloat16
-    grads = _grads(out, w, (q, pk32, pv32, sk, sv))
+    grads = weighted_grads(out, w, (q, pk32, pv32, sk, sv))
     assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
-    ref_grads = _grads(_reference_math(*(t.double() for t in (q, pk, pv, sk, sv)), 0.3), w.double(), (pk, pv))
+    ref_grads = weighted_grads(reference_math(*(t.double() for t in (q, pk, pv, sk, sv)), 0.3), w.double(), (pk, pv))
     for g, r in zip(grads[1:3], ref_grads):
         assert ((g.double() - r).norm() / r.norm()) < 2e-2
 
@@ -195,11 +195,11 @@ def test_bf16_merged_under_autocast_keeps_fp32_leaf_grads():
 
 
 def _fault_error(monkeypatch, fault) -> float:
-    q, pk, pv, sk, sv, w = _inputs(3, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
+    q, pk, pv, sk, sv, w = attention_inputs(3, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
     tensors = (q, pk, pv, sk, sv)
-    want_grads = _grads(_concat_reference(q, pk, pv, sk, sv, 0.3), w, tensors)
+    want_grads = weighted_grads(concat_reference(q, pk, pv, sk, sv, 0.3), w, tensors)
     fault(monkeypatch)
-    got_grads = _grads(MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3), w, tensors)
+    got_grads = weighted_grads(MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3), w, tensors)
     return max(((g - r).norm() / r.norm()).item() for g, r in zip(got_grads, want_grads))
 
 
@@ -246,7 +246,7 @@ def test_kernel_negative_controls(monkeypatch, fault):
 RAGGED = [(9, [4, 7, 1, 6, 3, 5, 2, 8])]  # G = 8
 
 
-def _reuse(model, layout, weights, rows, attention, meter=None, **kwargs):
+def reuse_with_attention(model, layout, weights, rows, attention, meter=None, **kwargs):
     grads, _ = train_reuse(
         model,
         layout,
@@ -291,8 +291,8 @@ def test_schedule_two_part_attention_matches_dense_and_concat(attention, dtype, 
         want = dense_grads(model, layout, weights, with_entropy=True)
         for rows in (8, 2, 1):
             meter = PhaseMeter(CPU)
-            got = _reuse(model, layout, weights, rows, attention, meter)
-            concat = _reuse(model, layout, weights, rows, "concat")
+            got = reuse_with_attention(model, layout, weights, rows, attention, meter)
+            concat = reuse_with_attention(model, layout, weights, rows, "concat")
             assert worst_relative(got, want) < tol, f"{rows} rows per micro-batch"
             assert worst_relative(got, concat) < tol
             assert meter.counts[f"prefix/phase_b_attention/{attention}"] == -(-8 // rows)
@@ -305,7 +305,7 @@ def test_auto_runs_merged_for_sdpa_and_concat_for_eager():
     weights = token_weights(layout, torch.float64)
     for attn, ran in (("sdpa", "merged"), ("eager", "concat")):
         meter = PhaseMeter(CPU)
-        _reuse(gqa_model(2, torch.float64, attn), layout, weights, 4, "auto", meter)
+        reuse_with_attention(gqa_model(2, torch.float64, attn), layout, weights, 4, "auto", meter)
         assert meter.counts[f"prefix/phase_b_attention/{ran}"] == 2
     assert meter.counts["prefix/phase_b_attention/concat_eager"] == 2
 
@@ -351,7 +351,7 @@ def test_schedule_negative_controls(monkeypatch, fault):
     with promote_fp32_upcasts():
         want = dense_grads(model, layout, weights, with_entropy=True)
         fault(monkeypatch)
-        assert worst_relative(_reuse(model, layout, weights, 4, "merged"), want) > 1e-3
+        assert worst_relative(reuse_with_attention(model, layout, weights, 4, "merged"), want) > 1e-3
 
 
 # -- fp32 dK/dV accumulation under bf16 autocast ------------------------------------------------------
@@ -367,7 +367,7 @@ def _accumulated_dkdv(monkeypatch, model, layout, weights, **kwargs) -> list[tor
         return real(prefix, leaves, model)
 
     monkeypatch.setattr(executor, "prefix_backward", spy)
-    _reuse(model, layout, weights, 1, "merged", **kwargs)
+    reuse_with_attention(model, layout, weights, 1, "merged", **kwargs)
     return seen
 
 
@@ -433,7 +433,7 @@ def test_prefix_leaves_are_metered(autocast):
     weights = token_weights(layout, torch.float32)
     meter = PhaseMeter(CPU)
     kwargs = {"autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)} if autocast else {}
-    _reuse(model, layout, weights, 4, "merged", meter, **kwargs)
+    reuse_with_attention(model, layout, weights, 4, "merged", meter, **kwargs)
     metrics = meter.metrics(logical_tokens=1, physical_tokens=1)
     one = 3 * 2 * 8 * 12 / 2**20  # elements of K (or V), all layers: 3 layers x 2 KV heads x 8 tokens x 12
     kv_bytes = one * (4 + 2) if autocast else one * (4 + 4)

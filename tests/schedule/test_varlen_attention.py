@@ -12,7 +12,15 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.schedule_runs import infer_reuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_merged_attention import RAGGED, _concat_reference, _grads, _inputs, _reference_math, _reuse, gqa_model
+from test_merged_attention import (
+    RAGGED,
+    attention_inputs,
+    concat_reference,
+    gqa_model,
+    reference_math,
+    reuse_with_attention,
+    weighted_grads,
+)
 from test_schedule_hf import dense_grads, worst_relative
 
 from verl_prefix.schedule import merged_attention as MA
@@ -35,6 +43,12 @@ def _masked(x, mask):
 # -- the CPU reference varlen kernel -------------------------------------------------------------------
 
 
+def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """``[start, end)`` of each packed sequence, from its cumulative lengths."""
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_reference_varlen_kernel_is_per_sequence_attention(causal, groups):
@@ -50,7 +64,7 @@ def test_reference_varlen_kernel_is_per_sequence_attention(causal, groups):
     out, lse = V.reference_varlen_forward(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.3, causal)
     assert out.shape == q.shape and lse.shape == (heads, sum(q_lens))
     want, want_lse = [], []
-    for (qs, qe), (ks, ke) in zip(V._spans(cu_q), V._spans(cu_k)):
+    for (qs, qe), (ks, ke) in zip(_spans(cu_q), _spans(cu_k)):
         qb, kb, vb = (x.transpose(0, 1) for x in (q[qs:qe], k[ks:ke].repeat_interleave(groups, 1), v[ks:ke]))
         vb = vb.repeat_interleave(groups, 0)
         scores = qb @ kb.transpose(-1, -2) * 0.3
@@ -75,7 +89,7 @@ def test_reference_varlen_kernel_is_per_sequence_attention(causal, groups):
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_varlen_matches_concat_merged_and_reference(dtype, tol, groups, rows):
-    q, pk, pv, sk, sv, w = _inputs(rows, 2 * groups, 2, prefix=7, suffix=5, dtype=dtype)
+    q, pk, pv, sk, sv, w = attention_inputs(rows, 2 * groups, 2, prefix=7, suffix=5, dtype=dtype)
     packing = _packing(LENGTHS[rows])
     w = _masked(w, packing.mask)  # the loss reads real positions only, as the schedule's does
     tensors = (q, pk, pv, sk, sv)
@@ -83,14 +97,14 @@ def test_varlen_matches_concat_merged_and_reference(dtype, tol, groups, rows):
     assert got.shape == (rows, 5, 2 * groups, 8) and got.dtype == dtype
     assert not got[~packing.mask].any()  # pads: exactly zero
     others = {
-        "concat": _concat_reference(q, pk, pv, sk, sv, 0.3),
+        "concat": concat_reference(q, pk, pv, sk, sv, 0.3),
         "merged": MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3),
-        "fp64 maths": _reference_math(*(t.double() for t in tensors), 0.3).to(dtype),
+        "fp64 maths": reference_math(*(t.double() for t in tensors), 0.3).to(dtype),
     }
-    got_grads = _grads(got, w, tensors)
+    got_grads = weighted_grads(got, w, tensors)
     for name, want in others.items():
         torch.testing.assert_close(got, _masked(want, packing.mask), rtol=tol, atol=tol, msg=name)
-        for g_got, g_want in zip(got_grads, _grads(want, w, tensors)):
+        for g_got, g_want in zip(got_grads, weighted_grads(want, w, tensors)):
             assert ((g_got - g_want).norm() / g_want.norm()).item() < tol, name
     # the shared prefix's grads come out summed over rows and query heads: shape [1, kv_heads, P, d]
     assert got_grads[1].shape == pk.shape and got_grads[1].dtype == dtype
@@ -99,14 +113,14 @@ def test_varlen_matches_concat_merged_and_reference(dtype, tol, groups, rows):
 def test_pads_do_not_leak():
     """Whatever the pad positions of q/k/v hold, real outputs and every gradient are unchanged, and the pads'
     own gradients are zero (the varlen kernels never see them)."""
-    q, pk, pv, sk, sv, w = _inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
+    q, pk, pv, sk, sv, w = attention_inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
     packing = _packing(LENGTHS[5])
     pad = ~packing.mask
 
     def run(q, sk, sv):
         tensors = (q, pk, pv, sk, sv)
         out = V.merged_varlen_attention(q, pk, pv, sk, sv, packing, 0.3)
-        return out, _grads(out, w, tensors)  # w is nonzero on pads too: pads must still not leak
+        return out, weighted_grads(out, w, tensors)  # w is nonzero on pads too: pads must still not leak
 
     out, grads = run(q, sk, sv)
     for g in (grads[0], grads[3], grads[4]):  # q, suffix K, suffix V
@@ -124,11 +138,11 @@ def test_pads_do_not_leak():
 def test_bf16_varlen_under_autocast_matches_merged():
     """CPU bf16 autocast with fp32 prefix leaves: the output is bf16, the leaves' grads fp32, and varlen is as
     close to fp64 as merged (the same fp32 forward kernels and one rounding)."""
-    q, pk, pv, sk, sv, w = _inputs(4, 8, 2, prefix=33, suffix=9, dtype=torch.bfloat16, dim=16)
+    q, pk, pv, sk, sv, w = attention_inputs(4, 8, 2, prefix=33, suffix=9, dtype=torch.bfloat16, dim=16)
     packing = V.Packing.from_lengths([9, 4, 7, 1], 9, CPU)
     w = _masked(w, packing.mask)
     pk32, pv32 = pk.detach().float().requires_grad_(), pv.detach().float().requires_grad_()
-    ref = _masked(_reference_math(*(t.double() for t in (q, pk, pv, sk, sv)), 0.25), packing.mask)
+    ref = _masked(reference_math(*(t.double() for t in (q, pk, pv, sk, sv)), 0.25), packing.mask)
     errors = {}
     for name in ("varlen", "merged"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -137,7 +151,7 @@ def test_bf16_varlen_under_autocast_matches_merged():
             else:
                 out = MA.merged_attention(q, pk32, pv32, sk, sv, 0.25)
         assert out.dtype == torch.bfloat16
-        grads = _grads(out, w, (q, pk32, pv32, sk, sv))
+        grads = weighted_grads(out, w, (q, pk32, pv32, sk, sv))
         assert [g.dtype for g in grads[1:3]] == [torch.float32, torch.float32]
         errors[name] = ((_masked(out, packing.mask).double() - ref).norm() / ref.norm()).item()
     print(f"bf16 forward rel error vs fp64: varlen {errors['varlen']:.2e}, merged {errors['merged']:.2e}")
@@ -156,13 +170,13 @@ def _shifted_offsets(packing):
 
 
 def _varlen_fault_error(monkeypatch, fault) -> float:
-    q, pk, pv, sk, sv, w = _inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
+    q, pk, pv, sk, sv, w = attention_inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
     packing = _packing(LENGTHS[5])
     w = _masked(w, packing.mask)
     tensors = (q, pk, pv, sk, sv)
-    want = _grads(_masked(_concat_reference(q, pk, pv, sk, sv, 0.3), packing.mask), w, tensors)
+    want = weighted_grads(_masked(concat_reference(q, pk, pv, sk, sv, 0.3), packing.mask), w, tensors)
     packing = fault(monkeypatch, packing)
-    got = _grads(V.merged_varlen_attention(q, pk, pv, sk, sv, packing, 0.3), w, tensors)
+    got = weighted_grads(V.merged_varlen_attention(q, pk, pv, sk, sv, packing, 0.3), w, tensors)
     return max(((g - r).norm() / r.norm()).item() for g, r in zip(got, want))
 
 
@@ -232,7 +246,7 @@ def test_schedule_varlen_under_gradient_checkpointing():
     weights = token_weights(layout, torch.float64)
     with promote_fp32_upcasts():
         want = dense_grads(model, layout, weights, with_entropy=True)
-        assert worst_relative(_reuse(model, layout, weights, 3, "merged_varlen"), want) < 1e-10
+        assert worst_relative(reuse_with_attention(model, layout, weights, 3, "merged_varlen"), want) < 1e-10
 
 
 def test_schedule_negative_control_wrong_offsets(monkeypatch):
@@ -244,7 +258,7 @@ def test_schedule_negative_control_wrong_offsets(monkeypatch):
     monkeypatch.setattr(V.Packing, "from_lengths", lambda *a: _shifted_offsets(real(*a)))
     with promote_fp32_upcasts():
         want = dense_grads(model, layout, weights, with_entropy=True)
-        assert worst_relative(_reuse(model, layout, weights, 4, "merged_varlen"), want) > 1e-3
+        assert worst_relative(reuse_with_attention(model, layout, weights, 4, "merged_varlen"), want) > 1e-3
 
 
 def test_forward_only_varlen_matches_hf():
@@ -281,18 +295,18 @@ def test_moe_aux_through_varlen_matches_hf_dense():
 def test_cuda_flash_attn_varlen_matches_cpu_reference(groups):
     """The thin CUDA dispatch: flash-attn's varlen forward/backward (bf16) against the CPU reference in fp32
     on the same packed inputs, through MergedVarlenAttention (prefix fp32 leaves included)."""
-    q, pk, pv, sk, sv, w = _inputs(5, 2 * groups, 2, prefix=70, suffix=33, dtype=torch.float32, dim=64)
+    q, pk, pv, sk, sv, w = attention_inputs(5, 2 * groups, 2, prefix=70, suffix=33, dtype=torch.float32, dim=64)
     packing_cpu = V.Packing.from_lengths([33, 12, 1, 20, 7], 33, CPU)
     w = _masked(w, packing_cpu.mask)
     want_out = V.merged_varlen_attention(q, pk, pv, sk, sv, packing_cpu, 0.125)
-    want = _grads(want_out, w, (q, pk, pv, sk, sv))
+    want = weighted_grads(want_out, w, (q, pk, pv, sk, sv))
     cuda = torch.device("cuda")
     packing = V.Packing.from_lengths([33, 12, 1, 20, 7], 33, cuda)
     tensors = [t.detach().to(cuda, torch.bfloat16).requires_grad_() for t in (q, sk, sv)]
     leaves = [t.detach().to(cuda).requires_grad_() for t in (pk, pv)]
     out = V.merged_varlen_attention(tensors[0], *leaves, tensors[1], tensors[2], packing, 0.125)
     assert ((out.float().cpu() - want_out).norm() / want_out.norm()) < 2e-2
-    got = _grads(out, w.to(cuda, torch.bfloat16), (tensors[0], *leaves, *tensors[1:]))
+    got = weighted_grads(out, w.to(cuda, torch.bfloat16), (tensors[0], *leaves, *tensors[1:]))
     assert got[1].dtype == torch.float32
     for g, r in zip(got, want):
         assert ((g.float().cpu() - r).norm() / r.norm()) < 3e-2

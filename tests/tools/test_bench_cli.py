@@ -11,15 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3Config
 
-from verl_prefix.tools import bench as B
+from verl_prefix.tools import bench_attention as BA
+from verl_prefix.tools import bench_presets as BP
+from verl_prefix.tools import bench_runner as BR
+from verl_prefix.tools import bench_tables as BT
 from verl_prefix.tools import cli
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 
-TINY = B.Preset(
+TINY = BP.Preset(
     cells=(
-        B.Cell(
+        BP.Cell(
             "tiny",
-            B.ModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=64),
+            BP.ModelSpec(
+                hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=64
+            ),
             num_groups=2,
             group_size=4,
             prompt_len=40,
@@ -40,7 +45,7 @@ def cli_run(tmp_path_factory):
     out, table = tmp / "result.json", tmp / "bench.md"
     table.write_text("# Benchmarks\n\n<!-- bench:smoke:start -->\nold\n<!-- bench:smoke:end -->\n\ntail\n")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(B.PRESETS, "smoke", TINY)
+        mp.setitem(BP.PRESETS, "smoke", TINY)
         code = cli.main(["bench", "--preset", "smoke", "--out", str(out), "--table", str(table)])
     return code, json.loads(out.read_text()), table.read_text()
 
@@ -99,8 +104,8 @@ def test_table_updated_in_place(cli_run):
 
 def test_update_table_file_appends(tmp_path):
     path = tmp_path / "new.md"
-    cli.update_table_file(path, "cpu", "| a |")
-    cli.update_table_file(path, "cpu", "| b |")
+    BT.update_table_file(path, "cpu", "| a |")
+    BT.update_table_file(path, "cpu", "| b |")
     assert path.read_text() == "<!-- bench:cpu:start -->\n| b |\n<!-- bench:cpu:end -->\n"
 
 
@@ -135,19 +140,19 @@ def test_gpu_preset_without_cuda(capsys, monkeypatch):
 
 
 def test_run_bench_rejects_bad_arguments():
-    with pytest.raises(B.BenchError):
-        B.run_bench("nope")
-    with pytest.raises(B.BenchError):
-        B.run_bench(TINY, reps=0)
-    with pytest.raises(B.BenchError):
-        B.run_bench(TINY, threads=0)
+    with pytest.raises(BP.BenchError):
+        BR.run_bench("nope")
+    with pytest.raises(BP.BenchError):
+        BR.run_bench(TINY, reps=0)
+    with pytest.raises(BP.BenchError):
+        BR.run_bench(TINY, threads=0)
 
 
 def test_compile_switch_turns_on_verls_torch_compile_for_both_engines(tiny_qwen3_dir):
     from verl_prefix.tools import testing as T
 
-    (cell,) = B.compiled(TINY.cells)
-    assert cell.name == "tiny compile" and set(B.COMPILE_OVERRIDES) <= set(cell.overrides)
+    (cell,) = BP.compiled(TINY.cells)
+    assert cell.name == "tiny compile" and set(BP.COMPILE_OVERRIDES) <= set(cell.overrides)
     for backend in ("fsdp2", "prefix_fsdp2"):
         engine, _, _ = T.build_verl_engine(tiny_qwen3_dir, backend=backend, overrides=cell.overrides)
         assert engine.engine_config.use_torch_compile
@@ -170,28 +175,30 @@ def test_cells_can_be_chosen_and_each_is_saved_as_it_finishes(tmp_path):
         if line.strip().startswith("tiny-c") and not seen_during_second:
             seen_during_second.append(json.loads(out.read_text()))
 
-    result = B.run_bench(preset, out_json=out, log=log, cells=["tiny", "tiny-c"])
+    result = BR.run_bench(preset, out_json=out, log=log, cells=["tiny", "tiny-c"])
     assert [c["cell"] for c in result["cells"]] == ["tiny", "tiny-c"]
     assert result["complete"] and json.loads(out.read_text()) == json.loads(json.dumps(result))
     (partial,) = seen_during_second
     assert [c["cell"] for c in partial["cells"]] == ["tiny"] and partial["complete"] is False
     assert not list(tmp_path.glob("*.tmp"))
-    with pytest.raises(B.BenchError, match="tiny, tiny-b, tiny-c"):
-        B.resolve_preset(preset, cells=["nope"])
+    with pytest.raises(BP.BenchError, match="tiny, tiny-b, tiny-c"):
+        BP.resolve_preset(preset, cells=["nope"])
 
 
-TINY_PHASE_B = B.Preset(
+TINY_PHASE_B = BP.Preset(
     cells=(
-        B.Cell(
+        BP.Cell(
             "tiny-b",
-            B.ModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=64),
+            BP.ModelSpec(
+                hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, vocab_size=64
+            ),
             num_groups=1,
             group_size=4,
             prompt_len=40,
             response_len_range=(6, 6),
             micro_batch_size=2,
             min_prefix_len=8,
-            variants=B.VARIANTS,
+            variants=BP.VARIANTS,
             dense_micro_batch_size=4,
         ),
     ),
@@ -207,7 +214,7 @@ def phase_b_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("phase_b")
     out, table = tmp / "phase_b.json", tmp / "bench.md"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(B.PRESETS, "phase_b", TINY_PHASE_B)
+        mp.setitem(BP.PRESETS, "phase_b", TINY_PHASE_B)
         code = cli.main(["bench", "--preset", "phase_b", "--no-progress", "--out", str(out), "--table", str(table)])
     return code, json.loads(out.read_text()), table.read_text()
 
@@ -256,17 +263,17 @@ def test_max_rel_grad_diff_reads_the_difference(scale, rel, nan_at):
     gen = torch.Generator().manual_seed(0)
     dense = {f"p{i}": torch.randn(5, generator=gen, dtype=torch.float64) * scale for i in range(3)}
     prefix = {n: g.clone() for n, g in dense.items()}
-    assert B.max_rel_grad_diff(dense, prefix) == (0.0, "p0")
+    assert BR.max_rel_grad_diff(dense, prefix) == (0.0, "p0")
     noise = torch.randn(5, generator=gen, dtype=torch.float64)
     prefix["p1"] = dense["p1"] + noise / noise.norm() * dense["p1"].norm() * rel
-    worst, name = B.max_rel_grad_diff(dense, prefix)
+    worst, name = BR.max_rel_grad_diff(dense, prefix)
     assert name == "p1" and worst == pytest.approx(rel, rel=1e-6)
     if nan_at is not None:
         prefix[f"p{nan_at}"] = torch.full((5,), math.nan, dtype=torch.float64)
-        worst, name = B.max_rel_grad_diff(dense, prefix)
+        worst, name = BR.max_rel_grad_diff(dense, prefix)
         assert math.isnan(worst) and name == f"p{nan_at}"
     with pytest.raises(RuntimeError, match="disagree"):
-        B.max_rel_grad_diff(dense, {"p0": dense["p0"]})
+        BR.max_rel_grad_diff(dense, {"p0": dense["p0"]})
 
 
 def test_phase_b_table(phase_b_run):
@@ -280,32 +287,32 @@ def test_attention_kv_bytes_from_shapes():
     """The issue's yardstick: merged hands its kernels one prefix copy plus the suffix rows (heads repeated
     only where the kernel lacks GQA),
     concat a prefix copy per row and query head."""
-    model = B.MODEL_29M  # 6 layers, 8 heads, 4 KV heads, head_dim 64
-    merged = B.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8)
-    concat = B.attention_kv_bytes(model, "concat", prefix_len=2047, suffix_len=129, rows=8)
+    model = BP.MODEL_29M  # 6 layers, 8 heads, 4 KV heads, head_dim 64
+    merged = BA.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8)
+    concat = BA.attention_kv_bytes(model, "concat", prefix_len=2047, suffix_len=129, rows=8)
     unit = 2 * 6 * 64 * 4
     assert merged["one_prefix_copy"] == concat["one_prefix_copy"] == unit * 4 * 2047
     assert merged["suffix_rows"] == unit * 8 * 4 * 129
     assert merged["held"] == merged["one_prefix_copy"] + merged["suffix_rows"]  # CPU: GQA native, no repeat
-    repeated = B.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8, repeat_suffix=True)
+    repeated = BA.attention_kv_bytes(model, "merged", prefix_len=2047, suffix_len=129, rows=8, repeat_suffix=True)
     assert repeated["held"] == merged["one_prefix_copy"] + 2 * merged["suffix_rows"]
     assert concat["held"] == unit * 8 * 8 * (2047 + 129)
     # merged_varlen: one prefix copy plus the real suffix tokens only (no pads, no GQA repeat, on any device)
-    varlen = B.attention_kv_bytes(model, "merged_varlen", prefix_len=2047, suffix_len=129, rows=8)
+    varlen = BA.attention_kv_bytes(model, "merged_varlen", prefix_len=2047, suffix_len=129, rows=8)
     assert varlen["held"] == merged["held"]  # equal rows: nothing padded
-    ragged = B.attention_kv_bytes(model, "merged_varlen", prefix_len=2047, suffix_len=129, rows=8, suffix_tokens=300)
+    ragged = BA.attention_kv_bytes(model, "merged_varlen", prefix_len=2047, suffix_len=129, rows=8, suffix_tokens=300)
     assert ragged["held"] == merged["one_prefix_copy"] + unit * 4 * 300
     with pytest.raises(ValueError):
-        B.attention_kv_bytes(model, "fsdp2", prefix_len=1, suffix_len=1, rows=1)
+        BA.attention_kv_bytes(model, "fsdp2", prefix_len=1, suffix_len=1, rows=1)
 
 
 def test_phase_b_preset_cells():
-    preset = B.PRESETS["phase_b"]
+    preset = BP.PRESETS["phase_b"]
     names = [c.name for c in preset.cells]
     assert names == ["P2048/S128/G8/mb2", "P2048/S128/G8/mb8", "P8192/S128/G8/mb2", "P8192/S128/G8/mb8"]
-    assert all(c.model == B.MODEL_29M and c.dtype == "float32" and c.group_size == 8 for c in preset.cells)
-    assert all({"merged", "concat"} <= set(c.variants) for c in preset.cells + B.PRESETS["gpu"].cells)
-    assert all("fsdp2" in c.variants for c in B.PRESETS["gpu"].cells)
+    assert all(c.model == BP.MODEL_29M and c.dtype == "float32" and c.group_size == 8 for c in preset.cells)
+    assert all({"merged", "concat"} <= set(c.variants) for c in preset.cells + BP.PRESETS["gpu"].cells)
+    assert all("fsdp2" in c.variants for c in BP.PRESETS["gpu"].cells)
 
 
 def test_gpu_preset_runs_merged_varlen_with_a_valid_config():
@@ -315,14 +322,14 @@ def test_gpu_preset_runs_merged_varlen_with_a_valid_config():
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.schedule import varlen_attention as V
 
-    for cell in B.PRESETS["gpu"].cells:
+    for cell in BP.PRESETS["gpu"].cells:
         assert cell.variants == ("fsdp2", "merged", "concat", "merged_varlen")
         for variant in cell.variants[1:]:
             assert PrefixReuseConfig(phase_b_attention=variant).phase_b_attention == variant
-    assert B.unavailable_variant("merged_varlen", cuda=False) is None  # CPU: the reference kernel
-    assert B.unavailable_variant("merged", cuda=True) is None
+    assert BP.unavailable_variant("merged_varlen", cuda=False) is None  # CPU: the reference kernel
+    assert BP.unavailable_variant("merged", cuda=True) is None
     want = None if V.flash_attn_varlen() is not None else "flash_attn does not import"
-    got = B.unavailable_variant("merged_varlen", cuda=True)
+    got = BP.unavailable_variant("merged_varlen", cuda=True)
     assert got == want or (want and got.startswith(want))
 
 
@@ -334,7 +341,7 @@ def test_merged_varlen_variant_runs_and_reports(tmp_path):
     cell = dataclasses.replace(
         TINY_PHASE_B.cells[0], name="tiny-v", response_len_range=(2, 9), variants=("concat", "merged_varlen")
     )
-    result = B.run_bench(dataclasses.replace(TINY_PHASE_B, cells=(cell,), fresh_rss=False))
+    result = BR.run_bench(dataclasses.replace(TINY_PHASE_B, cells=(cell,), fresh_rss=False))
     (measured,) = result["cells"]
     varlen, concat = measured["variants"]["merged_varlen"], measured["variants"]["concat"]
     assert varlen["phase_b_micro_batches"] == {"merged": 0.0, "concat": 0.0, "merged_varlen": 2.0}
@@ -342,15 +349,15 @@ def test_merged_varlen_variant_runs_and_reports(tmp_path):
     assert varlen["max_rel_grad_diff_vs"] == "concat" and 0 < varlen["max_rel_grad_diff"] < 1e-5
     assert varlen["attention_kv_mib"]["held"] < concat["attention_kv_mib"]["held"]
     assert math.isfinite(measured["merged_varlen_over_concat_time_median"])
-    assert "(varlen 2)" in B.markdown_table(result)
+    assert "(varlen 2)" in BT.markdown_table(result)
 
 
 def test_unknown_variant_is_a_clear_error(tmp_path):
     import dataclasses
 
     cell = dataclasses.replace(TINY_PHASE_B.cells[0], variants=("merged", "flash"))
-    with pytest.raises(B.BenchError, match="unknown variant 'flash'"):
-        B.run_bench(dataclasses.replace(TINY_PHASE_B, cells=(cell,), fresh_rss=False))
+    with pytest.raises(BP.BenchError, match="unknown variant 'flash'"):
+        BR.run_bench(dataclasses.replace(TINY_PHASE_B, cells=(cell,), fresh_rss=False))
 
 
 def test_peak_rss_is_this_process_images_own():
@@ -363,9 +370,9 @@ def test_peak_rss_is_this_process_images_own():
     ballast = b"\x01" * (600 * 2**20)  # touched: the parent holds 600 MiB more than a child needs
     parent_rss = psutil.Process().memory_info().rss / 2**20
     code = (
-        "from verl_prefix.tools.bench import _peak_rss_mib, _reset_peak_rss; "
-        "before = _peak_rss_mib(); assert _reset_peak_rss(); block = bytearray(100 * 2**20); "
-        "print(before, _peak_rss_mib())"
+        "from verl_prefix.tools.measure import peak_rss_mib, reset_peak_rss; "
+        "before = peak_rss_mib(); assert reset_peak_rss(); block = bytearray(100 * 2**20); "
+        "print(before, peak_rss_mib())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     before, after = float(out[0]), float(out[1])

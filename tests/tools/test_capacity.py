@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_prefix.tools import bench as B
+from verl_prefix.tools import bench_presets as BP
+from verl_prefix.tools import bench_runner as BR
+from verl_prefix.tools import bench_tables as BT
 from verl_prefix.tools import capacity as Cap
 from verl_prefix.tools import testing as T
 
@@ -46,13 +48,13 @@ def test_engine_names_and_spec_validation():
     for bad in ("fsdp2", "fsdp2:0", "swap", "keep:x"):
         with pytest.raises(ValueError, match="engine"):
             Cap.parse_engine(bad)
-    spec = B.PRESETS["capacity"].capacity
+    spec = BP.PRESETS["capacity"].capacity
     Cap.validate_spec(spec)
     with pytest.raises(ValueError, match="ascending"):
         Cap.validate_spec(dataclasses.replace(spec, grid=(64, 32)))
 
 
-TINY = B.ModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=64)
+TINY = BP.ModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=64)
 
 
 def test_minuscule_capacity_run(tmp_path):
@@ -107,7 +109,7 @@ def test_minuscule_capacity_run(tmp_path):
 def test_capacity_result_through_run_bench(tmp_path, monkeypatch):
     """``run_bench`` dispatches a capacity preset to the search and writes the result JSON with the
     bench's header; ``markdown_table`` renders it."""
-    spec = dataclasses.replace(B.PRESETS["capacity"].capacity, grid=(16, 32, 64), engines=("fsdp2:1", "recompute"))
+    spec = dataclasses.replace(BP.PRESETS["capacity"].capacity, grid=(16, 32, 64), engines=("fsdp2:1", "recompute"))
     fake = {16: 10.0, 32: 20.0, 64: 40.0}
 
     def probe(spec, engine, prefix_len, model_dir):
@@ -115,16 +117,16 @@ def test_capacity_result_through_run_bench(tmp_path, monkeypatch):
         return {"peak_above_mib": peak, "fits": peak <= spec.budget_mib}
 
     monkeypatch.setattr(Cap, "probe", probe)
-    preset = B.Preset(cells=(), reps=1, capacity=dataclasses.replace(spec, budget_mib=25.0))
+    preset = BP.Preset(cells=(), reps=1, capacity=dataclasses.replace(spec, budget_mib=25.0))
     out = tmp_path / "capacity.json"
-    result = B.run_bench(preset, out_json=out, log=lambda _: None)
+    result = BR.run_bench(preset, out_json=out, log=lambda _: None)
     saved = json.loads(out.read_text())
     assert saved["capacity"]["engines"]["fsdp2:1"]["longest"] == 32
     assert saved["capacity"]["engines"]["fsdp2:1"]["first_over"] == 64
     assert saved["capacity"]["engines"]["recompute"]["longest"] == 64  # the grid's end: a lower bound
     assert saved["capacity"]["engines"]["recompute"]["first_over"] is None
     assert saved["complete"] and saved["machine"]
-    assert "| recompute |" in B.markdown_table(result)
+    assert "| recompute |" in BT.markdown_table(result)
 
 
 @given(st.integers(1, 4), st.integers(0, 6))
@@ -132,7 +134,7 @@ def test_parallel_search_matches_serial_and_reports_each_engine(jobs, threshold)
     """``jobs`` engines searched at once give the serial answer, in the spec's engine order; each finished
     engine is handed over as it completes (``complete`` only with the last)."""
     engines = ("fsdp2:1", "fsdp2:2", "keep", "recompute:2")
-    spec = dataclasses.replace(B.PRESETS["capacity_smoke"].capacity, grid=(1, 2, 3, 4, 5), engines=engines)
+    spec = dataclasses.replace(BP.PRESETS["capacity_smoke"].capacity, grid=(1, 2, 3, 4, 5), engines=engines)
 
     def probe(spec, engine, prefix_len, model_dir):
         peak = prefix_len * (1 + engines.index(engine))  # each engine its own boundary
@@ -154,7 +156,7 @@ def test_repeated_probes_decide_by_majority(outcomes, repeats):
     """With ``repeats`` probes per grid point the verdict is their majority, decided as soon as it is
     certain (the rest are not run); the reported peak is the median of the probes run."""
     spec = dataclasses.replace(
-        B.PRESETS["capacity_smoke"].capacity, grid=(7,), engines=("keep",), budget_mib=2.0, repeats=repeats
+        BP.PRESETS["capacity_smoke"].capacity, grid=(7,), engines=("keep",), budget_mib=2.0, repeats=repeats
     )
     calls = []
 
@@ -177,17 +179,17 @@ def test_repeated_probes_decide_by_majority(outcomes, repeats):
 def test_capacity_presets_search_the_issue_setting():
     """``capacity`` is issue 11's cell: the 29M model, G=8, suffix 128, 2 GiB above the loaded model, the
     stock engine at micro-batch 1 (its best) among the engines; ``capacity_smoke`` the same search on 1M."""
-    spec = B.PRESETS["capacity"].capacity
+    spec = BP.PRESETS["capacity"].capacity
     assert (spec.model.hidden_size, spec.model.num_layers, spec.group_size, spec.suffix_len) == (512, 6, 8, 128)
     assert spec.budget_mib == 2048 and "fsdp2:1" in spec.engines and spec.repeats >= 3
     assert spec.model.max_position_embeddings >= spec.grid[-1] + spec.suffix_len + 1
-    Cap.validate_spec(B.PRESETS["capacity_smoke"].capacity)
+    Cap.validate_spec(BP.PRESETS["capacity_smoke"].capacity)
 
 
 def test_gpu_capacity_and_offload_presets_are_valid_configs():
     """They need CUDA; here: their engine configs compose and validate (the offload knob included)."""
-    Cap.validate_spec(B.PRESETS["gpu_capacity"].capacity)
-    cell = B.PRESETS["gpu_offload"].cells[0]
+    Cap.validate_spec(BP.PRESETS["gpu_capacity"].capacity)
+    cell = BP.PRESETS["gpu_offload"].cells[0]
     # build_verl_engine adds mixed_precision first (the preset's _BF16 then overrides it)
     base = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     config = T.compose_ppo_config([base, *cell.overrides])
@@ -195,5 +197,5 @@ def test_gpu_capacity_and_offload_presets_are_valid_configs():
 
     engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor.fsdp_config)
     assert engine_config.dormant_prefix == "offload"
-    with pytest.raises(B.BenchError, match="needs a CUDA GPU"):
-        B.resolve_preset("gpu_capacity")
+    with pytest.raises(BP.BenchError, match="needs a CUDA GPU"):
+        BP.resolve_preset("gpu_capacity")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from verl_prefix.tools import dormant_memory as M
-from verl_prefix.tools.bench import SMOKE_MODEL
+from verl_prefix.tools.bench_presets import SMOKE_MODEL
 
 CELL = dict(prefix_len=192, suffix_len=4, group_size=2, rows=2, spec=SMOKE_MODEL)
 

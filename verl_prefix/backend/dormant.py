@@ -18,7 +18,8 @@ from verl_prefix.schedule.dormant import choose_policy, estimate_prefix_graph_by
 from verl_prefix.schedule.grouping import BatchPlan
 
 logger = logging.getLogger(__name__)
-_logged: set[str] = set()
+# reasons this process has already logged (once each; tests clear it)
+LOGGED_REASONS: set[str] = set()
 
 
 def agree_on_policies(
@@ -67,6 +68,6 @@ def _collective(device: torch.device, group: dist.ProcessGroup | None) -> torch.
 
 
 def _log_once(reason: str, message: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
+    if reason not in LOGGED_REASONS:
+        LOGGED_REASONS.add(reason)
         logger.warning("dormant_prefix=auto: %s", message)

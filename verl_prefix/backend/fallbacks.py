@@ -28,8 +28,8 @@ from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attentio
 
 logger = logging.getLogger(__name__)
 
-# reasons this process has already logged (``log_fallbacks``)
-_LOGGED_REASONS: set[str] = set()
+# reasons this process has already logged (``log_fallbacks``, once each; tests clear it)
+LOGGED_REASONS: set[str] = set()
 
 # non-tensor batch flags verl sets for features reuse does not serve -> reason
 _BATCH_FLAGS = {
@@ -249,9 +249,9 @@ def log_fallbacks(reasons: Iterable[str]) -> None:
     """One warning per reason per process, next to the ``prefix/fallback_<reason>`` metric: a metric
     nobody plots is still silent."""
     for reason in reasons:
-        if reason in _LOGGED_REASONS:
+        if reason in LOGGED_REASONS:
             continue
-        _LOGGED_REASONS.add(reason)
+        LOGGED_REASONS.add(reason)
         logger.warning(
             "prefix reuse: samples run through the stock dense path, counted as prefix/fallback_%s "
             "(logged once per process; see 'What runs dense' in the verl-prefix README)",

@@ -35,7 +35,7 @@ def agree_on_schedule(
     chunks = [num_chunks(g.prefix_len, chunk_tokens) for g in plan.groups]
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return LockstepPlan(len(counts), counts, num_dense_chunks, chunks)
-    device = device or _collective_device(group)
+    device = device or collective_device(group)
     shape = torch.tensor([len(counts), num_dense_chunks], device=device)
     dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
     num_groups, dense = (int(x) for x in shape.tolist())
@@ -46,7 +46,8 @@ def agree_on_schedule(
     return LockstepPlan(num_groups, padded[0].tolist(), dense, padded[1].tolist())
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective over ``group`` takes its tensors: CPU for gloo, this rank's device otherwise."""
     backend = dist.get_backend(group)
     if backend == "gloo":
         return torch.device("cpu")

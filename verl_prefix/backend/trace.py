@@ -208,7 +208,8 @@ def _uids(batch: TensorDict) -> list[str]:
     return [str(u) for u in items]
 
 
-def _lengths(t: torch.Tensor) -> list[int]:
+def sequence_lengths(t: torch.Tensor) -> list[int]:
+    """Each row's length in a (possibly nested) ``[rows, tokens]`` tensor."""
     if t.is_nested:
         return t.offsets().diff().tolist() if t.layout == torch.jagged else [int(x.shape[0]) for x in t.unbind()]
     return [int(t.shape[-1])] * int(t.shape[0])
@@ -216,7 +217,7 @@ def _lengths(t: torch.Tensor) -> list[int]:
 
 def batch_groups(batch: TensorDict) -> list[tuple[int, list[int]]]:
     """``(prompt_len, response_lens)`` per uid group, in order of appearance: the FLOP model's input."""
-    seq = _lengths(batch["input_ids"])
+    seq = sequence_lengths(batch["input_ids"])
     mask = batch["response_mask"]
     if mask.is_nested:
         resp = [int(r.sum()) for r in mask.unbind()]
@@ -228,7 +229,8 @@ def batch_groups(batch: TensorDict) -> list[tuple[int, list[int]]]:
     return list(groups.values())
 
 
-def _max_token_id(batch: TensorDict) -> int | None:
+def max_token_id_of(batch: TensorDict) -> int | None:
+    """The largest token id in the batch's ``input_ids`` (None without any): checked against a model's vocab."""
     if "input_ids" not in batch.keys():
         return None
     ids = batch["input_ids"]
@@ -409,10 +411,10 @@ class TraceWriter:
             file=name,
             rows=len(batch),
             groups=len(set(_uids(batch))),
-            tokens=int(sum(_lengths(batch["input_ids"]))) if "input_ids" in batch.keys() else 0,
+            tokens=int(sum(sequence_lengths(batch["input_ids"]))) if "input_ids" in batch.keys() else 0,
             config=config,
             model_ref=model_ref,
-            max_token_id=_max_token_id(batch),
+            max_token_id=max_token_id_of(batch),
         )
         self.manifest["steps"].append(dataclasses.asdict(entry))
         self.manifest["updated"] = _now()

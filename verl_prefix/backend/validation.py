@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_prefix.backend.inputs import row_layout, row_lengths
-from verl_prefix.backend.lockstep import _collective_device
+from verl_prefix.backend.lockstep import collective_device
 from verl_prefix.schedule.grouping import RowLayout, validate_rows, validate_uid_groups
 
 T = TypeVar("T")
@@ -86,7 +86,7 @@ def _gather_rejections(error: Exception | None, group: Any) -> list[tuple[int, s
     mine = None if error is None else (dist.get_rank() if dist.is_initialized() else 0, _message(error))
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [mine] if mine is not None else []
-    flag = torch.tensor([0 if mine is None else 1], device=_collective_device(group))
+    flag = torch.tensor([0 if mine is None else 1], device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()) == 0:
         return []

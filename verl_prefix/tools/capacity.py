@@ -22,10 +22,8 @@ a CPU process's peak RSS depends on the allocator's state, which differs between
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -37,9 +35,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools import testing as T
-
-_MIB = 1024.0**2
+from verl_prefix.tools.measure import probe_env
 
 
 @dataclass(frozen=True)
@@ -47,7 +43,7 @@ class CapacitySpec:
     """What a capacity preset searches. ``engines``: ``fsdp2:<micro-batch rows>`` (the stock engine),
     ``<policy>`` or ``<policy>:<prefix_chunk_tokens>`` (``prefix_fsdp2``, policy keep/recompute/offload)."""
 
-    model: Any  # bench.ModelSpec
+    model: Any  # a bench_presets.ModelSpec: its vocab_size and write(directory)
     group_size: int
     suffix_len: int
     budget_mib: float
@@ -113,16 +109,9 @@ def search(grid: tuple[int, ...], fits: Callable[[int], bool]) -> dict[str, Any]
     }
 
 
-def _child_env() -> dict[str, str]:
-    package_root = str(Path(__file__).resolve().parents[2])
-    dist_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in dist_keys}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def probe(spec: CapacitySpec, engine: str, prefix_len: int, model_dir: Path) -> dict[str, Any]:
-    """One update in a fresh process; ``fits`` and the measured peak above the built engine (MiB)."""
+    """One update in a fresh process (``python -m verl_prefix.tools.capacity_probe``); ``fits`` and the
+    measured peak above the built engine (MiB)."""
     request = json.dumps(
         {
             "spec": {**dataclasses.asdict(spec), "model": None},
@@ -133,12 +122,11 @@ def probe(spec: CapacitySpec, engine: str, prefix_len: int, model_dir: Path) -> 
             "threads": torch.get_num_threads(),
         }
     )
-    code = "import sys; from verl_prefix.tools.capacity import _probe_main; _probe_main(sys.argv[1])"
     start = time.perf_counter()
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", code, request],
-            env=_child_env(),
+            [sys.executable, "-m", "verl_prefix.tools.capacity_probe", request],
+            env=probe_env(),
             capture_output=True,
             text=True,
             timeout=spec.timeout_s,
@@ -153,99 +141,6 @@ def probe(spec: CapacitySpec, engine: str, prefix_len: int, model_dir: Path) -> 
     result = json.loads(lines[-1])
     result["wall_s"] = wall
     return result
-
-
-def _probe_main(request: str) -> None:
-    """Child side of ``probe``: build, measure one update, print JSON."""
-    import psutil
-
-    import verl_prefix
-    from verl_prefix.schedule.dormant import HostOffload
-    from verl_prefix.tools.bench import _peak_rss_mib, _reset_peak_rss, _time_update
-    from verl_prefix.tools.cli import _select_platform
-
-    _select_platform()
-    req = json.loads(request)
-    spec = req["spec"]
-    torch.set_num_threads(req["threads"])
-    what = parse_engine(req["engine"])
-    rows = what["rows"] if what["stock"] else spec["micro_batch_size"]
-    engine, loss_fn, _ = T.build_verl_engine(
-        Path(req["model_dir"]),
-        backend="fsdp2" if what["stock"] else "prefix_fsdp2",
-        dtype=spec["dtype"],
-        micro_batch_size_per_gpu=rows,
-        overrides=tuple(spec["overrides"]),
-    )
-    if not what["stock"]:
-        engine.reuse_config = verl_prefix.PrefixReuseConfig(
-            min_prefix_len=1, suffix_micro_batch_size=rows, prefix_chunk_tokens=what["chunk"]
-        )
-        engine.dormant_prefix = what["policy"]
-        if what["policy"] == "offload" and not torch.cuda.is_available():
-            engine.offload_store_factory = HostOffload  # CPU stand-in (copies are real, nothing is freed)
-
-    def group(prefix_len: int) -> Any:
-        return T.make_grpo_batch(
-            num_groups=1,
-            group_size=spec["group_size"],
-            prompt_lens=prefix_len + 1,
-            response_len_range=(spec["suffix_len"], spec["suffix_len"]),
-            vocab_size=req["vocab"],
-            seed=0,
-        )
-
-    # a warm-up update on a 64-token prefix first: one-time costs (kernel code pages, thread pools, lazy
-    # initialisation) would otherwise count as the probe's memory
-    _time_update(engine, loss_fn, group(64))
-    batch = group(req["prefix_len"])
-    gc.collect()
-    budget = spec["budget_mib"] * _MIB
-    result: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        built = torch.cuda.memory_allocated()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (built + budget) / total))
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            seconds, _ = _time_update(engine, loss_fn, batch)
-            result.update(fits=True, update_s=seconds)
-        except torch.OutOfMemoryError:
-            result.update(fits=False, oom=True)
-        result["peak_above_mib"] = (torch.cuda.max_memory_allocated() - built) / _MIB
-    else:
-        before = psutil.Process().memory_info().rss
-        result["peak_reset_before_update"] = _reset_peak_rss()
-        _stop_when_over_budget(before / _MIB, spec["budget_mib"], result)
-        seconds, _ = _time_update(engine, loss_fn, batch)
-        result["peak_above_mib"] = _peak_rss_mib() - before / _MIB
-        result.update(fits=result["peak_above_mib"] <= spec["budget_mib"], update_s=seconds)
-    print(json.dumps(result), flush=True)
-
-
-def _stop_when_over_budget(before_mib: float, budget_mib: float, result: dict[str, Any]) -> None:
-    """CPU's stand-in for the GPU's OOM: a daemon thread watches the high-water mark and, once it passes the
-    budget, reports the probe as over and ends the process. An over-budget probe then costs seconds instead
-    of a whole long update, and never holds more than the budget plus one poll's growth (so a long search
-    cannot run the machine out of memory)."""
-    import threading
-
-    from verl_prefix.tools.bench import _peak_rss_mib
-
-    def watch() -> None:
-        while True:
-            above = _peak_rss_mib() - before_mib
-            if above > budget_mib:
-                report = {**result, "peak_above_mib": above, "fits": False, "stopped_over_budget": True}
-                print(json.dumps(report), flush=True)
-                os._exit(0)
-            time.sleep(_WATCH_INTERVAL_S)
-
-    threading.Thread(target=watch, name="capacity-budget-watch", daemon=True).start()
-
-
-_WATCH_INTERVAL_S = 0.02
 
 
 def run_capacity(

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import re
 import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from verl_prefix.tools.bench import ModelSpec
+    from verl_prefix.tools.bench_presets import ModelSpec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,7 +48,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (separate so tests and docs can inspect it)."""
-    from verl_prefix.tools.bench import PRESETS
+    from verl_prefix.tools.bench_presets import PRESETS
 
     presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
@@ -244,19 +242,6 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--verbose", action="store_true", help="show the Ray workers' and libraries' own output")
 
 
-def update_table_file(path: Path, preset: str, table: str) -> None:
-    """Replace this preset's table between marker comments in ``path``, or append it (creating the file)."""
-    start, end = f"<!-- bench:{preset}:start -->", f"<!-- bench:{preset}:end -->"
-    block = f"{start}\n{table}\n{end}"
-    text = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
-    else:
-        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n"
-    path.write_text(text)
-
-
 def _smoke_data(args: argparse.Namespace) -> int:
     from verl_prefix.tools.smoke import write_smoke
 
@@ -265,22 +250,10 @@ def _smoke_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _select_platform() -> None:
-    """Without CUDA, put verl on the CPU platform before any verl engine code runs."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VERL_PLATFORM", "cpu")
-        os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from verl_prefix.backend.platform_cpu import cpu_platform_requested, ensure_cpu_platform
-
-    if cpu_platform_requested():
-        ensure_cpu_platform()  # the package may have been imported before the variable was set
-
-
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from verl_prefix.tools.bench import BenchError, markdown_table, resolve_preset, run_bench
+    from verl_prefix.tools.bench_presets import BenchError, resolve_preset
+    from verl_prefix.tools.bench_runner import run_bench
+    from verl_prefix.tools.bench_tables import markdown_table, update_table_file
 
     try:
         resolve_preset(args.preset, args.reps, args.threads, args.cell)
@@ -409,7 +382,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _model_spec(name: str) -> ModelSpec:
-    from verl_prefix.tools.bench import MODEL_29M, SMOKE_MODEL, ModelSpec
+    from verl_prefix.tools.bench_presets import MODEL_29M, SMOKE_MODEL, ModelSpec
 
     tiny = ModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=64)
     return {"tiny": tiny, "smoke": SMOKE_MODEL, "29m": MODEL_29M}[name]
@@ -426,6 +399,7 @@ def _model_vocab(path: Path) -> int | None:
 
 def _replay(args: argparse.Namespace, argv: list[str]) -> int:
     from verl_prefix.backend.trace import TraceError, load_trace
+    from verl_prefix.tools.bench_tables import update_table_file
     from verl_prefix.tools.replay import replay, replay_table
 
     for path, what in ((args.out, "--out"), (args.table, "--table")):
@@ -547,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         return _smoke_data(args)
     if args.command == "dashboard":
         return _dashboard(args)
-    _select_platform()
+    from verl_prefix.tools.measure import select_platform
+
+    select_platform()
     if args.command == "trace":
         return _trace(args)
     if args.command == "bench":

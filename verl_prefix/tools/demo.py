@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from verl_prefix._cli_quiet import hide_verl_import_warnings
 from verl_prefix.tools.cpu_loop import CPULoopRun, EchoTask, compare_runs, local_cluster, run_cpu_grpo
 
 # ~0.9M parameters: small enough for 2 cores, large enough that the shared prompt dominates the update.
@@ -112,7 +113,7 @@ def quiet_libraries() -> None:
         if name.startswith("transfer_queue"):
             logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r"Disabled critic as algorithm\.adv_estimator")
-    warnings.filterwarnings("ignore", message=r".* engine is not available")
+    hide_verl_import_warnings()  # the `verl-prefix` process hid them already; cli.main called in-process has not
     try:
         from transformers.utils import logging as hf_logging
 

@@ -29,7 +29,7 @@ from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
-from verl_prefix.tools.bench import MODEL_29M, SMOKE_MODEL, ModelSpec
+from verl_prefix.tools.bench_presets import MODEL_29M, SMOKE_MODEL, ModelSpec
 
 _MIB = 1024.0**2
 MODELS = {"29m": MODEL_29M, "smoke": SMOKE_MODEL}

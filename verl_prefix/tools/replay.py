@@ -26,11 +26,19 @@ from verl_prefix.backend.trace import (
     ENGINE_KWARGS,
     Trace,
     TraceError,
-    _lengths,
-    _max_token_id,
-    _now,
     batch_groups,
     load_trace,
+    max_token_id_of,
+    sequence_lengths,
+)
+from verl_prefix.tools import testing as T
+from verl_prefix.tools.flops import ModelShape, predicted_speedup
+from verl_prefix.tools.measure import (
+    machine_info,
+    measure_update_memory,
+    prefix_memory_by_phase,
+    time_update,
+    timestamp,
 )
 
 
@@ -50,7 +58,7 @@ def _check_model_dir(model_dir: Path, trace: Trace, count: int) -> Any:
     for i in range(count):
         top = trace.steps[i].max_token_id
         if top is None:
-            top = _max_token_id(trace.batch(i))
+            top = max_token_id_of(trace.batch(i))
         if top is not None and top >= vocab:
             raise TraceError(
                 f"model {model_dir} has vocab_size {vocab} but trace batch {i} holds token id {top}: wrong model?"
@@ -77,7 +85,7 @@ def _noise_batch(batch: TensorDict) -> tuple[TensorDict | None, str | None]:
     rows = len(batch)
     if tu.get(data, key="use_dynamic_bsz", default=False):
         budget = int(tu.get(data, key="max_token_len_per_gpu", default=0))
-        longest = max(_lengths(batch["input_ids"]))
+        longest = max(sequence_lengths(batch["input_ids"]))
         new = max(longest, budget // 2)
         if new == budget:
             new = 2 * budget
@@ -99,32 +107,6 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     for name, x in a.items():
         total += float(torch.linalg.vector_norm(x.double() - b[name].double())) ** 2
     return math.sqrt(total)
-
-
-def prefix_memory_by_phase(metrics: dict[str, float], measured_update_peak: float | None = None) -> dict[str, Any]:
-    """The prefix engine's per-phase memory metrics, regrouped by kind, plus its whole-update device peak.
-
-    The engine resets the allocator's peak at every phase start but keeps the lifetime peak readable, so a
-    peak read around the whole update (``measured_update_peak``) covers it; the larger of that and every
-    phase's own peak is the update's peak either way.
-    """
-    out: dict[str, Any] = {"saved_for_backward_mib": {}, "peak_device_mib": {}, "rss_mib": {}}
-    kinds = {
-        "prefix/max_saved_for_backward_mib/": "saved_for_backward_mib",
-        "prefix/max_peak_device_mib/": "peak_device_mib",
-        "prefix/max_rss_mib/": "rss_mib",
-    }
-    for key, value in metrics.items():
-        for head, kind in kinds.items():
-            phase = key[len(head) :]
-            # every rank reports every phase; one that did not run (no time) has no memory to show
-            if key.startswith(head) and metrics.get(f"prefix/time_s/{phase}", 1.0) > 0:
-                out[kind][phase] = value
-    if "prefix/max_saved_for_backward_held_mib" in metrics:
-        out["saved_for_backward_held_mib"] = metrics["prefix/max_saved_for_backward_held_mib"]
-    if measured_update_peak is not None:
-        out["update_peak_device_mib"] = max([measured_update_peak, *out["peak_device_mib"].values()])
-    return out
 
 
 def replay(
@@ -157,9 +139,6 @@ def replay(
     from tqdm.auto import tqdm
 
     import verl_prefix
-    from verl_prefix.tools import testing as T
-    from verl_prefix.tools.bench import _time_update, machine_info, measure_update_memory
-    from verl_prefix.tools.flops import ModelShape, predicted_speedup
 
     if reps < 1:
         raise TraceError(f"reps must be >= 1, got {reps}")
@@ -213,8 +192,8 @@ def replay(
             dense_s, prefix_s = [], []
             for rep in range((warmup if i == 0 else 0) + reps):
                 gc.collect()  # outside the timed regions
-                t_dense, _ = _time_update(dense, dense_loss, batch)
-                t_prefix, _ = _time_update(prefix, prefix_loss, batch)
+                t_dense, _ = time_update(dense, dense_loss, batch)
+                t_prefix, _ = time_update(prefix, prefix_loss, batch)
                 if rep >= (warmup if i == 0 else 0):
                     dense_s.append(t_dense)
                     prefix_s.append(t_prefix)
@@ -280,7 +259,7 @@ def replay(
             )
         result: dict[str, Any] = {
             "kind": "replay",
-            "date": _now(),
+            "date": timestamp(),
             "command": command or shlex.join(sys.argv),
             "machine": machine_info(),
             "trace": {

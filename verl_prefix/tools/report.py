@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
+from verl_prefix.tools.measure import prefix_memory_by_phase
 
 
 class ReportError(ValueError):
@@ -219,8 +220,6 @@ def _device_bars(dense: dict[str, Any], prefix: dict[str, Any]) -> dict[str, flo
 
 
 def _bench_memory(cell: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from verl_prefix.tools.replay import prefix_memory_by_phase
-
     memory = cell.get("memory") or {}
     prefix = prefix_memory_by_phase(cell.get("prefix_metrics") or {}, memory.get("prefix", {}).get("peak_device_mib"))
     return memory.get("dense", {}), prefix

@@ -34,12 +34,12 @@ def _rank(rank: int, world: int, port: int, cell: tuple[int, int, int, int], res
 
 def run(world: int, cell: tuple[int, int, int, int]) -> list[dict[str, float]]:
     """The figures of every rank of a ``world``-rank sequence-parallel group (1: no sequence parallelism)."""
-    from verl_prefix.tools.testing import _free_port
+    from verl_prefix.tools.testing import free_port
 
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank, args=(r, world, port, cell, results)) for r in range(world)]
         for proc in procs:
             proc.start()

@@ -119,7 +119,8 @@ def write_tiny_model(
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: a fresh process group's ``MASTER_PORT`` (ranks, probes, tests)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -133,7 +134,7 @@ def init_single_process_group() -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     for key, val in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, val)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -410,7 +411,7 @@ def make_grpo_batch(
     return batch
 
 
-def _worker_defaults(engine: Any, *, infer: bool) -> dict[str, Any]:
+def worker_defaults(engine: Any, *, infer: bool) -> dict[str, Any]:
     """The engine settings ``TrainingWorker.train_batch`` / ``infer_batch`` add when absent."""
     ec = engine.engine_config
     return dict(
@@ -462,7 +463,7 @@ def run_train_step(engine: Any, loss_fn: Callable, batch: TensorDict, *, capture
     from verl.utils import tensordict_utils as tu
 
     data = batch.copy()
-    for key, val in _worker_defaults(engine, infer=False).items():
+    for key, val in worker_defaults(engine, infer=False).items():
         if key not in data.keys():
             tu.assign_non_tensor(data, **{key: val})
     grads: dict[str, torch.Tensor] = {}
@@ -504,7 +505,7 @@ def run_infer(engine: Any, batch: TensorDict, calculate_entropy: bool = True) ->
 
     data = batch.copy()
     tu.assign_non_tensor(
-        data, calculate_entropy=calculate_entropy, compute_loss=False, **_worker_defaults(engine, infer=True)
+        data, calculate_entropy=calculate_entropy, compute_loss=False, **worker_defaults(engine, infer=True)
     )
     disable = tu.get(data, key="disable_auto_offload", default=False)
     with engine.eval_mode(disable_auto_offload=disable):

@@ -1,0 +1,444 @@
+"""The benchmark's vocabulary: model shapes, cells (one measured configuration), presets (named sets of
+cells, or a capacity search), and what a cell builds: its GRPO batch and each variant's engine.
+
+Every bench command, the fresh-process probes and ``dormant_memory`` take their models and cells from
+here; nothing here times or measures anything (``bench_runner`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_prefix.tools import testing as T
+from verl_prefix.tools.capacity import CapacitySpec
+
+
+class BenchError(ValueError):
+    """A user mistake or an unmet requirement (no CUDA for the gpu preset): one line, no traceback."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a random-init Qwen3-style model, as ``testing.write_tiny_model`` takes it.
+
+    The capacity search (``capacity.CapacitySpec.model``) and ``dormant_memory`` use these shapes too."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int = 4096
+    family: str = "qwen3"
+    num_experts: int = 0  # > 0 with family "qwen3_moe": intermediate_size is each expert's
+    num_experts_per_tok: int = 0
+
+    def write(self, directory: Path) -> Path:
+        """A random-init model of this shape, with a local tokenizer."""
+        kwargs = dataclasses.asdict(self)
+        family = kwargs.pop("family")
+        if not self.num_experts:
+            kwargs.pop("num_experts")
+            kwargs.pop("num_experts_per_tok")
+        return T.write_tiny_model(directory, family, **kwargs)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured configuration: a model, a dtype and one GRPO mini-batch shape."""
+
+    name: str
+    model: ModelSpec
+    num_groups: int
+    group_size: int
+    prompt_len: int
+    response_len_range: tuple[int, int]
+    micro_batch_size: int = 4
+    dtype: str = "float32"
+    min_prefix_len: int = 32
+    overrides: tuple[str, ...] = ()
+    # Non-empty: a phase-B attention cell (``measure_variants``) timing these engines side by side, any of
+    # ``ALL_VARIANTS``: "fsdp2" (the stock engine), "merged"/"concat"/"merged_varlen" (``prefix_fsdp2`` with
+    # that ``prefix_reuse.phase_b_attention``). Empty: the classic dense vs prefix cell (``measure_cell``).
+    variants: tuple[str, ...] = ()
+    dense_micro_batch_size: int | None = None  # the stock engine's rows per micro-batch, if not micro_batch_size
+    max_reps: int | None = None  # at most this many timed reps for this cell (the slow ones)
+    time_forward_only: bool = False  # variant cells: also time the forward-only log-prob pass
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named set of cells with its default reps and torch thread count."""
+
+    cells: tuple[Cell, ...]
+    reps: int
+    needs_cuda: bool = False
+    # CPU presets pin 1 torch thread: on the shared 2-vCPU dev VM, 2 threads made the same update take
+    # 0.7 s to 80 s from rep to rep (OpenMP barriers wait on preempted vCPUs); 1 thread was steady.
+    threads: int | None = None
+    description: str = ""
+    # variant cells: each variant's first update also runs once in a fresh process, for its peak RSS
+    fresh_rss: bool = False
+    # a capacity preset: a search (``verl_prefix.tools.capacity``) instead of timed cells
+    capacity: CapacitySpec | None = None
+
+
+SMOKE_MODEL = ModelSpec(
+    hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, vocab_size=1024
+)
+# ~29.6M parameters (untied embeddings), the model DESIGN.md's CPU measurements use.
+MODEL_29M = ModelSpec(
+    hidden_size=512,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=1792,
+    vocab_size=8192,
+    max_position_embeddings=16384,  # the gpu preset's 12K-token sequences
+)
+# bf16 on GPU: fp32 master weights, bf16 compute, fp32 gradient reduction (verl's usual mixed precision).
+BF16 = (
+    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}",
+)
+
+
+# A Qwen3-MoE-style model of the smoke model's size: 8 experts, top-2 (router aux loss off, so the stock
+# fsdp2 engine is the reference; tests/schedule/test_moe.py covers the aux loss).
+SMOKE_MOE_MODEL = ModelSpec(
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=192,
+    vocab_size=1024,
+    family="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+
+
+# Qwen3-1.7B's shape (28 layers, GQA 16/8, vocab 151936): the largest Qwen3 whose full fine-tune (fp32
+# master weights and Adam states, about 27 GB) leaves one H200 room for 16 x 12K-token sequences.
+MODEL_GPU = ModelSpec(
+    hidden_size=2048,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=6144,
+    vocab_size=151936,
+    max_position_embeddings=16384,
+)
+_GPU = (*BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
+
+
+VARIANTS = ("fsdp2", "merged", "concat")
+# the gpu preset also runs merged_varlen (flash-attn's varlen kernels; skipped where flash_attn does not import)
+GPU_VARIANTS = (*VARIANTS, "merged_varlen")
+ALL_VARIANTS = GPU_VARIANTS
+PHASE_B_ATTENTIONS = ("merged", "concat", "merged_varlen")  # the prefix_fsdp2 variants
+
+
+def unavailable_variant(variant: str, cuda: bool | None = None) -> str | None:
+    """Why a variant cannot run on this machine (then the cell skips it, saying so), or None."""
+    from verl_prefix.schedule.varlen_attention import flash_attn_varlen
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if variant == "merged_varlen" and cuda and flash_attn_varlen() is None:
+        return "flash_attn does not import (merged_varlen needs flash-attn's varlen kernels on CUDA)"
+    return None
+
+
+# The capacity presets' models: the 29M and smoke models' shapes with positions long enough for the grids.
+CAPACITY_MODEL = dataclasses.replace(MODEL_29M, max_position_embeddings=65536)
+CAPACITY_SMOKE_MODEL = dataclasses.replace(SMOKE_MODEL, max_position_embeddings=65536)
+# The gpu preset's offload cell: prefix_fsdp2 with dormant_prefix=offload (set on the engine config).
+_OFFLOAD = (
+    "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig",
+    "+actor_rollout_ref.actor.fsdp_config.dormant_prefix=offload",
+)
+
+
+def _capacity_spec(kind: str) -> CapacitySpec:
+    if kind == "gpu":  # the gpu preset's model and precision; budget 40 GiB above the loaded model, G=16, suffix 2048
+        return CapacitySpec(
+            model=MODEL_GPU,
+            group_size=16,
+            suffix_len=2048,
+            budget_mib=40 * 1024,
+            # few probes: each loads the 1.7B model in a fresh process (a lent GPU has minutes, not hours)
+            grid=(4096, 8192, 16384, 32768, 65536),
+            engines=("fsdp2:1", "keep", "recompute:4096"),
+            micro_batch_size=2,
+            overrides=_GPU,
+            timeout_s=600.0,
+        )
+    if kind == "cpu":  # issue 11's setting: the 29M model, G=8, suffix 128, 2 GiB above the loaded model
+        return CapacitySpec(
+            model=CAPACITY_MODEL,
+            group_size=8,
+            suffix_len=128,
+            budget_mib=2048.0,
+            grid=(1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768),
+            # the stock engine's memory grows with its rows per micro-batch: 1 is its best, 2 shows the slope
+            engines=("fsdp2:1", "fsdp2:2", "keep", "recompute", "recompute:1024", "recompute:512"),
+            micro_batch_size=4,
+            timeout_s=3600.0,
+            repeats=3,
+        )
+    # the same search in minutes: the 1M smoke model, G=8, suffix 128, 256 MiB
+    return CapacitySpec(
+        model=CAPACITY_SMOKE_MODEL,
+        group_size=8,
+        suffix_len=128,
+        budget_mib=256.0,
+        grid=(512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384),
+        engines=("fsdp2:1", "fsdp2:2", "fsdp2:4", "keep", "recompute", "recompute:1024"),
+        micro_batch_size=4,
+    )
+
+
+def _phase_b_cells() -> tuple[Cell, ...]:
+    """Issue 14: merged vs concat phase-B attention beside the stock engine, one G=8 group, suffix 128.
+
+    The stock engine runs 2 rows per micro-batch in every cell (its work does not depend on the prefix
+    engine's suffix micro-batch; it saves 1.6 GB for backward per 2-row micro-batch at prefix 2048, so 8
+    rows would hold about 6.5 GB on a shared 23 GB VM) and only at prefix 2048: at 8192 it would save about
+    6 GB per 2-row micro-batch and take several times the 2048 update's 50 s per rep."""
+    cells = []
+    for prefix in (2048, 8192):
+        for rows in (2, 8):
+            cells.append(
+                Cell(
+                    f"P{prefix}/S128/G8/mb{rows}",
+                    MODEL_29M,
+                    1,
+                    8,
+                    prefix,
+                    (128, 128),
+                    micro_batch_size=rows,
+                    variants=VARIANTS if prefix <= 2048 else VARIANTS[1:],
+                    dense_micro_batch_size=2,
+                    max_reps=None,  # 3 timed reps everywhere: two reps that disagree settle no ratio
+                )
+            )
+    return tuple(cells)
+
+
+def _cpu_cells() -> tuple[Cell, ...]:
+    pairs = [(2048, 128), (1024, 256), (512, 512), (256, 1024)]
+    cells = [Cell(f"P{p}/S{s}/G8", MODEL_29M, 1, 8, p, (s, s)) for p, s in pairs]
+    cells += [Cell(f"P1024/S256/G{g}", MODEL_29M, 1, g, 1024, (256, 256)) for g in (4, 16)]
+    cells += [Cell("MoE P1024/S256/G8", SMOKE_MOE_MODEL, 1, 8, 1024, (256, 256))]
+    return tuple(cells)
+
+
+PRESETS: dict[str, Preset] = {
+    "smoke": Preset(
+        cells=(Cell("P512/S32-64/G8", SMOKE_MODEL, 2, 8, 512, (32, 64)),),
+        reps=5,
+        threads=1,
+        description="1M-param Qwen3-style model, fp32, one 2x8 GRPO mini-batch; about 25 s on 2 cores",
+    ),
+    "moe": Preset(
+        cells=(Cell("MoE P512/S32-64/G8", SMOKE_MOE_MODEL, 2, 8, 512, (32, 64)),),
+        reps=5,
+        threads=1,
+        description="Qwen3-MoE-style model (8 experts, top-2), fp32, one 2x8 GRPO mini-batch",
+    ),
+    "cpu": Preset(
+        cells=_cpu_cells(),
+        reps=3,
+        threads=1,
+        description="29M-param Qwen3-style model, fp32, one group per cell; slow (about half an hour on 2 cores)",
+    ),
+    "phase_b": Preset(
+        cells=_phase_b_cells(),
+        reps=3,
+        threads=1,
+        fresh_rss=True,
+        description="29M-param model, fp32: stock fsdp2 vs prefix_fsdp2 with phase_b_attention merged and concat, "
+        "prefix 2048/8192, suffix 128, G=8, suffix micro-batches of 2 and 8 rows; slow",
+    ),
+    "phase_b_smoke": Preset(
+        cells=(Cell("P512/S32/G8/mb4", SMOKE_MODEL, 1, 8, 512, (32, 32), variants=VARIANTS),),
+        reps=3,
+        threads=1,
+        description="1M-param model, fp32: the phase_b variants on one small group; about a minute "
+        "(also bench/gpu_check.sh's CPU dry run)",
+    ),
+    "gpu": Preset(
+        cells=tuple(
+            # 2 rows per micro-batch: the dense engine's fp32 log-softmax over 2 x 12K tokens x 152K vocab
+            # is already 15 GB, plus its backward, next to both engines' weights and gradients
+            Cell(
+                f"P{p}/S{s}/G16",
+                MODEL_GPU,
+                1,
+                16,
+                p,
+                (s, s),
+                micro_batch_size=2,
+                dtype="bfloat16",
+                overrides=_GPU,
+                variants=GPU_VARIANTS,  # phase B's merged, concat and merged_varlen attention side by side
+                time_forward_only=True,
+            )
+            for p, s in ((10240, 2048), (2048, 10240))
+        ),
+        reps=5,
+        needs_cuda=True,
+        description="1.7B-param Qwen3-style model, bf16 mixed precision, gradient checkpointing, G=16, 12K tokens; "
+        "stock fsdp2 vs prefix_fsdp2 with merged, concat and merged_varlen phase-B attention",
+    ),
+    "gpu_offload": Preset(
+        cells=(
+            Cell(
+                "P10240/S2048/G16 offload",
+                MODEL_GPU,
+                1,
+                16,
+                10240,
+                (2048, 2048),
+                micro_batch_size=2,
+                dtype="bfloat16",
+                overrides=_GPU + _OFFLOAD,
+                variants=("fsdp2", "merged"),
+            ),
+        ),
+        reps=3,
+        needs_cuda=True,
+        description="the gpu preset's 10K/2K cell with dormant_prefix=offload (saved tensors in pinned host memory)",
+    ),
+    "capacity": Preset(
+        cells=(),
+        reps=1,
+        threads=1,
+        capacity=_capacity_spec("cpu"),
+        description="longest prefix whose update fits 2 GiB above the loaded 29M model (G=8, suffix 128), "
+        "stock fsdp2 at micro-batches 1/2 vs keep/recompute/recompute with 1024- and 512-token chunks; fresh "
+        "processes (3 per grid point), each stopped once over the budget; about 40 minutes on 2 cores with --jobs 2",
+    ),
+    "capacity_smoke": Preset(
+        cells=(),
+        reps=1,
+        threads=1,
+        capacity=_capacity_spec("smoke"),
+        description="the capacity search on the 1M smoke model at 256 MiB (stock at micro-batches 1/2/4); "
+        "about 8 minutes on 2 cores",
+    ),
+    "gpu_capacity": Preset(
+        cells=(),
+        reps=1,
+        needs_cuda=True,
+        capacity=_capacity_spec("gpu"),
+        description="capacity on the gpu preset's 1.7B model: 40 GiB above the loaded model enforced with "
+        "set_per_process_memory_fraction (real OOM boundary), G=16, suffix 2048",
+    ),
+}
+
+
+def cell_reps(cell: Cell, reps: int) -> int:
+    """The timed reps this cell runs: the run's, capped by the cell's ``max_reps``."""
+    return min(reps, cell.max_reps) if cell.max_reps else reps
+
+
+def cell_batch(cell: Cell) -> Any:
+    """The cell's GRPO mini-batch; seed 0, so every variant and every probe process gets the same one."""
+    return T.make_grpo_batch(
+        num_groups=cell.num_groups,
+        group_size=cell.group_size,
+        prompt_lens=cell.prompt_len,
+        response_len_range=cell.response_len_range,
+        vocab_size=cell.model.vocab_size,
+        seed=0,
+    )
+
+
+def build_variant(cell: Cell, variant: str, model_dir: Path) -> tuple[Any, Callable]:
+    """``(engine, loss_fn)`` for one variant: the stock engine, or ``prefix_fsdp2`` with that phase-B attention."""
+    import verl_prefix
+
+    if variant not in ALL_VARIANTS:
+        raise BenchError(f"cell {cell.name!r}: unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
+    dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
+    stock = variant == "fsdp2"
+    rows = cell.dense_micro_batch_size if stock and cell.dense_micro_batch_size else cell.micro_batch_size
+    engine, loss_fn, _ = T.build_verl_engine(
+        model_dir,
+        backend="fsdp2" if stock else "prefix_fsdp2",
+        dtype=dtype,
+        micro_batch_size_per_gpu=rows,
+        overrides=cell.overrides,
+    )
+    if not stock:
+        engine.reuse_config = verl_prefix.PrefixReuseConfig(
+            min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size, phase_b_attention=variant
+        )
+    return engine, loss_fn
+
+
+def cell_from_dict(raw: dict[str, Any]) -> Cell:
+    """The cell ``dataclasses.asdict`` turned into JSON, back (how a fresh probe process receives it)."""
+    return Cell(
+        **{
+            **raw,
+            "model": ModelSpec(**raw["model"]),
+            "response_len_range": tuple(raw["response_len_range"]),
+            "overrides": tuple(raw["overrides"]),
+            "variants": tuple(raw["variants"]),
+        }
+    )
+
+
+def resolve_preset(
+    preset: str | Preset,
+    reps: int | None = None,
+    threads: int | None = None,
+    cells: Sequence[str] | None = None,
+) -> tuple[Preset, int]:
+    """Validate a request before anything slow or any file is touched: ``(preset, reps)`` or ``BenchError``.
+
+    ``cells`` keeps only the named cells, in the preset's order (a lent GPU's minutes go to the headline).
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise BenchError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        name, preset = preset, PRESETS[preset]
+    else:
+        name = "custom"
+    reps = preset.reps if reps is None else reps
+    if reps < 1:
+        raise BenchError(f"reps must be >= 1, got {reps}")
+    if threads is not None and threads < 1:
+        raise BenchError(f"threads must be >= 1, got {threads}")
+    if cells:
+        names = [c.name for c in preset.cells]
+        unknown = [c for c in cells if c not in names]
+        if unknown:
+            raise BenchError(f"preset {name!r} has no cell {unknown[0]!r}; its cells: {', '.join(names)}")
+        preset = dataclasses.replace(preset, cells=tuple(c for c in preset.cells if c.name in cells))
+    if preset.needs_cuda and not torch.cuda.is_available():
+        raise BenchError(f"preset {name!r} needs a CUDA GPU (torch.cuda.is_available() is False)")
+    return preset, reps
+
+
+# verl's use_torch_compile, on for both engines (in verl 0.9.1's FSDP engine it compiles the entropy kernel)
+COMPILE_OVERRIDES = (
+    "actor_rollout_ref.actor.use_torch_compile=true",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=true",
+)
+
+
+def compiled(cells: tuple[Cell, ...]) -> tuple[Cell, ...]:
+    """The same cells with ``use_torch_compile`` on for both engines (the conservative comparison)."""
+    return tuple(
+        dataclasses.replace(c, name=f"{c.name} compile", overrides=c.overrides + COMPILE_OVERRIDES) for c in cells
+    )

@@ -1,0 +1,92 @@
+"""Bench results as markdown: one table per result kind (classic cells, variant cells, capacity), and the
+marker-delimited block of a markdown file that the CLI's ``--table`` rewrites in place (bench and replay).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from verl_prefix.tools.capacity import capacity_table
+
+TABLE_HEADER = (
+    "| cell | params | dense update (s) | prefix update (s) | speedup median | speedup of medians "
+    "| FLOP model | forward-only speedup | max rel grad diff |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def markdown_table(result: dict) -> str:
+    """The result as a markdown table, one row per cell (what the CLI prints and docs embed); a result of
+    variant cells gets ``variants_table``, a capacity result ``capacity.capacity_table``."""
+    if "capacity" in result:
+        return capacity_table(result["capacity"])
+    if any("variants" in c for c in result["cells"]):
+        return variants_table(result)
+    rows = [TABLE_HEADER]
+    for c in result["cells"]:
+        rows.append(
+            f"| {c['cell']} | {c['model']['params'] / 1e6:.2f}M | {c['dense_median_s']:.3f} | "
+            f"{c['prefix_median_s']:.3f} | {c['ratio_median']:.2f}x | {c['ratio_of_medians']:.2f}x | "
+            f"{c['predicted_speedup']:.2f}x | {c['infer_ratio_median']:.2f}x | {c['max_rel_grad_diff']:.1e} |"
+        )
+    return "\n".join(rows)
+
+
+VARIANTS_HEADER = (
+    "| cell | variant | reps | update median (s) | speedup vs stock | time / concat | saved for backward, "
+    "B per micro-batch (MiB) | held (MiB) | attention saved per micro-batch (MiB) | attention K/V inputs (MiB) "
+    "| peak RSS, fresh process (MiB) | phase-B micro-batches merged/concat | max rel grad diff |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def variants_table(result: dict) -> str:
+    """Variant cells as a markdown table, one row per cell and variant. Speedups are medians of per-rep
+    ratios (stock / variant), and the stock row shows the FLOP model's prediction for reuse; "time / concat"
+    is the median of per-rep merged / concat times (below 1: merged faster). Attention K/V inputs: what
+    the shapes say a micro-batch hands its kernels (``attention_kv_bytes``); "attention saved": measured
+    (``count_attention_saved``)."""
+    rows = [VARIANTS_HEADER]
+    for c in result["cells"]:
+        if "variants" not in c:
+            continue
+        for name, v in c["variants"].items():
+            counts = v.get("phase_b_micro_batches")
+            ran = "-" if counts is None else f"{counts['merged']:g}/{counts['concat']:g}"
+            if counts is not None and counts.get("merged_varlen"):
+                ran += f" (varlen {counts['merged_varlen']:g})"
+            attention = max(v["attention_saved_mib"]) if v.get("attention_saved_mib") else None
+            rss = v.get("fresh_process", {}).get("peak_rss_mib")
+            ratio = c.get(f"{name}_over_concat_time_median") if name in ("merged", "merged_varlen") else None
+            speedup = _fmt(v.get("speedup_vs_stock_median"), ".2f", "x")
+            if name == "fsdp2" and "predicted_speedup" in c:
+                speedup = f"FLOP model {c['predicted_speedup']:.2f}x"
+            rows.append(
+                f"| {c['cell']} | {name} | {c['reps']} | {v['update_median_s']:.3f} | "
+                f"{speedup} | {_fmt(ratio, '.3f')} | "
+                f"{_fmt(v['saved_for_backward_per_micro_batch_mib'], '.1f')} | "
+                f"{_fmt(v['saved_for_backward_held_mib'], '.1f')} | {_fmt(attention, '.1f')} | "
+                f"{_fmt(v.get('attention_kv_mib', {}).get('held'), '.1f')} | {_fmt(rss, '.0f')} | "
+                f"{ran} | "
+                f"{_fmt(v.get('max_rel_grad_diff'), '.1e')} |"
+            )
+    return "\n".join(rows)
+
+
+def update_table_file(path: Path, preset: str, table: str) -> None:
+    """Replace this preset's table between marker comments in ``path``, or append it (creating the file)."""
+    start, end = f"<!-- bench:{preset}:start -->", f"<!-- bench:{preset}:end -->"
+    block = f"{start}\n{table}\n{end}"
+    text = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n"
+    path.write_text(text)
