@@ -2,7 +2,7 @@
 
 - ``verl-prefix bench --preset smoke``: dense vs prefix reuse on one synthetic batch per cell;
 - ``verl-prefix trace synthetic --out DIR ...`` / ``verl-prefix trace show DIR``: make or inspect a trace
-  (real runs record one with ``verl_prefix.trace.recording``);
+  (real runs record one with ``verl_prefix.backend.trace.recording``);
 - ``verl-prefix replay --trace DIR [--model DIR]``: each traced batch through both engines, drift vs noise;
 - ``verl-prefix report RESULT.json --out DIR``: PNG plots of a bench or replay result;
 - ``verl-prefix smoke-data --out DIR``: the tiny model and GSM8K-shaped parquet files ``recipes/grpo_cpu_smoke.sh``
@@ -166,7 +166,7 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
         "trace",
         help="make (synthetic) or inspect an update-batch trace",
         description="Traces hold the batches an actor engine trains on. Real runs record them with "
-        "verl_prefix.trace.recording; 'synthetic' makes one with chosen length distributions.",
+        "verl_prefix.backend.trace.recording; 'synthetic' makes one with chosen length distributions.",
     )
     tsub = trace.add_subparsers(dest="trace_command", required=True, metavar="{synthetic,show}")
     syn = tsub.add_parser(

@@ -1,7 +1,7 @@
 """Memory of the dormant-prefix policies on one bench cell, one fresh process per policy.
 
 ``python -m verl_prefix.tools.dormant_memory`` runs, for each policy, a child process that builds the
-29M-parameter bench model (``bench.MODEL_29M``, fp32, random init, no checkpointing), trains one GRPO
+29M-parameter bench model (``bench_presets.MODEL_29M``, fp32, random init, no checkpointing), trains one GRPO
 group (prefix 2048, G=8 suffixes of 128, micro-batches of 4) through the schedule on CPU, and reports
 the bytes held for backward during phase B (``prefix/max_saved_for_backward_held_in_B_mib/<policy>``)
 and the process's peak RSS above its RSS once the model is loaded. Byte counts are deterministic;
