@@ -36,6 +36,7 @@ DOCUMENTED = [
     ("verl_prefix.tools.cli", "main"),
     ("verl_prefix.schedule", "train_group"),
     ("verl_prefix.schedule", "infer_group"),
+    ("verl_prefix.schedule", "ScheduleOptions"),
 ]
 
 
