@@ -32,6 +32,7 @@ DOCUMENTED = [
     ("verl_prefix.tools.flops", "predicted_speedup"),
     ("verl_prefix.schedule", "train_group"),
     ("verl_prefix.schedule", "infer_group"),
+    ("verl_prefix.schedule", "ScheduleOptions"),
 ]
 
 # modules that only re-exported names for import paths older than the package layout; gone

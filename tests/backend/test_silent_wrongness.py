@@ -19,6 +19,7 @@ from verl.utils import activation_offload
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
 from verl_prefix.schedule.executor import prefix_backward, prefix_forward
+from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
 from verl_prefix.tools import testing as T
 
@@ -183,7 +184,7 @@ def test_prefix_backward_raises_on_a_graphless_root(tiny_model):
     ids, pos = torch.arange(4, 12), torch.arange(8)
     with prefix_attention_mode(model):
         with torch.no_grad():  # phase A without autograd: what a reentrant checkpoint does inside
-            prefix = prefix_forward(model, ids, pos)
+            prefix = prefix_forward(model, ids, pos, ScheduleOptions(torch.device("cpu")))
         leaves = prefix.as_leaves(requires_grad=True)
         with pytest.raises(RuntimeError, match=r"phase C: the prefix K of layer 0 has no autograd graph"):
             prefix_backward(prefix, leaves, model)
@@ -204,7 +205,7 @@ def test_prefix_backward_skips_genuinely_constant_roots(tiny_model):
         module.requires_grad_(False)
     ids, pos = torch.arange(4, 12), torch.arange(8)
     with prefix_attention_mode(model):
-        prefix = prefix_forward(model, ids, pos)
+        prefix = prefix_forward(model, ids, pos, ScheduleOptions(torch.device("cpu")))
         assert not prefix.keys[0].requires_grad and prefix.keys[1].requires_grad
         leaves = prefix.as_leaves(requires_grad=True)
         for leaf in leaves.tensors():

@@ -3,6 +3,7 @@ test shares."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.executor import infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout, plan_batch
+from verl_prefix.schedule.options import ScheduleOptions
 
 CPU = torch.device("cpu")
 
@@ -22,18 +24,21 @@ def train_reuse(
     rows: int | None = None,
     min_group_size: int = 1,
     dormant: Callable[[], Dormant] | None = None,
+    prefix_chunks: int = 0,
     **options: object,
 ) -> tuple[dict[str, torch.Tensor], BatchPlan]:
     """Zero the grads, plan ``layout`` (every group reuses: ``min_prefix_len=1``), run each group's A/B/C
-    with ``options`` for ``train_group`` (and a fresh ``dormant()`` per group); returns the parameter
-    grads and the plan (tests assert reuse ran)."""
+    with ``ScheduleOptions(**options)`` (CPU unless ``device`` is given), a fresh ``dormant()`` per group and
+    at least ``prefix_chunks`` prefix forwards per group (lockstep fillers); returns the parameter grads and
+    the plan (tests assert reuse ran)."""
     model.zero_grad()
     plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=min_group_size)
     options.setdefault("device", CPU)
-    options.setdefault("calculate_entropy", False)
+    schedule_options = ScheduleOptions(**options)
     for group in plan.groups:
         policy = dormant() if dormant is not None else None
-        train_group(model, layout, group, torch.ones(len(layout)), loss_fn, dormant=policy, **options)
+        group = dataclasses.replace(group, min_prefix_chunks=prefix_chunks)
+        train_group(model, layout, group, loss_fn, schedule_options, policy)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, plan
 
 
@@ -43,15 +48,19 @@ def infer_reuse(
     *,
     rows: int | None = None,
     temperature: torch.Tensor | None = None,
+    prefix_chunks: int = 0,
     **options: object,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Forward-only A and B over every group of ``layout`` (``options`` for ``infer_group``; entropy on by
-    default): ``{row: (response log-probs, entropy or None)}``."""
+    """Forward-only A and B over every group of ``layout`` (``ScheduleOptions(**options)``; CPU and entropy
+    on by default; per-row ``temperature`` if given): ``{row: (response log-probs, entropy or None)}``."""
     plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
     options.setdefault("device", CPU)
     options.setdefault("calculate_entropy", True)
-    temperature = torch.ones(len(layout)) if temperature is None else temperature
+    schedule_options = ScheduleOptions(**options)
+    if temperature is not None:
+        layout = dataclasses.replace(layout, temperature=temperature)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for group in plan.groups:
-        results.update(infer_group(model, layout, group, temperature, **options))
+        group = dataclasses.replace(group, min_prefix_chunks=prefix_chunks)
+        results.update(infer_group(model, layout, group, schedule_options))
     return results

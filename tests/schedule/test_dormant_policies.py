@@ -15,6 +15,7 @@ from test_schedule_hf import TOLERANCE, dense_grads, tiny_model, weighted_loss, 
 
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import executor
+from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import prefix_attention_mode
 from verl_prefix.schedule.telemetry import PhaseMeter
 
@@ -99,10 +100,10 @@ def _shift_recomputed_positions(monkeypatch) -> None:
     """A wrong recompute: phase C's prefix forward (the only one under grad) runs one position later."""
     original = executor.prefix_forward
 
-    def shifted(model, ids, positions, **kwargs):
+    def shifted(model, ids, positions, *args, **kwargs):
         if torch.is_grad_enabled():
             positions = positions + 1
-        return original(model, ids, positions, **kwargs)
+        return original(model, ids, positions, *args, **kwargs)
 
     monkeypatch.setattr(executor, "prefix_forward", shifted)
 
@@ -183,7 +184,7 @@ def saved_activation_bytes(model, prefix_len: int) -> int:
         return t
 
     with prefix_attention_mode(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        executor.prefix_forward(model, torch.arange(prefix_len) % 100, torch.arange(prefix_len))
+        executor.prefix_forward(model, torch.arange(prefix_len) % 100, torch.arange(prefix_len), ScheduleOptions(CPU))
     return sum(seen.values())
 
 

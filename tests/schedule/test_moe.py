@@ -16,6 +16,7 @@ from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.tools import testing as T
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -93,8 +94,9 @@ def dense_reference(model, layout: RowLayout, weights, partition: list[list[int]
     return _grads(model), auxes, choices
 
 
-def reuse_run(model, layout: RowLayout, weights, rows_per_micro: int, total_tokens: int, **kwargs):
-    """The schedule with the aux on; returns (grads, aux per micro-batch, top-k choices like the reference)."""
+def reuse_run(model, layout: RowLayout, weights, rows_per_micro: int, total_tokens: int, dormant=None, **options):
+    """The schedule with the aux on (``options`` for ``ScheduleOptions``, ``dormant`` for every group); returns
+    (grads, aux per micro-batch, top-k choices like the reference)."""
     model.zero_grad()
     routers = moe.MoeRouters(model)
     auxes: list[torch.Tensor] = []
@@ -113,20 +115,10 @@ def reuse_run(model, layout: RowLayout, weights, rows_per_micro: int, total_toke
 
     handles = [m.register_forward_hook(record) for m in routers.modules]
     batch_plan = plan(layout, rows_per_micro)
+    schedule_options = ScheduleOptions(device=torch.device("cpu"), routers=routers, aux_fn=aux_fn, **options)
     try:
         for group in batch_plan.groups:
-            train_group(
-                model,
-                layout,
-                group,
-                torch.ones(len(layout)),
-                loss_fn,
-                calculate_entropy=False,
-                device=torch.device("cpu"),
-                routers=routers,
-                aux_fn=aux_fn,
-                **kwargs,
-            )
+            train_group(model, layout, group, loss_fn, schedule_options, dormant)
     finally:
         for h in handles:
             h.remove()

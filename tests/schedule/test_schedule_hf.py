@@ -3,6 +3,8 @@ precision and micro-batch partition; and negative controls that a wrong schedule
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.layouts import VOCAB, make_layout, token_weights, use_suffix_only_mask
@@ -14,6 +16,7 @@ from verl_prefix.schedule import executor as schedule
 from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.executor import infer_group, train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.options import ScheduleOptions
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -149,9 +152,8 @@ def test_temperature_scales_logits_per_row():
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
     temperature = torch.tensor([0.7, 1.3])
     with promote_fp32_upcasts(), torch.no_grad():
-        got = infer_group(
-            model, layout, plan.groups[0], temperature, calculate_entropy=False, device=torch.device("cpu")
-        )
+        tempered = dataclasses.replace(layout, temperature=temperature)
+        got = infer_group(model, tempered, plan.groups[0], ScheduleOptions(device=torch.device("cpu")))
         for i, (ids, p, s) in enumerate(zip(layout.input_ids, layout.prompt_lens, layout.response_lens)):
             logits = model(input_ids=ids[None]).logits[0, p - 1 : p - 1 + s] / temperature[i].double()
             want = torch.log_softmax(logits, -1).gather(-1, ids[p:, None]).squeeze(-1)
@@ -166,16 +168,8 @@ def test_early_exit_off_gives_the_same_gradients():
     with promote_fp32_upcasts():
         want = dense_grads(model, layout, weights)
         model.zero_grad()
-        train_group(
-            model,
-            layout,
-            plan.groups[0],
-            torch.ones(len(layout)),
-            weighted_loss(weights),
-            calculate_entropy=False,
-            device=torch.device("cpu"),
-            early_exit=False,
-        )
+        options = ScheduleOptions(device=torch.device("cpu"), early_exit=False)
+        train_group(model, layout, plan.groups[0], weighted_loss(weights), options)
         got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert worst_relative(got, want) < 1e-10
 

@@ -14,6 +14,7 @@ from verl.plugin.platform.platform_cuda import PlatformCUDA
 
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import plan_batch
+from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter, SavedBytes
 
 MIB = 1024**2
@@ -231,16 +232,7 @@ def meter_of_schedule(checkpointing: bool) -> PhaseMeter:
     def loss_fn(rows, log_probs, entropy):
         return sum((lp * weights[i]).sum() for i, lp in zip(rows, log_probs))
 
-    train_group(
-        model,
-        layout,
-        plan.groups[0],
-        torch.ones(2),
-        loss_fn,
-        calculate_entropy=False,
-        device=torch.device("cpu"),
-        meter=meter,
-    )
+    train_group(model, layout, plan.groups[0], loss_fn, ScheduleOptions(device=torch.device("cpu"), meter=meter))
     return meter
 
 

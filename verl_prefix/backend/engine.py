@@ -15,6 +15,7 @@ times ``dp_size`` (``_moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import time
@@ -48,8 +49,9 @@ from verl_prefix.backend.outputs import (
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
-from verl_prefix.schedule.executor import infer_group, train_group
+from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -71,7 +73,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self.record_trace_dir: str | None = getattr(engine_config, "record_trace_dir", None)
         self._trace_writer: Any = None
         self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
-        self._prefix_chunks_now = 0  # prefix forwards of the current group slot all ranks agreed on
         self.dormant_prefix = validate_policy(
             getattr(engine_config, "dormant_prefix", "keep"),
             getattr(engine_config, "dormant_prefix_budget_bytes", None),
@@ -80,8 +81,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self.dormant_prefix == "offload":
             refuse_offload_on(self._device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
-        self._dormant_now = Dormant()
-        self._sp_now: Ulysses | None = None  # the mini-batch's sequence-parallel group, while it runs
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
@@ -263,26 +262,34 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return functools.partial(self.compute_entropy_from_logits, chunk_size=config.entropy_from_logits_chunk_size)
         return self.compute_entropy_from_logits
 
-    def _schedule_options(self, device: torch.device, *, train: bool, real: bool = True) -> dict[str, Any]:
-        """The keyword arguments every ``train_group``/``infer_group`` call shares. Lockstep fillers
-        (``real=False``) are neither metered nor asked for entropy."""
-        options: dict[str, Any] = {
-            "device": device,
-            "autocast": self._autocast(),
-            "phase_b_attention": self.reuse_config.phase_b_attention,
-            "prefix_chunk_tokens": self.reuse_config.prefix_chunk_tokens,
-            "prefix_chunks": self._prefix_chunks_now,
-            "ulysses": self._sp_now,
-        }
-        if real:
-            options.update(meter=self._meter, entropy_fn=self._entropy_fn())
-        if train:
-            options.update(backward=self._backward, early_exit=self.reuse_config.early_exit, dormant=self._dormant_now)
-        return options
-
     def _backward(self, loss: torch.Tensor) -> None:
         scaler = getattr(self, "scaler", None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def _mini_batch_options(
+        self,
+        device: torch.device,
+        meter: PhaseMeter,
+        calculate_entropy: bool,
+        aux_fn: AuxFn,
+        forward_only: bool,
+    ) -> ScheduleOptions:
+        """What every group of the mini-batch runs with (built once per mini-batch)."""
+        aux_on = self._moe_aux_on(forward_only)
+        return ScheduleOptions(
+            device=device,
+            calculate_entropy=calculate_entropy,
+            entropy_fn=self._entropy_fn(),
+            autocast=self._autocast(),
+            backward=self._backward,
+            early_exit=self.reuse_config.early_exit,
+            meter=meter,
+            phase_b_attention=self.reuse_config.phase_b_attention,
+            prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
+            ulysses=self._ulysses(),
+            routers=self._moe_routers() if aux_on else None,
+            aux_fn=aux_fn if aux_on else None,
+        )
 
     def _reuse_batch(self, data: TensorDict, layout: RowLayout, loss_function: Callable, forward_only: bool) -> Any:
         self._attach_global_normalisation(data)
@@ -295,12 +302,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # on the agreed count, so that every rank refuses together (a rank without dense rows fills in for them)
         reasons = ", ".join(reason for reason, rows in plan.dense_rows.items() if rows) or "another rank's rows"
         self._refuse_dense_under_ulysses(reasons, lockstep.num_dense_chunks)
-        self._sp_now = self._ulysses()
 
         device = self._device()
-        self._meter = PhaseMeter(device, model=self.module)
+        meter = PhaseMeter(device, model=self.module)
         for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
-            self._meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
+            meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
         dormant_stats = DormantStats()
         policies = agree_on_policies(
             self.dormant_prefix if not forward_only else "keep",
@@ -311,12 +317,16 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             device,
             self._agreement_group(),
         )
-        temperature = per_row_temperature(data)
+        layout = dataclasses.replace(layout, temperature=per_row_temperature(data))
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         output_lst: list[dict] = []
         order: list[list[int]] = []
         micro_data = data.to(device) if device.type != "cpu" else data
+        pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
+        loss_fn, aux_fn = self._group_losses(micro_data, layout, loss_function, pending)
+        options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only)
+        filler_options = options.for_fillers()
 
         def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
             keep = forward_only or return_model_output
@@ -327,38 +337,32 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         for slot in range(lockstep.num_groups):
             group = plan.groups[slot] if slot < len(plan.groups) else None
-            num_micro = lockstep.micro_batches[slot]
+            num_micro, prefix_chunks = lockstep.micro_batches[slot], lockstep.prefix_chunks[slot]
             policy, why = policies[slot]
-            self._prefix_chunks_now = lockstep.prefix_chunks[slot]
-            self._dormant_now = Dormant(
-                policy,
-                why,
-                stats=dormant_stats if group is not None else None,
-                store_factory=self.offload_store_factory,
-            )
+            stats = dormant_stats if group is not None else None
+            dormant = Dormant(policy, why, stats=stats, store_factory=self.offload_store_factory)
             if group is None:
-                with self._meter.phase("lockstep"):
-                    self._dummy_group(num_micro, forward_only, device)
+                with meter.phase("lockstep"):
+                    self._dummy_group(num_micro, prefix_chunks, forward_only, filler_options, dormant)
                 continue
-            group = _pad_micro_batches(group, num_micro)
+            group = _in_lockstep(group, num_micro, prefix_chunks)
             if forward_only:
-                self._infer_group(
-                    micro_data, layout, group, temperature, calculate_entropy, device, loss_function, record
-                )
+                self._infer_group(micro_data, layout, group, options, loss_function, record)
             else:
-                self._train_group(
-                    micro_data, layout, group, temperature, calculate_entropy, device, loss_function, record
-                )
+                losses = train_group(self.module, layout, group, loss_fn, options, dormant)
+                for (rows, model_output, metrics), loss in zip(pending, losses):
+                    record(rows, model_output, loss.item(), metrics)
+                pending.clear()
 
         for k in range(lockstep.num_dense_chunks):
             rows = dense_chunks[k] if k < len(dense_chunks) else None
             if rows is None:
-                with self._meter.phase("lockstep"):
+                with meter.phase("lockstep"):
                     self._dummy_dense(forward_only, device)
                 continue
             micro = tu.index_select_tensor_dict(micro_data, rows)
             ctx = torch.no_grad() if forward_only else nullcontext()
-            with ctx, self._meter.phase("dense"):
+            with ctx, meter.phase("dense"):
                 loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
                 if not forward_only:
                     self._backward(loss)
@@ -371,13 +375,10 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
         logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
         phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
-        output["metrics"].update(self._meter.metrics(logical, physical, phases=phases))
+        output["metrics"].update(meter.metrics(logical, physical, phases=phases))
         output["metrics"].update(dormant_stats.metrics())
-        if self._sp_now is not None:
-            output["metrics"].update(self._sp_now.metrics())
-        self._dormant_now = Dormant()
-        self._prefix_chunks_now = 0
-        self._sp_now = None
+        if options.ulysses is not None:
+            output["metrics"].update(options.ulysses.metrics())
         return output
 
     def _device(self) -> torch.device:
@@ -414,24 +415,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
         return [rows[i : i + size] for i in range(0, len(rows), size)]
 
-    def _train_group(
-        self,
-        data: TensorDict,
-        layout: RowLayout,
-        group: GroupPlan,
-        temperature: torch.Tensor,
-        calculate_entropy: bool,
-        device: torch.device,
-        loss_function: Callable,
-        record: Callable,
-    ) -> None:
-        pending: list[tuple[list[int], dict, dict]] = []
-        aux_on = self._moe_aux_on(forward_only=False)
-
-        def aux_fn(rows: list[int], stats: moe.RouterStats) -> torch.Tensor:
-            term, metric = self._moe_aux_term(stats, data)
-            pending[-1][2]["moe_aux_loss"] = metric
-            return term
+    def _group_losses(
+        self, data: TensorDict, layout: RowLayout, loss_function: Callable, pending: list[tuple[list[int], dict, dict]]
+    ) -> tuple[LossFn, AuxFn]:
+        """verl's loss on a suffix micro-batch's rows, and its router aux term; both note the micro-batch
+        (rows, model output, metrics) in ``pending`` for the caller to record once the group has run."""
 
         def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
             model_output = {"log_probs": full_length(log_probs, layout, rows)}
@@ -444,43 +432,27 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             pending.append((rows, model_output, metrics))
             return loss
 
-        losses = train_group(
-            self.module,
-            layout,
-            group,
-            temperature,
-            loss_fn,
-            calculate_entropy=calculate_entropy,
-            routers=self._moe_routers() if aux_on else None,
-            aux_fn=aux_fn if aux_on else None,
-            **self._schedule_options(device, train=True),
-        )
-        for (rows, model_output, metrics), loss in zip(pending, losses):
-            record(rows, model_output, loss.item(), metrics)
+        def aux_fn(rows: list[int], stats: moe.RouterStats) -> torch.Tensor:
+            term, metric = self._moe_aux_term(stats, data)
+            pending[-1][2]["moe_aux_loss"] = metric
+            return term
+
+        return loss_fn, aux_fn
 
     def _infer_group(
         self,
         data: TensorDict,
         layout: RowLayout,
         group: GroupPlan,
-        temperature: torch.Tensor,
-        calculate_entropy: bool,
-        device: torch.device,
+        options: ScheduleOptions,
         loss_function: Callable | None,
         record: Callable,
     ) -> None:
-        results = infer_group(
-            self.module,
-            layout,
-            group,
-            temperature,
-            calculate_entropy=calculate_entropy,
-            **self._schedule_options(device, train=False),
-        )
+        results = infer_group(self.module, layout, group, options)
         for rows in group.micro_batches:
             log_probs = [results[i][0] for i in rows]
             model_output = {"log_probs": full_length(log_probs, layout, rows)}
-            if calculate_entropy:
+            if options.calculate_entropy:
                 model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
             metrics: dict = {}
             loss = 1.0
@@ -494,32 +466,18 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     # -- lockstep fillers: FSDP collectives must match across ranks -----------------------------------
 
-    def _dummy_group(self, num_micro: int, forward_only: bool, device: torch.device) -> None:
-        layout, group = filler_group(num_micro)
-        temperature = torch.ones(len(layout))
+    def _dummy_group(
+        self, num_micro: int, prefix_chunks: int, forward_only: bool, options: ScheduleOptions, dormant: Dormant
+    ) -> None:
+        """A filler group slot, run with the filler options. With the aux on, real groups' phase A runs to
+        the last router and phase C seeds the router leaf: the filler (``options.routers`` set) touches the
+        same parameters, or FSDP2's reduce-scatters would differ in size; it has no real micro-batch, so
+        its loss and aux never run."""
+        layout, group = filler_group(num_micro, prefix_chunks)
         if forward_only:
-            infer_group(
-                self.module,
-                layout,
-                group,
-                temperature,
-                calculate_entropy=False,
-                **self._schedule_options(device, train=False, real=False),
-            )
-            return
-        train_group(
-            self.module,
-            layout,
-            group,
-            temperature,
-            _no_loss,
-            calculate_entropy=False,
-            **self._schedule_options(device, train=True, real=False),
-            # with the aux on, real groups' phase A runs to the last router and phase C seeds the router
-            # leaf: the filler must touch the same parameters, or FSDP2's reduce-scatters differ in size
-            routers=self._moe_routers() if self._moe_aux_on(forward_only=False) else None,
-            aux_fn=_no_loss if self._moe_aux_on(forward_only=False) else None,
-        )
+            infer_group(self.module, layout, group, options)
+        else:
+            train_group(self.module, layout, group, _no_loss, options, dormant)
 
     def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
@@ -549,12 +507,11 @@ def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch
     raise AssertionError("a filler group has no real micro-batches")
 
 
-def _pad_micro_batches(group: GroupPlan, count: int) -> GroupPlan:
-    """The same group with zero-loss filler micro-batches up to the count all ranks agreed on."""
-    missing = count - len(group.micro_batches)
-    if missing <= 0:
-        return group
-    return GroupPlan(group.uid, group.rows, group.prompt_len, group.micro_batches, filler_micro_batches=missing)
+def _in_lockstep(group: GroupPlan, num_micro: int, prefix_chunks: int) -> GroupPlan:
+    """The same group with the lockstep shape all ranks agreed on for its slot: zero-loss filler
+    micro-batches up to ``num_micro``, and at least ``prefix_chunks`` prefix forwards."""
+    fillers = max(0, num_micro - len(group.micro_batches))
+    return dataclasses.replace(group, filler_micro_batches=fillers, min_prefix_chunks=prefix_chunks)
 
 
 def register() -> None:

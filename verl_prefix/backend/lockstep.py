@@ -56,10 +56,16 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device(get_device_name(), get_device_id())
 
 
-def filler_group(num_micro_batches: int) -> tuple[RowLayout, GroupPlan]:
-    """A one-row group (prefix of one token, suffix of one) that only exists to issue collectives."""
+def filler_group(num_micro_batches: int, prefix_chunks: int = 0) -> tuple[RowLayout, GroupPlan]:
+    """A one-row group (prefix of one token, suffix of one) that only exists to issue collectives: the
+    slot's agreed suffix micro-batches and (chunked prefix) prefix forwards."""
     layout = RowLayout([torch.zeros(3, dtype=torch.long)], [torch.arange(3)], [2], [1], ["__lockstep_filler__"])
     group = GroupPlan(
-        uid="__lockstep_filler__", rows=[0], prompt_len=2, micro_batches=[], filler_micro_batches=num_micro_batches
+        uid="__lockstep_filler__",
+        rows=[0],
+        prompt_len=2,
+        micro_batches=[],
+        filler_micro_batches=num_micro_batches,
+        min_prefix_chunks=prefix_chunks,
     )
     return layout, group

@@ -8,7 +8,13 @@ A: the prefix ``prompt[:-1]`` runs once with grad, its per-layer K/V captured (e
 The model is any HF causal LM (or an FSDP2 wrapper of one) called through its root ``forward``, so
 wrappers see ordinary forward/backward hooks. Loss, normalisation and outputs are the caller's.
 
-With an MoE router aux loss (``routers`` + ``aux_fn``), phase A also keeps the prefix's router
+The group and phase functions take the mini-batch's ``ScheduleOptions`` (``schedule.options``) and besides
+only what varies per call, at most five parameters: what is constant over a mini-batch is a field of the
+options; the per-group decisions are explicit (the lockstep fillers on the ``GroupPlan``, the dormant policy
+as ``train_group``'s ``dormant``); per-row temperatures ride on the ``RowLayout``. Phase C's backward takes
+no options: the leaves' gradients are all it needs.
+
+With an MoE router aux loss (``options.routers`` + ``options.aux_fn``), phase A also keeps the prefix's router
 statistics (their probability sum is one more boundary leaf), each suffix row also feeds its last
 response token (dense routes it too), and each micro-batch's aux sees the prefix once per row
 (``verl_prefix.schedule.moe``).
@@ -16,19 +22,19 @@ response token (dense routes it too), and each micro-batch's aux sees the prefix
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from verl.utils.torch_functional import logprobs_from_logits
 
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.chunked import ChunkedPrefix, num_chunks
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
+from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import (
     CaptureContext,
     ChunkCaptureContext,
@@ -38,13 +44,10 @@ from verl_prefix.schedule.prefix_kv import (
     prefix_attention_mode,
 )
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
-from verl_prefix.schedule.ulysses import Ulysses
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
 # log-probs of rows[k] (length = its response), entropy likewise or None.
 LossFn = Callable[[list[int], list[torch.Tensor], list[torch.Tensor] | None], torch.Tensor]
-# aux_fn(rows, stats) -> the scaled router aux term of a micro-batch; stats count the prefix per row.
-AuxFn = Callable[[list[int], moe.RouterStats], torch.Tensor]
 
 
 @dataclass
@@ -58,6 +61,7 @@ class SuffixBatch:
     valid: torch.Tensor  # [B, S_max] bool: positions that predict a response token
     lengths: list[int]
     tokens: torch.Tensor  # [B, S_max] bool: real (non-pad) tokens, what a router aux loss counts
+    temperature: torch.Tensor  # [B]: what each row's logits are divided by
 
 
 def suffix_positions(positions: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
@@ -66,10 +70,11 @@ def suffix_positions(positions: torch.Tensor, prompt_len: int, response_len: int
 
 
 def build_suffix_batch(
-    layout: RowLayout, rows: list[int], prompt_len: int, device: torch.device, include_last: bool = False
+    layout: RowLayout, rows: list[int], prompt_len: int, options: ScheduleOptions, include_last: bool = False
 ) -> SuffixBatch:
-    """Right-padded suffix rows. ``include_last`` also feeds each row's last response token, which
-    predicts nothing but which dense training routes through every MoE layer (router aux loss)."""
+    """Right-padded suffix rows on ``options.device``. ``include_last`` also feeds each row's last response
+    token, which predicts nothing but which dense training routes through every MoE layer (router aux loss)."""
+    device = options.device
     lengths = [layout.response_lens[i] for i in rows]
     extra = 1 if include_last else 0
     width = max(lengths) + extra
@@ -87,12 +92,13 @@ def build_suffix_batch(
         pos[k, n:] = pos[k, n - 1] + torch.arange(1, width - n + 1)
         valid[k, :s] = True
         real[k, :n] = True
+    temperature = layout.temperature[rows] if layout.temperature is not None else torch.ones(len(rows))
     return SuffixBatch(
-        rows, ids.to(device), pos.to(device), labels.to(device), valid.to(device), lengths, real.to(device)
+        rows, ids.to(device), pos.to(device), labels.to(device), valid.to(device), lengths, real.to(device), temperature
     )
 
 
-def num_decoder_layers(model: nn.Module) -> int:
+def _num_decoder_layers(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text_config.num_hidden_layers)
@@ -102,18 +108,17 @@ def prefix_forward(
     model: nn.Module,
     prefix_ids: torch.Tensor,
     prefix_positions: torch.Tensor,
-    early_exit: bool = True,
-    routers: moe.MoeRouters | None = None,
+    options: ScheduleOptions,
     earlier: PrefixKV | None = None,
-    attention: str = "auto",
-    ulysses: Ulysses | None = None,
 ) -> PrefixKV:
     """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
-    ``routers``, the prefix's router statistics). Early exit comes after the last K/V or the last
-    router, whichever runs later. With ``earlier`` (a chunked prefix, ``verl_prefix.schedule.chunked``)
-    the tokens are a later chunk that attends to the earlier chunks' K/V the way phase B's rows do
-    (``attention`` as ``phase_b_attention``). With ``ulysses`` this rank runs its slice of the prefix and
-    keeps its head shard of the whole prefix's K/V; router statistics are summed over the slices."""
+    ``options.routers``, the prefix's router statistics). Early exit (``options.early_exit``) comes after
+    the last K/V or the last router, whichever runs later. With ``earlier`` (a chunked prefix,
+    ``verl_prefix.schedule.chunked``) the tokens are a later chunk that attends to the earlier chunks' K/V
+    the way phase B's rows do (``options.phase_b_attention``). With ``options.ulysses`` this rank runs its
+    slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
+    over the slices."""
+    routers, ulysses = options.routers, options.ulysses
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -126,20 +131,20 @@ def prefix_forward(
         length = prefix_ids.shape[-1]
         if earlier is None:
             ctx = CaptureContext(
-                num_decoder_layers(model),
-                early_exit=early_exit,
+                _num_decoder_layers(model),
+                early_exit=options.early_exit,
                 ready=ready,
                 ulysses=ulysses,
                 length=length if ulysses is not None else None,
             )
         else:
             ctx = ChunkCaptureContext(
-                num_decoder_layers(model),
-                early_exit,
+                _num_decoder_layers(model),
+                options.early_exit,
                 earlier,
                 length,
                 prefix_ids.device,
-                attention,
+                options.phase_b_attention,
                 ready,
                 ulysses,
             )
@@ -166,37 +171,34 @@ def prefix_forward(
     return ctx.kv
 
 
-def suffix_router_stats(
-    routers: moe.MoeRouters, router_logits: list, batch: SuffixBatch, ulysses: Ulysses | None = None
-) -> moe.RouterStats:
-    """The micro-batch's own router statistics over its real tokens (summed over sequence slices)."""
+def suffix_router_stats(router_logits: list, batch: SuffixBatch, options: ScheduleOptions) -> moe.RouterStats:
+    """The micro-batch's own router statistics (``options.routers``) over its real tokens (summed over
+    sequence slices under ``options.ulysses``)."""
+    routers, ulysses = options.routers, options.ulysses
+    if routers is None:
+        raise ValueError("suffix_router_stats needs options.routers")
     if ulysses is None:
         return routers.stats(router_logits, batch.tokens)
     return ulysses.sum_stats(routers.stats(router_logits, ulysses.shard(batch.tokens)))
 
 
 def suffix_forward(
-    model: nn.Module,
-    prefix: PrefixKV,
-    batch: SuffixBatch,
-    temperature: torch.Tensor,
-    calculate_entropy: bool,
-    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
-    attention: str = "auto",
-    meter: PhaseMeter | None = None,
-    ulysses: Ulysses | None = None,
+    model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, options: ScheduleOptions
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Phase B forward: response log-probs (and entropy) of each row, computed exactly as verl does.
+    """Phase B forward: response log-probs (and, with ``options.calculate_entropy``, entropy) of each
+    row, computed exactly as verl does, each row's logits divided by its ``batch.temperature``.
 
-    ``entropy_fn`` is the engine's own (compiled, chunked or checkpointed as its config says).
-    ``attention`` is ``prefix_reuse.phase_b_attention``; ``meter`` counts which attention ran.
+    ``options.entropy_fn`` is the engine's own (compiled, chunked or checkpointed as its config says).
+    ``options.phase_b_attention`` is ``prefix_reuse.phase_b_attention``; ``options.meter`` counts which
+    attention ran.
 
     No copy of the ``[tokens, vocab]`` logits: log-probs and entropy are row-wise, so they run on a view
     of the padded ``[B * S, vocab]`` logits (pad positions cost a little compute, no memory) and only the
     ``[B, S]`` results are indexed; a temperature other than 1 divides the logits in place.
 
-    With ``ulysses`` the rows run as this rank's slice of their positions; the ``[B, S]`` results are
-    gathered over the group (the gather's backward scales the local slice, see ``schedule.ulysses``)."""
+    With ``options.ulysses`` the rows run as this rank's slice of their positions; the ``[B, S]`` results
+    are gathered over the group (the gather's backward scales the local slice, see ``schedule.ulysses``)."""
+    ulysses, calculate_entropy = options.ulysses, options.calculate_entropy
     rows, full_width = batch.input_ids.shape
     input_ids, position_ids, labels = batch.input_ids, batch.position_ids, batch.labels
     if ulysses is not None:
@@ -204,15 +206,18 @@ def suffix_forward(
         position_ids = ulysses.shard(position_ids, continue_positions=True)
     query_len = full_width if ulysses is None else ulysses.padded(full_width)
     row_lengths = batch.tokens.sum(1)  # real tokens per row, MoE's extra last token included
-    ctx = ServeContext(prefix, query_len, batch.input_ids.device, attention, ulysses=ulysses, row_lengths=row_lengths)
+    ctx = ServeContext(
+        prefix, query_len, batch.input_ids.device, options.phase_b_attention, ulysses=ulysses, row_lengths=row_lengths
+    )
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
-    _note_attention(meter, ctx)
+    _note_attention(options.meter, ctx)
     width = input_ids.shape[1]
     logits = out.logits.reshape(rows * width, -1)  # a view: lm_head's output is contiguous
+    temperature = batch.temperature
     if not bool((temperature == 1).all()):
         row_temperature = temperature.to(logits.device, torch.float32).repeat_interleave(width)
         logits = logits.div_(row_temperature.to(logits.dtype).unsqueeze(-1))  # lm_head's backward needs no output
-    entropy = entropy_fn(logits).view(rows, width) if calculate_entropy else None
+    entropy = options.entropy_fn(logits).view(rows, width) if calculate_entropy else None
     log_probs = logprobs_from_logits(logits, labels.reshape(-1), inplace_backward=not calculate_entropy)
     log_probs = log_probs.view(rows, width)
     if ulysses is not None:
@@ -305,60 +310,30 @@ def train_group(
     model: nn.Module,
     layout: RowLayout,
     group: GroupPlan,
-    temperature: torch.Tensor,
     loss_fn: LossFn,
-    *,
-    calculate_entropy: bool,
-    device: torch.device,
-    autocast: Callable[[], AbstractContextManager] = nullcontext,
-    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
-    early_exit: bool = True,
-    meter: PhaseMeter | None = None,
-    routers: moe.MoeRouters | None = None,
-    aux_fn: AuxFn | None = None,
-    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
-    phase_b_attention: str = "auto",
-    prefix_grad_dtype: torch.dtype | None = torch.float32,
+    options: ScheduleOptions,
     dormant: Dormant | None = None,
-    prefix_chunk_tokens: int | None = None,
-    prefix_chunks: int = 0,
-    ulysses: Ulysses | None = None,
 ) -> list[torch.Tensor]:
     """Run A, B, C for one group; parameter grads accumulate. Returns each micro-batch's loss (detached).
 
-    ``temperature`` holds one value per mini-batch row. ``backward`` lets a caller scale the loss.
-    With ``routers`` and ``aux_fn``, each micro-batch's loss gains ``aux_fn(rows, stats)`` where
-    ``stats`` count the prefix once per row of the micro-batch (``moe.logical_stats``).
-    ``phase_b_attention``: see ``ServeContext``. ``prefix_grad_dtype``: the least dtype dK/dV accumulate
-    in across micro-batches (``None``: K/V's own dtype, e.g. bf16 under autocast).
-    ``dormant`` says where phase A's graph waits until phase C (``verl_prefix.schedule.dormant``; keep).
-    ``prefix_chunk_tokens`` runs phases A and C in chunks of that many prefix tokens
-    (``verl_prefix.schedule.chunked``); ``prefix_chunks`` is the least number of prefix forwards to run
-    (data-parallel lockstep: one-token filler chunks make up the difference).
-    ``ulysses``: run every phase sequence-parallel over that group (``verl_prefix.schedule.ulysses``).
+    ``loss_fn(rows, log_probs, entropy)`` is the caller's loss of one micro-batch; with ``options.routers``
+    it gains ``options.aux_fn(rows, stats)`` where ``stats`` count the prefix once per row of the
+    micro-batch (``moe.logical_stats``). The group's lockstep fillers (``group.filler_micro_batches``,
+    ``group.min_prefix_chunks``) run with ``options.for_fillers()``. ``dormant`` says where phase A's graph
+    waits until phase C (``verl_prefix.schedule.dormant``; default keep): a per-group decision, so not an
+    option.
     """
-    if (routers is None) != (aux_fn is None):
-        raise ValueError("routers and aux_fn go together")
-    meter = meter or NullMeter()
+    meter = options.meter or NullMeter()
     dormant = dormant or Dormant()
+    routers, autocast, device = options.routers, options.autocast, options.device
+    fillers = options.for_fillers()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     losses = []
 
     def run_prefix() -> PrefixKV:
-        return prefix_forward(model, prefix_ids, prefix_pos, early_exit=early_exit, routers=routers, ulysses=ulysses)
+        return prefix_forward(model, prefix_ids, prefix_pos, options)
 
-    chunked = _chunked(
-        model,
-        prefix_ids,
-        prefix_pos,
-        prefix_chunk_tokens,
-        prefix_chunks,
-        early_exit,
-        routers,
-        phase_b_attention,
-        min_dtype=prefix_grad_dtype,
-        ulysses=ulysses,
-    )
+    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=True)
     last = len(group.micro_batches) + group.filler_micro_batches - 1
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(device):
@@ -370,38 +345,37 @@ def train_group(
                 meter.count("prefix/prefix_chunks", chunked.count)
         if chunked is None:
             meter.note_prefix_kv(prefix.tensors())
-            leaves = prefix.as_leaves(requires_grad=True, min_dtype=prefix_grad_dtype)
+            leaves = prefix.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
             meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
         else:
             meter.note_prefix_kv(leaves.tensors())
             meter.note_prefix_leaves(leaves.tensors(), leaves.tensors())  # the leaves are the K/V: grads only
         # every suffix micro-batch (fillers too) attends to the same leaves the same way
-        serve = functools.partial(suffix_forward, model, leaves, attention=phase_b_attention, ulysses=ulysses)
         for index, rows in enumerate(group.micro_batches):
-            batch = build_suffix_batch(layout, rows, group.prompt_len, device, include_last=routers is not None)
+            batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
             with meter.phase("B") as saved_b:
                 with autocast():
                     capture = routers.capture() if routers is not None else nullcontext([])
                     with capture as router_logits:
-                        log_probs, entropy = serve(batch, temperature[rows], calculate_entropy, entropy_fn, meter=meter)
+                        log_probs, entropy = suffix_forward(model, leaves, batch, options)
                     loss = loss_fn(rows, log_probs, entropy)
                     if routers is not None:
-                        suffix_stats = suffix_router_stats(routers, router_logits, batch, ulysses)
+                        suffix_stats = suffix_router_stats(router_logits, batch, options)
                         stats = moe.logical_stats(leaves.router_stats, suffix_stats, copies=len(rows))
-                        loss = loss + aux_fn(rows, stats)
+                        loss = loss + options.aux_fn(rows, stats)
                 if index == last:
                     dormant.before_last_backward()
-                backward(loss)
+                options.backward(loss)
             _note_held(dormant, saved_a, saved_b)
             losses.append(loss.detach())
         for index in range(len(group.micro_batches), last + 1):
-            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
             with meter.phase("B") as saved_b:
                 with autocast():
-                    log_probs, _ = serve(batch, temperature[group.rows[:1]], False)
+                    log_probs, _ = suffix_forward(model, leaves, batch, fillers)
                 if index == last:
                     dormant.before_last_backward()
-                backward(log_probs[0].sum() * 0.0)
+                options.backward(log_probs[0].sum() * 0.0)
         with meter.phase("C") as saved_c:
             if chunked is not None:
                 with autocast():  # each chunk's backward runs inside too, as phase B's do
@@ -419,38 +393,27 @@ def _chunked(
     model: nn.Module,
     prefix_ids: torch.Tensor,
     prefix_pos: torch.Tensor,
-    chunk_tokens: int | None,
     min_chunks: int,
-    early_exit: bool,
-    routers: moe.MoeRouters | None,
-    attention: str,
-    requires_grad: bool = True,
-    min_dtype: torch.dtype | None = torch.float32,
-    ulysses: Ulysses | None = None,
+    options: ScheduleOptions,
+    *,
+    requires_grad: bool,
 ) -> ChunkedPrefix | None:
-    """The group's prefix in chunks, or None where it runs whole (chunking off, or one chunk and no
-    lockstep fillers to run)."""
+    """The group's prefix in chunks of ``options.prefix_chunk_tokens``, or None where it runs whole
+    (chunking off, or one chunk and no lockstep fillers to run). Forward-only leaves (``requires_grad``
+    off) keep K/V's dtype; training ones hold at least ``options.prefix_grad_dtype``."""
+    chunk_tokens = options.prefix_chunk_tokens
     if num_chunks(len(prefix_ids), chunk_tokens) == 1 and min_chunks <= 1:
         return None
 
     def run_chunk(start: int, end: int, earlier: PrefixKV | None) -> PrefixKV:
-        return prefix_forward(
-            model,
-            prefix_ids[start:end],
-            prefix_pos[..., start:end],
-            early_exit=early_exit,
-            routers=routers,
-            earlier=earlier,
-            attention=attention,
-            ulysses=ulysses,
-        )
+        return prefix_forward(model, prefix_ids[start:end], prefix_pos[..., start:end], options, earlier)
 
     return ChunkedPrefix(
         len(prefix_ids),
         chunk_tokens,
         run_chunk,
         requires_grad=requires_grad,
-        min_dtype=min_dtype,
+        min_dtype=options.prefix_grad_dtype if requires_grad else None,
         min_chunks=min_chunks,
     )
 
@@ -464,55 +427,32 @@ def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
 
 @torch.no_grad()
 def infer_group(
-    model: nn.Module,
-    layout: RowLayout,
-    group: GroupPlan,
-    temperature: torch.Tensor,
-    *,
-    calculate_entropy: bool,
-    device: torch.device,
-    autocast: Callable[[], AbstractContextManager] = nullcontext,
-    meter: PhaseMeter | None = None,
-    entropy_fn: Callable[[torch.Tensor], torch.Tensor] = entropy_from_logits,
-    phase_b_attention: str = "auto",
-    prefix_chunk_tokens: int | None = None,
-    prefix_chunks: int = 0,
-    ulysses: Ulysses | None = None,
+    model: nn.Module, layout: RowLayout, group: GroupPlan, options: ScheduleOptions
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """Forward-only A and B (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``.
-    ``prefix_chunk_tokens``/``prefix_chunks``: phase A in chunks, as in ``train_group`` (no backward)."""
-    meter = meter or NullMeter()
-    prefix_ids, prefix_pos = _prefix_of(layout, group, device)
+    Runs with ``options.forward_only()``: phase A always exits early and no router aux loss applies;
+    phase A is chunked as in ``train_group`` (no backward). No dormant policy: only the K/V are kept."""
+    options = options.forward_only()
+    meter = options.meter or NullMeter()
+    fillers = options.for_fillers()
+    prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    chunked = _chunked(
-        model,
-        prefix_ids,
-        prefix_pos,
-        prefix_chunk_tokens,
-        prefix_chunks,
-        True,
-        None,
-        phase_b_attention,
-        False,
-        None,
-        ulysses,
-    )
-    with prefix_attention_mode(model), autocast():
+    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=False)
+    with prefix_attention_mode(model), options.autocast():
         with meter.phase("A"):
             if chunked is None:
-                prefix = prefix_forward(model, prefix_ids, prefix_pos, early_exit=True, ulysses=ulysses)
+                prefix = prefix_forward(model, prefix_ids, prefix_pos, options)
             else:
                 prefix = chunked.forward(keep_graphs=False)
         meter.note_prefix_kv(prefix.tensors())
-        serve = functools.partial(suffix_forward, model, prefix, attention=phase_b_attention, ulysses=ulysses)
         for rows in group.micro_batches:
-            batch = build_suffix_batch(layout, rows, group.prompt_len, device)
+            batch = build_suffix_batch(layout, rows, group.prompt_len, options)
             with meter.phase("B"):
-                log_probs, entropy = serve(batch, temperature[rows], calculate_entropy, entropy_fn, meter=meter)
+                log_probs, entropy = suffix_forward(model, prefix, batch, options)
             for k, i in enumerate(rows):
                 results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
         for _ in range(group.filler_micro_batches):
-            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, device)
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
             with meter.phase("B"):
-                serve(batch, temperature[group.rows[:1]], False)
+                suffix_forward(model, prefix, batch, fillers)
     return results

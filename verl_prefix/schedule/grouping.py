@@ -14,17 +14,21 @@ import torch
 
 @dataclass(frozen=True)
 class RowLayout:
-    """The rows of one mini-batch, unpadded: ``input_ids[i]`` is prompt followed by response."""
+    """The rows of one mini-batch, unpadded: ``input_ids[i]`` is prompt followed by response.
+    ``temperature[i]`` divides row ``i``'s logits (the sampling temperature; ``None``: 1 for every row)."""
 
     input_ids: list[torch.Tensor]
     position_ids: list[torch.Tensor]
     prompt_lens: list[int]
     response_lens: list[int]
     uids: list[str]
+    temperature: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         sizes = {len(self.position_ids), len(self.prompt_lens), len(self.response_lens), len(self.uids)}
+        if self.temperature is not None:
+            sizes.add(len(self.temperature))
         if sizes != {n}:
             raise ValueError(f"row layout fields disagree on the number of samples: {sizes | {n}}")
         for i, (ids, p, s) in enumerate(zip(self.input_ids, self.prompt_lens, self.response_lens)):
@@ -45,6 +49,9 @@ class GroupPlan:
     micro_batches: list[list[int]] = field(default_factory=list)
     # zero-loss micro-batches over rows[0] that only keep data-parallel ranks in lockstep
     filler_micro_batches: int = 0
+    # the least number of prefix forwards phase A runs (lockstep with a peer's chunked prefix in the same
+    # slot: one-token filler chunks make up the difference; ``schedule.chunked``)
+    min_prefix_chunks: int = 0
 
     @property
     def prefix_len(self) -> int:

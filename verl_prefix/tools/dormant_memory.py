@@ -27,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 from verl_prefix.tools.bench_presets import MODEL_29M, SMOKE_MODEL, ModelSpec
@@ -118,18 +119,16 @@ def measure(
     stats, meter = D.DormantStats(), PhaseMeter(torch.device("cpu"))
 
     def run(meter: PhaseMeter | None, stats: D.DormantStats | None) -> None:
+        options = ScheduleOptions(
+            device=torch.device("cpu"), meter=meter, prefix_chunk_tokens=chunk_tokens, ulysses=ulysses
+        )
         train_group(
             model,
             layout,
             plan.groups[0],
-            torch.ones(group_size),
             lambda rows, log_probs, entropy: sum(lp.sum() for lp in log_probs),
-            calculate_entropy=False,
-            device=torch.device("cpu"),
-            meter=meter,
-            dormant=D.Dormant(policy, stats=stats),
-            prefix_chunk_tokens=chunk_tokens,
-            ulysses=ulysses,
+            options,
+            D.Dormant(policy, stats=stats),
         )
 
     run(meter, stats)
