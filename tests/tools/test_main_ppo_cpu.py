@@ -1,14 +1,18 @@
 """verl's own ``python -m verl.trainer.main_ppo`` on CPU: the shipped recipe's twin, end to end.
 
-Three runs of ``recipes/grpo_cpu_smoke.sh`` (the ``hf`` rollout, the ``configs/cpu/smoke.yaml`` overlay on
+Two runs of ``recipes/grpo_cpu_smoke.sh`` (the ``hf`` rollout, the ``configs/cpu/smoke.yaml`` overlay on
 ``configs/prefix_grpo.yaml``):
 
-- prefix (``prefix_sync`` + ``prefix_fsdp2``), 2 steps: step 1 saves a checkpoint, a second launch resumes
-  from it for step 2; every step logs ``actor/prefix/...`` with reuse (groups > 0, physical < logical);
-- dense (``sync`` + ``fsdp2``), 1 step: the same rollouts (the hf rollout seeds each request from the prompt
-  and its count, whatever replica serves it), so step 1's parameters agree with the prefix run's;
-- prefix on a two-node Ray cluster (``ray.cluster_utils.Cluster`` on loopback, each node declaring one
-  ``verl_cpu_slot``), ``trainer.nnodes=2 trainer.n_gpus_per_node=1``: one actor rank per node, groups whole.
+- prefix (``prefix_sync`` + ``prefix_fsdp2``) on a two-node Ray cluster (``ray.cluster_utils.Cluster`` on
+  loopback, each node declaring one ``verl_cpu_slot``), ``trainer.nnodes=2 trainer.n_gpus_per_node=1``: one
+  actor rank and one ``hf`` server per node, groups whole; 2 steps: step 1 saves a checkpoint, a second
+  launch resumes from it for step 2; every step logs ``actor/prefix/...`` with reuse (groups > 0, physical <
+  logical);
+- dense (``sync`` + ``fsdp2``) on one node with two ranks, 1 step: the same rollouts (the hf rollout seeds
+  each request from the prompt and its count, whatever replica serves it), so step 1's parameters agree with
+  the prefix run's.
+
+One cluster serves the prefix run's both launches: a launch of main_ppo costs a minute or more on 2 cores.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ RECIPE = ROOT / "recipes" / "grpo_cpu_smoke.sh"
 # (fp32 AdamW turns rounding-level gradient differences into ~1e-5..1e-4 of its first update).
 UPDATE_TOL = 3e-4
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 
 def _run_recipe(out: Path, *, mode: str, steps: int, save_at: int, env: dict | None = None, args=()) -> float:
@@ -85,13 +89,37 @@ def _agreement(got: dict, want: dict, before: dict) -> float:
 
 @pytest.fixture(scope="module")
 def prefix_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prefix")
-    log = _run_recipe(out, mode="prefix", steps=2, save_at=1)
-    return out, log
+    """The prefix recipe, launch and resume, on a two-node cluster: ``(out, log, node ids)``."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("VERL_PLATFORM", "cpu")  # the nodes' raylets (and so the workers) inherit it
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 8, "resources": {"verl_cpu_slot": 1}, "include_dashboard": False},
+    )
+    try:
+        cluster.add_node(num_cpus=8, resources={"verl_cpu_slot": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        ray.shutdown()
+        assert len(nodes) == 2
+        out = tmp_path_factory.mktemp("prefix")
+        log = _run_recipe(
+            out,
+            mode="prefix",
+            steps=2,
+            save_at=1,
+            env={"RAY_ADDRESS": cluster.address, "NNODES": "2", "GPUS_PER_NODE": "1"},
+        )
+    finally:
+        cluster.shutdown()
+    return out, log, nodes
 
 
 def test_prefix_recipe_runs_main_ppo_with_reuse_and_resume(prefix_run):
-    out, log = prefix_run
+    out, log, _ = prefix_run
     first, resumed = _metrics(out / "metrics_first.jsonl"), _metrics(out / "metrics_resumed.jsonl")
     assert sorted(first) == [1] and sorted(resumed) == [2], (first.keys(), resumed.keys())
     for step, data in {**first, **resumed}.items():
@@ -104,7 +132,7 @@ def test_prefix_recipe_runs_main_ppo_with_reuse_and_resume(prefix_run):
 def test_dense_twin_agrees_with_prefix_on_step_one(prefix_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out, _ = prefix_run
+    out, _, _ = prefix_run
     dense = tmp_path / "dense"
     _run_recipe(dense, mode="dense", steps=1, save_at=1)
     d1 = _metrics(dense / "metrics_first.jsonl")[1]
@@ -126,36 +154,11 @@ def test_dense_twin_agrees_with_prefix_on_step_one(prefix_run, tmp_path):
     assert p1["actor/pg_loss"] == pytest.approx(d1["actor/pg_loss"], rel=1e-4, abs=1e-7)
 
 
-def test_prefix_recipe_on_two_nodes(tmp_path):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("VERL_PLATFORM", "cpu")  # the nodes' raylets (and so the workers) inherit it
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 8, "resources": {"verl_cpu_slot": 1}, "include_dashboard": False},
-    )
-    try:
-        cluster.add_node(num_cpus=8, resources={"verl_cpu_slot": 1})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        ray.shutdown()
-        assert len(nodes) == 2
-        out = tmp_path / "two_nodes"
-        log = _run_recipe(
-            out,
-            mode="prefix",
-            steps=1,
-            save_at=1,
-            env={"RAY_ADDRESS": cluster.address, "NNODES": "2", "GPUS_PER_NODE": "1"},
-        )
-        data = _metrics(out / "metrics_first.jsonl")[1]
-        _assert_reused(data, 1)
-        # one hf server per actor rank (replica), each on the node of its rank: both nodes served
-        servers = [line for line in log.splitlines() if "LLMServerManager: [" in line]
-        assert servers, log[-3000:]
-        addresses = servers[-1].split("LLMServerManager: ")[1]
+def test_prefix_recipe_ran_on_both_nodes(prefix_run):
+    """One hf server per actor rank (replica), each on the node of its rank: both nodes served."""
+    _, log, nodes = prefix_run
+    servers = [line for line in log.splitlines() if "LLMServerManager: [" in line]
+    assert servers, log[-3000:]
+    for line in servers:  # the first launch's and the resumed one's
+        addresses = line.split("LLMServerManager: ")[1]
         assert {a.split("@")[1][:12] for a in eval(addresses)} == {n[:12] for n in nodes}  # noqa: S307
-    finally:
-        cluster.shutdown()
