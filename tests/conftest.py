@@ -14,6 +14,10 @@ if os.environ["VERL_PLATFORM"] == "cpu":
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Ray records "the current cluster" under its temp dir and a bare ray.init() joins it: workers running Ray
+    # tests side by side (a two-node Cluster here, a local one there) must not find each other's
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray_{os.environ['PYTEST_XDIST_WORKER']}")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -22,7 +26,8 @@ if str(ROOT) not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# one intra-op thread per xdist worker (the workers share the cores), two in a serial run
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 import verl_prefix  # noqa: E402, F401  (activates the CPU platform before verl resolves one)
 from verl_prefix.tools.testing import write_tiny_model  # noqa: E402
@@ -45,3 +50,23 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tiny_model) -> Path:
     return tiny_model("qwen3")
+
+
+# Test files that take minutes (measured with --durations), longest first. Under xdist each file runs on one
+# worker in collection order, so starting these first keeps one long file from finishing last on its own.
+SLOWEST_FILES = (
+    "test_main_ppo_cpu.py",
+    "test_grpo_loop_ray.py",
+    "test_demo_wandb.py",
+    "test_capacity.py",
+    "test_bench_cli.py",
+    "test_grpo_loop_ref.py",
+    "test_chunked_prefix_engine.py",
+    "test_ulysses_engine.py",
+    "test_dormant_policies_engine.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))  # stable: the rest keep their order

@@ -105,6 +105,7 @@ def test_trainer_checks_nodes_before_creating_workers(monkeypatch):
     assert calls == ["check"]
 
 
+@pytest.mark.e2e
 def test_ray_node_without_the_package_fails_with_the_message(node_without_plugin, tmp_path, monkeypatch):
     """A real local Ray cluster whose workers cannot import verl_prefix (the job's runtime_env; Ray also puts
     the driver's working directory on the workers' path, so that is not the checkout either)."""

@@ -288,6 +288,7 @@ def test_html_is_self_contained(runs):
     assert page.count('class="panel"') == len(all_panels())
 
 
+@pytest.mark.e2e
 @needs_chromium
 def test_html_page_draws_every_panel_in_chromium(runs, tmp_path):
     from verl_prefix.tools import cli
@@ -312,6 +313,7 @@ def test_html_page_draws_every_panel_in_chromium(runs, tmp_path):
     assert shot.stat().st_size > 10_000, proc.stderr[-2000:]
 
 
+@pytest.mark.e2e
 @needs_chromium
 def test_chromium_check_sees_a_script_error(runs, tmp_path):
     """Negative control: the console-error check fails on a page whose script throws."""

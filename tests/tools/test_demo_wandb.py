@@ -53,6 +53,7 @@ def _runs(wandb_dir: Path) -> dict[str, object]:
     return runs
 
 
+@pytest.mark.e2e
 def test_demo_prints_the_comparison_and_logs_through_tracking(demo):
     proc, out, _ = demo
     text = proc.stdout
@@ -77,6 +78,7 @@ def test_demo_prints_the_comparison_and_logs_through_tracking(demo):
     assert summary["max_update_rel"] < 1e-2
 
 
+@pytest.mark.e2e
 def test_wandb_runs_are_offline_under_wandb_dir(demo):
     _, out, wandb_dir = demo
     runs = _runs(wandb_dir)
@@ -97,6 +99,7 @@ def test_wandb_runs_are_offline_under_wandb_dir(demo):
         assert not [k for k in row if k.startswith("actor/prefix/")]
 
 
+@pytest.mark.e2e
 def test_prefix_telemetry_read_back_from_wandb_is_plausible(demo):
     _, _, wandb_dir = demo
     run = _runs(wandb_dir)["prefix-prefix_sync-prefix_fsdp2"][1]
@@ -123,6 +126,7 @@ def test_prefix_telemetry_read_back_from_wandb_is_plausible(demo):
     assert run.summary["actor/prefix/time_s/A"] == run.history[-1]["actor/prefix/time_s/A"]
 
 
+@pytest.mark.e2e
 def test_forward_only_telemetry_read_back_from_wandb_is_plausible(demo):
     """The old log-prob pass runs A and B only; verl's trainer drops its metrics, ours logs them."""
     _, out, wandb_dir = demo

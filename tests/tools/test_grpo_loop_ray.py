@@ -13,7 +13,7 @@ from helpers.reuse import assert_reuse_ran
 
 from verl_prefix.tools.cpu_loop import compare_runs, local_cluster, run_cpu_grpo, split_groups
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STEPS = 2
 N = 4

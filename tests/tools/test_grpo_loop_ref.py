@@ -15,7 +15,7 @@ from test_grpo_loop_ray import assert_updates_agree
 
 from verl_prefix.tools.cpu_loop import local_cluster, run_cpu_grpo
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STEPS = 2
 KL_COEF = 0.1
