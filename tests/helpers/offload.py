@@ -88,7 +88,12 @@ def claims(store: RecordingStore, model: nn.Module) -> dict[str, int]:
       prefetched) plus the storages several layers saved (``shared``: RoPE's cos/sin, restored with the
       last layer that saved them and needed until the first).
     """
-    params = {storage_key(p) for p in model.parameters()}
+    params = set()
+    for p in model.parameters():
+        try:
+            params.add(storage_key(p))
+        except (RuntimeError, NotImplementedError):  # FSDP2's sharded DTensor: the oracle covers its unsharded views
+            pass
     moved = Counter(key for _, what, key, *_ in store.log if what == "offload")
     restored = Counter(key for _, what, key, *_ in store.log if what == "restore")
     groups: Counter[int] = Counter()
