@@ -76,10 +76,12 @@ def test_offload_on_cuda(chunk):
     moved_mib = store.offloaded_bytes / 2**20
     saved_b = keep_meter.peak_device_mib["B"] - meter.peak_device_mib["B"]
     saved_c = keep_meter.peak_device_mib["C"] - meter.peak_device_mib["C"]
-    print(f"offload on CUDA (chunk={chunk}): moved {moved_mib:.1f} MiB, store peak in C "
-          f"{found['resident_in_c'] / 2**20:.1f} MiB; allocator peak keep/offload B "
-          f"{keep_meter.peak_device_mib['B']:.1f}/{meter.peak_device_mib['B']:.1f} MiB, C "
-          f"{keep_meter.peak_device_mib['C']:.1f}/{meter.peak_device_mib['C']:.1f} MiB")
+    print(
+        f"offload on CUDA (chunk={chunk}): moved {moved_mib:.1f} MiB, store peak in C "
+        f"{found['resident_in_c'] / 2**20:.1f} MiB; allocator peak keep/offload B "
+        f"{keep_meter.peak_device_mib['B']:.1f}/{meter.peak_device_mib['B']:.1f} MiB, C "
+        f"{keep_meter.peak_device_mib['C']:.1f}/{meter.peak_device_mib['C']:.1f} MiB"
+    )
     assert saved_b >= 0.8 * moved_mib
     assert saved_c >= 0.5 * moved_mib if chunk is None else saved_c >= 0
 
