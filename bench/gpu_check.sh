@@ -6,7 +6,8 @@
 # then `verl-prefix bench --preset gpu`, and leaves in $OUT (at most 8 files come back):
 #   env.txt          nvidia-smi, python3 -m pip list, the versions verl_prefix imports
 #   smoke.log/.json  the CUDA sanity step
-#   cuda_tests.log   tests/backend/test_cuda.py on the GPU (exactness, bf16 drift, allocator peaks, NCCL)
+#   cuda_tests.log   tests/backend/test_cuda.py on the GPU (exactness, bf16 drift, allocator peaks, NCCL), then
+#                    the offload residency check tests/schedule/test_offload_cuda.py (appended)
 #   gpu_bench.log    the gpu preset's log (per-rep times; all that is left if the bench is cut short)
 #   gpu.json         the result, rewritten after every cell ("complete": false while cells are missing)
 #   benchmarks.md    a copy of docs/benchmarks.md with the gpu table written in by the CLI (between
@@ -30,11 +31,16 @@
 # fourth engine: ~25 PFLOP (~63 s) per rep, ~250 s of compute, ~500 s in all, ~55 GB. Default REPS=3; run the headline
 # cell alone (CELLS="P10240/S2048/G16") if the GPU runs slower than that. The bench is also stopped
 # (SIGINT, so Python prints where it was) when BUDGET seconds of this script have passed, so that the
-# logs still come back inside the call.
+# logs still come back inside the call. The offload residency check (OFFLOAD_TESTS) adds up to a minute before
+# the bench, out of the same BUDGET; with the full gpu preset set OFFLOAD_TESTS=0 or run it on its own first.
 #
 # Overrides (env): REPS=3, BUDGET=560 (seconds for the whole script), PRESET=gpu, CELLS (space-separated
 # cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity
-# step), CUDA_TESTS=1 (0 skips tests/backend/test_cuda.py, about a minute), SP_TESTS=1 (on a machine with two or
+# step), CUDA_TESTS=1 (0 skips tests/backend/test_cuda.py, about a minute), OFFLOAD_TESTS=1 (0 skips the offload
+# residency check: dormant_prefix=offload's real CUDA store, pinned memory, side stream and events, never run on a
+# GPU before; exactness, no parameter byte moved, nothing of the prefix graph on the device in phase B by the
+# store's log and by the allocator's per-phase peaks against keep; under a minute), BENCH=1 (0 skips the preset:
+# `SMOKE=0 CUDA_TESTS=0 BENCH=0 bash bench/gpu_check.sh` runs the offload check alone), SP_TESTS=1 (on a machine with two or
 # more GPUs, runs the Ulysses SP=2 reuse test on NCCL, sp_tests.log; skipped with one GPU), KIT=.whl,
 # SITE=/tmp/site, PY=python3.
 # Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway;
@@ -52,6 +58,8 @@ PRESET="${PRESET:-gpu}"
 SMOKE="${SMOKE:-1}"
 CUDA_TESTS="${CUDA_TESTS:-1}"
 SP_TESTS="${SP_TESTS:-1}"
+OFFLOAD_TESTS="${OFFLOAD_TESTS:-1}"
+BENCH="${BENCH:-1}"
 CELLS="${CELLS:-}"
 KIT="${KIT:-.whl}"
 SITE="${SITE:-/tmp/site}"
@@ -148,6 +156,14 @@ if [ "$CUDA_TESTS" = 1 ]; then
   [ "$rc" = 0 ] || echo "gpu_check: tests/backend/test_cuda.py exited $rc (see cuda_tests.log); going on" >&2
 fi
 
+if [ "$OFFLOAD_TESTS" = 1 ]; then
+  step "tests/schedule/test_offload_cuda.py: dormant_prefix=offload's CUDA store (residency, exactness, allocator peaks)"
+  rc=0
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 120 \
+    "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/schedule/test_offload_cuda.py 2>&1 | tee -a "$OUT/cuda_tests.log" || rc=$?
+  [ "$rc" = 0 ] || echo "gpu_check: the offload residency check exited $rc (see cuda_tests.log); going on" >&2
+fi
+
 gpus=$(command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l || echo 0)
 if [ "$SP_TESTS" = 1 ] && [ "$gpus" -ge 2 ]; then
   step "Ulysses sequence parallelism on 2 of the $gpus GPUs: reuse with SP=2 vs the engine without SP (NCCL)"
@@ -158,6 +174,11 @@ if [ "$SP_TESTS" = 1 ] && [ "$gpus" -ge 2 ]; then
   [ "$rc" = 0 ] || echo "gpu_check: the Ulysses GPU test exited $rc (see sp_tests.log); going on" >&2
 elif [ "$SP_TESTS" = 1 ]; then
   echo "gpu_check: $gpus GPU(s): the Ulysses cell needs two; skipped"
+fi
+
+if [ "$BENCH" != 1 ]; then
+  echo "gpu_check: BENCH=$BENCH: no preset run"
+  exit 0
 fi
 
 left=$((BUDGET - SECONDS))

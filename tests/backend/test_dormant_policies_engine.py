@@ -1,6 +1,8 @@
 """Dormant-prefix policies through the engine against verl's stock fsdp2 engine: every policy in fp64
 and fp32, with gradient checkpointing, with the MoE aux loss, and on two ranks with different group
-structures (recompute adds prefix forwards, so ranks must agree on it per group slot)."""
+structures (recompute adds prefix forwards, so ranks must agree on it per group slot). Offload under
+FSDP2 moves none of the unsharded parameters (a store that skips only ``nn.Parameter`` objects does);
+``auto`` estimates in the engine's compute dtype and never picks offload where it would not lower the peak."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from helpers import offload as O
 from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
 
@@ -33,12 +36,12 @@ def grpo_batch(seed: int = 3):
     )
 
 
-def set_policy(engine, policy: str, budget: int | None = None) -> None:
+def set_policy(engine, policy: str, budget: int | None = None, store=O.RecordingStore) -> None:
     """What the engine config's ``dormant_prefix`` knobs set; ``offload`` gets the CPU stand-in store
     (the engine refuses offload on a CPU device otherwise)."""
     engine.dormant_prefix = D.validate_policy(policy, budget)
     engine.dormant_prefix_budget_bytes = budget
-    engine.offload_store_factory = D.HostOffload
+    engine.offload_store_factory = store
 
 
 def worst_relative(got: dict, want: dict) -> float:
@@ -85,7 +88,9 @@ def test_every_policy_matches_stock_fsdp2(tiny_model, policy, budget, runs, dtyp
         assert m["prefix/max_recompute_kv_diff"] == 0.0
         assert m["prefix/max_saved_for_backward_mib/A"] == 0.0  # phase A kept no graph
     if runs == "offload":
-        assert m["prefix/offloaded_mib"] > 0
+        assert m["prefix/offloaded_mib"] >= m["prefix/offload_restored_mib"] > 0
+        assert m["prefix/max_offload_resident_mib/B"] == 0
+        assert 0 < m["prefix/max_offload_resident_mib/C"] < m["prefix/offload_restored_mib"]
 
 
 @pytest.mark.parametrize("policy", ["recompute", "offload"])
@@ -111,6 +116,79 @@ def test_policies_with_checkpointing_and_moe_aux(tiny_model, policy):
     assert worst_relative(results[policy]["grads"], results["keep"]["grads"]) < 1e-10
     gates = [n for n in results[policy]["grads"] if n.endswith("mlp.gate.weight")]
     assert gates and all(results[policy]["grads"][n].norm() > 0 for n in gates)
+
+
+def _offload_through_fsdp2(model_dir, store):
+    """One fp64 update of ``prefix_fsdp2`` (FSDP2 on gloo, CPU) with ``store`` as offload's store, and the
+    stock engine's; returns (worst relative gradient difference, reduced metrics, the stores, the module)."""
+    batch = grpo_batch()
+    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
+    prefix, p_loss, _ = T.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
+    )
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    set_policy(prefix, "offload", store=store)
+    O.RecordingStore.instances.clear()
+    with promote_fp32_upcasts():
+        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    return (
+        worst_relative(got["grads"], want["grads"]),
+        got["reduced_metrics"],
+        list(O.RecordingStore.instances),
+        prefix.module,
+    )
+
+
+def test_offload_under_fsdp2_moves_activations_only(tiny_model):
+    """Through the engine, FSDP2 unshards each layer's weights into ``nn.Parameter``s that ``linear`` saves as
+    ``weight.t()`` views: none of their bytes move (by storage; the type oracle agrees), no storage moves
+    twice, nothing stays on the device in phase B, phase C holds at most two layers (plus RoPE's cos/sin)
+    of a 4-layer graph, and the update matches the stock engine at fp64 1e-10 with reuse running."""
+    error, m, stores, module = _offload_through_fsdp2(tiny_model("qwen3", num_layers=4), O.RecordingStore)
+    check_reuse_ran(m, "offload", 3.0)
+    assert error < 1e-10
+    assert len(stores) == 3
+    for store in stores:
+        found = O.claims(store, module)
+        assert found["parameter_bytes_moved"] == found["storages_moved_twice"] == found["resident_in_b"] == 0
+        assert 0 < found["resident_in_c"] <= found["bound_in_c"] < found["restored"]
+
+
+def test_negative_control_offload_by_type_copies_fsdp2_weights(tiny_model):
+    """The old rule (leave only objects that *are* ``nn.Parameter``) copies FSDP2's unsharded weights for
+    every group: more parameter bytes move than the activations of these short prefixes."""
+    error, m, stores, module = _offload_through_fsdp2(tiny_model("qwen3", num_layers=4), O.TypeOnlyStore)
+    check_reuse_ran(m, "offload", 3.0)
+    assert error < 1e-10  # faithful copies: the waste is silent
+    for store in stores:
+        assert store.parameter_bytes_moved > 0.5 * store.offloaded_bytes
+
+
+def test_auto_picks_by_the_compute_dtype_and_the_peak(tiny_model):
+    """``agree_on_policies`` on an accelerator device (a mock: no collective runs on one process): a budget
+    between the bf16 and the fp32 estimate keeps under bf16 autocast and not without it; over budget a
+    4-layer model offloads (two layers in phase C are below the whole graph) and a 1-layer model recomputes
+    (offload would restore its one layer whole: no lower peak than keep)."""
+    from helpers.layouts import make_layout
+    from transformers import AutoModelForCausalLM
+
+    from verl_prefix.backend import dormant as backend_dormant
+    from verl_prefix.schedule.grouping import plan_batch
+
+    cuda = torch.device("cuda", 0)
+    plan = plan_batch(make_layout([(257, [4, 4])]), max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3", num_layers=4))  # fp32 master weights
+    fp32 = D.estimate_prefix_graph_bytes(model, 256, torch.float32)
+    bf16 = D.estimate_prefix_graph_bytes(model, 256, torch.bfloat16)
+    assert bf16 < 0.7 * fp32
+    budget = (bf16 + fp32) // 2
+    agree = backend_dormant.agree_on_policies
+    assert agree("auto", budget, model, plan, 1, cuda, autocast_dtype=torch.bfloat16) == [("keep", "fits_budget")]
+    assert agree("auto", budget, model, plan, 1, cuda) == [("offload", "over_budget")]
+    assert agree("auto", budget, model, plan, 1, cuda, autocast_dtype=torch.float32) == [("offload", "over_budget")]
+    one = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3", num_layers=1))
+    assert agree("auto", BUDGET_TINY, one, plan, 1, cuda) == [("recompute", "over_budget_offload_no_gain")]
 
 
 def test_offload_is_refused_on_a_cpu_run(tiny_model):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_prefix.schedule.dormant import choose_policy, estimate_prefix_graph_bytes
+from verl_prefix.schedule.dormant import choose_policy, compute_dtype, estimate_prefix_graph
 from verl_prefix.schedule.grouping import BatchPlan
 
 logger = logging.getLogger(__name__)
@@ -30,24 +30,36 @@ def agree_on_policies(
     num_slots: int,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> list[tuple[str, str]]:
     """``(policy, reason)`` per group slot (lockstep fillers included). A fixed knob applies to every
-    slot ("configured"); ``auto`` estimates each group's prefix graph from the model shape
-    (``estimate_prefix_graph_bytes``) and picks the cheapest policy that fits the budget; a slot a peer
-    rank recomputes is recomputed here too ("peer_recompute"). One log line per reason per process."""
+    slot ("configured"); ``auto`` estimates each group's prefix graph from the model shape in the compute
+    dtype (``autocast_dtype`` where the engine autocasts, e.g. bf16 over fp32 master weights; else the
+    parameters') and keeps it where it fits the budget, else picks the policy that lowers the peak
+    (``choose_policy``); a slot a peer rank recomputes is recomputed here too ("peer_recompute"). One
+    log line per reason per process."""
     if knob != "auto":
         return [(knob, "configured")] * num_slots
     assert budget_bytes is not None
     chosen: list[tuple[str, str]] = []
+    dtype = compute_dtype(model, autocast_dtype)
     for slot in range(num_slots):
         if slot < len(plan.groups):
-            estimate = estimate_prefix_graph_bytes(model, plan.groups[slot].prefix_len)
+            estimate = estimate_prefix_graph(model, plan.groups[slot].prefix_len, dtype)
             policy, reason = choose_policy(estimate, budget_bytes, device)
-            message = f"{reason}: prefix graph of ~{estimate / 2**20:.1f} MiB, budget {budget_bytes / 2**20:.1f} MiB"
-            if policy != "keep":  # the budget bounds phase B; phase C restores or rebuilds the graph
+            message = (
+                f"{reason}: prefix graph of ~{estimate.total / 2**20:.1f} MiB ({dtype}), "
+                f"budget {budget_bytes / 2**20:.1f} MiB"
+            )
+            if policy == "recompute":  # the budget bounds phase B; phase C rebuilds the graph
                 message += (
-                    f" ({policy} keeps it out of phase B; phase C still holds it whole unless prefix_chunk_tokens "
+                    " (recompute keeps it out of phase B; phase C still holds it whole unless prefix_chunk_tokens "
                     "chunks the prefix)"
+                )
+            elif policy == "offload":
+                message += (
+                    f" (offload keeps it out of phase B and restores it layer by layer in phase C: "
+                    f"~{estimate.offload_resident / 2**20:.1f} MiB at once)"
                 )
             _log_once(reason, message)
         else:

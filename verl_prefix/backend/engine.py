@@ -316,6 +316,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             lockstep.num_groups,
             device,
             self._agreement_group(),
+            autocast_dtype=getattr(self, "_autocast_dtype", None),  # auto estimates in the compute dtype
         )
         layout = dataclasses.replace(layout, temperature=per_row_temperature(data))
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))

@@ -4,24 +4,29 @@
 ``recompute`` runs phase A without a graph (no_grad: only the K/V, and the MoE router-probability sums,
 are kept as boundary tensors), then phase C re-runs the prefix forward with grad, checks that it gives
 back the K/V phase B attended to, and backpropagates the accumulated dK/dV through it: one more prefix
-forward, and only the K/V sit in memory during phase B. ``offload`` moves phase A's saved tensors to
-host memory as autograd saves them (copies on a side stream, overlapped with compute) and prefetches
-them back during the last suffix micro-batch's backward. ``auto`` (``choose_policy``) picks per group
-the cheapest of these whose phase-B footprint fits a byte budget.
+forward, and only the K/V sit in memory during phase B. ``offload`` (``HostOffload``) moves phase A's
+activations to host memory as autograd saves them (each storage once; parameters, buffers and the K/V
+stay) and brings them back one decoder layer at a time during phase C, the next layer's copy overlapping
+the current layer's backward: about nothing of the graph on the device in phase B, about two layers' worth
+in phase C. ``auto`` (``choose_policy``) picks per group from a model-shape estimate (``GraphEstimate``):
+keep where the graph fits a byte budget, else whichever of offload and recompute lowers the peak.
 
 Forward-only passes (``infer_group``) keep only the K/V already: no policy applies there.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from verl_prefix.schedule.prefix_kv import PrefixKV
 
@@ -66,6 +71,8 @@ class DormantStats:
         self.reasons: Counter[str] = Counter()
         self.held_in_b: dict[str, int] = defaultdict(int)  # policy -> max bytes held for backward during B
         self.offloaded_bytes = 0
+        self.restored_bytes = 0
+        self.offload_resident: dict[str, int] = defaultdict(int)  # phase -> most graph bytes left on the device
         self.recompute_max_diff = 0.0
 
     def note_group(self, policy: str, reason: str) -> None:
@@ -75,97 +82,332 @@ class DormantStats:
     def note_held_in_b(self, policy: str, nbytes: int) -> None:
         self.held_in_b[policy] = max(self.held_in_b[policy], nbytes)
 
+    def note_offload(self, store: HostOffload) -> None:
+        """One offloaded group's store after its phase C: bytes moved each way, and what stayed resident in
+        phase B (restored early, or a moved storage something else still held) and in phase C."""
+        self.offloaded_bytes += store.offloaded_bytes
+        self.restored_bytes += store.restored_bytes
+        resident_b = store.peak_resident["B"] + store.unfreed_in_b
+        self.offload_resident["B"] = max(self.offload_resident["B"], resident_b)
+        self.offload_resident["C"] = max(self.offload_resident["C"], store.peak_resident["C"])
+
     def metrics(self) -> dict[str, float]:
         """``prefix/policy/<name>`` groups per policy, ``prefix/policy_reason/<why>``, and per policy the
         largest ``prefix/max_saved_for_backward_held_in_B_mib/<name>``: phase A's graph still held
-        plus the suffix micro-batch's own (what a policy exists to shrink)."""
+        plus the suffix micro-batch's own (what a policy exists to shrink). With offload, the bytes moved
+        out and back and the most of the graph left on the device in phases B and C
+        (``prefix/max_offload_resident_mib/<phase>``)."""
         out: dict[str, float] = {f"prefix/policy/{p}": float(n) for p, n in self.policies.items()}
         out.update({f"prefix/policy_reason/{r}": float(n) for r, n in self.reasons.items()})
         out.update({f"prefix/max_saved_for_backward_held_in_B_mib/{p}": b / _MIB for p, b in self.held_in_b.items()})
         if self.policies.get("offload"):
             out["prefix/offloaded_mib"] = self.offloaded_bytes / _MIB
+            out["prefix/offload_restored_mib"] = self.restored_bytes / _MIB
+            for phase in ("B", "C"):
+                out[f"prefix/max_offload_resident_mib/{phase}"] = self.offload_resident[phase] / _MIB
         if self.policies.get("recompute"):
             out["prefix/max_recompute_kv_diff"] = self.recompute_max_diff
         return out
 
 
-class HostOffload:
-    """Saved-tensor store of ``offload``: pack copies a tensor to host memory (pinned, on a side stream
-    where the device has streams), ``prefetch`` starts every copy back, unpack waits for its own.
+class Offloaded:
+    """One device storage phase A saved for backward, moved to host memory once (``HostOffload``).
 
-    Parameters (and tensors not on ``device``) stay where they are: they outlive the graph anyway.
-    With ``device`` = CPU, "host" is the CPU too: the copies are real and counted, which is how tests
-    check the hook mechanics and exactness without an accelerator.
+    Held only by the handles autograd keeps for the saved tensors that view it: its host copy until phase
+    C restores it, then its device copy until the last backward node that saved it has run and autograd
+    has dropped the handles (and with them this object, which releases the device copy)."""
+
+    __slots__ = ("__weakref__", "device", "event", "group", "host", "key", "nbytes", "version")
+
+    def __init__(self, key: int, nbytes: int, version: int, group: int) -> None:
+        self.key = key  # the source storage's identity (its address, held by the store's weak reference)
+        self.nbytes = nbytes
+        self.version = version  # the source's version counter when it was copied
+        self.group = group  # the pack group (decoder layer) whose backward first needs it
+        self.host: torch.Tensor | None = None
+        self.device: torch.Tensor | None = None
+        self.event: object = None
+
+
+class _Handle:
+    """What autograd holds for one saved tensor: the storage's entry and the view into it."""
+
+    __slots__ = ("dtype", "entry", "offset", "size", "stride")
+
+    def __init__(self, entry: Offloaded, tensor: torch.Tensor) -> None:
+        self.entry = entry
+        self.dtype, self.offset = tensor.dtype, tensor.storage_offset()
+        self.size, self.stride = tensor.size(), tensor.stride()
+
+
+def _device_storage(tensor: torch.Tensor, device: torch.device) -> torch.UntypedStorage | None:
+    """The storage a saved tensor views, if it is a plain strided tensor on ``device``; else None (left alone)."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.layout != torch.strided:
+        return None  # tensor subclasses (DTensor, nested, fake) own no storage of their own
+    if tensor.device.type != device.type or (device.index is not None and tensor.device.index != device.index):
+        return None
+    if tensor.is_conj() or tensor.is_neg():
+        return None
+    storage = tensor.untyped_storage()
+    return storage if storage.nbytes() > 0 else None
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (the first ``ModuleList`` as long as ``num_hidden_layers``), or []."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = int(getattr(text, "num_hidden_layers", 0) or 0)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and count and len(module) == count:
+            return list(module)
+    return []
+
+
+class HostOffload:
+    """``offload``'s saved-tensor store: phase A's activations go to host memory as autograd saves them,
+    each storage once, and phase C brings them back one decoder layer at a time.
+
+    - **What moves** (``stays``): a saved tensor's *storage*, compared by identity, not by type. A storage
+      the device keeps anyway stays: a parameter's (``linear`` saves ``weight.t()``, a view; under FSDP2
+      the unsharded parameters, collected by forward pre-hooks as each module runs), a buffer's, and the
+      prefix K/V's (phase B attends to them), the earlier chunks' K/V leaves a chunk reads (they are
+      written through ``.data`` after being saved, so a copy would go stale), and the model call's own
+      inputs (token ids, positions: the caller holds them). A storage saved again, unchanged (same version
+      counter), maps to its first copy plus the view's offset, size and strides: nothing is copied twice,
+      with or without chunks.
+    - **When it moves back**: every pack is tagged with the decoder layer running (a forward pre-hook on
+      each layer and on the model opens a new group). Backward runs the groups in reverse; the first
+      unpack of a group starts restoring the group backward reaches next, so its copy overlaps this
+      one's backward. A restored storage lives until autograd drops the last handle to it.
+    - **Copies**: on an accelerator, pinned host memory and a side stream (as ``save_on_cpu`` pins; the
+      device-to-host copy waits for the compute stream and ``record_stream`` keeps its source until read;
+      unpack waits on the restore's event). On the CPU (the stand-in the tests and ``dormant_memory`` use)
+      "device" and "host" are both the CPU and the copies are synchronous clones; the scheduling, the
+      bookkeeping and the order are the same code.
+
+    Bookkeeping, per store (one group): ``offloaded_bytes`` and ``restored_bytes`` moved each way,
+    ``resident_bytes`` restored and not yet released, its peak per phase (``peak_resident``),
+    ``unfreed_in_b`` (device bytes of moved storages something else still held when phase C began; the
+    store itself holds none), ``stayed`` (the saved storages left in place, by key), and with ``record`` a
+    ``log`` of every transition:
+    ``(phase, "offload" | "resave" | "restore" | "release", storage key, bytes, group, resident bytes after)``
+    ("resave": a later layer saved a moved storage again, e.g. RoPE's cos/sin, which every layer saves; it is
+    restored with the last layer that saved it and released after the first).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, record: bool = False) -> None:
         self.device = device
         accel = device.type in ("cuda", "npu", "xpu")
         self._module = torch.get_device_module(device.type) if accel else None
         self._stream = self._module.Stream(device=device) if accel else None
-        self._pin = accel
+        self.phase = "A"
         self.offloaded_bytes = 0
         self.restored_bytes = 0
-        self._pending: list[dict] = []
+        self.resident_bytes = 0
+        self.peak_resident = {"A": 0, "B": 0, "C": 0}
+        self.unfreed_in_b = 0
+        self.stayed: dict[int, int] = {}  # storage key -> bytes of the saved storages left in place
+        self.log: list[tuple] | None = [] if record else None
+        self._kept: dict[int, StorageWeakRef] = {}  # storages that stay (parameters, buffers, K/V)
+        self._moved: dict[int, tuple[weakref.ref, StorageWeakRef]] = {}  # storage key -> (entry, source)
+        self._groups: list[list[weakref.ref]] = [[]]  # entries per pack group, until restored
+        self._prefetched: set[int] = set()
+        self._context: object = None  # the prefix context (capture) of the forward running
+        self._layer = -1
 
-    def _moves(self, tensor: torch.Tensor) -> bool:
-        return tensor.device == self.device and not isinstance(tensor, nn.Parameter) and tensor.numel() > 0
+    # -- what stays -------------------------------------------------------------------------------------
 
-    def pack(self, tensor: torch.Tensor) -> object:
-        if not self._moves(tensor):
-            return tensor
-        # same strides where the tensor is dense (backward kernels may sum in stride order)
-        host = torch.empty_like(tensor, device="cpu", pin_memory=self._pin)
-        entry = {"host": host, "device": None, "event": None}
-        if self._stream is not None:
-            self._stream.wait_stream(self._module.current_stream(self.device))
-            with self._module.stream(self._stream):
-                host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(self._stream)  # its memory is not reused before the copy ends
-        else:
-            host.copy_(tensor)
-        self.offloaded_bytes += host.numel() * host.element_size()
-        self._pending.append(entry)
+    def _keep(self, tensor: torch.Tensor | None) -> None:
+        if tensor is None:
+            return
+        try:
+            ref = StorageWeakRef(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # a sharded DTensor parameter: its local shard is not saved
+            return
+        self._kept[ref.cdata] = ref
+
+    def stays(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+        """Whether a saved tensor is left where it is: its storage is one the device keeps anyway."""
+        kv = getattr(self._context, "kv", None)
+        if kv is not None and 0 <= self._layer < len(kv.keys):  # this layer's K/V, captured before attention saves them
+            self._keep(kv.keys[self._layer])
+            self._keep(kv.values[self._layer])
+        key = StorageWeakRef(storage).cdata
+        ref = self._kept.get(key)
+        if isinstance(tensor, nn.Parameter) or (ref is not None and not ref.expired()):
+            self.stayed[key] = storage.nbytes()
+            return True
+        return False
+
+    def _keep_module(self, module: nn.Module, args: object) -> None:
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            self._keep(tensor)  # after FSDP2's pre-forward: the unsharded parameters
+
+    def _enter(self, layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._groups.append([])
+        self._layer = layer
+        if layer < 0:  # the model's own inputs (token ids, positions): the caller holds them
+            for tensor in (*args, *kwargs.values()):
+                if isinstance(tensor, torch.Tensor):
+                    self._keep(tensor)
+        context = kwargs.get("prefix_ctx")
+        if context is not None and context is not self._context:
+            self._context = context
+            served = getattr(getattr(context, "serve", None), "prefix", None)  # a chunk's earlier K/V leaves
+            for tensor in served.tensors() if served is not None else ():
+                self._keep(tensor)
+
+    # -- moving out -------------------------------------------------------------------------------------
+
+    def already_moved(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> Offloaded | None:
+        """The entry of an earlier save of this storage, if it is unchanged since (same version counter)."""
+        found = self._moved.get(StorageWeakRef(storage).cdata)
+        entry = found[0]() if found is not None else None
+        if entry is None or found[1].expired() or entry.version != tensor._version:
+            return None
         return entry
 
-    def prefetch(self) -> None:
-        """Start copying every saved tensor back (ahead of phase C)."""
-        for entry in self._pending:
-            self._fetch(entry)
+    def pack(self, tensor: torch.Tensor) -> object:
+        storage = _device_storage(tensor, self.device)
+        if storage is None or self.stays(tensor, storage):
+            return tensor
+        group = len(self._groups) - 1
+        entry = self.already_moved(storage, tensor)
+        if entry is None:
+            source = StorageWeakRef(storage)
+            entry = Offloaded(source.cdata, storage.nbytes(), tensor._version, group)
+            entry.host = self.copy_to_host(storage)
+            self.offloaded_bytes += entry.nbytes
+            self._moved[source.cdata] = (weakref.ref(entry), source)
+            self._groups[group].append(weakref.ref(entry))
+            self._note("offload", entry)
+        elif entry.group != group:  # saved again in a later layer: backward needs it there first
+            entry.group = group
+            self._groups[group].append(weakref.ref(entry))
+            self._note("resave", entry)
+        return _Handle(entry, tensor)
 
-    def _fetch(self, entry: dict) -> None:
-        if entry["device"] is not None:
-            return
-        host = entry["host"]
-        if self._stream is not None:
-            self._stream.wait_stream(self._module.current_stream(self.device))
-            with self._module.stream(self._stream):
-                entry["device"] = host.to(self.device, non_blocking=True)
-                entry["event"] = self._module.Event()
-                entry["event"].record(self._stream)
-        else:
-            entry["device"] = host.clone(memory_format=torch.preserve_format)
-        self.restored_bytes += host.numel() * host.element_size()
+    def copy_to_host(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        source = _as_bytes(storage)
+        if self._stream is None:
+            return source.clone()
+        host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
+        self._stream.wait_stream(self._module.current_stream(self.device))
+        with self._module.stream(self._stream):
+            host.copy_(source, non_blocking=True)
+        source.record_stream(self._stream)  # the allocator keeps the block until the copy has read it
+        return host
+
+    # -- moving back ------------------------------------------------------------------------------------
 
     def unpack(self, handle: object) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):
             return handle
-        self._fetch(handle)  # not prefetched (e.g. a backward before phase C): fetch now
-        tensor = handle["device"]
-        if handle["event"] is not None:
+        entry = handle.entry
+        if entry.device is None:  # backward reached a group nothing prefetched (its first, or out of order)
+            self._restore(entry.group)
+        self.prefetch_after(entry.group)
+        data = self.wait(entry)
+        view = torch.empty(0, dtype=handle.dtype, device=data.device)
+        return view.set_(data.untyped_storage(), handle.offset, handle.size, handle.stride)
+
+    def prefetch_after(self, group: int) -> None:
+        """Backward has reached ``group``: start restoring the group it reaches next (the nearest earlier
+        one with entries still alive), so that the copy overlaps this group's backward."""
+        if group in self._prefetched:
+            return
+        self._prefetched.add(group)
+        for earlier in range(group - 1, -1, -1):
+            if self._restore(earlier):
+                return
+
+    def _restore(self, group: int) -> bool:
+        refs, self._groups[group] = self._groups[group], []
+        restored = False
+        for ref in refs:
+            entry = ref()
+            if entry is None or entry.device is not None or entry.group != group:
+                continue  # dead (its graph never reached), already restored, or regrouped later
+            entry.device, entry.event = self.copy_to_device(entry.host)
+            entry.host = None
+            weakref.finalize(entry, self._release, entry.key, entry.nbytes, group)
+            self.resident_bytes += entry.nbytes
+            self.restored_bytes += entry.nbytes
+            self._note("restore", entry)
+            restored = True
+        return restored
+
+    def copy_to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object]:
+        if self._stream is None:
+            return host.clone(), None
+        with self._module.stream(self._stream):
+            data = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            data.copy_(host, non_blocking=True)
+            event = self._module.Event()
+            event.record(self._stream)
+        return data, event
+
+    def wait(self, entry: Offloaded) -> torch.Tensor:
+        """The entry's device copy, usable on the current stream."""
+        if entry.event is not None:
             current = self._module.current_stream(self.device)
-            current.wait_event(handle["event"])
-            tensor.record_stream(current)
-        return tensor
+            current.wait_event(entry.event)
+            entry.device.record_stream(current)
+        return entry.device
+
+    def _release(self, key: int, nbytes: int, group: int) -> None:
+        self.resident_bytes -= nbytes
+        self._note("release", None, key, nbytes, group)
+
+    def _note(self, what: str, entry: Offloaded | None, key: int = 0, nbytes: int = 0, group: int = -1) -> None:
+        if entry is not None:
+            key, nbytes, group = entry.key, entry.nbytes, entry.group
+        self.peak_resident[self.phase] = max(self.peak_resident[self.phase], self.resident_bytes)
+        if self.log is not None:
+            self.log.append((self.phase, what, key, nbytes, group, self.resident_bytes))
+
+    # -- phases -----------------------------------------------------------------------------------------
 
     @contextmanager
-    def saving(self) -> Iterator[HostOffload]:
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+    def saving(self, model: nn.Module | None = None) -> Iterator[HostOffload]:
+        """Phase A: the saved-tensor hooks, and (given the model) what stays and the layer groups."""
+        with ExitStack() as stack:
+            if model is not None:
+                for tensor in (*model.parameters(), *model.buffers()):
+                    self._keep(tensor)
+                for module in model.modules():
+                    if next(module.parameters(recurse=False), None) is not None:
+                        stack.callback(module.register_forward_pre_hook(self._keep_module).remove)
+                enter = functools.partial(self._enter, -1)  # a forward (a chunk) starts: embeddings first
+                stack.callback(model.register_forward_pre_hook(enter, with_kwargs=True).remove)
+                for index, layer in enumerate(decoder_layers(model)):
+                    enter = functools.partial(self._enter, index)
+                    stack.callback(layer.register_forward_pre_hook(enter, with_kwargs=True).remove)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
             yield self
+        self._kept, self._context = {}, None
+        self.phase = "B"
+        self._note("phase", None)
+
+    def begin_phase_c(self) -> None:
+        """Phase C starts (idempotent): measure what phase B really left on the device."""
+        if self.phase == "C":
+            return
+        self.unfreed_in_b = sum(
+            entry.nbytes
+            for ref, source in self._moved.values()
+            if (entry := ref()) is not None and not source.expired()
+        )
+        self.phase = "C"
 
 
 def default_store(device: torch.device) -> HostOffload:
-    """The production store: refuses a CPU device (nothing to move to)."""
+    """The production store: refuses a CPU device (nothing to move to). Tests and ``dormant_memory`` build
+    ``HostOffload`` on the CPU directly: the stand-in that runs the same scheduling with synchronous copies."""
     refuse_offload_on(device)
     return HostOffload(device)
 
@@ -199,6 +441,8 @@ class Dormant:
 
     ``store_factory(device)`` builds ``offload``'s saved-tensor store (injectable for tests);
     ``check_recompute`` raises if phase C's recomputed K/V are not the ones phase B attended to.
+    The executor calls ``phase_a`` around phase A, ``phase_c_prefix`` before each backward of phase C
+    (one per chunk with a chunked prefix) and ``after_phase_c`` once phase C is done.
     """
 
     policy: str = "keep"
@@ -212,21 +456,17 @@ class Dormant:
         if self.policy not in POLICIES:
             raise ValueError(f"a group's dormant policy must be one of {POLICIES}, got {self.policy!r}")
 
-    def phase_a(self, device: torch.device) -> object:
-        """The context phase A's prefix forward runs in under this policy."""
+    def phase_a(self, model: nn.Module, device: torch.device) -> object:
+        """The context phase A's prefix forward runs in under this policy (``model``: offload hooks its
+        modules for the layer groups and the parameters that stay)."""
         if self.stats is not None:
             self.stats.note_group(self.policy, self.reason)
         if self.policy == "recompute":
             return torch.no_grad()
         if self.policy == "offload":
             self._store = self.store_factory(device)
-            return self._store.saving()
+            return self._store.saving(model)
         return nullcontext()
-
-    def before_last_backward(self) -> None:
-        """Prefetch offloaded tensors while the last suffix micro-batch's backward runs."""
-        if self._store is not None:
-            self._store.prefetch()
 
     def note_held_in_b(self, phase_a_bytes: int, micro_batch_bytes: int) -> None:
         if self.stats is not None:
@@ -236,9 +476,7 @@ class Dormant:
         """The graph-attached prefix phase C backpropagates through: phase A's own, or (``recompute``)
         ``rerun()`` under grad, checked against what phase B attended to."""
         if self._store is not None:
-            if self.stats is not None:
-                self.stats.offloaded_bytes += self._store.offloaded_bytes
-            self._store = None  # the graph holds its entries; nothing else should
+            self._store.begin_phase_c()  # the store restores layer by layer as backward unpacks
         if self.policy != "recompute":
             return prefix
         with torch.enable_grad():
@@ -256,24 +494,60 @@ class Dormant:
                 )
         return recomputed
 
+    def after_phase_c(self) -> None:
+        """Phase C is done: offload's figures go to the stats (the store holds no tensor by now)."""
+        store, self._store = self._store, None
+        if store is not None and self.stats is not None:
+            self.stats.note_offload(store)
 
-def estimate_prefix_graph_bytes(model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None) -> int:
+
+@dataclass(frozen=True)
+class GraphEstimate:
+    """A model-shape estimate of phase A's saved activations, per decoder layer (the last one cut short
+    by early exit), in bytes of the compute dtype."""
+
+    layer_bytes: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        """``keep``'s dormant graph (and what ``recompute`` rebuilds whole in phase C)."""
+        return sum(self.layer_bytes)
+
+    @property
+    def offload_resident(self) -> int:
+        """What ``offload`` holds of it at most in phase C: the layer backward runs through plus the one
+        being prefetched (the largest two adjacent layers)."""
+        pairs = [a + b for a, b in zip(self.layer_bytes, self.layer_bytes[1:])]
+        return max(pairs, default=self.total)
+
+
+def compute_dtype(model: nn.Module, autocast_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype activations are computed in: a half-precision autocast dtype where autocast runs (verl's
+    FSDP engines autocast to the mixed-precision ``param_dtype``), else the parameters' (the master
+    weights' dtype is not the activations' under mixed precision)."""
+    if autocast_dtype is not None and autocast_dtype.is_floating_point and autocast_dtype.itemsize < 4:
+        return autocast_dtype
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+
+
+def estimate_prefix_graph(model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None) -> GraphEstimate:
     """A model-shape estimate of the activations phase A saves for backward (``keep``'s dormant graph,
-    parameters excluded: they are held anyway), in bytes, for a phase A with early exit.
+    parameters excluded: they are held anyway), per layer, for a phase A with early exit. ``dtype``: the
+    compute dtype (``compute_dtype``; default the parameters').
 
     Per prefix token, a Llama-style decoder layer (RMSNorms, q/k/v/o, RoPE, SwiGLU MLP) saves about
-    ``4 hidden + 3 q_dim + 3 kv_dim + 4 intermediate`` values, ``2 (q_dim + kv_dim)`` more with q/k norms
-    (Qwen3); early exit leaves the last layer at ``2 (hidden + q_dim + kv_dim)``. An MoE layer saves its
-    router logits and each token's ``top_k`` expert MLP inputs instead of a dense MLP's (rougher: not
-    fitted). Eager attention adds ``heads * P * P`` probabilities per full layer. With gradient
+    ``3 q_dim + 3 kv_dim + 4 intermediate`` values of the compute dtype and, per RMSNorm, its input in fp32
+    (HF's RMSNorm upcasts) plus its output (``4 + size`` bytes per element): two ``hidden``-wide norms, and
+    q/k norms (Qwen3) over ``q_dim + kv_dim``; early exit leaves the last layer at its input norm, the q/k/v
+    projections and half the q/k norms. An MoE layer saves its router logits and each token's ``top_k``
+    expert MLP inputs instead of a dense MLP's (rougher: not fitted). Eager attention adds ``heads * P * P``
+    probabilities per full layer (fp32, plus their cast to a half-precision compute dtype). With gradient
     checkpointing each layer keeps only its input (``hidden``). ``tests/schedule/test_dormant_policies.py``
-    checks it within 25% of the counted saved activations of its tiny dense models.
+    checks the total within 25% of the counted saved activations of its tiny dense models in fp32 and bf16.
     """
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if dtype is None:
-        dtype = next(model.parameters()).dtype
-    size = torch.finfo(dtype).bits // 8
+    size = (dtype or compute_dtype(model)).itemsize
     hidden = int(text.hidden_size)
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
@@ -281,7 +555,7 @@ def estimate_prefix_graph_bytes(model: nn.Module, prefix_len: int, dtype: torch.
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     layers = int(text.num_hidden_layers)
     if getattr(model, "is_gradient_checkpointing", False):
-        return layers * prefix_len * hidden * size
+        return GraphEstimate((prefix_len * hidden * size,) * layers)
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     if experts:
         top_k = int(text.num_experts_per_tok)
@@ -289,23 +563,35 @@ def estimate_prefix_graph_bytes(model: nn.Module, prefix_len: int, dtype: torch.
         mlp = experts + top_k * (hidden + 4 * inter)
     else:
         mlp = 4 * int(text.intermediate_size)
-    qk_norm = 2 * (q_dim + kv_dim) if any(name.endswith("q_norm") for name, _ in model.named_modules()) else 0
-    full = 4 * hidden + 3 * q_dim + 3 * kv_dim + mlp + qk_norm
-    last = 2 * (hidden + q_dim + kv_dim) + qk_norm // 2
+    norm = 4 + size  # bytes per normalised element: the fp32 input and the output
+    qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
+    qk = (q_dim + kv_dim) * norm if qk_norm else 0
+    full = 2 * hidden * norm + (3 * q_dim + 3 * kv_dim + mlp) * size + qk
+    last = hidden * norm + 2 * (q_dim + kv_dim) * size + qk // 2
     quadratic = 0
     if (getattr(text, "_attn_implementation", None) or "eager") == "eager":
-        quadratic = heads * prefix_len * prefix_len
-    return ((layers - 1) * (full * prefix_len + quadratic) + last * prefix_len) * size
+        quadratic = heads * prefix_len * prefix_len * (4 if size == 4 else 4 + size)
+    return GraphEstimate((full * prefix_len + quadratic,) * (layers - 1) + (last * prefix_len,))
 
 
-def choose_policy(estimate_bytes: int, budget_bytes: int, device: torch.device) -> tuple[str, str]:
-    """``auto``: the cheapest policy whose phase-B footprint of the dormant graph fits ``budget_bytes``.
+def estimate_prefix_graph_bytes(model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None) -> int:
+    """``estimate_prefix_graph(...).total``: keep's dormant graph in bytes."""
+    return estimate_prefix_graph(model, prefix_len, dtype).total
 
-    keep holds the whole estimate; offload (accelerators only) and recompute hold none of it, offload
-    costing copies overlapped with compute, recompute one more prefix forward. Returns (policy, reason).
+
+def choose_policy(estimate: GraphEstimate, budget_bytes: int, device: torch.device) -> tuple[str, str]:
+    """``auto``: ``keep`` where the estimated graph fits ``budget_bytes``, else a policy that lowers the peak.
+
+    ``keep`` holds the whole graph from A to C. ``recompute`` holds none of it in phase B and rebuilds it
+    whole in phase C (never above keep's). ``offload`` (accelerators only) holds none of it in phase B and
+    about two layers of it in phase C (``GraphEstimate.offload_resident``): chosen only where that is below
+    the whole graph, i.e. where it lowers the peak (not for a one-layer model), else recompute.
+    Returns (policy, reason).
     """
-    if estimate_bytes <= budget_bytes:
+    if estimate.total <= budget_bytes:
         return "keep", "fits_budget"
-    if device.type != "cpu":
+    if device.type == "cpu":
+        return "recompute", "over_budget_cpu"
+    if estimate.offload_resident < estimate.total:
         return "offload", "over_budget"
-    return "recompute", "over_budget_cpu"
+    return "recompute", "over_budget_offload_no_gain"

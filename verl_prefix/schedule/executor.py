@@ -334,9 +334,8 @@ def train_group(
         return prefix_forward(model, prefix_ids, prefix_pos, options)
 
     chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=True)
-    last = len(group.micro_batches) + group.filler_micro_batches - 1
     with prefix_attention_mode(model):
-        with meter.phase("A") as saved_a, autocast(), dormant.phase_a(device):
+        with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, device):
             if chunked is None:
                 prefix = run_prefix()
             else:
@@ -351,7 +350,7 @@ def train_group(
             meter.note_prefix_kv(leaves.tensors())
             meter.note_prefix_leaves(leaves.tensors(), leaves.tensors())  # the leaves are the K/V: grads only
         # every suffix micro-batch (fillers too) attends to the same leaves the same way
-        for index, rows in enumerate(group.micro_batches):
+        for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
             with meter.phase("B") as saved_b:
                 with autocast():
@@ -363,18 +362,14 @@ def train_group(
                         suffix_stats = suffix_router_stats(router_logits, batch, options)
                         stats = moe.logical_stats(leaves.router_stats, suffix_stats, copies=len(rows))
                         loss = loss + options.aux_fn(rows, stats)
-                if index == last:
-                    dormant.before_last_backward()
                 options.backward(loss)
             _note_held(dormant, saved_a, saved_b)
             losses.append(loss.detach())
-        for index in range(len(group.micro_batches), last + 1):
+        for _ in range(group.filler_micro_batches):
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
             with meter.phase("B") as saved_b:
                 with autocast():
                     log_probs, _ = suffix_forward(model, leaves, batch, fillers)
-                if index == last:
-                    dormant.before_last_backward()
                 options.backward(log_probs[0].sum() * 0.0)
         with meter.phase("C") as saved_c:
             if chunked is not None:
@@ -386,6 +381,7 @@ def train_group(
                 with autocast():
                     prefix = dormant.phase_c_prefix(prefix, run_prefix)
                 prefix_backward(prefix, leaves, model)
+            dormant.after_phase_c()
     return losses
 
 

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         engine.dormant_prefix = what["policy"]
         if what["policy"] == "offload" and not torch.cuda.is_available():
-            engine.offload_store_factory = HostOffload  # CPU stand-in (copies are real, nothing is freed)
+            engine.offload_store_factory = HostOffload  # CPU stand-in: the host copies stay in RSS
 
     def group(prefix_len: int) -> Any:
         return T.make_grpo_batch(

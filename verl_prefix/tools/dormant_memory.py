@@ -3,12 +3,16 @@
 ``python -m verl_prefix.tools.dormant_memory`` runs, for each policy, a child process that builds the
 29M-parameter bench model (``bench_presets.MODEL_29M``, fp32, random init, no checkpointing), trains one GRPO
 group (prefix 2048, G=8 suffixes of 128, micro-batches of 4) through the schedule on CPU, and reports
-the bytes held for backward during phase B (``prefix/max_saved_for_backward_held_in_B_mib/<policy>``)
-and the process's peak RSS above its RSS once the model is loaded. Byte counts are deterministic;
-RSS depends on the allocator.
+the bytes held for backward during phase B (``prefix/max_saved_for_backward_held_in_B_mib/<policy>``),
+the dormant graph's bytes resident on the device per phase (``resident_{A,B,C}_mib``: keep holds phase A's
+saved bytes through A, B and C; recompute none in A and B and its rebuilt graph, one chunk's with chunks, in
+C; offload what its store holds, from the store's own bookkeeping) and the process's peak RSS above its RSS
+once the model is loaded. Byte counts are deterministic; RSS depends on the allocator.
 
-A policy written ``recompute:512`` (or ``keep:512``) also runs the prefix in chunks of 512 tokens
-(``prefix_reuse.prefix_chunk_tokens``); ``--model smoke`` uses the 1M-parameter bench model instead.
+``offload`` runs with the CPU stand-in store (``HostOffload`` on the CPU: the same scheduling, synchronous
+copies within the CPU), so its residency figures are the policy's own while its RSS holds the "host" copies
+too. A policy written ``recompute:512`` (or ``keep:512``, ``offload:512``) also runs the prefix in chunks of
+512 tokens (``prefix_reuse.prefix_chunk_tokens``); ``--model smoke`` uses the 1M-parameter bench model instead.
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ class LiveSaved:
 def parse_policy(spec: str) -> tuple[str, int | None]:
     """``"recompute:512"`` -> ``("recompute", 512)``; ``"keep"`` -> ``("keep", None)``."""
     policy, _, chunk = spec.partition(":")
-    if policy not in D.POLICIES or policy == "offload":
-        raise ValueError(f"policy {policy!r}: choose keep or recompute (offload needs an accelerator)")
+    if policy not in D.POLICIES:
+        raise ValueError(f"policy {policy!r}: choose one of {D.POLICIES} (offload runs the CPU stand-in store)")
     return policy, (int(chunk) if chunk else None)
 
 
@@ -117,6 +121,11 @@ def measure(
     )
     plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
     stats, meter = D.DormantStats(), PhaseMeter(torch.device("cpu"))
+    stores: list[D.HostOffload] = []
+
+    def stand_in(device: torch.device) -> D.HostOffload:
+        stores.append(D.HostOffload(device))  # on the CPU: the stand-in (synchronous copies, same scheduling)
+        return stores[-1]
 
     def run(meter: PhaseMeter | None, stats: D.DormantStats | None) -> None:
         options = ScheduleOptions(
@@ -128,11 +137,19 @@ def measure(
             plan.groups[0],
             lambda rows, log_probs, entropy: sum(lp.sum() for lp in log_probs),
             options,
-            D.Dormant(policy, stats=stats),
+            D.Dormant(policy, stats=stats, store_factory=stand_in),
         )
 
     run(meter, stats)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; this run only
+    if policy == "keep":
+        resident = (meter.saved_mib["A"],) * 3
+    elif policy == "recompute":
+        resident = (0.0, 0.0, meter.saved_mib["C"])
+    else:
+        store = stores[0]
+        peaks = store.peak_resident
+        resident = (peaks["A"] / _MIB, (peaks["B"] + store.unfreed_in_b) / _MIB, peaks["C"] / _MIB)
     live = LiveSaved(model)
     with live.hooks():  # a second, unmetered run: the live high-water mark of saved tensors
         run(None, None)
@@ -141,6 +158,13 @@ def measure(
         "phase_A_saved_mib": meter.saved_mib["A"],
         "peak_held_mib": meter.peak_held_saved_mib,  # per-phase sums: phase C adds up every rebuilt chunk
         "peak_live_saved_mib": live.peak / _MIB,  # the true high-water mark of saved tensors over A/B/C
+        # the dormant graph on the device per phase (offload: not seen by the live count, its store's hooks
+        # are innermost)
+        "resident_A_mib": resident[0],
+        "resident_B_mib": resident[1],
+        "resident_C_mib": resident[2],
+        "offloaded_mib": stats.offloaded_bytes / _MIB,
+        "restored_mib": stats.restored_bytes / _MIB,
         "params_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / _MIB,
         "peak_rss_above_model_mib": (peak_rss - loaded_rss) / _MIB,
         "time_s": sum(meter.seconds.values()),
@@ -179,6 +203,9 @@ def main(argv: list[str] | None = None) -> None:
         "phase A saved",
         "peak held (A/B/C)",
         "peak live saved",
+        "resident in A",
+        "resident in B",
+        "resident in C",
         "parameters",
         "peak RSS above model",
         "time (s)",
@@ -191,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
             "phase_A_saved_mib",
             "peak_held_mib",
             "peak_live_saved_mib",
+            "resident_A_mib",
+            "resident_B_mib",
+            "resident_C_mib",
             "params_mib",
             "peak_rss_above_model_mib",
             "time_s",
