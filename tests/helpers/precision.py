@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from transformers.models.gemma2 import modeling_gemma2
+from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
@@ -17,7 +19,10 @@ _NORMS = [
     modeling_qwen2.Qwen2RMSNorm,
     modeling_qwen3.Qwen3RMSNorm,
     modeling_qwen3_moe.Qwen3MoeRMSNorm,
+    modeling_gpt_oss.GptOssRMSNorm,
 ]
+# Gemma-2 scales by (1 + weight) and rounds through fp32 as well
+_GEMMA_NORMS = [modeling_gemma2.Gemma2RMSNorm]
 
 
 def rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -25,6 +30,12 @@ def rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self._fp32_forward(hidden_states)
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def gemma_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float64:
+        return self._fp32_forward(x)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
 @contextmanager
@@ -36,12 +47,12 @@ def promote_fp32_upcasts() -> Iterator[None]:
             dtype = torch.float64
         return original_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
 
-    saved = [(cls, cls.forward) for cls in _NORMS]
+    saved = [(cls, cls.forward) for cls in _NORMS + _GEMMA_NORMS]
     try:
         torch.nn.functional.softmax = softmax
         for cls, forward in saved:
             cls._fp32_forward = forward
-            cls.forward = rms_norm_in_input_dtype
+            cls.forward = gemma_norm_in_input_dtype if cls in _GEMMA_NORMS else rms_norm_in_input_dtype
         yield
     finally:
         torch.nn.functional.softmax = original_softmax

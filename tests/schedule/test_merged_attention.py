@@ -321,8 +321,12 @@ def test_merged_refuses_unserved_features():
     prefix = type("P", (), {"keys": [torch.zeros(1, 2, 4, 8)], "values": [torch.zeros(1, 2, 4, 8)], "length": 4})()
     module = torch.nn.Module()
     module.layer_idx = 0
-    with pytest.raises(ValueError, match="merged cannot serve"):
-        ServeContext(prefix, 3, CPU, "merged").attend(module, lambda *a, **k: None, q, q, q, softcap=30.0)
+    with pytest.raises(ValueError, match=r"merged cannot serve this attention call \(kernel_dtype\)"):
+        ServeContext(prefix, 3, CPU, "merged").attend(module, lambda *a, **k: None, *[q.to(torch.int32)] * 3)
+    # what the fused kernels refuse and plain torch ops serve (softcap, sinks) runs merged all the same
+    served = ServeContext(prefix, 3, CPU, "merged")
+    out, _ = served.attend(module, lambda *a, **k: None, q, q, q, softcap=30.0, s_aux=torch.zeros(2))
+    assert out.shape == (1, 3, 2, 8) and served.merged_calls == 1 and not served.refusals
     with pytest.raises(ValueError, match="phase_b_attention"):
         ServeContext(prefix, 3, CPU, "fast")
 

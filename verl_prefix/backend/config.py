@@ -45,11 +45,13 @@ class PrefixReuseConfig(BaseConfig):
         early_exit: stop phase A after the last layer's K/V (skips that layer's MLP and the LM
             head over the prefix).
         phase_b_attention: how suffix micro-batches attend to the prefix. ``merged``: two-part
-            attention against the one shared prefix K/V, merged by log-sum-exp (no per-row copy, no
-            GQA repeat); ``concat``: ``cat(prefix.expand(B), suffix)`` per row (the reference path);
-            ``auto``: merged wherever its kernels serve the call (sdpa/flash models; sliding windows,
-            softcapping, sinks, eager attention run concat), counted as
-            ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
+            attention against the one shared prefix K/V, merged by log-sum-exp (the prefix is neither
+            copied per row nor repeated for GQA on any device; the rows' own suffix K/V are repeated to
+            the query heads on CUDA, not on CPU); logit softcapping and attention sinks run the same
+            maths in plain torch ops (scores materialised); ``concat``: ``cat(prefix.expand(B), suffix)``
+            per row, GQA heads repeated (the reference path); ``auto``: merged for sdpa/flash models
+            (where the kernels cannot serve a call, e.g. a dtype, concat), concat for eager ones, counted
+            as ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
             ``merged_varlen``: merged on the rows' real tokens packed without padding (``cu_seqlens``):
             flash-attn's varlen kernels on CUDA (needs ``flash_attn``; not yet run on a GPU here), a
             per-row reference on CPU (exact, slower than merged); raises where it cannot serve a call

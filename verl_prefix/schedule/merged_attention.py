@@ -4,9 +4,12 @@ self-attention, merged by log-sum-exp (DESIGN.md section 5).
 The concat path gives every row ``cat(prefix.expand(B), suffix)`` and repeats K/V heads for GQA, so a
 micro-batch materialises ``B x query_heads x (P + S)`` keys. Here the prefix part runs all queries of
 the micro-batch (rows and the query heads of a KV group folded into the query length) against the
-single ``[1, kv_heads, P, d]`` prefix, unmasked; the suffix part is plain causal attention per row
-(right padding is harmless: a real query never sees a later pad). With ``(o1, l1)`` and ``(o2, l2)``
-the two parts' outputs and log-sum-exps::
+single ``[1, kv_heads, P, d]`` prefix, unmasked, on every device: no per-row copy and no GQA repeat of
+the prefix (one cast of it where the kernel's dtype differs from the fp32 leaf's). The suffix part is
+plain causal attention per row (right padding is harmless: a real query never sees a later pad); its
+own K/V go in unrepeated on CPU, whose flash op takes GQA natively, and repeated to the query heads on
+CUDA (``native_gqa``): ``B x (Hq - Hkv) x S x d`` more K and V per layer there. With ``(o1, l1)`` and
+``(o2, l2)`` the two parts' outputs and log-sum-exps::
 
     l = logaddexp(l1, l2),   o = exp(l1 - l) o1 + exp(l2 - l) o2
 
@@ -19,7 +22,10 @@ backward, and the prefix part's dK/dV come out summed over rows and query heads.
 Kernels: CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``; fp64, fp32, bf16,
 fp16; ``is_causal`` is upper-left, which equals lower-right for the square suffix part), CUDA
 ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``; fp16/bf16, head_dim a multiple of 8 up
-to 256). ``merged_refusal`` says why a call cannot be served; the caller then runs the concat path.
+to 256). ``merged_refusal`` says why these kernels cannot serve a call; the caller then runs the concat
+path. Logit softcapping and attention sinks, which none of them takes, run ``scored_merged_attention``
+instead: the same two parts and merge in plain torch ops (each part's scores capped before its own
+log-sum-exp, sinks a third part), no repeat on any device, but the scores materialised.
 """
 
 from __future__ import annotations
@@ -215,6 +221,62 @@ class MergedAttention(torch.autograd.Function):
         return dq, dk_p.to(prefix_key.dtype), dv_p.to(prefix_value.dtype), dk_s, dv_s, None
 
 
+def cap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logit softcapping as Gemma-2's eager attention and flash-attn's ``softcap`` apply it:
+    ``softcap * tanh(scores / softcap)``, before any mask. ``None`` (or 0, flash-attn's "off") is the identity."""
+    if not softcap:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
+def scored_part(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, softcap: float | None, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part's ``(out, lse)`` in plain torch ops (autograd's own backward), scores capped before the
+    part's own log-sum-exp. ``causal``: query i sees keys 0..i (the square suffix part)."""
+    scores = cap_scores(torch.matmul(query, key.transpose(-1, -2)) * scale, softcap)
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value), lse
+
+
+def scored_merged_attention(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The two-part attention with logit softcapping and/or attention sinks, which no fused kernel here
+    takes: each part's scores are built in plain torch ops (at least fp32) and capped before the part's own
+    log-sum-exp, so the merge stays exact; sinks (one logit per query head, no value) are a third part of
+    the merge. Same layout and GQA handling as ``MergedAttention`` (prefix queries folded against the ONE
+    prefix, suffix K/V shared by a KV group's query heads by broadcasting: no repeat on any device), but the
+    scores are materialised: ``B x Hq x S x (P + S)`` in fp32 per layer, saved for backward."""
+    rows, heads, length, dim = query.shape
+    kv_heads = prefix_key.shape[1]
+    work = torch.promote_types(query.dtype, torch.float32)
+    q = query.to(work)
+    out1, lse1 = scored_part(
+        fold_queries(q, kv_heads), prefix_key.to(work), prefix_value.to(work), scale, softcap, causal=False
+    )
+    out1, lse1 = unfold_queries(out1, rows, heads), unfold_queries(lse1, rows, heads)
+    grouped = q.reshape(rows, kv_heads, heads // kv_heads, length, dim)
+    out2, lse2 = scored_part(
+        grouped, suffix_key.to(work).unsqueeze(2), suffix_value.to(work).unsqueeze(2), scale, softcap, causal=True
+    )
+    out, lse = merge(out1, lse1, out2.reshape(query.shape), lse2.reshape(query.shape[:3]))
+    if sinks is not None:
+        total = torch.logaddexp(lse, sinks.to(work).reshape(1, heads, 1))
+        out = out * torch.exp(lse - total).unsqueeze(-1)
+    return out.to(query.dtype)
+
+
 def merged_attention(
     query: torch.Tensor,
     prefix_key: torch.Tensor,
@@ -222,15 +284,27 @@ def merged_attention(
     suffix_key: torch.Tensor,
     suffix_value: torch.Tensor,
     scaling: float | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HF layout in, HF layout out: query ``[B, Hq, S, d]``, prefix K/V ``[1, Hkv, P, d]``, suffix K/V
     ``[B, Hkv, S, d]`` -> ``[B, S, Hq, d]`` in the query's dtype. A prefix leaf held in fp32 goes in as it
-    is (no per-micro-batch copy is saved for backward) and its gradient comes back in fp32."""
+    is (no per-micro-batch copy is saved for backward) and its gradient comes back in fp32. ``softcap``
+    (Gemma-2's ``attn_logit_softcapping``) or ``sinks`` (``s_aux``, one logit per query head) run
+    ``scored_merged_attention`` (plain torch ops, any device and dtype); otherwise the device's flash
+    kernels (``MergedAttention``)."""
     heads, kv_heads = query.shape[1], suffix_key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
     groups = heads // kv_heads
     dtype = query.dtype
+    if softcap or sinks is not None:
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        out = scored_merged_attention(
+            query, prefix_key, prefix_value, suffix_key.to(dtype), suffix_value.to(dtype), scale, softcap, sinks
+        )
+        return out.transpose(1, 2).contiguous()
     suffix_key, suffix_value = suffix_key.to(dtype), suffix_value.to(dtype)
     if groups > 1 and not native_gqa(query):
         suffix_key = suffix_key.repeat_interleave(groups, dim=1)

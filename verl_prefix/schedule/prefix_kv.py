@@ -23,7 +23,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
-from verl_prefix.schedule.merged_attention import merged_attention, merged_refusal
+from verl_prefix.schedule.attention_keywords import (
+    AttentionKeywordRefused,
+    check_attention_keywords,
+    dense_keywords,
+    scored_keywords,
+    window_covers,
+)
+from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
 from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
 from verl_prefix.schedule.varlen_attention import Packing, merged_varlen_attention, varlen_refusal
 
@@ -37,13 +44,15 @@ PHASE_B_ATTENTION = ("auto", "merged", "concat", "merged_varlen")
 _LOGGED_REFUSALS: set[str] = set()
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
-# flash-attention models are served through sdpa: phase B's keys are ``cat(prefix, suffix)`` per row,
-# which torch's sdpa takes with a bottom-right causal bias (its own flash kernel on CUDA, exact elsewhere).
+# flash-attention models get their own name, since flash attention applies keywords sdpa ignores (softcap,
+# sinks: ``attention_keywords``); their maths otherwise run through torch's sdpa: phase B's keys are
+# ``cat(prefix, suffix)`` per row, which sdpa takes with a bottom-right causal bias (its own flash kernel
+# on CUDA, exact elsewhere).
 PREFIX_ATTENTION_NAMES = {
     "sdpa": "verl_prefix_sdpa",
     "eager": "verl_prefix_eager",
-    "flash_attention_2": "verl_prefix_sdpa",
-    "flash_attention_3": "verl_prefix_sdpa",
+    "flash_attention_2": "verl_prefix_flash",
+    "flash_attention_3": "verl_prefix_flash",
 }
 
 
@@ -169,10 +178,17 @@ class CaptureContext:
             raise PrefixCaptured
         return self._attention(module, base, query, key, value, **kwargs)
 
+    def key_span(self, query_len: int) -> int:
+        """How many keys the last real query of a ``query_len``-query call sees (itself included)."""
+        return query_len if self.length is None else self.length
+
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prefix (or its first chunk) attends causally to itself."""
+        if base is sdpa_attention_forward and scored_keywords(kwargs):
+            keep = causal_keep_mask(query.shape[2], 0, query.device)
+            return scored_attention(module, query, key, value, keep, **kwargs)
         mask = None  # sdpa: a single unpadded row takes the causal fast path
         if base is not sdpa_attention_forward:
             mask = _as_eager_mask(causal_keep_mask(query.shape[2], 0, query.device), query.dtype)
@@ -198,6 +214,9 @@ class ChunkCaptureContext(CaptureContext):
         super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
         padded = query_len if ulysses is None else ulysses.padded(query_len)
         self.serve = ServeContext(earlier, padded, device, attention, ulysses=ulysses)
+
+    def key_span(self, query_len: int) -> int:
+        return self.serve.prefix.length + super().key_span(query_len)
 
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
@@ -261,10 +280,28 @@ class ServeContext:
         """The explicit mask eager attention adds (sdpa takes it as a causal bias instead)."""
         return causal_keep_mask(self.query_len, self.prefix.length, self.device)
 
+    def key_span(self, query_len: int) -> int:
+        """How many keys the longest real row's last query sees: the prefix and the row (under Ulysses the
+        attention width is padded past the rows' real tokens, ``row_lengths`` says how far they reach)."""
+        if self.ulysses is None or self.row_lengths is None:
+            return self.prefix.length + query_len
+        return self.prefix.length + self.longest_row
+
+    @functools.cached_property
+    def longest_row(self) -> int:
+        """The longest row's real token count (read once per micro-batch, and only where a window asks)."""
+        return max(int(n) for n in self.row_lengths)
+
     def _merged_refusal(self, base: Callable, query: torch.Tensor, kwargs: dict) -> str | None:
         if self.attention == "concat":
             return "concat"
-        reason = merged_refusal(query, kwargs)
+        if scored_keywords(kwargs):
+            reason = None  # softcap/sinks: merged's maths in plain torch ops, which need no kernel
+        else:
+            # a window covering every key of the call changes nothing (the kernels take none)
+            window = kwargs.get("sliding_window")
+            covered = window is None or window_covers(kwargs, self.key_span(query.shape[2]))
+            reason = merged_refusal(query, {k: v for k, v in kwargs.items() if not (covered and k == "sliding_window")})
         if reason is None and self.attention == "auto" and base is not sdpa_attention_forward:
             reason = "eager"  # the model asked for eager attention's numerics; merged is sdpa's maths
         if reason is not None and self.attention == "merged":
@@ -295,7 +332,16 @@ class ServeContext:
         reason = self._merged_refusal(base, query, kwargs)
         if reason is None:
             self.merged_calls += 1
-            out = merged_attention(query, prefix_key, prefix_value, key, value, kwargs.get("scaling"))
+            out = merged_attention(
+                query,
+                prefix_key,
+                prefix_value,
+                key,
+                value,
+                kwargs.get("scaling"),
+                softcap=kwargs.get("softcap"),
+                sinks=kwargs.get("s_aux"),
+            )
             return out, None
         if reason != "concat":
             self.refusals.add(reason)
@@ -306,6 +352,8 @@ class ServeContext:
         # leaves may be held in fp32 (fp32 dK/dV accumulation): attend in the suffix's dtype
         key = torch.cat([prefix_key.to(key.dtype).expand(rows, -1, -1, -1), key], dim=2)
         value = torch.cat([prefix_value.to(value.dtype).expand(rows, -1, -1, -1), value], dim=2)
+        if base is sdpa_attention_forward and scored_keywords(kwargs):
+            return scored_attention(module, query, key, value, self.keep, **kwargs)
         if base is sdpa_attention_forward:
             return sdpa_lower_right(module, query, key, value, **kwargs)
         return base(module, query, key, value, _as_eager_mask(self.keep, query.dtype), **kwargs)
@@ -334,6 +382,41 @@ def sdpa_lower_right(
     return out.transpose(1, 2).contiguous(), None
 
 
+def scored_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keep: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention with logit softcapping and/or sinks, which torch's sdpa does not take, in plain torch ops:
+    scores (at least fp32) capped as ``softcap * tanh(s / softcap)``, then the boolean ``keep`` mask
+    (``causal_keep_mask``), sinks as one more logit per query head with no value, softmax, values; the output
+    rounded to the query's dtype once. What flash attention computes for these keywords; K/V heads repeated
+    for GQA and the scores materialised (``B x Hq x S x K``), as eager attention does. ``dropout`` must be 0
+    (``attention_keywords`` refuses any other rate before a context attends)."""
+    if dropout:
+        raise AttentionKeywordRefused("dropout", dropout, "scored attention has no dropout")
+    groups = query.shape[1] // key.shape[1]
+    work = torch.promote_types(query.dtype, torch.float32)
+    key, value = repeat_kv(key.to(work), groups), repeat_kv(value.to(work), groups)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = cap_scores(torch.matmul(query.to(work), key.transpose(-1, -2)) * scale, softcap)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if s_aux is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sinks = s_aux.to(work).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    out = torch.matmul(probs, value).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _make_prefix_attention(base_kind: str) -> Callable:
     def prefix_attention(
         module: nn.Module,
@@ -349,12 +432,27 @@ def _make_prefix_attention(base_kind: str) -> Callable:
                 "verl_prefix attention was called without a prefix context: the model's attention "
                 "implementation was left switched to prefix mode outside the reuse schedule"
             )
-        base = sdpa_attention_forward if base_kind == "sdpa" else _eager_for(module)
+        # every keyword is honoured or refused (``attention_keywords``); flash models' maths run through
+        # sdpa, or through ``scored_attention`` where flash applies what sdpa cannot (softcap, sinks)
+        base = _eager_for(module) if base_kind == "eager" else sdpa_attention_forward
+        kwargs = dense_keywords(base_kind, kwargs)
+        if base_kind != "eager" and scored_keywords(kwargs) and "scored" not in _LOGGED_REFUSALS:
+            _LOGGED_REFUSALS.add("scored")
+            logger.warning(
+                "prefix attention applies softcap/sinks as %s attention does, in plain torch ops: exact, but the "
+                "scores are materialised (batch x heads x queries x keys in fp32 per layer)",
+                base_kind,
+            )
         ulysses = ctx.ulysses
         if ulysses is None:
+            check_attention_keywords(module, kwargs, lambda: ctx.key_span(query.shape[2]))
             return ctx.attend(module, base, query, key, value, **kwargs)
+        if kwargs.get("s_aux") is not None:
+            reason = "attention sinks under Ulysses (one sink per head, not split into head shards)"
+            raise AttentionKeywordRefused("s_aux", kwargs["s_aux"], reason)
         query, key, value = ulysses.heads_in(query, key, value)
         shard = ShardedAttentionModule(module, query.shape[1], key.shape[1])
+        check_attention_keywords(shard, kwargs, lambda: ctx.key_span(query.shape[2]))
         out, weights = ctx.attend(shard, base, query, key, value, **kwargs)
         return ulysses.heads_out(out), weights
 
@@ -364,6 +462,7 @@ def _make_prefix_attention(base_kind: str) -> Callable:
 
 AttentionInterface.register("verl_prefix_sdpa", _make_prefix_attention("sdpa"))
 AttentionInterface.register("verl_prefix_eager", _make_prefix_attention("eager"))
+AttentionInterface.register("verl_prefix_flash", _make_prefix_attention("flash"))
 
 
 def _configs_of(model: nn.Module) -> list:
