@@ -181,7 +181,9 @@ class CaptureContext:
 
 class ChunkCaptureContext(CaptureContext):
     """Phase A in chunks: a later chunk records its own K/V like ``CaptureContext`` and attends to the
-    earlier chunks' K/V (held as leaves) exactly as a suffix row attends to the prefix in phase B."""
+    earlier chunks' K/V (held as leaves) exactly as a suffix row attends to the prefix in phase B: the
+    chunk is one row of ``query_len`` real tokens (padded at the end to the SP size under sequence
+    parallelism), which is also how ``merged_varlen`` packs it."""
 
     def __init__(
         self,
@@ -197,7 +199,7 @@ class ChunkCaptureContext(CaptureContext):
         # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
         super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
         padded = query_len if ulysses is None else ulysses.padded(query_len)
-        self.serve = ServeContext(earlier, padded, device, attention, ulysses=ulysses)
+        self.serve = ServeContext(earlier, padded, device, attention, ulysses=ulysses, row_lengths=[query_len])
 
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
