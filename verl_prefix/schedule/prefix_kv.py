@@ -195,11 +195,14 @@ class ChunkCaptureContext(CaptureContext):
         attention: str = "auto",
         ready: Callable[[], bool] = lambda: True,
         ulysses: Ulysses | None = None,
+        refusal: str | None = None,
     ) -> None:
         # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
         super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
         padded = query_len if ulysses is None else ulysses.padded(query_len)
-        self.serve = ServeContext(earlier, padded, device, attention, ulysses=ulysses, row_lengths=[query_len])
+        self.serve = ServeContext(
+            earlier, padded, device, attention, ulysses=ulysses, row_lengths=[query_len], refusal=refusal
+        )
 
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
@@ -217,7 +220,9 @@ class ServeContext:
     runs the same two-part attention on the rows' real tokens packed without padding
     (``varlen_attention``; flash-attn varlen on CUDA) and raises where it cannot. ``row_lengths``: each
     row's real token count (``SuffixBatch.tokens.sum(1)``), which ``merged_varlen`` needs; the attention
-    call must see the ``query_len``-wide rows these lengths describe."""
+    call must see the ``query_len``-wide rows these lengths describe. ``refusal``: why the merged kernels
+    cannot serve on some data-parallel rank, agreed by every rank before the mini-batch
+    (``ScheduleOptions.phase_b_refusal``): ``auto`` runs concat for it, so every rank takes the same path."""
 
     def __init__(
         self,
@@ -228,6 +233,7 @@ class ServeContext:
         *,
         ulysses: Ulysses | None = None,
         row_lengths: torch.Tensor | list[int] | None = None,
+        refusal: str | None = None,
     ) -> None:
         if attention not in PHASE_B_ATTENTION:
             raise ValueError(f"phase_b_attention must be one of {PHASE_B_ATTENTION}, got {attention!r}")
@@ -237,6 +243,7 @@ class ServeContext:
         self.device = device
         self.attention = attention
         self.row_lengths = row_lengths
+        self.refusal = refusal
         self.merged_calls = 0
         self.varlen_calls = 0
         self.refusals: set[str] = set()
@@ -247,7 +254,7 @@ class ServeContext:
         return Packing.from_lengths(self.row_lengths, self.query_len, self.device)
 
     def _varlen_refusal(self, query: torch.Tensor, kwargs: dict) -> None:
-        reason = varlen_refusal(query, kwargs)
+        reason = self.refusal or varlen_refusal(query, kwargs)
         if reason is None and self.row_lengths is None:
             reason = "no_row_lengths"
         if reason is None and query.shape[2] != self.query_len:
@@ -266,7 +273,7 @@ class ServeContext:
     def _merged_refusal(self, base: Callable, query: torch.Tensor, kwargs: dict) -> str | None:
         if self.attention == "concat":
             return "concat"
-        reason = merged_refusal(query, kwargs)
+        reason = self.refusal or merged_refusal(query, kwargs)
         if reason is None and self.attention == "auto" and base is not sdpa_attention_forward:
             reason = "eager"  # the model asked for eager attention's numerics; merged is sdpa's maths
         if reason is not None and self.attention == "merged":
