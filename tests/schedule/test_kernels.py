@@ -106,3 +106,31 @@ def test_preflight_explains_what_refused(monkeypatch):
     assert reason == "kernel_dtype" and "fp16/bf16, the model computes in torch.float32" in text
     # CPU: the CPU flash op serves every float dtype
     assert preflight.phase_b_kernel_refusal("merged_varlen", torch.device("cpu"), torch.float64, 12, True) is None
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 4])
+def test_an_agreed_refusal_makes_auto_run_concat(chunk_tokens):
+    """``ScheduleOptions.phase_b_refusal`` (what the ranks agreed before the mini-batch): ``auto`` runs concat for
+    it in every micro-batch and prefix chunk, counted as ``concat_<reason>``, exact against plain HF."""
+    from helpers.layouts import make_layout, token_weights
+    from helpers.precision import promote_fp32_upcasts
+    from helpers.schedule_runs import train_reuse
+    from test_schedule_hf import dense_grads, tiny_model, weighted_loss, worst_relative
+
+    from verl_prefix.schedule.telemetry import PhaseMeter
+
+    model = tiny_model("qwen3", "sdpa", torch.float64)
+    layout = make_layout([(13, [4, 7, 1, 6, 3]), (8, [5, 3, 6])])
+    weights = token_weights(layout, torch.float64)
+    meter = PhaseMeter(torch.device("cpu"))
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        got, plan = train_reuse(
+            model, layout, weighted_loss(weights), rows=2, calculate_entropy=True, meter=meter,
+            phase_b_refusal="kernel_arch", prefix_chunk_tokens=chunk_tokens,
+        )  # fmt: skip
+    assert len(plan.groups) == 2 and worst_relative(got, want) < 1e-10
+    micro_batches = sum(len(g.micro_batches) for g in plan.groups)
+    assert meter.counts["prefix/phase_b_attention/concat"] == micro_batches == 5
+    assert meter.counts["prefix/phase_b_attention/concat_kernel_arch"] == micro_batches
+    assert not meter.counts.get("prefix/phase_b_attention/merged")
