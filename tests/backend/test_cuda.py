@@ -14,7 +14,7 @@ from helpers.reuse import assert_reuse_ran
 from test_engine_exactness import compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend.kernel_agreement import KernelRefused
+from verl_prefix.backend.agreement import KernelRefused
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.tools import testing as T
 from verl_prefix.tools.bench_presets import BF16

@@ -4,23 +4,17 @@
 must run the same collectives, so wherever a rank recomputes a group slot, every rank recomputes
 that slot (``auto`` decides per rank from its own group's estimate, then takes the max). ``keep`` and
 ``offload`` issue the same collectives and need no agreement.
-
-The recompute check is agreed too (``AgreedDormant``): a mismatch that one rank sees (an MoE top-k flip, a
-nondeterministic kernel) stops every rank with the same ``RecomputeMismatch`` before phase C's backward.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_prefix.backend.validation import gather_flagged
-from verl_prefix.schedule.dormant import Dormant, choose_policy, estimate_prefix_graph_bytes
+from verl_prefix.schedule.dormant import choose_policy, estimate_prefix_graph_bytes
 from verl_prefix.schedule.grouping import BatchPlan
 
 logger = logging.getLogger(__name__)
@@ -77,24 +71,3 @@ def _log_once(reason: str, message: str) -> None:
     if reason not in LOGGED_REASONS:
         LOGGED_REASONS.add(reason)
         logger.warning("dormant_prefix=auto: %s", message)
-
-
-class RecomputeMismatch(RuntimeError):
-    """Raised on every data-parallel rank when phase C's recomputed prefix differed from phase A's on any rank."""
-
-
-@dataclass
-class AgreedDormant(Dormant):
-    """``Dormant`` whose recompute check is agreed over ``group``: ranks recompute the same group slots and
-    chunks (``agree_on_policies``, lockstep chunk counts), so each recompute's verdict is one flag all-reduce
-    (the messages are gathered only on a mismatch), and every rank raises the same ``RecomputeMismatch``
-    naming the ranks, before phase C's backward and its reduce-scatters; none is left waiting in them."""
-
-    group: Any = None
-
-    def settle_recompute(self, mismatch: str | None) -> None:
-        flagged = gather_flagged(mismatch, self.group)
-        if not flagged:
-            return
-        ranks = ", ".join(str(rank) for rank, _ in flagged)
-        raise RecomputeMismatch(f"rank(s) {ranks} (every data-parallel rank stops): {flagged[0][1]}")

@@ -35,10 +35,10 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks
+from verl_prefix.backend.agreement import AgreedDormant, agree_on_kernels, model_head_dim
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
-from verl_prefix.backend.dormant import AgreedDormant, agree_on_policies
+from verl_prefix.backend.dormant import agree_on_policies
 from verl_prefix.backend.inputs import per_row_temperature
-from verl_prefix.backend.kernel_agreement import agree_on_kernels, model_head_dim
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import (
     as_micro_batch_lists,
@@ -49,7 +49,7 @@ from verl_prefix.backend.outputs import (
 )
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
-from verl_prefix.schedule.dormant import DormantStats, default_store, refuse_offload_on, validate_policy
+from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
@@ -488,7 +488,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     # -- lockstep fillers: FSDP collectives must match across ranks -----------------------------------
 
     def _dummy_group(
-        self, num_micro: int, prefix_chunks: int, forward_only: bool, options: ScheduleOptions, dormant: AgreedDormant
+        self, num_micro: int, prefix_chunks: int, forward_only: bool, options: ScheduleOptions, dormant: Dormant
     ) -> None:
         """A filler group slot, run with the filler options. With the aux on, real groups' phase A runs to
         the last router and phase C seeds the router leaf: the filler (``options.routers`` set) touches the

@@ -232,21 +232,6 @@ class Dormant:
         if self.stats is not None:
             self.stats.note_held_in_b(self.policy, phase_a_bytes + micro_batch_bytes)
 
-    def phase_c_prefix(self, prefix: PrefixKV, rerun: Callable[[], PrefixKV]) -> PrefixKV:
-        """The graph-attached prefix phase C backpropagates through: phase A's own, or (``recompute``)
-        ``rerun()`` under grad, checked against what phase B attended to."""
-        if self._store is not None:
-            if self.stats is not None:
-                self.stats.offloaded_bytes += self._store.offloaded_bytes
-            self._store = None  # the graph holds its entries; nothing else should
-        if self.policy != "recompute":
-            return prefix
-        with torch.enable_grad():
-            recomputed = rerun()
-        if self.check_recompute:
-            self.settle_recompute(self.recompute_mismatch(prefix, recomputed))
-        return recomputed
-
     def recompute_mismatch(self, prefix: PrefixKV, recomputed: PrefixKV) -> str | None:
         """The error when phase C's recomputed boundary tensors are not the ones phase B attended to, else None
         (the largest difference goes to the stats either way)."""
@@ -264,10 +249,25 @@ class Dormant:
 
     def settle_recompute(self, mismatch: str | None) -> None:
         """Raise a recompute mismatch. Called on every recompute, mismatch or not, so that a data-parallel
-        engine can agree first (``verl_prefix.backend.dormant.AgreedDormant``): a mismatch on one rank only (an
+        engine can agree first (``verl_prefix.backend.agreement.AgreedDormant``): a mismatch on one rank only (an
         MoE top-k flip, a nondeterministic kernel) must stop every rank before phase C's backward."""
         if mismatch is not None:
             raise RuntimeError(mismatch)
+
+    def phase_c_prefix(self, prefix: PrefixKV, rerun: Callable[[], PrefixKV]) -> PrefixKV:
+        """The graph-attached prefix phase C backpropagates through: phase A's own, or (``recompute``)
+        ``rerun()`` under grad, checked against what phase B attended to."""
+        if self._store is not None:
+            if self.stats is not None:
+                self.stats.offloaded_bytes += self._store.offloaded_bytes
+            self._store = None  # the graph holds its entries; nothing else should
+        if self.policy != "recompute":
+            return prefix
+        with torch.enable_grad():
+            recomputed = rerun()
+        if self.check_recompute:
+            self.settle_recompute(self.recompute_mismatch(prefix, recomputed))
+        return recomputed
 
 
 def estimate_prefix_graph_bytes(model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None) -> int:

@@ -1,23 +1,30 @@
-"""Data-parallel ranks agree on which phase-B attention kernels run, before the schedule's collectives.
+"""Decisions one rank's machine makes, agreed across data-parallel ranks before they can split them
+(DESIGN trap 15: a rank that raises between two collectives leaves its peers waiting).
 
-Whether torch's flash kernels serve the model (the GPU's architecture, a ROCm build, an activated flash
-implementation, a node with another flash-attn or none) is found per rank. Found inside an attention call, a
-refusal would stop one rank in the middle of FSDP's collectives while its peers wait (DESIGN trap 15). So each
-rank asks first (``verl_prefix.schedule.preflight``), once per engine, attention setting, compute dtype and
-pass kind, and the ranks share their answers: with ``auto`` every rank runs concat with the first refusing
+Phase-B kernels. Whether torch's flash kernels serve the model (the GPU's architecture, a ROCm build, an
+activated flash implementation, a node with another flash-attn or none) is found per rank. Found inside an
+attention call, a refusal would stop one rank in the middle of FSDP's collectives. So each rank asks first
+(``verl_prefix.schedule.preflight``), once per engine, attention setting, compute dtype and pass kind, and the
+ranks share their answers (``agree_on_kernels``): with ``auto`` every rank runs concat with the first refusing
 rank's reason (``prefix/phase_b_attention/concat_<reason>`` on every rank); with ``merged`` or
 ``merged_varlen`` every rank raises the same ``KernelRefused`` naming the refusing ranks and why.
+
+The recompute check (``AgreedDormant``). Under ``dormant_prefix=recompute`` phase C re-runs the prefix and
+checks it against what phase B attended to; a mismatch that one rank sees (an MoE top-k flip, a
+nondeterministic kernel) stops every rank with the same ``RecomputeMismatch`` before phase C's backward.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from verl_prefix.backend.validation import gather_flagged
+from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.preflight import phase_b_kernel_refusal
 
 logger = logging.getLogger(__name__)
@@ -75,3 +82,25 @@ def agree_on_kernels(
         f"prefix_reuse.phase_b_attention={attention} cannot run on every data-parallel rank (every rank stops): "
         f"{where}. Use auto (concat where the kernels do not serve) or concat."
     )
+
+
+class RecomputeMismatch(RuntimeError):
+    """Raised on every data-parallel rank when phase C's recomputed prefix differed from phase A's on any rank."""
+
+
+@dataclass
+class AgreedDormant(Dormant):
+    """``Dormant`` whose recompute check is agreed over ``group``: ranks recompute the same group slots and
+    chunks (``backend.dormant.agree_on_policies``, lockstep chunk counts), so each recompute's verdict is one
+    flag all-reduce (the messages are gathered only on a mismatch), and every rank raises the same
+    ``RecomputeMismatch`` naming the ranks, before phase C's backward and its reduce-scatters; none is left
+    waiting in them."""
+
+    group: Any = None
+
+    def settle_recompute(self, mismatch: str | None) -> None:
+        flagged = gather_flagged(mismatch, self.group)
+        if not flagged:
+            return
+        ranks = ", ".join(str(rank) for rank, _ in flagged)
+        raise RecomputeMismatch(f"rank(s) {ranks} (every data-parallel rank stops): {flagged[0][1]}")
