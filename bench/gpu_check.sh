@@ -6,8 +6,10 @@
 # then `verl-prefix bench --preset gpu`, and leaves in $OUT (at most 8 files come back):
 #   env.txt          nvidia-smi, python3 -m pip list, the versions verl_prefix imports
 #   smoke.log/.json  the CUDA sanity step
-#   cuda_tests.log   tests/backend/test_cuda.py on the GPU (exactness, bf16 drift, allocator peaks, NCCL), then
-#                    the offload residency check tests/schedule/test_offload_cuda.py (appended)
+#   cuda_tests.log   tests/backend/test_cuda.py on the GPU (exactness, bf16 error vs an fp32 run with the phase-B
+#                    attention each case ran, allocator peaks, NCCL), the CUDA varlen kernels against the CPU
+#                    reference, the kernel checks of tests/schedule/test_kernels.py, then the offload residency
+#                    check tests/schedule/test_offload_cuda.py (appended)
 #   gpu_bench.log    the gpu preset's log (per-rep times; all that is left if the bench is cut short)
 #   gpu.json         the result, rewritten after every cell ("complete": false while cells are missing)
 #   benchmarks.md    a copy of docs/benchmarks.md with the gpu table written in by the CLI (between
@@ -17,8 +19,10 @@
 # The gpu preset's cells run three engines side by side (issue 14): the stock fsdp2 engine and
 # prefix_fsdp2 with prefix_reuse.phase_b_attention=merged and =concat, interleaved rep by rep (rotating
 # order), each timed for one update and one forward-only pass; the table has one row per cell and engine.
-# A fourth, prefix_fsdp2 with =merged_varlen (flash-attn's varlen kernels), runs where flash_attn imports;
-# the kit does not carry flash-attn, so without it the cell logs the skip (gpu.json: skipped_variants).
+# A fourth, prefix_fsdp2 with =merged_varlen (packed suffixes), runs on torch's own varlen flash attention
+# (torch >= 2.10: the device's torch 2.11 has it) or else flash-attn >= 2.7; where neither serves the cell logs
+# the skip (gpu.json: skipped_variants). Every variant's gradients are checked against the stock engine
+# (gpu.json: grad_check, bf16 tolerance 0.5, a gross-error bound); the bench exits 1 when one fails.
 #
 # Time (one run may last 600 s; the session has 15 min of device time, machine start included).
 # FLOPs from verl_prefix.tools.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,
@@ -28,15 +32,16 @@
 # Warm-up + 3 reps is ~205 s of compute, plus ~10 s of pip install, ~45 s of smoke and version checks,
 # ~20 s of imports, ~25 s writing the 7.6 GB random model and 6 engine builds of 15-30 s: ~435 s when all
 # goes to plan; three engines hold ~41 GB of fp32 weights and gradients. With merged_varlen running as a
-# fourth engine: ~25 PFLOP (~63 s) per rep, ~250 s of compute, ~500 s in all, ~55 GB. Default REPS=3; run the headline
-# cell alone (CELLS="P10240/S2048/G16") if the GPU runs slower than that. The bench is also stopped
+# fourth engine (the default now that torch's varlen attention serves it): ~25 PFLOP (~63 s) per rep, ~250 s of
+# compute, ~500 s in all (~550 s with the longer CUDA tests), ~55 GB. Default REPS=3; run the headline cell
+# alone first (CELLS="P10240/S2048/G16"), and whenever the GPU runs slower than that. The bench is also stopped
 # (SIGINT, so Python prints where it was) when BUDGET seconds of this script have passed, so that the
 # logs still come back inside the call. The offload residency check (OFFLOAD_TESTS) adds up to a minute before
 # the bench, out of the same BUDGET; with the full gpu preset set OFFLOAD_TESTS=0 or run it on its own first.
 #
 # Overrides (env): REPS=3, BUDGET=560 (seconds for the whole script), PRESET=gpu, CELLS (space-separated
 # cell names; empty runs them all, the headline P10240/S2048/G16 first), SMOKE=1 (0 skips the sanity
-# step), CUDA_TESTS=1 (0 skips tests/backend/test_cuda.py, about a minute), OFFLOAD_TESTS=1 (0 skips the offload
+# step), CUDA_TESTS=1 (0 skips the CUDA tests, about 1-2 minutes), OFFLOAD_TESTS=1 (0 skips the offload
 # residency check: dormant_prefix=offload's real CUDA store, pinned memory, side stream and events, never run on a
 # GPU before; exactness, no parameter byte moved, nothing of the prefix graph on the device in phase B by the
 # store's log and by the allocator's per-phase peaks against keep; under a minute), BENCH=1 (0 skips the preset:
@@ -148,12 +153,14 @@ if [ "$SMOKE" = 1 ]; then
 fi
 
 if [ "$CUDA_TESTS" = 1 ]; then
-  step "tests/backend/test_cuda.py: exactness vs the stock engine on CUDA, bf16 drift, allocator peaks, NCCL"
+  step "CUDA tests: exactness vs the stock engine, bf16 vs fp32, the varlen kernels, allocator peaks, NCCL"
   rc=0
-  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 150 \
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/backend/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" || rc=$?
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 200 \
+    "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/backend/test_cuda.py tests/schedule/test_kernels.py \
+    tests/schedule/test_varlen_attention.py::test_cuda_varlen_matches_cpu_reference 2>&1 \
+    | tee "$OUT/cuda_tests.log" || rc=$?
   # a failing test is a finding to read, not a reason to skip the benchmark
-  [ "$rc" = 0 ] || echo "gpu_check: tests/backend/test_cuda.py exited $rc (see cuda_tests.log); going on" >&2
+  [ "$rc" = 0 ] || echo "gpu_check: the CUDA tests exited $rc (see cuda_tests.log); going on" >&2
 fi
 
 if [ "$OFFLOAD_TESTS" = 1 ]; then

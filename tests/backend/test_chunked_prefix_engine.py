@@ -81,12 +81,35 @@ def test_chunks_with_checkpointing_and_moe_aux(tiny_model, policy):
     assert gates and all(results["chunked"]["grads"][n].norm() > 0 for n in gates)
 
 
-def _rank_body(rank: int, model_dir: str, policy: str) -> dict:
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_chunked_prefix_through_merged_varlen_matches_stock_fsdp2(tiny_model, policy, dtype):
+    """``phase_b_attention=merged_varlen`` with chunks of 3 (issue 20 item 3): every later chunk attends to the
+    earlier chunks as one packed varlen row, the suffixes as packed rows; stock fsdp2's gradients."""
+    model_dir = tiny_model("qwen3", num_kv_heads=2)
+    batch = grpo_batch()
+    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=3, phase_b_attention="merged_varlen")
+    set_policy(prefix, policy)
+    with promote_fp32_upcasts():
+        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    assert worst_relative(got["grads"], want["grads"]) < TOL[dtype]
+    metrics = got["reduced_metrics"]
+    check_reuse_ran(metrics, policy, 3.0)
+    check_chunked(metrics, 3.0 + 2.0 + 4.0)
+    assert metrics["prefix/phase_b_attention/merged_varlen"] > 0 == metrics["prefix/phase_b_attention/concat"]
+
+
+def _rank_body(rank: int, model_dir: str, policy: str, chunk_tokens: int = 8, attention: str = "auto") -> dict:
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True)
     batch = rank_batch(rank)
     dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
-    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4, prefix_chunk_tokens=8)
+    prefix.reuse_config = PrefixReuseConfig(
+        min_prefix_len=4, prefix_chunk_tokens=chunk_tokens, phase_b_attention=attention
+    )
     set_policy(prefix, policy)
     with promote_fp32_upcasts():
         want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
@@ -112,6 +135,20 @@ def test_two_ranks_with_different_chunk_counts(tiny_model, policy):
         assert results[rank]["worst_lp"] < 1e-10, rank
     assert results[0]["metrics"]["prefix/prefix_chunks"] == 5.0  # slot 1 (4-token prefix) runs whole on both
     assert results[1]["metrics"]["prefix/prefix_chunks"] == 5.0  # its 2-chunk group padded to rank 0's 5
+
+
+def test_two_ranks_merged_varlen_where_one_rank_holds_only_filler_chunks(tiny_model):
+    """Chunks of 12 with ``merged_varlen`` (issue 20 item 3): rank 0's 39-token prefix runs 4 chunks, the later
+    three attending to the earlier ones through the varlen path; rank 1's 11-token prefix is one chunk plus three
+    one-token filler chunks, none of which reaches that path. Before the chunk context had row lengths, rank 0
+    raised at its second chunk and rank 1 was left in FSDP2's collectives; now both finish, exact (fp64)."""
+    results = run_two_ranks(_rank_body, str(tiny_model("qwen3")), "keep", 12, "merged_varlen")
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-10, rank
+        assert results[rank]["worst_lp"] < 1e-10, rank
+        metrics = results[rank]["metrics"]
+        assert metrics["prefix/prefix_chunks"] == 4.0, rank  # rank 1: 1 real chunk + 3 fillers
+        assert metrics["prefix/phase_b_attention/merged_varlen"] > 0 == metrics["prefix/phase_b_attention/concat"]
 
 
 pytestmark = pytest.mark.timeout(900)

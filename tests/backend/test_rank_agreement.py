@@ -87,3 +87,110 @@ def test_a_bad_batch_on_one_rank_stops_both_with_the_same_error(tiny_model):
 
 
 pytestmark = pytest.mark.timeout(600)
+
+
+# -- decisions one rank's machine makes (issue 20 item 4): a recompute mismatch, a kernel refusal ------------------
+
+
+def _trip_on_this_rank(case: str) -> None:
+    """What rank 1 alone sees in ``case``: its recompute differs (an MoE top-k flip reads as an infinite
+    difference), its GPU refuses torch's flash kernels (pre-Ampere: every merged call), its node has no
+    varlen kernel (no flash_attn, torch < 2.10)."""
+    from verl_prefix.schedule import dormant, prefix_kv
+    from verl_prefix.schedule import merged_attention as MA
+    from verl_prefix.schedule import varlen_attention as V
+
+    if case == "recompute_mismatch":
+        dormant.kv_difference = lambda phase_a, recomputed: float("inf")
+    elif case in ("auto_kernel_arch", "merged_kernel_arch"):
+        MA.merged_refusal = prefix_kv.merged_refusal = lambda query, kwargs: "kernel_arch"
+    elif case == "varlen_kernel_missing":
+        V.varlen_refusal = prefix_kv.varlen_refusal = lambda query, kwargs: "varlen_kernel"
+        V.varlen_kernel_problem = lambda: (
+            "torch 2.9.1 has no CUDA varlen flash attention and flash_attn does not import"
+        )
+
+
+def _untrip(saved: dict) -> None:
+    from verl_prefix.schedule import dormant, prefix_kv
+    from verl_prefix.schedule import merged_attention as MA
+    from verl_prefix.schedule import varlen_attention as V
+
+    dormant.kv_difference = saved["kv_difference"]
+    MA.merged_refusal = prefix_kv.merged_refusal = saved["merged_refusal"]
+    V.varlen_refusal = prefix_kv.varlen_refusal = saved["varlen_refusal"]
+    V.varlen_kernel_problem = saved["varlen_kernel_problem"]
+
+
+# case -> (phase_b_attention, dormant_prefix)
+ONE_RANK_CASES = {
+    "recompute_mismatch": ("auto", "recompute"),
+    "auto_kernel_arch": ("auto", "keep"),
+    "merged_kernel_arch": ("merged", "keep"),
+    "varlen_kernel_missing": ("merged_varlen", "keep"),
+}
+
+
+def _one_rank_body(rank: int, model_dir: str) -> dict:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.schedule import dormant, prefix_kv
+    from verl_prefix.schedule import varlen_attention as V
+    from verl_prefix.tools import testing as T
+
+    saved = {
+        "kv_difference": dormant.kv_difference,
+        "merged_refusal": prefix_kv.merged_refusal,
+        "varlen_refusal": V.varlen_refusal,
+        "varlen_kernel_problem": V.varlen_kernel_problem,
+    }
+    results: dict = {}
+    for case, (attention, policy) in ONE_RANK_CASES.items():
+        engine, loss_fn, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+        engine.reuse_config = PrefixReuseConfig(min_prefix_len=4, phase_b_attention=attention)
+        engine.dormant_prefix = policy
+        if rank == 1:
+            _trip_on_this_rank(case)
+        try:
+            step = T.run_train_step(engine, loss_fn, _batch(None, rank))
+            metrics = step["reduced_metrics"]
+            results[case] = {"raised": None, **{k: v for k, v in metrics.items() if "phase_b_attention" in k}}
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the finding
+            results[case] = {"raised": type(exc).__name__, "message": str(exc)}
+        finally:
+            _untrip(saved)
+        # both ranks are still in lockstep afterwards: the same engine trains a good batch, reusing
+        engine.reuse_config = PrefixReuseConfig(min_prefix_len=4)
+        good = T.run_train_step(engine, loss_fn, _batch(None, rank))["reduced_metrics"]
+        results[case]["good_groups"] = good["prefix/groups"]
+    return results
+
+
+def test_a_decision_one_rank_makes_is_agreed(tiny_model):
+    """Two gloo ranks where only rank 1 trips (issue 20 item 4): a recompute mismatch raises the same
+    ``RecomputeMismatch`` on both before phase C's backward; a GPU that refuses torch's flash kernels makes
+    ``auto`` run concat on BOTH ranks (``concat_kernel_arch``) and an explicit ``merged`` raise the same
+    ``KernelRefused`` on both; a node without a varlen kernel stops ``merged_varlen`` on both, naming it. No rank
+    is left in a collective, and the next batch trains in lockstep."""
+    results = run_two_ranks(_one_rank_body, str(tiny_model("qwen3")), timeout=400)
+    for rank in range(2):
+        mine = results[rank]
+        assert mine["recompute_mismatch"]["raised"] == "RecomputeMismatch", mine["recompute_mismatch"]
+        assert re.search(
+            r"rank\(s\) 1 .*recomputed prefix K/V differ from phase A's by inf", mine["recompute_mismatch"]["message"]
+        )
+        auto = mine["auto_kernel_arch"]
+        assert auto["raised"] is None, auto
+        assert auto["prefix/phase_b_attention/merged"] == 0
+        assert auto["prefix/phase_b_attention/concat"] == auto["prefix/phase_b_attention/concat_kernel_arch"] > 0
+        merged = mine["merged_kernel_arch"]
+        assert merged["raised"] == "KernelRefused", merged
+        assert re.search(r"phase_b_attention=merged cannot run .*rank 1: kernel_arch: ", merged["message"])
+        varlen = mine["varlen_kernel_missing"]
+        assert varlen["raised"] == "KernelRefused", varlen
+        assert re.search(
+            r"rank 1: varlen_kernel: torch 2.9.1 has no CUDA varlen .* flash_attn does not import", varlen["message"]
+        )
+        for case in ONE_RANK_CASES:
+            assert mine[case]["good_groups"] == 2.0, (case, mine[case])
+    for case in ONE_RANK_CASES:
+        assert results[0][case].get("message") == results[1][case].get("message"), case

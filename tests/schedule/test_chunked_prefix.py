@@ -152,6 +152,61 @@ def test_recompute_with_chunks_holds_one_chunk_graph():
         assert metered[name]["prefix/max_saved_for_backward_mib/C"] * 1024**2 == pytest.approx(held[name])
 
 
+def _count_varlen_calls(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
+    """Record ``(keys the prefix part saw, packed row lengths)`` of every ``merged_varlen`` attention call."""
+    from verl_prefix.schedule import prefix_kv
+
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    real = prefix_kv.merged_varlen_attention
+
+    def counting(query, prefix_key, prefix_value, key, value, packing, scaling=None):
+        calls.append((prefix_key.shape[2], packing.lengths))
+        return real(query, prefix_key, prefix_value, key, value, packing, scaling)
+
+    monkeypatch.setattr(prefix_kv, "merged_varlen_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_chunks_through_merged_varlen(monkeypatch, policy, dtype):
+    """``phase_b_attention=merged_varlen`` with a chunked prefix (issue 20 item 3: the chunk's serve context had
+    no row lengths and raised at the first later chunk): each later chunk is one packed row of its own tokens
+    against the earlier chunks' leaves, and the gradients are plain HF's (fp64 1e-10, fp32 1e-5), with lockstep
+    filler chunks too."""
+    model = tiny_model("qwen3", "sdpa", dtype)
+    layout = make_layout(LAYOUT)
+    weights = token_weights(layout, dtype)
+    calls = _count_varlen_calls(monkeypatch)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=True)
+        for min_chunks in (0, 5):
+            calls.clear()
+            got, plan = run_chunked(
+                model, layout, weights, policy, 4, min_chunks=min_chunks, phase_b_attention="merged_varlen"
+            )
+            assert len(plan.groups) == 3 and not plan.dense_rows
+            assert worst_relative(got, want) < TOLERANCE[dtype], min_chunks
+            # prefixes 12 (chunks at 0, 4, 8), 7 (0, 4) and 3 (whole): later chunks of 4 and 3 tokens
+            chunk_calls = sorted({c for c in calls if c[0] not in (12, 7, 3)})
+            assert chunk_calls == [(4, (3,)), (4, (4,)), (8, (4,))], chunk_calls
+
+
+def test_forward_only_chunks_through_merged_varlen(monkeypatch):
+    model = tiny_model("qwen3", "sdpa", torch.float64).eval()
+    layout = make_layout(LAYOUT)
+    calls = _count_varlen_calls(monkeypatch)
+    with promote_fp32_upcasts(), torch.no_grad():
+        want_lp, want_ent = dense_response_outputs(model, layout)
+        got = infer_reuse(
+            model, layout, rows=3, prefix_chunk_tokens=5, prefix_chunks=4, phase_b_attention="merged_varlen"
+        )
+    for i in range(len(layout)):
+        torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)
+    assert (5, (5,)) in calls and (10, (2,)) in calls  # prefix 12 = 5 + 5 + 2: its later chunks ran varlen
+
+
 @given(st.one_of(st.integers(-5, 10**6), st.booleans(), st.none(), st.floats(), st.text(max_size=3)))
 def test_chunk_knob_validation(value):
     ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)

@@ -104,6 +104,15 @@ def test_more_ranks_and_the_memory_policies(world, kv_heads, variant):
         assert results[rank]["infer"] < 1e-10, results[rank]
 
 
+def test_chunked_prefix_through_merged_varlen_under_sp():
+    """Chunks of 3 with ``merged_varlen`` on 2 ranks: each later chunk is padded to the SP size and packed as one
+    row of its real tokens against the earlier chunks' head shards (issue 20 item 3)."""
+    results = run_ranks(_body, 2, "sdpa", "merged_varlen", None, "chunked-keep", world=2)
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-10, results[rank]
+        assert results[rank]["infer"] < 1e-10, results[rank]
+
+
 @pytest.mark.parametrize("control", ["padded_prefix_kv", "unscaled_gather"])
 def test_negative_controls_fail(control):
     """Serving the prefix's alignment padding as keys, or dropping the gather's gradient scale, must show."""

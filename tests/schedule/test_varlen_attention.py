@@ -190,9 +190,9 @@ def _per_part_lse(mp, packing):
 
 
 def _non_causal_suffix(mp, packing):
-    forward, backward = V.varlen_forward, V.varlen_backward
-    mp.setattr(V, "varlen_forward", lambda *a: forward(*a[:-1], False))
-    mp.setattr(V, "varlen_backward", lambda *a: backward(*a[:-1], False))
+    forward, backward = V.reference_varlen_forward, V.reference_varlen_backward
+    faulty = V.VarlenKernels("reference", lambda *a: forward(*a[:-1], False), lambda *a: backward(*a[:-1], False))
+    mp.setattr(V, "REFERENCE", faulty)
     return packing
 
 
@@ -287,14 +287,174 @@ def test_moe_aux_through_varlen_matches_hf_dense():
             assert aux < TOLERANCE[torch.float64] and grads < TOLERANCE[torch.float64], rows
 
 
-# -- CUDA: flash-attn's varlen kernels (cannot run here) -------------------------------------------------------
+# -- the CUDA dispatch, on CPU with the kernels mocked (issue 20 item 6) ----------------------------------------
+
+CUDA = torch.device("cuda")  # a device object only: nothing here allocates on it
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or V.flash_attn_varlen() is None, reason="needs CUDA and flash_attn")
+def _no_cuda_kernels(monkeypatch, flash_attn: str | None, torch_varlen: bool = False) -> None:
+    """What ``kernels_for`` sees: torch's varlen attention present or not, flash-attn at ``flash_attn``."""
+    monkeypatch.setattr(V, "torch_varlen_available", lambda: torch_varlen)
+    monkeypatch.setattr(V, "flash_attn_version", lambda: flash_attn)
+    functions = (V.reference_varlen_forward, V.reference_varlen_backward) if flash_attn else None
+    monkeypatch.setattr(V, "flash_attn_functions", lambda: functions)
+
+
+def test_cuda_dispatch_prefers_torch_then_flash_attn_2_7(monkeypatch):
+    assert V.kernels_for(CPU) is V.REFERENCE
+    _no_cuda_kernels(monkeypatch, "2.8.3", torch_varlen=True)
+    assert V.kernels_for(CUDA) is V.TORCH and V.varlen_kernel_problem() is None
+    _no_cuda_kernels(monkeypatch, "2.8.3")
+    assert V.kernels_for(CUDA) is V.FLASH_ATTN and V.varlen_kernel_problem() is None
+    _no_cuda_kernels(monkeypatch, "2.7.0.post2")
+    assert V.kernels_for(CUDA) is V.FLASH_ATTN
+    for old in ("2.6.3", "2.5.9.post1", "1.0.9"):  # the 8-value forward with window_size as a tuple
+        _no_cuda_kernels(monkeypatch, old)
+        assert V.kernels_for(CUDA) is None
+        problem = V.varlen_kernel_problem()
+        assert f"flash-attn {old} is older than 2.7" in problem and torch.__version__ in problem, problem
+    _no_cuda_kernels(monkeypatch, None)
+    assert V.kernels_for(CUDA) is None
+    assert "flash_attn does not import: install torch >= 2.10 or flash-attn >= 2.7" in V.varlen_kernel_problem()
+    assert V.kernels_for(torch.device("meta")) is None
+
+
+class OnDevice:
+    """A stand-in query whose ``device`` reads as another device type (the refusals only read it)."""
+
+    def __init__(self, tensor: torch.Tensor, device_type: str) -> None:
+        self.tensor, self.device = tensor, torch.device(device_type)
+
+    def __getattr__(self, name):
+        return getattr(self.tensor, name)
+
+
+def test_varlen_refusal_on_cuda_names_the_missing_kernel(monkeypatch):
+    monkeypatch.setattr(MA, "merged_refusal", lambda query, kwargs: None)  # the GPU serves the merged kernels
+    query = OnDevice(torch.zeros(1, 2, 4, 8), "cuda")
+    _no_cuda_kernels(monkeypatch, "2.6.3")
+    assert V.varlen_refusal(query, {}) == "varlen_kernel"
+    _no_cuda_kernels(monkeypatch, None)
+    assert V.varlen_refusal(query, {}) == "varlen_kernel"
+    _no_cuda_kernels(monkeypatch, "2.7.1")
+    assert V.varlen_refusal(query, {}) is None
+    _no_cuda_kernels(monkeypatch, None, torch_varlen=True)
+    assert V.varlen_refusal(query, {}) is None
+
+
+def _schema_call(op, args, kwargs) -> dict:
+    """Bind a call to the installed torch's schema of ``op``: every positional argument in order, keywords
+    only among the keyword-only ones, nothing required missing. Returns ``{name: value}``."""
+    schema = op.default._schema
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    keyword = {a.name for a in schema.arguments if a.kwarg_only}
+    assert len(args) == len(positional), (len(args), [a.name for a in positional])
+    assert set(kwargs) <= keyword, set(kwargs) - keyword
+    return {**{a.name: v for a, v in zip(positional, args)}, **kwargs}
+
+
+def test_torch_varlen_calls_the_aten_ops_as_their_schema_says(monkeypatch):
+    """torch's varlen kernels through ``aten::_flash_attention_forward/_backward`` (CUDA only): the calls are
+    bound to this torch's schemas and served by the CPU reference, so argument order, ``scale``, ``is_causal``
+    and the LSE layout are checked, and the two-part attention through them equals the reference's."""
+    calls = {"forward": 0, "backward": 0}
+    aten_forward, aten_backward = torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+
+    def forward(*args, **kwargs):
+        bound = _schema_call(aten_forward, args, kwargs)
+        assert bound["dropout_p"] == 0.0 and bound["return_debug_mask"] is False
+        calls["forward"] += 1
+        out, lse = V.reference_varlen_forward(
+            *(bound[n] for n in ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k")),
+            bound["scale"],
+            bound["is_causal"],
+        )
+        return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+
+    def backward(*args, **kwargs):
+        bound = _schema_call(aten_backward, args, kwargs)
+        assert bound["dropout_p"] == 0.0
+        calls["backward"] += 1
+        names = ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k")
+        return V.reference_varlen_backward(*(bound[n] for n in names), bound["scale"], bound["is_causal"])
+
+    monkeypatch.setattr(V, "aten_flash_ops", lambda: (forward, backward))
+    q, pk, pv, sk, sv, w = attention_inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float64)
+    packing = _packing(LENGTHS[5])
+    w = _masked(w, packing.mask)
+    tensors = (q, pk, pv, sk, sv)
+    want = V.merged_varlen_attention(*tensors[:3], sk, sv, packing, 0.3)
+    want_grads = weighted_grads(want, w, tensors)
+    monkeypatch.setattr(V, "kernels_for", lambda device: V.TORCH)
+    got = V.merged_varlen_attention(*tensors[:3], sk, sv, packing, 0.3)
+    got_grads = weighted_grads(got, w, tensors)
+    assert calls == {"forward": 2, "backward": 2}  # prefix part and suffix part
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, r in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_flash_attn_2_7_calls(monkeypatch):
+    """flash-attn >= 2.7's private varlen API, mocked with its 2.7 signatures (keyword arguments; a 4-value
+    forward; a backward that writes dq, dk, dv in place), served by the CPU reference."""
+
+    def forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal):
+        assert dropout_p == 0.0
+        out, lse = V.reference_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
+        return out, lse, None, None
+
+    def backward(dout, q, k, v, out, lse, dq, dk, dv, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                 deterministic):  # fmt: skip
+        assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
+        grads = V.reference_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
+        for dst, src in zip((dq, dk, dv), grads):
+            dst.copy_(src)
+
+    monkeypatch.setattr(V, "flash_attn_functions", lambda: (forward, backward))
+    q, pk, pv, sk, sv, w = attention_inputs(2, 8, 2, prefix=7, suffix=5, dtype=torch.float64)
+    packing = _packing(LENGTHS[2])
+    w = _masked(w, packing.mask)
+    tensors = (q, pk, pv, sk, sv)
+    want = V.merged_varlen_attention(*tensors, packing, 0.3)
+    want_grads = weighted_grads(want, w, tensors)
+    monkeypatch.setattr(V, "kernels_for", lambda device: V.FLASH_ATTN)
+    got = V.merged_varlen_attention(*tensors, packing, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, r in zip(weighted_grads(got, w, tensors), want_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_version_tuple():
+    assert V.version_tuple("2.7.4.post1") == (2, 7)
+    assert V.version_tuple("2.10.0") == (2, 10) > (2, 7)
+    assert V.version_tuple("3") == (3, 0)
+    assert V.version_tuple("dev") == (0, 0)
+
+
+# -- CUDA: the varlen kernels on a GPU (cannot run here) --------------------------------------------------------
+
+
+def _cuda_kernels() -> list:
+    """The CUDA varlen kernels this machine has: torch's own, flash-attn >= 2.7's."""
+    if not torch.cuda.is_available():
+        return []
+    found = [V.TORCH] if V.torch_varlen_available() else []
+    if V.flash_attn_version() and V.version_tuple(V.flash_attn_version()) >= V.FLASH_ATTN_MIN_VERSION:
+        found.append(V.FLASH_ATTN)
+    return found
+
+
+@pytest.mark.skipif(not _cuda_kernels(), reason="needs CUDA with torch's varlen attention or flash-attn >= 2.7")
+@pytest.mark.parametrize("kernels", _cuda_kernels() or [None], ids=lambda k: getattr(k, "name", "none"))
 @pytest.mark.parametrize("groups", [1, 2, 4])
-def test_cuda_flash_attn_varlen_matches_cpu_reference(groups):
-    """The thin CUDA dispatch: flash-attn's varlen forward/backward (bf16) against the CPU reference in fp32
-    on the same packed inputs, through MergedVarlenAttention (prefix fp32 leaves included)."""
+def test_cuda_varlen_matches_cpu_reference(monkeypatch, kernels, groups):
+    """The CUDA dispatch: each CUDA varlen kernel (bf16) against the CPU reference in fp32 on the same packed
+    inputs, through MergedVarlenAttention (prefix fp32 leaves included; GQA native)."""
     q, pk, pv, sk, sv, w = attention_inputs(5, 2 * groups, 2, prefix=70, suffix=33, dtype=torch.float32, dim=64)
     packing_cpu = V.Packing.from_lengths([33, 12, 1, 20, 7], 33, CPU)
     w = _masked(w, packing_cpu.mask)
@@ -304,6 +464,7 @@ def test_cuda_flash_attn_varlen_matches_cpu_reference(groups):
     packing = V.Packing.from_lengths([33, 12, 1, 20, 7], 33, cuda)
     tensors = [t.detach().to(cuda, torch.bfloat16).requires_grad_() for t in (q, sk, sv)]
     leaves = [t.detach().to(cuda).requires_grad_() for t in (pk, pv)]
+    monkeypatch.setattr(V, "kernels_for", lambda device: kernels if device.type == "cuda" else V.REFERENCE)
     out = V.merged_varlen_attention(tensors[0], *leaves, tensors[1], tensors[2], packing, 0.125)
     assert ((out.float().cpu() - want_out).norm() / want_out.norm()) < 2e-2
     got = weighted_grads(out, w.to(cuda, torch.bfloat16), (tensors[0], *leaves, *tensors[1:]))

@@ -35,7 +35,8 @@ class PrefixReuseConfig(BaseConfig):
             (counted as ``actor/prefix/fallback_disabled``).
         suffix_micro_batch_size: suffix rows per phase-B micro-batch; ``None`` uses verl's
             ``ppo_micro_batch_size_per_gpu`` (or ``log_prob_micro_batch_size_per_gpu``).
-        suffix_token_budget: padded suffix tokens per micro-batch; ``None`` uses verl's
+        suffix_token_budget: tokens per phase-B micro-batch, each row counting its padded suffix plus the
+            prefix it attends to (what the same row costs in a dense micro-batch); ``None`` uses verl's
             ``max_token_len_per_gpu`` when ``use_dynamic_bsz`` is on, else no budget.
         min_prefix_len: groups whose shared prefix (prompt minus its last token) is shorter run
             dense, counted as ``fallback_short_prefix``: phase A's fixed cost would not pay.
@@ -50,13 +51,15 @@ class PrefixReuseConfig(BaseConfig):
             the query heads on CUDA, not on CPU); logit softcapping and attention sinks run the same
             maths in plain torch ops (scores materialised); ``concat``: ``cat(prefix.expand(B), suffix)``
             per row, GQA heads repeated (the reference path); ``auto``: merged for sdpa/flash models
-            (where the kernels cannot serve a call, e.g. a dtype, concat), concat for eager ones, counted
-            as ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
+            wherever the kernels serve the call (on CUDA where torch's ``can_use_flash_attention`` says
+            its flash kernels run; eager attention, pre-Ampere GPUs, ROCm or a dtype without a kernel
+            run concat), counted as ``prefix/phase_b_attention/{merged,concat,concat_<reason>}`` micro-batches.
             ``merged_varlen``: merged on the rows' real tokens packed without padding (``cu_seqlens``):
-            flash-attn's varlen kernels on CUDA (needs ``flash_attn``; not yet run on a GPU here), a
-            per-row reference on CPU (exact, slower than merged); raises where it cannot serve a call
-            (e.g. no flash_attn on CUDA), counted as ``prefix/phase_b_attention/merged_varlen``.
-            ``auto`` does not pick it.
+            on CUDA torch's own varlen flash attention (torch >= 2.10), else flash-attn >= 2.7's (not yet
+            run on a GPU here), a per-row reference on CPU (exact, slower than merged); raises where it
+            cannot serve, counted as ``prefix/phase_b_attention/merged_varlen``. ``auto`` does not pick it.
+            Whether the kernels serve is agreed by every data-parallel rank before the first mini-batch:
+            ``auto`` runs concat on every rank, ``merged``/``merged_varlen`` stop every rank with one error.
         prefix_chunk_tokens: run phase A in chunks of this many prefix tokens, each attending to the
             earlier chunks' K/V as leaves, and phase C chunk by chunk from the last; with
             ``dormant_prefix=recompute`` only one chunk's graph ever exists (memory grows with the K/V,

@@ -35,6 +35,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks
+from verl_prefix.backend.agreement import AgreedDormant, agree_on_kernels, model_head_dim
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
 from verl_prefix.backend.dormant import agree_on_policies
 from verl_prefix.backend.inputs import per_row_temperature
@@ -81,6 +82,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self.dormant_prefix == "offload":
             refuse_offload_on(self._device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
+        # (attention, compute dtype, device, training) -> the phase-B refusal every rank agreed on
+        self._kernel_agreements: dict[tuple, str | None] = {}
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
@@ -266,6 +269,20 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         scaler = getattr(self, "scaler", None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
+    def _phase_b_refusal(self, device: torch.device, forward_only: bool) -> str | None:
+        """Why phase B's merged kernels cannot serve on some rank (every rank then takes the same path), or
+        None; raises the same ``KernelRefused`` on every rank for an explicit merged/merged_varlen that some
+        rank cannot run. Agreed once per attention setting, compute dtype, device and pass kind: every rank
+        reaches the first reuse mini-batch of each together, so the cache hits or misses on all of them."""
+        attention = self.reuse_config.phase_b_attention
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        key = (attention, dtype, device, forward_only)
+        if key not in self._kernel_agreements:
+            head_dim = model_head_dim(self.module)
+            refusal = agree_on_kernels(attention, device, dtype, head_dim, not forward_only, self._agreement_group())
+            self._kernel_agreements[key] = refusal
+        return self._kernel_agreements[key]
+
     def _mini_batch_options(
         self,
         device: torch.device,
@@ -274,7 +291,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         aux_fn: AuxFn,
         forward_only: bool,
     ) -> ScheduleOptions:
-        """What every group of the mini-batch runs with (built once per mini-batch)."""
+        """What every group of the mini-batch runs with (built once per mini-batch; agrees on the phase-B
+        kernels with the other ranks the first time, a collective)."""
         aux_on = self._moe_aux_on(forward_only)
         return ScheduleOptions(
             device=device,
@@ -285,6 +303,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             early_exit=self.reuse_config.early_exit,
             meter=meter,
             phase_b_attention=self.reuse_config.phase_b_attention,
+            phase_b_refusal=self._phase_b_refusal(device, forward_only),
             prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             ulysses=self._ulysses(),
             routers=self._moe_routers() if aux_on else None,
@@ -341,7 +360,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             num_micro, prefix_chunks = lockstep.micro_batches[slot], lockstep.prefix_chunks[slot]
             policy, why = policies[slot]
             stats = dormant_stats if group is not None else None
-            dormant = Dormant(policy, why, stats=stats, store_factory=self.offload_store_factory)
+            dormant = AgreedDormant(
+                policy, why, stats=stats, store_factory=self.offload_store_factory, group=self._agreement_group()
+            )
             if group is None:
                 with meter.phase("lockstep"):
                     self._dummy_group(num_micro, prefix_chunks, forward_only, filler_options, dormant)

@@ -83,7 +83,14 @@ def _message(error: Exception) -> str:
 
 def _gather_rejections(error: Exception | None, group: Any) -> list[tuple[int, str]]:
     """``(global rank, message)`` of every rank whose check failed; one flag all-reduce when none did."""
-    mine = None if error is None else (dist.get_rank() if dist.is_initialized() else 0, _message(error))
+    return gather_flagged(None if error is None else _message(error), group)
+
+
+def gather_flagged(payload: Any, group: Any = None) -> list[tuple[int, Any]]:
+    """``(global rank, payload)`` of every rank whose ``payload`` is not None, the same list on every rank of
+    ``group``, in rank order: one flag all-reduce when every payload is None, then an object all-gather.
+    A collective: every rank of ``group`` must call it at the same point."""
+    mine = None if payload is None else (dist.get_rank() if dist.is_initialized() else 0, payload)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [mine] if mine is not None else []
     flag = torch.tensor([0 if mine is None else 1], device=collective_device(group))

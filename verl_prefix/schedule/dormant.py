@@ -472,6 +472,28 @@ class Dormant:
         if self.stats is not None:
             self.stats.note_held_in_b(self.policy, phase_a_bytes + micro_batch_bytes)
 
+    def recompute_mismatch(self, prefix: PrefixKV, recomputed: PrefixKV) -> str | None:
+        """The error when phase C's recomputed boundary tensors are not the ones phase B attended to, else None
+        (the largest difference goes to the stats either way)."""
+        diff = kv_difference(prefix, recomputed)
+        if self.stats is not None:
+            self.stats.recompute_max_diff = max(self.stats.recompute_max_diff, diff)
+        tolerance = recompute_tolerance(prefix.keys[0].dtype)
+        if diff <= tolerance:
+            return None
+        return (
+            f"dormant_prefix=recompute: phase C's recomputed prefix K/V differ from phase A's by {diff:.3e} "
+            f"(relative; tolerance {tolerance:.1e}): the prefix forward is not deterministic here, so the "
+            "gradient would not be the one phase B's losses define. Use dormant_prefix=keep or offload."
+        )
+
+    def settle_recompute(self, mismatch: str | None) -> None:
+        """Raise a recompute mismatch. Called on every recompute, mismatch or not, so that a data-parallel
+        engine can agree first (``verl_prefix.backend.agreement.AgreedDormant``): a mismatch on one rank only (an
+        MoE top-k flip, a nondeterministic kernel) must stop every rank before phase C's backward."""
+        if mismatch is not None:
+            raise RuntimeError(mismatch)
+
     def phase_c_prefix(self, prefix: PrefixKV, rerun: Callable[[], PrefixKV]) -> PrefixKV:
         """The graph-attached prefix phase C backpropagates through: phase A's own, or (``recompute``)
         ``rerun()`` under grad, checked against what phase B attended to."""
@@ -482,16 +504,7 @@ class Dormant:
         with torch.enable_grad():
             recomputed = rerun()
         if self.check_recompute:
-            diff = kv_difference(prefix, recomputed)
-            if self.stats is not None:
-                self.stats.recompute_max_diff = max(self.stats.recompute_max_diff, diff)
-            tolerance = recompute_tolerance(prefix.keys[0].dtype)
-            if not diff <= tolerance:
-                raise RuntimeError(
-                    f"dormant_prefix=recompute: phase C's recomputed prefix K/V differ from phase A's by {diff:.3e} "
-                    f"(relative; tolerance {tolerance:.1e}): the prefix forward is not deterministic here, so the "
-                    "gradient would not be the one phase B's losses define. Use dormant_prefix=keep or offload."
-                )
+            self.settle_recompute(self.recompute_mismatch(prefix, recomputed))
         return recomputed
 
     def after_phase_c(self) -> None:

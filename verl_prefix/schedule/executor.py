@@ -147,6 +147,7 @@ def prefix_forward(
                 options.phase_b_attention,
                 ready,
                 ulysses,
+                options.phase_b_refusal,
             )
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
@@ -207,7 +208,13 @@ def suffix_forward(
     query_len = full_width if ulysses is None else ulysses.padded(full_width)
     row_lengths = batch.tokens.sum(1)  # real tokens per row, MoE's extra last token included
     ctx = ServeContext(
-        prefix, query_len, batch.input_ids.device, options.phase_b_attention, ulysses=ulysses, row_lengths=row_lengths
+        prefix,
+        query_len,
+        batch.input_ids.device,
+        options.phase_b_attention,
+        ulysses=ulysses,
+        row_lengths=row_lengths,
+        refusal=options.phase_b_refusal,
     )
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(options.meter, ctx)

@@ -22,8 +22,9 @@ backward, and the prefix part's dK/dV come out summed over rows and query heads.
 Kernels: CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``; fp64, fp32, bf16,
 fp16; ``is_causal`` is upper-left, which equals lower-right for the square suffix part), CUDA
 ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``; fp16/bf16, head_dim a multiple of 8 up
-to 256). ``merged_refusal`` says why these kernels cannot serve a call; the caller then runs the concat
-path. Logit softcapping and attention sinks, which none of them takes, run ``scored_merged_attention``
+to 256, where ``torch.backends.cuda.can_use_flash_attention`` says it runs: ``kernels.cuda_merged_refusal``).
+``merged_refusal`` says why these kernels cannot serve a call; the caller then runs the concat path.
+Logit softcapping and attention sinks, which none of them takes, run ``scored_merged_attention``
 instead: the same two parts and merge in plain torch ops (each part's scores capped before its own
 log-sum-exp, sinks a third part), no repeat on any device, but the scores materialised.
 """
@@ -33,6 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from verl_prefix.schedule.kernels import cuda_merged_refusal
 
 # kwargs HF attention forwards may carry that the merged kernels do not implement -> refusal reason
 _UNSERVED_KWARGS = {"sliding_window": "sliding_window", "softcap": "softcap", "s_aux": "sinks"}
@@ -45,17 +48,12 @@ def merged_refusal(query: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
             return reason
     if float(kwargs.get("dropout", 0.0) or 0.0) > 0.0:
         return "dropout"
-    head_dim = query.shape[-1]
     if query.device.type == "cpu":
         if query.dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             return "kernel_dtype"
         return None
     if query.device.type == "cuda":
-        if query.dtype not in (torch.float16, torch.bfloat16):
-            return "kernel_dtype"  # torch's CUDA flash kernel is half precision only
-        if head_dim % 8 or head_dim > 256:
-            return "kernel_head_dim"
-        return None
+        return cuda_merged_refusal(query)  # asks torch whether its flash op runs this query here
     return "kernel_device"
 
 

@@ -37,8 +37,10 @@ class ScheduleOptions:
     context every phase runs in. ``backward``: how a micro-batch's loss is backpropagated (a caller may
     scale it). ``early_exit``: phase A stops after the last layer's K/V (or the last router, whichever runs
     later). ``meter``: per-phase time/memory and which phase-B attention ran (``None``: not metered).
-    ``phase_b_attention``: see ``prefix_kv.ServeContext``. ``prefix_grad_dtype``: the least dtype dK/dV
-    accumulate in across micro-batches (``None``: K/V's own, e.g. bf16 under autocast).
+    ``phase_b_attention``: see ``prefix_kv.ServeContext``. ``phase_b_refusal``: why the merged kernels cannot
+    serve on some data-parallel rank, as the ranks agreed before the mini-batch (``schedule.preflight``):
+    ``auto`` then runs concat on every rank, counted as ``concat_<reason>``. ``prefix_grad_dtype``: the least
+    dtype dK/dV accumulate in across micro-batches (``None``: K/V's own, e.g. bf16 under autocast).
     ``prefix_chunk_tokens``: phases A and C in chunks of that many prefix tokens (``schedule.chunked``).
     ``ulysses``: every phase sequence-parallel over that group (``schedule.ulysses``). ``routers`` and
     ``aux_fn`` (together or neither): each training micro-batch's loss gains ``aux_fn(rows, stats)``, the
@@ -53,6 +55,7 @@ class ScheduleOptions:
     early_exit: bool = True
     meter: PhaseMeter | None = None
     phase_b_attention: str = "auto"
+    phase_b_refusal: str | None = None
     prefix_grad_dtype: torch.dtype | None = torch.float32
     prefix_chunk_tokens: int | None = None
     ulysses: Ulysses | None = None

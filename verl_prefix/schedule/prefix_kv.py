@@ -197,7 +197,9 @@ class CaptureContext:
 
 class ChunkCaptureContext(CaptureContext):
     """Phase A in chunks: a later chunk records its own K/V like ``CaptureContext`` and attends to the
-    earlier chunks' K/V (held as leaves) exactly as a suffix row attends to the prefix in phase B."""
+    earlier chunks' K/V (held as leaves) exactly as a suffix row attends to the prefix in phase B: the
+    chunk is one row of ``query_len`` real tokens (padded at the end to the SP size under sequence
+    parallelism), which is also how ``merged_varlen`` packs it."""
 
     def __init__(
         self,
@@ -209,11 +211,14 @@ class ChunkCaptureContext(CaptureContext):
         attention: str = "auto",
         ready: Callable[[], bool] = lambda: True,
         ulysses: Ulysses | None = None,
+        refusal: str | None = None,
     ) -> None:
         # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
         super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
         padded = query_len if ulysses is None else ulysses.padded(query_len)
-        self.serve = ServeContext(earlier, padded, device, attention, ulysses=ulysses)
+        self.serve = ServeContext(
+            earlier, padded, device, attention, ulysses=ulysses, row_lengths=[query_len], refusal=refusal
+        )
 
     def key_span(self, query_len: int) -> int:
         return self.serve.prefix.length + super().key_span(query_len)
@@ -234,7 +239,9 @@ class ServeContext:
     runs the same two-part attention on the rows' real tokens packed without padding
     (``varlen_attention``; flash-attn varlen on CUDA) and raises where it cannot. ``row_lengths``: each
     row's real token count (``SuffixBatch.tokens.sum(1)``), which ``merged_varlen`` needs; the attention
-    call must see the ``query_len``-wide rows these lengths describe."""
+    call must see the ``query_len``-wide rows these lengths describe. ``refusal``: why the merged kernels
+    cannot serve on some data-parallel rank, agreed by every rank before the mini-batch
+    (``ScheduleOptions.phase_b_refusal``): ``auto`` runs concat for it, so every rank takes the same path."""
 
     def __init__(
         self,
@@ -245,6 +252,7 @@ class ServeContext:
         *,
         ulysses: Ulysses | None = None,
         row_lengths: torch.Tensor | list[int] | None = None,
+        refusal: str | None = None,
     ) -> None:
         if attention not in PHASE_B_ATTENTION:
             raise ValueError(f"phase_b_attention must be one of {PHASE_B_ATTENTION}, got {attention!r}")
@@ -254,6 +262,7 @@ class ServeContext:
         self.device = device
         self.attention = attention
         self.row_lengths = row_lengths
+        self.refusal = refusal
         self.merged_calls = 0
         self.varlen_calls = 0
         self.refusals: set[str] = set()
@@ -264,7 +273,7 @@ class ServeContext:
         return Packing.from_lengths(self.row_lengths, self.query_len, self.device)
 
     def _varlen_refusal(self, query: torch.Tensor, kwargs: dict) -> None:
-        reason = varlen_refusal(query, kwargs)
+        reason = self.refusal or varlen_refusal(query, kwargs)
         if reason is None and self.row_lengths is None:
             reason = "no_row_lengths"
         if reason is None and query.shape[2] != self.query_len:
@@ -295,7 +304,9 @@ class ServeContext:
     def _merged_refusal(self, base: Callable, query: torch.Tensor, kwargs: dict) -> str | None:
         if self.attention == "concat":
             return "concat"
-        if scored_keywords(kwargs):
+        if self.refusal is not None:
+            reason = self.refusal  # the kernels' refusal every rank agreed on before the schedule
+        elif scored_keywords(kwargs):
             reason = None  # softcap/sinks: merged's maths in plain torch ops, which need no kernel
         else:
             # a window covering every key of the call changes nothing (the kernels take none)

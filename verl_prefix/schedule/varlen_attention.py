@@ -12,19 +12,29 @@ token counts, MoE's extra last token included), flash-attn's varlen layout:
 LSEs are ``[H, T]`` fp32 (flash-attn's varlen layout; fp64 for fp64 on CPU). Pad positions are neither
 computed nor saved for backward; their output is zero (no real position reads a pad: causal, right-padded).
 
-Kernels, with one signature (``varlen_forward``/``varlen_backward``):
-- CUDA with ``flash_attn`` importable: ``flash_attn.flash_attn_interface._flash_attn_varlen_forward`` and
-  ``_flash_attn_varlen_backward`` (flash-attn 2.x; fp16/bf16, head_dim a multiple of 8 up to 256). A thin
-  dispatch that has not run here (no GPU); ``tests/schedule/test_varlen_attention.py`` has a CUDA test that
-  skips without one.
-- CPU: ``reference_varlen_forward``/``_backward``, per-sequence calls of
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), so the packing, unpacking and
-  merge code runs in CI. It is a reference, not a fast path: ``B + 1`` kernel calls per layer.
+Kernels, with one signature (``VarlenKernels``), chosen per device by ``kernels_for``:
+- CUDA, torch's own (``TORCH``, preferred): ``aten::_flash_attention_forward/_backward`` with ``cum_seq_q/k``,
+  the ops ``torch.nn.attention.varlen`` calls; used where that module exists (torch >= 2.10; the GPU stack's
+  torch 2.11 and this repo's 2.13 both ship it) in a CUDA build with flash attention. Called through the aten
+  ops, not ``varlen_attn``, because the backward must be given the merged output and LSE.
+- CUDA, flash-attn (``FLASH_ATTN``, the fallback where torch has no varlen attention):
+  ``flash_attn.flash_attn_interface._flash_attn_varlen_forward/_backward``, a private API whose signature
+  changed at 2.7 (before it the forward returned 8 values and took ``window_size`` as a tuple), so only
+  flash-attn >= 2.7 is used; an older one is refused with its version named (``varlen_kernel_problem``).
+- CPU (``REFERENCE``): ``reference_varlen_forward``/``_backward``, per-sequence calls of
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), so the packing, unpacking and merge
+  code runs in CI. It is a reference, not a fast path: ``B + 1`` kernel calls per layer.
+
+Both CUDA kernels are fp16/bf16 with head_dim a multiple of 8 up to 256 and take GQA natively; neither has
+run here (no GPU): ``tests/schedule/test_varlen_attention.py`` checks the dispatch and the calls with mocks on
+CPU and has CUDA tests that skip without a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +42,71 @@ import torch
 
 from verl_prefix.schedule import merged_attention as MA
 
+FLASH_ATTN_MIN_VERSION = (2, 7)
+
 
 @functools.cache
-def flash_attn_varlen() -> tuple[Any, Any] | None:
-    """flash-attn's ``(_flash_attn_varlen_forward, _flash_attn_varlen_backward)``, or None when not importable."""
+def flash_attn_version() -> str | None:
+    """The installed flash-attn's version, or None where it does not import (a missing or broken install,
+    e.g. built against another CUDA, both mean "not there")."""
     try:
-        from flash_attn import flash_attn_interface as fa
-    except Exception:  # noqa: BLE001 - a missing or broken install (CUDA mismatch) both mean "not served"
+        import flash_attn
+    except Exception:  # noqa: BLE001
         return None
+    return str(getattr(flash_attn, "__version__", "0"))
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """``"2.8.3"`` -> ``(2, 8)``; anything unreadable -> ``(0, 0)``."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+@functools.cache
+def torch_varlen_available() -> bool:
+    """torch's own varlen flash attention runs here: ``torch.nn.attention.varlen`` exists (torch >= 2.10), the
+    aten flash op takes ``cum_seq_q/k``, and the build is CUDA (not ROCm) with flash attention."""
+    if getattr(torch.version, "hip", None) is not None:
+        return False
+    try:
+        importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        return False
+    forward = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    backward = getattr(torch.ops.aten, "_flash_attention_backward", None)
+    if forward is None or backward is None or "cum_seq_q" not in str(forward.default._schema):
+        return False
+    return bool(torch.backends.cuda.is_flash_attention_available())
+
+
+def varlen_kernel_problem() -> str | None:
+    """Why no CUDA varlen kernel serves here (one line naming the versions), or None when one does."""
+    if torch_varlen_available():
+        return None
+    version = flash_attn_version()
+    want = ".".join(map(str, FLASH_ATTN_MIN_VERSION))
+    lacks = f"torch {torch.__version__} has no CUDA varlen flash attention (torch.nn.attention.varlen, torch >= 2.10)"
+    if version is None:
+        return f"{lacks} and flash_attn does not import: install torch >= 2.10 or flash-attn >= {want}"
+    if version_tuple(version) < FLASH_ATTN_MIN_VERSION:
+        return (
+            f"{lacks} and flash-attn {version} is older than {want}, whose private varlen API "
+            f"(_flash_attn_varlen_forward/_backward) this path calls: upgrade flash-attn or torch"
+        )
+    if flash_attn_functions() is None:
+        return f"{lacks} and flash-attn {version} lacks _flash_attn_varlen_forward/_backward"
+    return None
+
+
+def flash_attn_functions() -> tuple[Callable, Callable] | None:
+    """flash-attn's ``(_flash_attn_varlen_forward, _flash_attn_varlen_backward)``, or None."""
+    if flash_attn_version() is None:
+        return None
+    from flash_attn import flash_attn_interface as fa
+
     forward = getattr(fa, "_flash_attn_varlen_forward", None)
     backward = getattr(fa, "_flash_attn_varlen_backward", None)
     return (forward, backward) if forward is not None and backward is not None else None
@@ -50,9 +117,9 @@ def varlen_refusal(query: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
     reason = MA.merged_refusal(query, kwargs)
     if reason is not None or query.device.type == "cpu":
         return reason
-    if flash_attn_varlen() is None:
-        return "flash_attn_missing"
-    return None  # merged_refusal already checked CUDA's dtypes (fp16/bf16) and head_dim (multiple of 8, <= 256)
+    if kernels_for(query.device) is None:
+        return "varlen_kernel"  # varlen_kernel_problem() says which library is missing or too old
+    return None  # merged_refusal already asked torch whether its flash kernels run this dtype/head_dim here
 
 
 @dataclass(frozen=True)
@@ -158,7 +225,19 @@ def reference_varlen_backward(
     return dq, dk, dv
 
 
-def varlen_forward(
+def _check_lse(lse: torch.Tensor, q: torch.Tensor, name: str) -> torch.Tensor:
+    if lse.shape != (q.shape[1], q.shape[0]):  # flash-attn < 2.4 returned [B, H, max_seqlen_q]
+        raise RuntimeError(f"{name}'s varlen LSE is {tuple(lse.shape)}, not [heads, tokens]: unsupported version")
+    return lse
+
+
+def aten_flash_ops() -> tuple[Callable, Callable]:
+    """``(aten::_flash_attention_forward, aten::_flash_attention_backward)``: the ops torch's varlen attention
+    runs (CUDA kernels; the schemas exist in every build)."""
+    return torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+
+
+def torch_varlen_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -169,33 +248,16 @@ def varlen_forward(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's varlen forward: ``(out [Tq, Hq, d], lse [Hq, Tq])``."""
-    if q.device.type == "cpu":
-        return reference_varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-        )
-    kernels = flash_attn_varlen()
-    if kernels is None:
-        raise RuntimeError("merged_varlen on CUDA needs flash_attn (pip install flash-attn)")
+    """torch's varlen flash forward (``aten::_flash_attention_forward`` with ``cum_seq_q/k``, as
+    ``torch.nn.attention.varlen`` calls it): ``(out [Tq, Hq, d], lse [Hq, Tq] fp32)``."""
     q, k, v = (x.contiguous() for x in (q, k, v))
-    out, lse, _, _ = kernels[0](
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=softmax_scale,
-        causal=causal,
-    )
-    if lse.shape != (q.shape[1], q.shape[0]):  # flash-attn < 2.4 returned [B, H, max_seqlen_q]
-        raise RuntimeError(f"flash_attn's varlen LSE is {tuple(lse.shape)}, not [heads, tokens]: unsupported version")
-    return out, lse
+    out, lse = aten_flash_ops()[0](
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=softmax_scale
+    )[:2]
+    return out, _check_lse(lse, q, "torch")
 
 
-def varlen_backward(
+def torch_varlen_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,17 +271,70 @@ def varlen_backward(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The device's varlen backward: ``(dq, dk, dv)``."""
-    if q.device.type == "cpu":
-        return reference_varlen_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-        )
-    kernels = flash_attn_varlen()
-    if kernels is None:
-        raise RuntimeError("merged_varlen on CUDA needs flash_attn (pip install flash-attn)")
+    """torch's varlen flash backward (``aten::_flash_attention_backward``): ``(dq, dk, dv)``. No dropout, so
+    the RNG state is zeros and the last tensor unused, exactly as ``torch.nn.attention.varlen`` passes them."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = aten_flash_ops()[1](
+        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, 0.0, causal, rng_state, unused, scale=softmax_scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def flash_attn_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn >= 2.7's ``_flash_attn_varlen_forward`` (it returns ``out, lse, S_dmask, rng_state``)."""
+    functions = flash_attn_functions()
+    if functions is None:
+        raise RuntimeError(f"merged_varlen on CUDA: {varlen_kernel_problem()}")
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out, lse, _, _ = functions[0](
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=softmax_scale,
+        causal=causal,
+    )
+    return out, _check_lse(lse, q, "flash_attn")
+
+
+def flash_attn_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn >= 2.7's ``_flash_attn_varlen_backward`` (writes dq, dk, dv in place)."""
+    functions = flash_attn_functions()
+    if functions is None:
+        raise RuntimeError(f"merged_varlen on CUDA: {varlen_kernel_problem()}")
     q, k, v = (x.contiguous() for x in (q, k, v))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kernels[1](  # writes dq, dk, dv in place
+    functions[1](
         dout.contiguous(),
         q,
         k,
@@ -243,6 +358,43 @@ def varlen_backward(
         deterministic=False,
     )
     return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class VarlenKernels:
+    """One varlen attention implementation. ``forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, softmax_scale, causal) -> (out [Tq, Hq, d], lse [Hq, Tq])``; ``backward(dout, q, k, v, out,
+    lse, <the same>) -> (dq, dk, dv)``, the softmax rebuilt from the given ``out`` and ``lse``."""
+
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+REFERENCE = VarlenKernels("reference", reference_varlen_forward, reference_varlen_backward)
+TORCH = VarlenKernels("torch", torch_varlen_forward, torch_varlen_backward)
+FLASH_ATTN = VarlenKernels("flash_attn", flash_attn_varlen_forward, flash_attn_varlen_backward)
+
+
+def kernels_for(device: torch.device) -> VarlenKernels | None:
+    """The varlen kernels for ``device``: the CPU reference; on CUDA torch's own where it has them, else
+    flash-attn >= 2.7; None where neither (``varlen_kernel_problem`` says why) or on other devices."""
+    if device.type == "cpu":
+        return REFERENCE
+    if device.type != "cuda":
+        return None
+    if torch_varlen_available():
+        return TORCH
+    if varlen_kernel_problem() is None:
+        return FLASH_ATTN
+    return None
+
+
+def _kernels(device: torch.device) -> VarlenKernels:
+    chosen = kernels_for(device)
+    if chosen is None:
+        raise RuntimeError(f"merged_varlen on {device.type}: {varlen_kernel_problem() or 'no varlen kernel'}")
+    return chosen
 
 
 def _prefix_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -286,18 +438,19 @@ class MergedVarlenAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         total, prefix_len = query.shape[0], prefix_key.shape[2]
         work = MA.forward_dtype(query)
+        kernels = _kernels(query.device)
         cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
         with torch.autocast(query.device.type, enabled=False):
             q = query.to(work)
             pk, pv = (_prefix_rows(t, work) for t in (prefix_key, prefix_value))  # [P, Hkv, d]
-            out1, lse1 = varlen_forward(q, pk, pv, cu_q, cu_p, total, prefix_len, scale, False)
+            out1, lse1 = kernels.forward(q, pk, pv, cu_q, cu_p, total, prefix_len, scale, False)
             sk, sv = suffix_key.to(work), suffix_value.to(work)
-            out2, lse2 = varlen_forward(q, sk, sv, cu_seqlens, cu_seqlens, max_len, max_len, scale, True)
+            out2, lse2 = kernels.forward(q, sk, sv, cu_seqlens, cu_seqlens, max_len, max_len, scale, True)
             out, lse = merge_packed(out1, lse1, out2, lse2)
             out = out.to(query.dtype)  # the one rounding to the compute dtype
         saved = MA.backward_stats(out, lse, ((out1, lse1), (out2, lse2)))
         ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, cu_seqlens, *saved)
-        ctx.max_len, ctx.scale = max_len, scale
+        ctx.max_len, ctx.scale, ctx.kernels = max_len, scale, kernels
         return out
 
     @staticmethod
@@ -311,10 +464,10 @@ class MergedVarlenAttention(torch.autograd.Function):
         cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
         with torch.autocast(query.device.type, enabled=False):
             pk, pv = (_prefix_rows(t, dtype) for t in (prefix_key, prefix_value))
-            dq_p, dk_p, dv_p = varlen_backward(
+            dq_p, dk_p, dv_p = ctx.kernels.backward(
                 grad, query, pk, pv, out_p, lse_p, cu_q, cu_p, total, prefix_len, ctx.scale, False
             )
-            dq_s, dk_s, dv_s = varlen_backward(
+            dq_s, dk_s, dv_s = ctx.kernels.backward(
                 grad, query, suffix_key, suffix_value, out_s, lse_s, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len,
                 ctx.scale, True,
             )  # fmt: skip

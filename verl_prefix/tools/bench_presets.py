@@ -148,11 +148,11 @@ PHASE_B_ATTENTIONS = ("merged", "concat", "merged_varlen")  # the prefix_fsdp2 v
 
 def unavailable_variant(variant: str, cuda: bool | None = None) -> str | None:
     """Why a variant cannot run on this machine (then the cell skips it, saying so), or None."""
-    from verl_prefix.schedule.varlen_attention import flash_attn_varlen
+    from verl_prefix.schedule.varlen_attention import varlen_kernel_problem
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if variant == "merged_varlen" and cuda and flash_attn_varlen() is None:
-        return "flash_attn does not import (merged_varlen needs flash-attn's varlen kernels on CUDA)"
+    if variant == "merged_varlen" and cuda:
+        return varlen_kernel_problem()  # neither torch's varlen attention nor flash-attn >= 2.7
     return None
 
 

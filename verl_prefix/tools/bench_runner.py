@@ -45,6 +45,7 @@ from verl_prefix.tools.bench_presets import (
     resolve_preset,
     unavailable_variant,
 )
+from verl_prefix.tools.bench_tables import grad_check
 from verl_prefix.tools.capacity import run_capacity
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 from verl_prefix.tools.measure import machine_info, measure_update_memory, time_infer, time_update, timestamp
@@ -197,6 +198,7 @@ def measure_cell(
         "predicted_speedup": predicted_speedup(ModelShape.from_config(hf_config), groups),
         "max_rel_grad_diff": grad_diff,
         "max_rel_grad_diff_param": grad_param,
+        **grad_check(grad_diff, cell.dtype),
         "prefix_metrics": reuse,
         "memory": memory,
     }
@@ -272,6 +274,7 @@ def measure_variants(
                         grads[reference], grads[v]
                     )
                     info[v]["max_rel_grad_diff_vs"] = reference  # the P8192 cells have no stock engine
+                    info[v].update(grad_check(info[v]["max_rel_grad_diff"], cell.dtype))
             grads.clear()
         if tick is not None:
             tick()

@@ -253,7 +253,7 @@ def _smoke_data(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     from verl_prefix.tools.bench_presets import BenchError, resolve_preset
     from verl_prefix.tools.bench_runner import run_bench
-    from verl_prefix.tools.bench_tables import markdown_table, update_table_file
+    from verl_prefix.tools.bench_tables import grad_check_failures, markdown_table, update_table_file
 
     try:
         resolve_preset(args.preset, args.reps, args.threads, args.cell)
@@ -294,6 +294,10 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.table is not None:
         update_table_file(args.table, args.preset + ("-compile" if args.compile else ""), table)
         print(f"table written to {args.table}")
+    failures = grad_check_failures(result)
+    if failures:  # saved and tabled as measured; the exit status says the gradients disagreed
+        print("verl-prefix: gradient check failed: " + "; ".join(failures), file=sys.stderr)
+        return 1
     return 0
 
 
