@@ -60,7 +60,6 @@ SLOWEST_FILES = (
     "test_demo_wandb.py",
     "test_capacity.py",
     "test_bench_cli.py",
-    "test_grpo_loop_ref.py",
     "test_chunked_prefix_engine.py",
     "test_ulysses_engine.py",
     "test_dormant_policies_engine.py",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import inspect
 import logging
+import re
 from functools import cache
 from pathlib import Path
 
@@ -44,11 +45,18 @@ def parameter_names(fn) -> set[str]:
     return {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
+# a file without an eager attention function or an ``...attention_interface(`` call has nothing to walk:
+# a text search finds the candidates (a superset) and only they are parsed, once
+CANDIDATE = re.compile(r"def\s+eager\w*attention|attention_interface\s*\(")
+
+
 @cache
 def family_sources() -> dict[str, ast.Module]:
-    return {str(p.relative_to(MODELS)): ast.parse(p.read_text()) for p in sorted(MODELS.rglob("modeling_*.py"))}
+    sources = {str(p.relative_to(MODELS)): p.read_text() for p in sorted(MODELS.rglob("modeling_*.py"))}
+    return {path: ast.parse(text) for path, text in sources.items() if CANDIDATE.search(text)}
 
 
+@cache
 def eager_functions() -> dict[str, ast.FunctionDef]:
     """Each family's eager attention functions (``eager_attention_forward`` and its variants)."""
     found = {}
@@ -59,6 +67,7 @@ def eager_functions() -> dict[str, ast.FunctionDef]:
     return found
 
 
+@cache
 def call_site_keywords() -> dict[str, set[str]]:
     """keyword -> the files whose ``attention_interface(...)`` calls pass it by name."""
     found: dict[str, set[str]] = {}

@@ -4,6 +4,13 @@ Two steps through our trainer mode (``prefix_sync``), ``PrefixActorRolloutRefWor
 must leave the same parameters as verl's stock ``sync`` trainer, ``ActorRolloutRefWorker`` and ``fsdp2``
 trained on the same rollouts. SGD makes the comparison sensitive to the gradient itself: its update is
 ``lr * clipped grad``, while AdamW's first step is about ``lr * sign(grad)`` and would hide scale errors.
+
+The SGD pair trains with a KL loss, as the shipped recipe does (``actor.use_kl_loss=true``): every step
+also computes reference log-probs on a ref worker whose engine follows ``actor.strategy`` (``prefix_fsdp2``
+for us), with a KL coefficient large enough to move the update. The parameters, the KL term verl logs and
+its share of the loss must agree, and our ref pass must have reused prefixes. The AdamW pair and the pair
+with two mini-batches per step run without a KL loss (verl then builds no ref worker). Six runs in one
+cluster: each run starts its own worker processes, the costliest part of the file.
 """
 
 from __future__ import annotations
@@ -26,17 +33,24 @@ PROMPTS = 4
 MINI_BATCH_PROMPTS = 2
 TWO_MINI_BATCHES = (f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI_BATCH_PROMPTS}",)
 
+KL_COEF = 0.1
+KL_OVERRIDES = (
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    f"actor_rollout_ref.actor.kl_loss_coef={KL_COEF}",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+)
+REF = "actor/prefix/ref_log_prob/"
+
 
 @pytest.fixture(scope="module")
 def all_runs(tiny_qwen3_dir):
     common = dict(steps=STEPS, num_prompts=PROMPTS, n=N, world_size=2, seed=0)
     runs = {}
     with local_cluster():
-        for optimizer, lr in (("SGD", 0.5), ("AdamW", 1e-3)):
-            dense = run_cpu_grpo(tiny_qwen3_dir, prefix=False, optimizer=optimizer, lr=lr, **common)
-            prefix = run_cpu_grpo(
-                tiny_qwen3_dir, prefix=True, replay=dense.rollouts, optimizer=optimizer, lr=lr, **common
-            )
+        for optimizer, lr, overrides in (("SGD", 0.5, KL_OVERRIDES), ("AdamW", 1e-3, ())):
+            kw = dict(optimizer=optimizer, lr=lr, overrides=overrides, **common)
+            dense = run_cpu_grpo(tiny_qwen3_dir, prefix=False, **kw)
+            prefix = run_cpu_grpo(tiny_qwen3_dir, prefix=True, replay=dense.rollouts, **kw)
             runs[optimizer] = (dense, prefix)
         sgd = dict(optimizer="SGD", lr=0.5, replay=runs["SGD"][0].rollouts, **common)
         dense = run_cpu_grpo(
@@ -49,6 +63,7 @@ def all_runs(tiny_qwen3_dir):
 
 @pytest.fixture(scope="module")
 def runs(all_runs):
+    """The SGD pair, with the KL loss and so a ref worker on each side."""
     return all_runs["SGD"]
 
 
@@ -133,7 +148,8 @@ def test_two_mini_batches_per_step_match_dense(all_runs):
             assert uids[0] != uids[-1]
         # the engine reports per mini-batch: one group in each of a rank's two mini-batches
         assert_reuse_ran(p_step.metrics, groups=1, namespace="actor/prefix/")
-    # the two-step update differs from the one-step update of the same rollouts: the knob took effect
+    # the two-step update differs from the one-step update of the same rollouts: the knob took effect (the
+    # one-step run's KL term has no gradient at step 1, where the policy is its reference)
     one_step = all_runs["SGD"][0]
     moved = [
         (s2.params[k] - s1.params[k]).norm() for s1, s2 in zip(one_step.steps[:1], dense.steps[:1]) for k in s1.params
@@ -169,3 +185,52 @@ def test_cpu_platform_gives_verl_workers_a_gloo_process_group():
 
     assert engine_workers.initialize_global_process_group_ray is dist_utils.initialize_global_process_group_ray
     assert getattr(dist_utils.initialize_global_process_group_ray, "_verl_prefix_cpu", False)
+
+
+def test_each_trainer_built_its_ref_worker(runs):
+    dense, prefix = runs
+    assert (dense.worker, dense.ref_worker) == ("ActorRolloutRefWorker", "ActorRolloutRefWorker")
+    assert (prefix.worker, prefix.ref_worker) == ("PrefixActorRolloutRefWorker", "PrefixActorRolloutRefWorker")
+    for run in runs:
+        assert len(run.steps) == STEPS
+        for step in run.steps:
+            assert step.metrics["actor/kl_coef"] == KL_COEF
+            assert step.metrics["timing_s/ref"] > 0
+
+
+def test_parameters_match_the_stock_worker_with_kl_loss(runs):
+    assert_updates_agree(*runs)
+
+
+def test_kl_loss_agrees_and_enters_the_loss(runs):
+    dense, prefix = runs
+    first = [run.steps[0].metrics["actor/kl_loss"] for run in runs]
+    # step 1 trains the reference weights themselves: both passes see the same policy
+    assert all(abs(kl) < 1e-6 for kl in first), first
+    for got, want in zip(prefix.steps, dense.steps, strict=True):
+        kl, kl_want = got.metrics["actor/kl_loss"], want.metrics["actor/kl_loss"]
+        assert abs(kl - kl_want) <= 1e-4 * abs(kl_want) + 1e-9, (got.step, kl, kl_want)
+    for run in runs:
+        kl = run.steps[1].metrics["actor/kl_loss"]
+        assert kl > 1e-4, kl  # one SGD step moved the policy away from the reference
+        # verl's loss is pg_loss + kl_loss_coef * kl_loss (no entropy term): the KL term is in the update
+        metrics = run.steps[1].metrics
+        assert metrics["actor/loss"] - metrics["actor/pg_loss"] == pytest.approx(KL_COEF * kl, rel=1e-3)
+
+
+def test_our_ref_pass_reused_the_prefixes(runs):
+    _, prefix = runs
+    for step in prefix.steps:
+        m = step.metrics
+        assert_reuse_ran(m, groups=2, namespace=REF)  # 4 prompts over 2 ranks, each group whole on its rank
+        assert_reuse_ran(m, groups=2, namespace="actor/prefix/")  # the update
+        assert m[REF + "time_s/A"] > 0, step.step
+        assert m[REF + "reuse_factor"] > 1, step.step
+        # the ref engine saw the same batch as the old-log-prob pass, so it did the same work
+        assert m[REF + "logical_tokens"] == m["actor/prefix/old_log_prob/logical_tokens"], step.step
+
+
+def test_the_stock_run_logs_no_prefix_metrics(runs):
+    dense, _ = runs
+    for step in dense.steps:
+        assert not [k for k in step.metrics if k.startswith("actor/prefix/")], step.step

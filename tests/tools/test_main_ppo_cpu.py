@@ -8,11 +8,14 @@ Two runs of ``recipes/grpo_cpu_smoke.sh`` (the ``hf`` rollout, the ``configs/cpu
   actor rank and one ``hf`` server per node, groups whole; 2 steps: step 1 saves a checkpoint, a second
   launch resumes from it for step 2; every step logs ``actor/prefix/...`` with reuse (groups > 0, physical <
   logical);
-- dense (``sync`` + ``fsdp2``) on one node with two ranks, 1 step: the same rollouts (the hf rollout seeds
+- dense (``sync`` + ``fsdp2``) on one node with one rank, 1 step: the same rollouts (the hf rollout seeds
   each request from the prompt and its count, whatever replica serves it), so step 1's parameters agree with
-  the prefix run's.
+  the prefix run's, across data-parallel layouts (two ranks on two nodes against one).
 
 One cluster serves the prefix run's both launches: a launch of main_ppo costs a minute or more on 2 cores.
+The dense twin needs nothing from the prefix run but the comparison, so it runs beside it, in its own local
+Ray cluster (its own temp dir: a bare ``ray.init()`` would join the two-node cluster), and the test that
+compares waits for it: the file takes about as long as the prefix run alone.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ UPDATE_TOL = 3e-4
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 
-def _run_recipe(out: Path, *, mode: str, steps: int, save_at: int, env: dict | None = None, args=()) -> float:
+def _start_recipe(out: Path, *, mode: str, steps: int, save_at: int, env: dict | None = None) -> subprocess.Popen:
+    """``recipes/grpo_cpu_smoke.sh`` in the background, its output to ``out/recipe.log``."""
     full_env = {
         **os.environ,
         "OUT": str(out),
@@ -48,11 +52,21 @@ def _run_recipe(out: Path, *, mode: str, steps: int, save_at: int, env: dict | N
         "WANDB_MODE": "offline",
         **(env or {}),
     }
-    proc = subprocess.run(
-        ["bash", str(RECIPE), *args], env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=1200
-    )
-    log = proc.stdout + proc.stderr
-    (out / "recipe.log").write_text(log)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "recipe.log").open("w") as log:
+        return subprocess.Popen(
+            ["bash", str(RECIPE)], env=full_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
+
+
+def _finish_recipe(proc: subprocess.Popen, out: Path) -> str:
+    """Wait for a recipe run; its log, which must end in success."""
+    try:
+        proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (out / "recipe.log").read_text()
     assert proc.returncode == 0, log[-6000:]
     return log
 
@@ -88,7 +102,24 @@ def _agreement(got: dict, want: dict, before: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def prefix_run(tmp_path_factory):
+def dense_twin(tmp_path_factory):
+    """The dense twin, started first and running beside the prefix run: ``finish() -> out``."""
+    out = tmp_path_factory.mktemp("dense")
+    ray_tmp = f"/tmp/ray_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_dense"  # short: Ray's socket paths
+    proc = _start_recipe(out, mode="dense", steps=1, save_at=1, env={"RAY_TMPDIR": ray_tmp, "GPUS_PER_NODE": "1"})
+
+    def finish() -> Path:
+        _finish_recipe(proc, out)
+        return out
+
+    yield finish
+    if proc.poll() is None:  # the prefix run failed first
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def prefix_run(tmp_path_factory, dense_twin):
     """The prefix recipe, launch and resume, on a two-node cluster: ``(out, log, node ids)``."""
     import ray
     from ray.cluster_utils import Cluster
@@ -106,13 +137,8 @@ def prefix_run(tmp_path_factory):
         ray.shutdown()
         assert len(nodes) == 2
         out = tmp_path_factory.mktemp("prefix")
-        log = _run_recipe(
-            out,
-            mode="prefix",
-            steps=2,
-            save_at=1,
-            env={"RAY_ADDRESS": cluster.address, "NNODES": "2", "GPUS_PER_NODE": "1"},
-        )
+        env = {"RAY_ADDRESS": cluster.address, "NNODES": "2", "GPUS_PER_NODE": "1"}
+        log = _finish_recipe(_start_recipe(out, mode="prefix", steps=2, save_at=1, env=env), out)
     finally:
         cluster.shutdown()
     return out, log, nodes
@@ -129,12 +155,11 @@ def test_prefix_recipe_runs_main_ppo_with_reuse_and_resume(prefix_run):
     assert (out / "checkpoints" / "global_step_1" / "actor" / "huggingface").is_dir()
 
 
-def test_dense_twin_agrees_with_prefix_on_step_one(prefix_run, tmp_path):
+def test_dense_twin_agrees_with_prefix_on_step_one(prefix_run, dense_twin):
     from transformers import AutoModelForCausalLM
 
     out, _, _ = prefix_run
-    dense = tmp_path / "dense"
-    _run_recipe(dense, mode="dense", steps=1, save_at=1)
+    dense = dense_twin()
     d1 = _metrics(dense / "metrics_first.jsonl")[1]
     p1 = _metrics(out / "metrics_first.jsonl")[1]
     assert "actor/prefix/groups" not in d1  # the stock engine

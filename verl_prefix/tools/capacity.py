@@ -25,8 +25,6 @@ import dataclasses
 import json
 import math
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools.measure import probe_env
+from verl_prefix.tools.measure import run_fresh
 
 
 @dataclass(frozen=True)
@@ -110,7 +108,7 @@ def search(grid: tuple[int, ...], fits: Callable[[int], bool]) -> dict[str, Any]
 
 
 def probe(spec: CapacitySpec, engine: str, prefix_len: int, model_dir: Path) -> dict[str, Any]:
-    """One update in a fresh process (``python -m verl_prefix.tools.capacity_probe``); ``fits`` and the
+    """One update in a fresh process (``capacity_probe.main`` through ``measure.run_fresh``); ``fits`` and the
     measured peak above the built engine (MiB)."""
     request = json.dumps(
         {
@@ -123,21 +121,14 @@ def probe(spec: CapacitySpec, engine: str, prefix_len: int, model_dir: Path) -> 
         }
     )
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "verl_prefix.tools.capacity_probe", request],
-            env=probe_env(),
-            capture_output=True,
-            text=True,
-            timeout=spec.timeout_s,
-        )
-    except subprocess.TimeoutExpired:
+    code, stdout, stderr = run_fresh("verl_prefix.tools.capacity_probe", request, timeout_s=spec.timeout_s)
+    if code is None:
         return {"fits": False, "error": f"timed out after {spec.timeout_s:.0f} s", "wall_s": spec.timeout_s}
     wall = time.perf_counter() - start
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
+    lines = stdout.strip().splitlines()
+    if code != 0 or not lines:
         # a killed or crashed probe (e.g. the kernel's OOM killer) did not fit; say so in the result
-        return {"fits": False, "error": f"exit {proc.returncode}: {proc.stderr[-500:]}", "wall_s": wall}
+        return {"fits": False, "error": f"exit {code}: {stderr[-500:]}", "wall_s": wall}
     result = json.loads(lines[-1])
     result["wall_s"] = wall
     return result

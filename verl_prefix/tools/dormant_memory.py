@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 from typing import Any
 
 import psutil
@@ -35,6 +33,7 @@ from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 from verl_prefix.tools.bench_presets import MODEL_29M, SMOKE_MODEL, ModelSpec
+from verl_prefix.tools.measure import fresh_process_context
 
 _MIB = 1024.0**2
 MODELS = {"29m": MODEL_29M, "smoke": SMOKE_MODEL}
@@ -171,6 +170,11 @@ def measure(
     }
 
 
+def _child(spec: str, cell: tuple[int, int, int, int], model: str, results: Any) -> None:
+    policy, chunk = parse_policy(spec)
+    results[spec] = measure(policy, *cell, chunk_tokens=chunk, spec=MODELS[model])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Each policy in a fresh process (peak RSS is per process); prints a Markdown table and JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -180,23 +184,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--model", choices=sorted(MODELS), default="29m")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cell = (args.prefix, args.suffix, args.group, args.rows)
     specs = args.policies.split(",")
     for spec in specs:
         parse_policy(spec)  # a typo fails before any child runs
-    if args.child:
-        policy, chunk = parse_policy(args.child)
-        print(json.dumps(measure(policy, *cell, chunk_tokens=chunk, spec=MODELS[args.model])))
-        return
     results = {}
-    for policy in specs:
-        command = [sys.executable, "-m", "verl_prefix.tools.dormant_memory", "--child", policy]
-        command += ["--prefix", str(args.prefix), "--suffix", str(args.suffix)]
-        command += ["--group", str(args.group), "--rows", str(args.rows), "--model", args.model]
-        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results[policy] = json.loads(out.strip().splitlines()[-1])
+    ctx = fresh_process_context()
+    with ctx.Manager() as manager:
+        shared = manager.dict()
+        for policy in specs:
+            child = ctx.Process(target=_child, args=(policy, cell, args.model, shared))
+            child.start()
+            child.join()
+            if child.exitcode != 0 or policy not in shared:
+                raise RuntimeError(f"the {policy} child failed (exit code {child.exitcode})")
+            results[policy] = dict(shared[policy])
     header = (
         "policy",
         "held for backward in B",

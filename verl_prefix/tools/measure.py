@@ -10,8 +10,12 @@ tools layer: it imports only ``testing`` (the settings verl's worker adds to a b
 from __future__ import annotations
 
 import datetime
+import importlib
+import multiprocessing.context
 import os
 import platform
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +28,53 @@ from verl_prefix.schedule.telemetry import SavedBytes
 from verl_prefix.tools import testing as T
 
 _MIB = 1024.0**2
+
+
+# what a fresh measuring process needs imported; its forkserver imports them once per parent process
+FRESH_PRELOAD = ("torch", "torch.distributed", "verl_prefix")
+
+
+def fresh_process_context() -> multiprocessing.context.BaseContext:
+    """A multiprocessing context for processes that measure from a clean start (their own peak RSS, no
+    state of this process) without importing torch and verl each time: they fork from a forkserver that
+    imported ``FRESH_PRELOAD`` once. ``spawn`` pays those imports in every process (seconds each on
+    2 cores); the server imports no CUDA state, so its children may still use the GPU."""
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FRESH_PRELOAD))
+    return ctx
+
+
+def run_fresh(module: str, request: str, *, timeout_s: float | None = None) -> tuple[int | None, str, str]:
+    """``module.main([request])`` in a fresh process (``fresh_process_context``) with ``probe_env()``'s
+    environment, as ``python -m module request`` would run it: its exit code (``None`` when it ran past
+    ``timeout_s`` and was killed), its stdout and its stderr (file descriptors 1 and 2, so C-level output
+    and a child that ends itself with ``os._exit`` after a flushed print are captured too)."""
+    ctx = fresh_process_context()
+    with tempfile.TemporaryDirectory(prefix="verl_prefix_fresh_") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = ctx.Process(target=_fresh_main, args=(module, request, probe_env(), str(out), str(err)))
+        proc.start()
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            return None, _read(out), _read(err)
+        return proc.exitcode, _read(out), _read(err)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _fresh_main(module: str, request: str, env: dict[str, str], out: str, err: str) -> None:
+    os.environ.clear()  # the caller's environment now, not the forkserver's from when it started
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    importlib.import_module(module).main([request])
+    sys.stdout.flush()
 
 
 def select_platform() -> None:

@@ -2,8 +2,8 @@
 ``fresh_process`` figures).
 
 A peak read in the bench's own process would carry the other variants' earlier peaks, so each variant
-gets its own: ``probe`` starts ``python -m verl_prefix.tools.rss_probe REQUEST`` and reads back the JSON
-line that ``main`` prints there.
+gets its own: ``probe`` runs ``main`` in a fresh process (``measure.run_fresh``, as
+``python -m verl_prefix.tools.rss_probe REQUEST`` would) and reads back the JSON line it prints there.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from verl_prefix.tools.bench_presets import Cell, build_variant, cell_batch, cell_from_dict
-from verl_prefix.tools.measure import peak_rss_mib, probe_env, reset_peak_rss, rss_mib, select_platform, time_update
+from verl_prefix.tools.measure import peak_rss_mib, reset_peak_rss, rss_mib, run_fresh, select_platform, time_update
 
 
 def probe(cell: Cell, variant: str, model_dir: Path, *, timeout_s: float = 3600.0) -> dict[str, float]:
@@ -33,18 +32,10 @@ def probe(cell: Cell, variant: str, model_dir: Path, *, timeout_s: float = 3600.
             "threads": torch.get_num_threads(),
         }
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "verl_prefix.tools.rss_probe", request],
-        env=probe_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"rss probe for {cell.name} {variant} failed (exit {proc.returncode}): {proc.stderr[-2000:]}"
-        )
+    code, stdout, stderr = run_fresh("verl_prefix.tools.rss_probe", request, timeout_s=timeout_s)
+    lines = stdout.strip().splitlines()
+    if code != 0 or not lines:
+        raise RuntimeError(f"rss probe for {cell.name} {variant} failed (exit {code}): {stderr[-2000:]}")
     return json.loads(lines[-1])
 
 

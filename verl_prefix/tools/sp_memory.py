@@ -2,7 +2,8 @@
 
 ``python -m verl_prefix.tools.sp_memory`` trains one group of the 29M-parameter bench model (fp32, CPU,
 no checkpointing, ``keep`` policy; prefix 4096, G=8 suffixes of 128, micro-batches of 4 by default)
-through the schedule once on a single process and once on ``--sp`` gloo ranks (fresh processes each),
+through the schedule once on a single process and once on ``--sp`` gloo ranks (fresh processes each,
+forked from ``measure.fresh_process_context``'s server),
 and reports per rank the bytes held for backward during phase B (phase A's graph plus the micro-batch's
 own) and the peak RSS above the loaded model (``verl_prefix.tools.dormant_memory.measure``).
 """
@@ -16,9 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from verl_prefix.tools.dormant_memory import measure
+from verl_prefix.tools.measure import fresh_process_context
 
 
 def _rank(rank: int, world: int, port: int, cell: tuple[int, int, int, int], results: Any) -> None:
@@ -36,7 +37,7 @@ def run(world: int, cell: tuple[int, int, int, int]) -> list[dict[str, float]]:
     """The figures of every rank of a ``world``-rank sequence-parallel group (1: no sequence parallelism)."""
     from verl_prefix.tools.testing import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = fresh_process_context()
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
