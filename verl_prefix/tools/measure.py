@@ -36,9 +36,11 @@ FRESH_PRELOAD = ("torch", "torch.distributed", "verl_prefix")
 
 def fresh_process_context() -> multiprocessing.context.BaseContext:
     """A multiprocessing context for processes that measure from a clean start (their own peak RSS, no
-    state of this process) without importing torch and verl each time: they fork from a forkserver that
-    imported ``FRESH_PRELOAD`` once. ``spawn`` pays those imports in every process (seconds each on
-    2 cores); the server imports no CUDA state, so its children may still use the GPU."""
+    state of this process). On CPU they fork from a forkserver that imported ``FRESH_PRELOAD`` once:
+    ``spawn`` pays those imports in every process (seconds each on 2 cores). With CUDA they spawn, since
+    importing verl has already asked the driver for devices and CUDA does not survive a fork after that."""
+    if torch.cuda.is_available():
+        return torch.multiprocessing.get_context("spawn")
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(FRESH_PRELOAD))
     return ctx
