@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
-from test_dormant_policies_engine import check_reuse_ran, grpo_batch, rank_batch, set_policy, worst_relative
+from test_dormant_policies_engine import (
+    check_reuse_ran,
+    grpo_batch,
+    rank_batch,
+    set_policy,
+    stock_step,
+    worst_relative,
+)
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.tools import testing as T
@@ -26,9 +33,8 @@ def check_chunked(metrics: dict, chunks: float) -> None:
 def test_chunked_prefix_matches_stock_fsdp2(tiny_model, policy, dtype):
     model_dir = tiny_model("qwen3")
     batch = grpo_batch()
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    want = stock_step(model_dir, dtype)
     with promote_fp32_upcasts():
-        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
         for chunk_tokens, chunks in ((4, 2.0 + 3.0), (3, 3.0 + 2.0 + 4.0)):
             prefix, p_loss, _ = T.build_verl_engine(
                 model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
@@ -88,12 +94,11 @@ def test_chunked_prefix_through_merged_varlen_matches_stock_fsdp2(tiny_model, po
     earlier chunks as one packed varlen row, the suffixes as packed rows; stock fsdp2's gradients."""
     model_dir = tiny_model("qwen3", num_kv_heads=2)
     batch = grpo_batch()
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    want = stock_step(model_dir, dtype)
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=3, phase_b_attention="merged_varlen")
     set_policy(prefix, policy)
     with promote_fp32_upcasts():
-        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
     assert worst_relative(got["grads"], want["grads"]) < TOL[dtype]
     metrics = got["reduced_metrics"]

@@ -6,6 +6,7 @@ FSDP2 moves none of the unsharded parameters (a store that skips only ``nn.Param
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -34,6 +35,15 @@ def grpo_batch(seed: int = 3):
         seed=seed,
         calculate_entropy=True,
     )
+
+
+@functools.cache
+def stock_step(model_dir, dtype: str) -> dict:
+    """verl's stock fsdp2 on ``grpo_batch()``, one update: built and run once per model and dtype in a test
+    process, since every policy (and chunk size) compares its gradients with the same reference."""
+    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    with promote_fp32_upcasts():
+        return T.run_train_step(stock, s_loss, grpo_batch(), capture_grads=True)
 
 
 def set_policy(engine, policy: str, budget: int | None = None, store=O.RecordingStore) -> None:
@@ -70,12 +80,11 @@ CASES = [  # (policy, budget, the policy that runs)
 def test_every_policy_matches_stock_fsdp2(tiny_model, policy, budget, runs, dtype):
     model_dir = tiny_model("qwen3")
     batch = grpo_batch()
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    want = stock_step(model_dir, dtype)
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     set_policy(prefix, policy, budget)
     with promote_fp32_upcasts():
-        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
     assert worst_relative(got["grads"], want["grads"]) < TOL[dtype]
     m = got["reduced_metrics"]
@@ -122,7 +131,7 @@ def _offload_through_fsdp2(model_dir, store):
     """One fp64 update of ``prefix_fsdp2`` (FSDP2 on gloo, CPU) with ``store`` as offload's store, and the
     stock engine's; returns (worst relative gradient difference, reduced metrics, the stores, the module)."""
     batch = grpo_batch()
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
+    want = stock_step(model_dir, "float64")
     prefix, p_loss, _ = T.build_verl_engine(
         model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
     )
@@ -130,7 +139,6 @@ def _offload_through_fsdp2(model_dir, store):
     set_policy(prefix, "offload", store=store)
     O.RecordingStore.instances.clear()
     with promote_fp32_upcasts():
-        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
     return (
         worst_relative(got["grads"], want["grads"]),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,8 +56,20 @@ def _start_recipe(out: Path, *, mode: str, steps: int, save_at: int, env: dict |
     out.mkdir(parents=True, exist_ok=True)
     with (out / "recipe.log").open("w") as log:
         return subprocess.Popen(
-            ["bash", str(RECIPE)], env=full_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True
+            ["bash", str(RECIPE)],
+            env=full_env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: a run cut short is stopped with main_ppo and Ray
         )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _finish_recipe(proc: subprocess.Popen, out: Path) -> str:
@@ -64,8 +77,7 @@ def _finish_recipe(proc: subprocess.Popen, out: Path) -> str:
     try:
         proc.wait(timeout=1200)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop(proc)
     log = (out / "recipe.log").read_text()
     assert proc.returncode == 0, log[-6000:]
     return log
@@ -113,9 +125,7 @@ def dense_twin(tmp_path_factory):
         return out
 
     yield finish
-    if proc.poll() is None:  # the prefix run failed first
-        proc.kill()
-        proc.wait()
+    _stop(proc)  # still running only when the prefix run failed first
 
 
 @pytest.fixture(scope="module")
