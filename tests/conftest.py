@@ -57,12 +57,12 @@ def tiny_qwen3_dir(tiny_model) -> Path:
 SLOWEST_FILES = (
     "test_main_ppo_cpu.py",
     "test_grpo_loop_ray.py",
-    "test_demo_wandb.py",
-    "test_capacity.py",
-    "test_bench_cli.py",
     "test_chunked_prefix_engine.py",
-    "test_ulysses_engine.py",
+    "test_demo_wandb.py",
     "test_dormant_policies_engine.py",
+    "test_ulysses_engine.py",
+    "test_bench_cli.py",
+    "test_capacity.py",
 )
 
 
