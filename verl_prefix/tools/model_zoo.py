@@ -269,17 +269,17 @@ def has_window(model: nn.Module) -> bool:
     return types is None or "sliding_attention" in types or bool(getattr(config, "use_sliding_window", True))
 
 
-def classify(family: str) -> MatrixRow:
+def classify(family: str, model: nn.Module | None = None) -> MatrixRow:
     """The family's column as the engine decides it at initialisation (``prefix_reuse.unsupported_model``'s
     default, ``dense``): not built (why), dense with the capability check's reason, or exact under reuse (which
-    ``tests/tools/test_model_matrix*.py`` proves against dense)."""
+    ``tests/tools/test_model_matrix*.py`` proves against dense). ``model``: ``build(family)`` already built."""
     from verl_prefix.schedule.capability import structure_refusal
 
     why = skip_reason(family)
     if why is not None:
         return MatrixRow(family, SKIP, why)
     try:
-        model = build(family)
+        model = build(family) if model is None else model
     except Exception as exc:  # noqa: BLE001 - the builder's limits are listed, not hidden
         error = " ".join(str(exc).split())[:300]
         return MatrixRow(family, SKIP, f"the tiny-config builder cannot build it: {type(exc).__name__}: {error}")
