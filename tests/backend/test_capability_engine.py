@@ -89,3 +89,30 @@ def test_a_dropout_rate_applied_without_a_module_runs_dense():
     model = AutoModelForCausalLM.from_config(config).train()
     assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
     assert has_active_dropout(model) and not has_active_dropout(model.eval())
+
+
+def _structure_body(rank: int) -> dict:
+    """Rank 1 holds a hybrid (lfm2), rank 0 a served model (llama): the ranks agree before any step."""
+    import torch.distributed as dist
+
+    from verl_prefix.backend.agreement import UnsupportedModel, agree_on_structure
+
+    model = Z.build("lfm2" if rank == 1 else "llama")
+    out = {"dense": agree_on_structure(model, "dense")}
+    try:
+        agree_on_structure(model, "raise")
+        out["raised"] = None
+    except UnsupportedModel as exc:
+        out["raised"] = str(exc)
+    dist.barrier()  # both ranks still in step after the refusal
+    return out
+
+
+def test_ranks_agree_on_the_structure_before_any_step():
+    from helpers.ranks import run_two_ranks
+
+    results = run_two_ranks(_structure_body, timeout=300)
+    for rank in range(2):
+        assert results[rank]["dense"] == "convolution_layers", results[rank]
+        assert "rank 1: model.layers.0.conv (Lfm2ShortConv)" in results[rank]["raised"], results[rank]
+    assert results[0]["raised"] == results[1]["raised"]
