@@ -59,3 +59,47 @@ def promote_fp32_upcasts() -> Iterator[None]:
         for cls, forward in saved:
             cls.forward = forward
             del cls._fp32_forward
+
+
+@contextmanager
+def fp64_throughout() -> Iterator[None]:
+    """True fp64 for any family (the coverage matrix): no fp64 tensor is cast down to fp32 (``.to``, ``.type``,
+    ``.float()``; an integer tensor's ``.float()`` gives fp64), and softmax asked for fp32 on fp64 scores stays
+    fp64. Dense and reuse both run under it, so the comparison sees fp64 reordering noise only, whatever norm or
+    router a family hand-writes."""
+    original_to, original_float, original_softmax = torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax
+    original_type = torch.Tensor.type
+
+    def keep(self: torch.Tensor, dtype: object) -> object:
+        return torch.float64 if self.dtype == torch.float64 and dtype == torch.float32 else dtype
+
+    def to(self, *args, **kwargs):
+        args = tuple(keep(self, a) if isinstance(a, torch.dtype) else a for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = keep(self, kwargs["dtype"])
+        return original_to(self, *args, **kwargs)
+
+    def float_(self, *args, **kwargs):  # integer positions too, or RoPE would multiply fp64 by fp32
+        if self.dtype == torch.float64:
+            return self
+        if not self.is_floating_point():
+            return original_to(self, torch.float64)
+        return original_float(self, *args, **kwargs)
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002 - torch's own signature
+        if input.dtype == torch.float64 and dtype == torch.float32:
+            dtype = torch.float64
+        return original_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    def type_(self, dtype=None, *args, **kwargs):
+        if isinstance(dtype, torch.dtype):
+            dtype = keep(self, dtype)
+        return original_type(self, dtype, *args, **kwargs)
+
+    try:
+        torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax = to, float_, softmax
+        torch.Tensor.type = type_
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax = original_to, original_float, original_softmax
+        torch.Tensor.type = original_type

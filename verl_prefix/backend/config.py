@@ -13,6 +13,8 @@ from verl_prefix.schedule.dormant import validate_policy
 from verl_prefix.schedule.prefix_kv import PHASE_B_ATTENTION
 
 PREFIX_BACKEND = "prefix_fsdp2"
+# ``prefix_reuse.unsupported_model``: what a model the schedule cannot serve does (``schedule.capability``)
+UNSUPPORTED_MODEL = ("dense", "raise")
 
 
 def validate_moe_aux_loss_coef(value: object) -> float:
@@ -65,6 +67,12 @@ class PrefixReuseConfig(BaseConfig):
             ``dormant_prefix=recompute`` only one chunk's graph ever exists (memory grows with the K/V,
             not the activations). ``None``/0: the prefix runs whole. Counted as ``prefix/chunked_groups``
             and ``prefix/prefix_chunks``.
+        unsupported_model: what the engine does with a model whose structure the schedule cannot serve
+            (recurrent or convolution layers, attention outside HF's attention interface, cross-attention...;
+            ``verl_prefix.schedule.capability``), decided once at engine initialisation and agreed by every
+            data-parallel rank: ``dense`` runs every mini-batch through the stock path, counted as
+            ``prefix/fallback_<reason>`` with one log line at initialisation naming the module; ``raise`` stops
+            every rank with one ``UnsupportedModel`` error naming it.
     """
 
     enable: bool = True
@@ -76,12 +84,17 @@ class PrefixReuseConfig(BaseConfig):
     early_exit: bool = True
     phase_b_attention: str = "auto"
     prefix_chunk_tokens: int | None = None
+    unsupported_model: str = "dense"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_chunk_tokens", validate_chunk_tokens(self.prefix_chunk_tokens))
         if self.phase_b_attention not in PHASE_B_ATTENTION:
             raise ValueError(
                 f"prefix_reuse.phase_b_attention must be one of {PHASE_B_ATTENTION}, got {self.phase_b_attention!r}"
+            )
+        if self.unsupported_model not in UNSUPPORTED_MODEL:
+            raise ValueError(
+                f"prefix_reuse.unsupported_model must be one of {UNSUPPORTED_MODEL}, got {self.unsupported_model!r}"
             )
         if self.suffix_micro_batch_size is not None and self.suffix_micro_batch_size < 1:
             raise ValueError(

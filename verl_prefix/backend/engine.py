@@ -35,7 +35,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks
-from verl_prefix.backend.agreement import AgreedDormant, agree_on_kernels, model_head_dim
+from verl_prefix.backend.agreement import AgreedDormant, agree_on_kernels, agree_on_structure, model_head_dim
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
 from verl_prefix.backend.dormant import agree_on_policies
 from verl_prefix.backend.inputs import per_row_temperature
@@ -84,6 +84,14 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
         # (attention, compute dtype, device, training) -> the phase-B refusal every rank agreed on
         self._kernel_agreements: dict[tuple, str | None] = {}
+        # ((the module's id, unsupported_model), the reason every rank runs it dense) once decided
+        self._structure_decision: tuple[tuple[int, str], str | None] | None = None
+
+    def initialize(self) -> None:
+        """verl's build, then the decision whether the schedule can serve the model's structure at all, agreed
+        by every rank before any step (``prefix_reuse.unsupported_model``: dense with the reason, or raise)."""
+        super().initialize()
+        self._structure_reason()
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
@@ -153,7 +161,19 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def _model_fallback_reason(self, forward_only: bool) -> str | None:
         """A reason the whole mini-batch must run dense because of the model or the knobs, or None."""
+        if self.reuse_config.enable and self._structure_reason() is not None:
+            return self._structure_reason()
         return fallbacks.model_fallback_reason(self.module, self.reuse_config, forward_only=forward_only)
+
+    def _structure_reason(self) -> str | None:
+        """Why the schedule cannot serve this model's structure (``schedule.capability``), agreed by every
+        rank, or None. Decided at ``initialize`` (a collective every rank runs there); a module swapped in
+        afterwards is decided again before its first mini-batch's first collective, on every rank alike."""
+        key = (id(self.module), self.reuse_config.unsupported_model)
+        if self._structure_decision is None or self._structure_decision[0] != key:
+            reason = agree_on_structure(self.module, self.reuse_config.unsupported_model, self._agreement_group())
+            self._structure_decision = (key, reason)
+        return self._structure_decision[1]
 
     def _agreement_group(self) -> Any:
         """Where ranks agree on the path a mini-batch takes: FSDP's collectives (and, under Ulysses, the
@@ -205,6 +225,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return output
 
     def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        if self.reuse_config.enable:
+            self._structure_reason()  # decided before the mini-batch's first collective (a no-op once decided)
         local_reason, layout = self._checked_batch(data, forward_only)
         if self._moe_aux_on(forward_only) and loss_function is not None:
             self._attach_moe_normalisation(data)

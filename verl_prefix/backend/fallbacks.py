@@ -84,6 +84,14 @@ def has_active_dropout(model: nn.Module) -> bool:
     """Reuse shares one prefix dropout sample across the group: a different distribution (trap 7)."""
     if not model.training:
         return False
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name, value in (vars(text) if text is not None else {}).items():
+        # a rate the model applies through ``F.dropout`` (Seed-OSS's ``residual_dropout``): no module to find;
+        # heads that causal LMs do not run (classifier, sequence summary) do not count
+        if ("dropout" in name or "pdrop" in name) and not any(w in name for w in ("classifier", "summary")):
+            if isinstance(value, float | int) and not isinstance(value, bool) and value > 0:
+                return True
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout) and module.p > 0:
             return True

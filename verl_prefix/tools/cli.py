@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
-    commands = "{demo,bench,trace,replay,report,smoke-data,dashboard}"
+    commands = "{demo,bench,trace,replay,report,smoke-data,dashboard,models}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     bench = sub.add_parser(
         "bench",
@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_parser(sub)
     _add_replay_parser(sub)
     _add_demo_parser(sub)
+    models = sub.add_parser(
+        "models",
+        help="the model coverage matrix: every decoder family of the installed transformers and its column",
+        description="Build a tiny random model of every causal-LM family of the installed transformers, run the "
+        "capability check, and print (or --write) the coverage page (docs/models.md); the matrix tests prove "
+        "the exact-under-reuse column against dense.",
+    )
+    models.add_argument("--write", type=Path, default=None, metavar="PAGE", help="write the page here")
+    models.add_argument("--family", action="append", default=None, help="only this family (repeatable)")
     smoke = sub.add_parser(
         "smoke-data",
         help="write the tiny model and GSM8K-shaped parquet files the CPU recipe trains on",
@@ -512,6 +521,24 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    """``verl-prefix models``: the coverage page from the capability check over every family."""
+    import logging
+
+    from verl_prefix.tools import model_zoo
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    rows = model_zoo.matrix_rows(args.family)
+    page = model_zoo.render(rows)
+    if args.write is None:
+        print(page, end="")
+        return 0
+    args.write.write_text(page)
+    counts = ", ".join(f"{status}: {sum(r.status == status for r in rows)}" for status in model_zoo.COLUMNS)
+    print(f"wrote {args.write} ({counts})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``verl-prefix`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -525,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         return _smoke_data(args)
     if args.command == "dashboard":
         return _dashboard(args)
+    if args.command == "models":
+        return _models(args)
     from verl_prefix.tools.measure import select_platform
 
     select_platform()

@@ -55,23 +55,11 @@ def write_tiny_model(
     ``grouped_mm``, which has no fp64 kernel; ``"eager"`` loads everywhere. ``extra_config`` is passed
     to the config last (a sliding window, ``rope_parameters``...), so it wins.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if family not in _FAMILIES:
         raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError("vocab_size must leave room for ordinary tokens")
-    out = Path(dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(out)
+    out = write_tokenizer(dir, vocab_size)
 
     head_dim = hidden_size // num_heads
     kwargs: dict[str, Any] = dict(
@@ -116,6 +104,25 @@ def write_tiny_model(
             raise ValueError("experts_implementation applies to mixture-of-experts families only")
         cfg["experts_implementation"] = experts_implementation
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def write_tokenizer(dir: str | os.PathLike, vocab_size: int) -> Path:
+    """A local word-level tokenizer of ``vocab_size`` ids (``SPECIAL_TOKENS`` first) in ``dir``; returns ``dir``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError("vocab_size must leave room for ordinary tokens")
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out)
     return out
 
 

@@ -1,0 +1,53 @@
+"""The coverage matrix, first half of the families (``helpers.model_matrix``; the split lets xdist spread them):
+every decoder family of the installed transformers lands in one column of ``docs/models.md``, and that column
+holds: exact under reuse (fp32 1e-5, fp64 1e-10 against plain HF dense, prompts longer than the window, a group
+that reuses), dense with a reason decided by the capability check (and refused under ``unsupported_model=raise``),
+or not built, with the reason. A family that crashes or differs from dense fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import model_matrix as M
+
+from verl_prefix.tools import model_zoo as Z
+
+SHARD, SHARDS = 0, 2
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+
+
+@pytest.mark.parametrize("family", M.shard_families(SHARD, SHARDS))
+def test_family_lands_in_its_column(family):
+    M.check_family(family)
+
+
+@pytest.mark.parametrize(
+    "family", [f for f, b in sorted(M.PENDING.items()) if b == "windows" and M.shard(f, SHARDS) == SHARD]
+)
+def test_windowed_family_exact_with_a_window_covering_the_prompt(family):
+    """What the windows branch leaves to do is the window alone: with a window covering the prompt, exact now."""
+    M.check_exact(family, window=256)
+
+
+def test_negative_control_a_wrong_suffix_position_fails():
+    """The comparison can fail: suffix rows one position late (DESIGN trap 4) differ from dense by far more
+    than the tolerance on a served family."""
+    from verl_prefix.schedule import executor
+
+    original = executor.suffix_positions
+    executor.suffix_positions = lambda positions, p, s: original(positions, p, s) + 1
+    try:
+        assert M.exactness("llama", torch.float64, Z.WINDOW) > 1e-3
+    finally:
+        executor.suffix_positions = original
+
+
+def test_page_lists_every_family_once_with_its_counts():
+    """``docs/models.md`` (``verl-prefix models --write docs/models.md``) names every family of the installed
+    transformers once; each family's test checks its own row, this one the counts at the top."""
+    rows = Z.parse(PAGE.read_text())
+    assert sorted(r.family for r in rows) == Z.decoder_families()
+    for status in (Z.EXACT, Z.DENSE, Z.REFUSED, Z.SKIP):
+        assert f"| {status} | {sum(r.status == status for r in rows)} |" in PAGE.read_text()

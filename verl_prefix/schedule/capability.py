@@ -1,0 +1,198 @@
+"""Can the schedule serve this model at all: a structural check, run once before training.
+
+Phase A captures each decoder layer's K/V through the attention function the schedule registers with HF's
+``AttentionInterface`` (``prefix_kv``), keyed by the attention module's ``layer_idx``; phase B serves them back
+the same way. A model whose layers carry state in anything else (a recurrent or convolution mixer: gated
+delta-net, Mamba/Mamba-2, short convs, RG-LRU...), attend outside the interface (a family-local interface, a
+hand-written attention), attend bidirectionally or across to an encoder, or that is an encoder-decoder, cannot
+be served: found during a step, the model would stop mid-step ("phase A did not capture K/V for every layer")
+or train on something else than dense. ``structure_refusal`` finds these from the modules alone (no forward),
+names the module, and says why; the backend decides what to do with it (``prefix_reuse.unsupported_model``).
+
+``FAMILY_REFUSALS`` lists the few families whose attention goes through the interface but whose outputs
+still depend on something phase B cannot reproduce; each entry says what, as measured by the coverage matrix
+(``docs/models.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import modeling_utils
+
+# model_type -> why reuse cannot reproduce its dense computation, though every layer attends through the
+# interface (each found by the coverage matrix: reuse against dense differed or stopped)
+FAMILY_REFUSALS: dict[str, tuple[str, str]] = {
+    "phimoe": (
+        "stochastic_routing",
+        "its sparsemixer router samples experts in training mode: reuse would share one prefix sample across "
+        "the group, a different distribution from dense",
+    ),
+    "doge": (
+        "content_dependent_mask",
+        "its attention mask is computed from the value states of every key (a dynamic mask), which a "
+        "suffix row cannot rebuild for prefix keys it never computed",
+    ),
+}
+
+# class-name fragments of token mixers that carry state along the sequence outside attention
+_RECURRENT_NAMES = (
+    "mamba",
+    "gateddeltanet",
+    "deltanet",
+    "linearattention",
+    "lightning",
+    "shortconv",
+    "rglru",
+    "recurrent",
+    "mlstm",
+    "slstm",
+    "xlstm",
+    "rwkv",
+    "mixer",
+    "linearattn",
+)
+
+
+@dataclass(frozen=True)
+class StructureRefusal:
+    """Why the schedule cannot serve a model: ``reason`` names the ``prefix/fallback_<reason>`` metric,
+    ``module`` the first module (dotted path and class) that shows it, ``detail`` what it does."""
+
+    reason: str
+    module: str
+    detail: str
+
+    def message(self) -> str:
+        return f"{self.module}: {self.detail} ({self.reason})"
+
+
+def text_config(model: nn.Module) -> object:
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def structure_refusal(model: nn.Module) -> StructureRefusal | None:
+    """The first structure that keeps the schedule from serving ``model`` (an HF causal LM, possibly wrapped
+    by FSDP2), or None when every decoder layer attends causally through HF's attention interface."""
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        return StructureRefusal("encoder_decoder", name, "an encoder-decoder model; the schedule serves decoders")
+    model_type = getattr(config, "model_type", None)
+    for family in {model_type, getattr(text_config(model), "model_type", None)}:
+        if family in FAMILY_REFUSALS:
+            reason, detail = FAMILY_REFUSALS[family]
+            return StructureRefusal(reason, f"{name} ({family})", detail)
+    num_layers = int(getattr(text_config(model), "num_hidden_layers", 0) or 0)
+    layers = decoder_layers(model, num_layers)
+    if layers is None:
+        return StructureRefusal(
+            "no_decoder_layers", name, f"no list of {num_layers} decoder layers found to capture K/V from"
+        )
+    path, modules = layers
+    for i, layer in enumerate(modules):
+        refusal, indices = _layer_refusal(f"{path}.{i}", layer)
+        if refusal is not None:
+            return refusal
+        if i not in indices:
+            return StructureRefusal(
+                "attention_outside_interface",
+                f"{path}.{i} ({type(layer).__name__})",
+                f"no attention module with layer_idx={i} goes through HF's attention interface, so phase A could "
+                "not capture that layer's K/V",
+            )
+        if not _forwards_keywords(type(layer)):
+            return StructureRefusal(
+                "keywords_not_forwarded",
+                f"{path}.{i} ({type(layer).__name__})",
+                "the decoder layer does not pass its forward keywords on to attention, so the schedule's prefix "
+                "context (a forward keyword) cannot reach it",
+            )
+    return None
+
+
+def decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList] | None:
+    """The model's decoder layers: the first ``ModuleList`` of ``num_layers`` modules (``model.layers``...)."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers > 0:
+            return path, module
+    return None
+
+
+def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None, set[int]]:
+    """A refusal for one decoder layer, else the ``layer_idx`` values its interface attention modules carry."""
+    indices: set[int] = set()
+    named = dict(layer.named_modules())
+    for sub_path, module in named.items():
+        if isinstance(module, nn.Conv1d) and "." in sub_path:  # name the mixer that holds the convolution
+            sub_path = sub_path.rsplit(".", 1)[0]
+            module = named[sub_path]
+        where = f"{path}.{sub_path}" if sub_path else path
+        where = f"{where} ({type(module).__name__})"
+        lowered = f"{type(module).__name__} {sub_path.rsplit('.', 1)[-1]}".lower().replace("_", "")
+        is_conv = any(isinstance(m, nn.Conv1d) for m in module.children())
+        if any(fragment in lowered for fragment in _RECURRENT_NAMES) or is_conv:
+            recurrent = any(fragment in lowered for fragment in _RECURRENT_NAMES if fragment != "shortconv")
+            kind = "recurrent_layers" if recurrent else "convolution_layers"
+            return StructureRefusal(
+                kind,
+                where,
+                "a recurrent or convolution token mixer: it carries state along the sequence outside attention, "
+                "which phase A does not capture",
+            ), indices
+        if getattr(module, "is_cross_attention", False) or "crossattention" in lowered:
+            return StructureRefusal(
+                "cross_attention", where, "cross-attention to another sequence; the schedule serves self-attention"
+            ), indices
+        if not hasattr(module, "layer_idx") or not callable(getattr(type(module), "forward", None)):
+            continue
+        interface = _attention_interface(type(module))
+        if interface is None:
+            continue
+        if interface == "local":
+            return StructureRefusal(
+                "attention_outside_interface",
+                where,
+                "attends through a family-local attention interface the schedule's attention is not registered in",
+            ), indices
+        if getattr(module, "is_causal", True) is False:
+            return StructureRefusal(
+                "bidirectional_attention", where, "bidirectional attention; the schedule's masks are causal"
+            ), indices
+        layer_idx = module.layer_idx
+        if isinstance(layer_idx, int):
+            indices.add(layer_idx)
+    return None, indices
+
+
+@functools.cache
+def _forwards_keywords(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``**kwargs`` and passes some ``**mapping`` on (HF's decoder layers hand
+    their keywords to attention); True when the source cannot be read (phase A then checks)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
+    return len(re.findall(r"\*\*[A-Za-z_]", source)) >= 2
+
+
+@functools.cache
+def _attention_interface(cls: type) -> str | None:
+    """``"global"`` when ``cls.forward`` dispatches through transformers' ``ALL_ATTENTION_FUNCTIONS``,
+    ``"local"`` through another ``AttentionInterface`` (a family-local one), None when it does not attend
+    through an interface at all."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+    if "ALL_ATTENTION_FUNCTIONS" not in source:
+        return None
+    family = sys.modules.get(cls.forward.__module__)
+    table = getattr(family, "ALL_ATTENTION_FUNCTIONS", None)
+    return "global" if table is None or table is modeling_utils.ALL_ATTENTION_FUNCTIONS else "local"
