@@ -103,7 +103,7 @@ def _trip_on_this_rank(case: str) -> None:
     if case == "recompute_mismatch":
         dormant.kv_difference = lambda phase_a, recomputed: float("inf")
     elif case in ("auto_kernel_arch", "merged_kernel_arch"):
-        MA.merged_refusal = prefix_kv.merged_refusal = lambda query, kwargs: "kernel_arch"
+        MA.merged_refusal = prefix_kv.merged_refusal = lambda query, kwargs, value_dim=None: "kernel_arch"
     elif case == "varlen_kernel_missing":
         V.varlen_refusal = prefix_kv.varlen_refusal = lambda query, kwargs: "varlen_kernel"
         V.varlen_kernel_problem = lambda: (

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.gemma2 import modeling_gemma2
+from transformers.models.gemma4 import modeling_gemma4
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
@@ -20,6 +22,7 @@ _NORMS = [
     modeling_qwen3.Qwen3RMSNorm,
     modeling_qwen3_moe.Qwen3MoeRMSNorm,
     modeling_gpt_oss.GptOssRMSNorm,
+    modeling_deepseek_v3.DeepseekV3RMSNorm,
 ]
 # Gemma-2 scales by (1 + weight) and rounds through fp32 as well
 _GEMMA_NORMS = [modeling_gemma2.Gemma2RMSNorm]
@@ -38,6 +41,28 @@ def gemma_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
+def gemma4_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    """Gemma-4's RMSNorm (a plain weight, optionally none) without its fp32 round trip for fp64 inputs."""
+    if x.dtype != torch.float64:
+        return self._fp32_forward(x)
+    normed = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+    return normed * self.weight if self.with_scale else normed
+
+
+def router_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's router computes its logits in fp32; an fp64 model's in fp64."""
+    if hidden_states.dtype != torch.float64:
+        return self._fp32_forward(hidden_states)
+    return torch.nn.functional.linear(hidden_states.view(-1, self.config.hidden_size), self.weight)
+
+
+# other modules whose forward casts to fp32: (class, the forward that keeps fp64)
+_ROUTERS = [
+    (modeling_deepseek_v3.DeepseekV3TopkRouter, router_in_input_dtype),
+    (modeling_gemma4.Gemma4RMSNorm, gemma4_norm_in_input_dtype),
+]
+
+
 @contextmanager
 def promote_fp32_upcasts() -> Iterator[None]:
     original_softmax = torch.nn.functional.softmax
@@ -47,12 +72,15 @@ def promote_fp32_upcasts() -> Iterator[None]:
             dtype = torch.float64
         return original_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
 
-    saved = [(cls, cls.forward) for cls in _NORMS + _GEMMA_NORMS]
+    promoted = {cls: rms_norm_in_input_dtype for cls in _NORMS}
+    promoted.update({cls: gemma_norm_in_input_dtype for cls in _GEMMA_NORMS})
+    promoted.update(dict(_ROUTERS))
+    saved = [(cls, cls.forward) for cls in promoted]
     try:
         torch.nn.functional.softmax = softmax
         for cls, forward in saved:
             cls._fp32_forward = forward
-            cls.forward = gemma_norm_in_input_dtype if cls in _GEMMA_NORMS else rms_norm_in_input_dtype
+            cls.forward = promoted[cls]
         yield
     finally:
         torch.nn.functional.softmax = original_softmax

@@ -330,7 +330,9 @@ class OnDevice:
 
 
 def test_varlen_refusal_on_cuda_names_the_missing_kernel(monkeypatch):
-    monkeypatch.setattr(MA, "merged_refusal", lambda query, kwargs: None)  # the GPU serves the merged kernels
+    monkeypatch.setattr(
+        MA, "merged_refusal", lambda query, kwargs, value_dim=None: None
+    )  # the GPU serves the merged kernels
     query = OnDevice(torch.zeros(1, 2, 4, 8), "cuda")
     _no_cuda_kernels(monkeypatch, "2.6.3")
     assert V.varlen_refusal(query, {}) == "varlen_kernel"

@@ -33,6 +33,7 @@ from verl_prefix.backend.validation import gather_flagged
 from verl_prefix.schedule.capability import structure_refusal
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.preflight import phase_b_kernel_refusal
+from verl_prefix.schedule.structure import kernel_head_dim
 
 logger = logging.getLogger(__name__)
 # reasons this process has already logged (once each)
@@ -44,11 +45,11 @@ class KernelRefused(ValueError):
 
 
 def model_head_dim(model: nn.Module) -> int:
-    """The attention head size the model's config declares."""
+    """The head size phase B's kernels run at for this model (``structure.kernel_head_dim``: the widest of its
+    query/key and value heads, MLA's included)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(text, "head_dim", None)
-    return int(head_dim or text.hidden_size // text.num_attention_heads)
+    return kernel_head_dim(text)
 
 
 def local_refusal(

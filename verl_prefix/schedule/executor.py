@@ -43,6 +43,7 @@ from verl_prefix.schedule.prefix_kv import (
     ServeContext,
     prefix_attention_mode,
 )
+from verl_prefix.schedule.structure import kv_sources
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
@@ -119,6 +120,7 @@ def prefix_forward(
     slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
     over the slices."""
     routers, ulysses = options.routers, options.ulysses
+    sources = kv_sources(model)  # KV-shared layers: their prefix K/V are their source layer's
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -136,6 +138,7 @@ def prefix_forward(
                 ready=ready,
                 ulysses=ulysses,
                 length=length if ulysses is not None else None,
+                sources=sources,
             )
         else:
             ctx = ChunkCaptureContext(
@@ -148,6 +151,7 @@ def prefix_forward(
                 ready,
                 ulysses,
                 options.phase_b_refusal,
+                sources,
             )
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
@@ -161,6 +165,7 @@ def prefix_forward(
             )
         except PrefixCaptured:
             pass
+    ctx.kv.share(sources)
     if not ctx.kv.complete:
         raise RuntimeError("phase A did not capture K/V for every layer; is the model a supported decoder?")
     if routers is not None:
@@ -247,25 +252,33 @@ def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
         meter.count(f"prefix/phase_b_attention/concat_{reason}")
 
 
-def _unshard_interrupted(model: nn.Module, interrupted: nn.Module | None) -> None:
-    """FSDP2 unshards a module for backward from a hook its post-forward registers; early exit skipped
-    that post-forward, so the FSDP unit owning the last layer is unsharded here by hand. Its
-    post-backward (reduce-scatter, reshard) still runs from FSDP2's own hooks."""
-    if interrupted is None:
-        return
+def unshard_cut_short(model: nn.Module, modules: list[nn.Module | None]) -> None:
+    """Unshard, before phase C's backward, every FSDP2 unit whose parameters phase A's graph reads but whose
+    own pre-backward hook will not unshard them. FSDP2 registers that hook on a unit's forward OUTPUTS, and
+    phase C backpropagates from the captured K/V, which are no unit's output; a unit's hook fires only where
+    its output feeds a later layer's K/V. The units that phase B's backward resharded (freeing the storage of
+    the unsharded parameters phase A's graph saved) and that nothing else unshards are then:
+
+    - the root (the model itself): its output (logits) never feeds phase C. A model that computes something
+      differentiable from root-owned parameters before the decoder layers (Gemma-4's per-layer inputs: a
+      Linear projection and an RMSNorm of the embeddings) saved them in phase A;
+    - the units around ``modules``: the attention module early exit cut short (its layer's post-forward never
+      ran) and the last layer that computed its own K/V (``PrefixKV.last_source``), whose output feeds no
+      later K/V: the last layer without early exit, the last one before Gemma's KV-shared layers with it.
+
+    Without this their backward reads freed storage: a segmentation fault on CPU, garbage on an accelerator
+    (``tests/backend/test_model_structures_engine.py``). Each unit's post-backward (reduce-scatter, reshard)
+    still runs from FSDP2's own hooks. Unsharding a unit that is unsharded is a no-op."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
         return
-    target = next((name for name, m in model.named_modules() if m is interrupted), None)
-    if target is None:
-        return
-    owner = None
+    names = {id(m): name for name, m in model.named_modules()}
+    targets = [names[id(m)] for m in modules if m is not None and id(m) in names]
     for name, module in model.named_modules():
-        if isinstance(module, FSDPModule) and (name == "" or target == name or target.startswith(name + ".")):
-            owner = module  # preorder: the last match is the nearest ancestor
-    if owner is not None:
-        owner.unshard()
+        around = name == "" or any(t == name or t.startswith(name + ".") for t in targets)
+        if around and isinstance(module, FSDPModule):
+            module.unshard()
 
 
 def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None = None) -> None:
@@ -283,10 +296,14 @@ def seeded_backward(prefix: PrefixKV, seeds: list[torch.Tensor | None], model: n
     gradient, or None where nothing reached it (zeros are used; see below). A chunked prefix seeds each
     chunk with its slice of the whole prefix's leaf gradients."""
     if model is not None:
-        _unshard_interrupted(model, prefix.interrupted)
+        unshard_cut_short(model, [prefix.interrupted, prefix.last_source])
     roots, grads = [], []
     num_layers = len(prefix.keys)
+    seeded = set()
     for index, (root, seed) in enumerate(zip(prefix.tensors(), seeds)):
+        if seed is not None and (id(root), id(seed)) in seeded:
+            continue  # KV-shared layers: one root and one leaf, whose grad already holds every layer's share
+        seeded.add((id(root), id(seed)))
         if not root.requires_grad:
             layers = [index // 2] if index < 2 * num_layers else range(num_layers)
             if all(prefix.captured_with_grad[layer] for layer in layers):

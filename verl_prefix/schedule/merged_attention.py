@@ -27,6 +27,13 @@ to 256, where ``torch.backends.cuda.can_use_flash_attention`` says it runs: ``ke
 Logit softcapping and attention sinks, which none of them takes, run ``scored_merged_attention``
 instead: the same two parts and merge in plain torch ops (each part's scores capped before its own
 log-sum-exp, sinks a third part), no repeat on any device, but the scores materialised.
+
+Unequal head sizes (MLA: DeepSeek-V2/V3, Kimi-K2, value heads of 128 against query/key heads of 192): the
+flash ops take one head size for Q, K and V. The narrower side is zero-padded to the wider inside the kernel
+calls (``pad_head``): zero columns of Q and K add nothing to ``q k^T``, zero columns of V give zero output
+columns, so the real columns are exact; the output and the gradients are sliced back (``unpad_head``) and
+the scale is always passed explicitly (a kernel's default, ``1/sqrt(padded size)``, would be wrong when Q
+and K are padded). Only the unpadded tensors are saved for backward; the padded copies are transient.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from verl_prefix.schedule.kernels import cuda_merged_refusal
 
@@ -41,8 +49,28 @@ from verl_prefix.schedule.kernels import cuda_merged_refusal
 _UNSERVED_KWARGS = {"sliding_window": "sliding_window", "softcap": "softcap", "s_aux": "sinks"}
 
 
-def merged_refusal(query: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
-    """Why this attention call cannot run the merged path (a short reason), or None when it can."""
+def pad_head(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x [..., d]`` zero-padded at the end of its last dim to ``dim >= d`` (itself when ``d == dim``)."""
+    return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
+
+
+def unpad_head(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The real ``dim`` columns of a tensor ``pad_head`` widened: its first ones (a view)."""
+    return x if x.shape[-1] == dim else x[..., :dim]
+
+
+def kernel_query(query: torch.Tensor, value_dim: int | None) -> torch.Tensor:
+    """A query standing for what the kernels see: ``query`` itself, or a zero query of the padded head size
+    where values are wider (``value_dim``) than queries (same dtype, device and ``requires_grad``)."""
+    if value_dim is None or value_dim <= query.shape[-1]:
+        return query
+    return query.new_zeros(*query.shape[:-1], value_dim).requires_grad_(query.requires_grad)
+
+
+def merged_refusal(query: torch.Tensor, kwargs: dict[str, Any], value_dim: int | None = None) -> str | None:
+    """Why this attention call cannot run the merged path (a short reason), or None when it can.
+    ``value_dim``: the value head size where it differs from the query's (the kernels run the wider one)."""
+    query = kernel_query(query, value_dim)
     for name, reason in _UNSERVED_KWARGS.items():
         if kwargs.get(name) is not None:
             return reason
@@ -162,9 +190,11 @@ def forward_dtype(query: torch.Tensor) -> torch.dtype:
 class MergedAttention(torch.autograd.Function):
     """``softmax(q [pk; sk]^T * scale) [pv; sv]`` with the suffix part causal, from two kernel calls.
 
-    q ``[B, Hq, S, d]``; prefix_k/v ``[1, Hkv, P, d]`` in any dtype (the fp32 leaves; their grads come back
-    in it); suffix_k/v ``[B, Hkv, S, d]`` in q's dtype (repeated to ``Hq`` heads where ``native_gqa`` is
-    False). Returns ``[B, Hq, S, d]`` in q's dtype. The forward runs in ``forward_dtype``, the backward in q's dtype.
+    q ``[B, Hq, S, d]``; prefix_k/v ``[1, Hkv, P, d]`` / ``[1, Hkv, P, dv]`` in any dtype (the fp32 leaves;
+    their grads come back in it); suffix_k/v ``[B, Hkv, S, d]`` / ``[B, Hkv, S, dv]`` in q's dtype (repeated to
+    ``Hq`` heads where ``native_gqa`` is False). Returns ``[B, Hq, S, dv]`` in q's dtype. The forward runs in
+    ``forward_dtype``, the backward in q's dtype. Where ``dv != d`` both kernels run at ``max(d, dv)``
+    (``pad_head``) and the output and gradients are sliced back (``unpad_head``).
     """
 
     @staticmethod
@@ -180,14 +210,17 @@ class MergedAttention(torch.autograd.Function):
         rows, heads = query.shape[:2]
         kv_heads = prefix_key.shape[1]
         work = forward_dtype(query)
+        value_dim = prefix_value.shape[-1]
+        dim = max(query.shape[-1], value_dim)
         with torch.autocast(query.device.type, enabled=False):
-            q = query.to(work)
-            folded = fold_queries(q, kv_heads)
-            out1, lse1, aux1 = attention_forward(folded, prefix_key.to(work), prefix_value.to(work), False, scale)
+            q = pad_head(query.to(work), dim)
+            pk, pv = pad_head(prefix_key.to(work), dim), pad_head(prefix_value.to(work), dim)
+            out1, lse1, aux1 = attention_forward(fold_queries(q, kv_heads), pk, pv, False, scale)
             out1, lse1 = unfold_queries(out1, rows, heads), unfold_queries(lse1, rows, heads)
-            out2, lse2, aux2 = attention_forward(q, suffix_key.to(work), suffix_value.to(work), True, scale)
+            sk, sv = pad_head(suffix_key.to(work), dim), pad_head(suffix_value.to(work), dim)
+            out2, lse2, aux2 = attention_forward(q, sk, sv, True, scale)
             out, lse = merge(out1, lse1, out2, lse2)
-            out = out.to(query.dtype)  # the one rounding to the compute dtype
+            out = unpad_head(out, value_dim).to(query.dtype).contiguous()  # the one rounding to the compute dtype
         saved = backward_stats(out, lse, ((out1, lse1), (out2, lse2)))
         ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, *saved)
         ctx.aux, ctx.scale = (aux1, aux2), scale
@@ -199,13 +232,16 @@ class MergedAttention(torch.autograd.Function):
         rows, heads = query.shape[:2]
         kv_heads = prefix_key.shape[1]
         dtype = query.dtype
-        grad = grad.contiguous().to(dtype)
+        head_dim, value_dim = query.shape[-1], prefix_value.shape[-1]
+        dim = max(head_dim, value_dim)
+        grad = pad_head(grad.contiguous().to(dtype), dim)
+        q, out_p, out_s = pad_head(query, dim), pad_head(out_p, dim), pad_head(out_s, dim)
         with torch.autocast(query.device.type, enabled=False):
             dq_p, dk_p, dv_p = attention_backward(
                 fold_queries(grad, kv_heads),
-                fold_queries(query, kv_heads),
-                prefix_key.to(dtype),
-                prefix_value.to(dtype),
+                fold_queries(q, kv_heads),
+                pad_head(prefix_key.to(dtype), dim),
+                pad_head(prefix_value.to(dtype), dim),
                 fold_queries(out_p, kv_heads),
                 fold_queries(lse_p, kv_heads),
                 ctx.aux[0],
@@ -213,10 +249,19 @@ class MergedAttention(torch.autograd.Function):
                 ctx.scale,
             )
             dq_s, dk_s, dv_s = attention_backward(
-                grad, query, suffix_key, suffix_value, out_s, lse_s, ctx.aux[1], True, ctx.scale
+                grad,
+                q,
+                pad_head(suffix_key, dim),
+                pad_head(suffix_value, dim),
+                out_s,
+                lse_s,
+                ctx.aux[1],
+                True,
+                ctx.scale,
             )
-            dq = add_query_grads(unfold_queries(dq_p, rows, heads), dq_s, dtype)
-        return dq, dk_p.to(prefix_key.dtype), dv_p.to(prefix_value.dtype), dk_s, dv_s, None
+            dq = unpad_head(add_query_grads(unfold_queries(dq_p, rows, heads), dq_s, dtype), head_dim)
+        dk_p, dv_p = unpad_head(dk_p, head_dim).to(prefix_key.dtype), unpad_head(dv_p, value_dim).to(prefix_value.dtype)
+        return dq, dk_p, dv_p, unpad_head(dk_s, head_dim), unpad_head(dv_s, value_dim), None
 
 
 def cap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -257,7 +302,7 @@ def scored_merged_attention(
     prefix, suffix K/V shared by a KV group's query heads by broadcasting: no repeat on any device), but the
     scores are materialised: ``B x Hq x S x (P + S)`` in fp32 per layer, saved for backward."""
     rows, heads, length, dim = query.shape
-    kv_heads = prefix_key.shape[1]
+    kv_heads = prefix_key.shape[1]  # value heads may be narrower or wider than dim: plain matmuls take either
     work = torch.promote_types(query.dtype, torch.float32)
     q = query.to(work)
     out1, lse1 = scored_part(
@@ -268,7 +313,7 @@ def scored_merged_attention(
     out2, lse2 = scored_part(
         grouped, suffix_key.to(work).unsqueeze(2), suffix_value.to(work).unsqueeze(2), scale, softcap, causal=True
     )
-    out, lse = merge(out1, lse1, out2.reshape(query.shape), lse2.reshape(query.shape[:3]))
+    out, lse = merge(out1, lse1, out2.reshape(*query.shape[:3], -1), lse2.reshape(query.shape[:3]))
     if sinks is not None:
         total = torch.logaddexp(lse, sinks.to(work).reshape(1, heads, 1))
         out = out * torch.exp(lse - total).unsqueeze(-1)
@@ -287,8 +332,9 @@ def merged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HF layout in, HF layout out: query ``[B, Hq, S, d]``, prefix K/V ``[1, Hkv, P, d]``, suffix K/V
-    ``[B, Hkv, S, d]`` -> ``[B, S, Hq, d]`` in the query's dtype. A prefix leaf held in fp32 goes in as it
-    is (no per-micro-batch copy is saved for backward) and its gradient comes back in fp32. ``softcap``
+    ``[B, Hkv, S, d]`` (values may have another head size ``dv``) -> ``[B, S, Hq, dv]`` in the query's dtype.
+    A prefix leaf held in fp32 goes in as it is (no per-micro-batch copy is saved for backward) and its
+    gradient comes back in fp32. ``softcap``
     (Gemma-2's ``attn_logit_softcapping``) or ``sinks`` (``s_aux``, one logit per query head) run
     ``scored_merged_attention`` (plain torch ops, any device and dtype); otherwise the device's flash
     kernels (``MergedAttention``)."""

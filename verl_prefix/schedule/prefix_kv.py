@@ -31,6 +31,7 @@ from verl_prefix.schedule.attention_keywords import (
     window_covers,
 )
 from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
+from verl_prefix.schedule.structure import last_source_layer
 from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
 from verl_prefix.schedule.varlen_attention import Packing, merged_varlen_attention, varlen_refusal
 
@@ -99,8 +100,17 @@ class PrefixKV:
         self.router_stats: RouterStats | None = None
         # the module whose forward phase A cut short (early exit), if any
         self.interrupted: nn.Module | None = None
+        # the attention module of the last layer whose K/V phase A computed itself (not a KV-shared layer's)
+        self.last_source: nn.Module | None = None
         # per layer: phase A captured its K/V with autograd on (a K/V without a graph is then a constant)
         self.captured_with_grad: list[bool] = [False] * num_layers
+
+    def share(self, sources: dict[int, int]) -> None:
+        """KV-shared layers (``structure.kv_sources``): each one's prefix K/V are its source layer's tensors."""
+        for layer, source in sources.items():
+            if self.keys[layer] is None and self.keys[source] is not None:
+                self.keys[layer], self.values[layer] = self.keys[source], self.values[source]
+                self.captured_with_grad[layer] = self.captured_with_grad[source]
 
     @property
     def complete(self) -> bool:
@@ -118,12 +128,17 @@ class PrefixKV:
 
         K/V leaves are held in at least ``min_dtype`` (fp32 by default) so dK/dV accumulate over the
         micro-batches in fp32 whatever the compute dtype, as dense training accumulates parameter
-        grads; attention casts them to its own dtype (an exact round trip). ``None`` keeps K/V's dtype."""
+        grads; attention casts them to its own dtype (an exact round trip). ``None`` keeps K/V's dtype.
+        Layers that share one K/V tensor (KV-shared layers, ``share``) share one leaf: one copy, one dK/dV
+        holding both layers' shares (``executor.seeded_backward`` seeds such a root once)."""
         leaves = PrefixKV(len(self.keys))
+        made: dict[int, torch.Tensor] = {}
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
-            dtype = t.dtype if min_dtype is None else torch.promote_types(t.dtype, min_dtype)
-            return t.detach().to(dtype).requires_grad_(requires_grad)
+            if id(t) not in made:
+                dtype = t.dtype if min_dtype is None else torch.promote_types(t.dtype, min_dtype)
+                made[id(t)] = t.detach().to(dtype).requires_grad_(requires_grad)
+            return made[id(t)]
 
         leaves.keys = [leaf(k) for k in self.keys]
         leaves.values = [leaf(v) for v in self.values]
@@ -146,9 +161,12 @@ class CaptureContext:
         ready: Callable[[], bool] = lambda: True,
         ulysses: Ulysses | None = None,
         length: int | None = None,
+        sources: dict[int, int] | None = None,
     ) -> None:
         self.kv = PrefixKV(num_layers)
-        self.last_layer = num_layers - 1
+        # KV-shared layers (``structure.kv_sources``) compute no K/V: phase A may stop after the last one that does
+        self.sources = sources or {}
+        self.last_layer = last_source_layer(num_layers, self.sources)
         self.early_exit = early_exit
         # early exit at the last K/V only once nothing else phase A needs is still to come (MoE routers)
         self.ready = ready
@@ -173,6 +191,10 @@ class CaptureContext:
             end = key.shape[2] if self.length is None else self.length
             self.kv.keys[layer], self.kv.values[layer] = key[:, :, :end], value[:, :, :end]
             self.kv.captured_with_grad[layer] = torch.is_grad_enabled()
+            if layer not in self.sources:
+                self.kv.last_source = getattr(module, "wrapped", module)
+            if layer == self.last_layer:
+                self.kv.share(self.sources)
         if first and self.early_exit and layer == self.last_layer and self.ready():
             self.kv.interrupted = getattr(module, "wrapped", module)  # the real module under a head-shard view
             raise PrefixCaptured
@@ -212,9 +234,11 @@ class ChunkCaptureContext(CaptureContext):
         ready: Callable[[], bool] = lambda: True,
         ulysses: Ulysses | None = None,
         refusal: str | None = None,
+        sources: dict[int, int] | None = None,
     ) -> None:
         # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
-        super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
+        real = query_len if ulysses is not None else None
+        super().__init__(num_layers, early_exit, ready, ulysses, real, sources)
         padded = query_len if ulysses is None else ulysses.padded(query_len)
         self.serve = ServeContext(
             earlier, padded, device, attention, ulysses=ulysses, row_lengths=[query_len], refusal=refusal
@@ -272,8 +296,8 @@ class ServeContext:
         """Where the rows' real tokens go in the packed layout (built once per micro-batch)."""
         return Packing.from_lengths(self.row_lengths, self.query_len, self.device)
 
-    def _varlen_refusal(self, query: torch.Tensor, kwargs: dict) -> None:
-        reason = self.refusal or varlen_refusal(query, kwargs)
+    def _varlen_refusal(self, query: torch.Tensor, value_dim: int, kwargs: dict) -> None:
+        reason = self.refusal or varlen_refusal(query, kwargs, value_dim)
         if reason is None and self.row_lengths is None:
             reason = "no_row_lengths"
         if reason is None and query.shape[2] != self.query_len:
@@ -301,7 +325,7 @@ class ServeContext:
         """The longest row's real token count (read once per micro-batch, and only where a window asks)."""
         return max(int(n) for n in self.row_lengths)
 
-    def _merged_refusal(self, base: Callable, query: torch.Tensor, kwargs: dict) -> str | None:
+    def _merged_refusal(self, base: Callable, query: torch.Tensor, value_dim: int, kwargs: dict) -> str | None:
         if self.attention == "concat":
             return "concat"
         if self.refusal is not None:
@@ -312,7 +336,8 @@ class ServeContext:
             # a window covering every key of the call changes nothing (the kernels take none)
             window = kwargs.get("sliding_window")
             covered = window is None or window_covers(kwargs, self.key_span(query.shape[2]))
-            reason = merged_refusal(query, {k: v for k, v in kwargs.items() if not (covered and k == "sliding_window")})
+            served = {k: v for k, v in kwargs.items() if not (covered and k == "sliding_window")}
+            reason = merged_refusal(query, served, value_dim)
         if reason is None and self.attention == "auto" and base is not sdpa_attention_forward:
             reason = "eager"  # the model asked for eager attention's numerics; merged is sdpa's maths
         if reason is not None and self.attention == "merged":
@@ -334,13 +359,13 @@ class ServeContext:
         layer = module.layer_idx
         prefix_key, prefix_value = self.prefix.keys[layer], self.prefix.values[layer]
         if self.attention == "merged_varlen":
-            self._varlen_refusal(query, kwargs)
+            self._varlen_refusal(query, value.shape[-1], kwargs)
             self.varlen_calls += 1
             out = merged_varlen_attention(
                 query, prefix_key, prefix_value, key, value, self.packing, kwargs.get("scaling")
             )
             return out, None
-        reason = self._merged_refusal(base, query, kwargs)
+        reason = self._merged_refusal(base, query, value.shape[-1], kwargs)
         if reason is None:
             self.merged_calls += 1
             out = merged_attention(

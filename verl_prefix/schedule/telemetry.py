@@ -280,20 +280,23 @@ class PhaseMeter:
         self.counts[key] += n
 
     def note_prefix_kv(self, tensors: list[torch.Tensor]) -> None:
-        """Record the size of a group's prefix cache (called once per group after phase A)."""
-        mib = sum(t.numel() * t.element_size() for t in tensors) / _MIB
+        """Record the size of a group's prefix cache (called once per group after phase A); a tensor that
+        several layers share (KV-shared layers) counts once."""
+        distinct = {id(t): t for t in tensors}.values()
+        mib = sum(t.numel() * t.element_size() for t in distinct) / _MIB
         self.peak_prefix_kv_mib = max(self.peak_prefix_kv_mib, mib)
 
     def note_prefix_leaves(self, kv: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
         """Record what a training group's dK/dV leaves hold beside its prefix K/V (once per group, before
         phase B): each leaf held as a copy (fp32 leaves over bf16 K/V; none when the dtypes agree and the
         leaf shares the K/V's storage) plus its gradient, the fp32 dK/dV accumulated through phase B."""
+        pairs = {id(leaf): (t, leaf) for t, leaf in zip(kv, leaves)}.values()  # a shared leaf counts once
         copies = sum(
             leaf.numel() * leaf.element_size()
-            for t, leaf in zip(kv, leaves)
+            for t, leaf in pairs
             if leaf.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
         )
-        grads = sum(leaf.numel() * leaf.element_size() for leaf in leaves if leaf.requires_grad)
+        grads = sum(leaf.numel() * leaf.element_size() for _, leaf in pairs if leaf.requires_grad)
         self.peak_prefix_leaves_mib = max(self.peak_prefix_leaves_mib, (copies + grads) / _MIB)
 
     def _account_saved(self, name: str, mib: float, recompute_mib: float = 0.0) -> None:

@@ -112,9 +112,10 @@ def flash_attn_functions() -> tuple[Callable, Callable] | None:
     return (forward, backward) if forward is not None and backward is not None else None
 
 
-def varlen_refusal(query: torch.Tensor, kwargs: dict[str, Any]) -> str | None:
-    """Why this attention call cannot run the varlen path (a short reason), or None when it can."""
-    reason = MA.merged_refusal(query, kwargs)
+def varlen_refusal(query: torch.Tensor, kwargs: dict[str, Any], value_dim: int | None = None) -> str | None:
+    """Why this attention call cannot run the varlen path (a short reason), or None when it can.
+    ``value_dim``: the value head size where it differs from the query's (the kernels run the wider one)."""
+    reason = MA.merged_refusal(query, kwargs, value_dim)
     if reason is not None or query.device.type == "cpu":
         return reason
     if kernels_for(query.device) is None:
@@ -440,14 +441,16 @@ class MergedVarlenAttention(torch.autograd.Function):
         work = MA.forward_dtype(query)
         kernels = _kernels(query.device)
         cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
+        value_dim = prefix_value.shape[-1]
+        dim = max(query.shape[-1], value_dim)  # unequal head sizes (MLA): both run padded, as in MA
         with torch.autocast(query.device.type, enabled=False):
-            q = query.to(work)
-            pk, pv = (_prefix_rows(t, work) for t in (prefix_key, prefix_value))  # [P, Hkv, d]
+            q = MA.pad_head(query.to(work), dim)
+            pk, pv = (MA.pad_head(_prefix_rows(t, work), dim) for t in (prefix_key, prefix_value))  # [P, Hkv, d]
             out1, lse1 = kernels.forward(q, pk, pv, cu_q, cu_p, total, prefix_len, scale, False)
-            sk, sv = suffix_key.to(work), suffix_value.to(work)
+            sk, sv = MA.pad_head(suffix_key.to(work), dim), MA.pad_head(suffix_value.to(work), dim)
             out2, lse2 = kernels.forward(q, sk, sv, cu_seqlens, cu_seqlens, max_len, max_len, scale, True)
             out, lse = merge_packed(out1, lse1, out2, lse2)
-            out = out.to(query.dtype)  # the one rounding to the compute dtype
+            out = MA.unpad_head(out, value_dim).to(query.dtype).contiguous()  # the one rounding to the compute dtype
         saved = MA.backward_stats(out, lse, ((out1, lse1), (out2, lse2)))
         ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, cu_seqlens, *saved)
         ctx.max_len, ctx.scale, ctx.kernels = max_len, scale, kernels
@@ -460,21 +463,24 @@ class MergedVarlenAttention(torch.autograd.Function):
         )
         total, prefix_len = query.shape[0], prefix_key.shape[2]
         dtype = query.dtype
-        grad = grad.contiguous().to(dtype)
+        head_dim, value_dim = query.shape[-1], prefix_value.shape[-1]
+        dim = max(head_dim, value_dim)
+        grad = MA.pad_head(grad.contiguous().to(dtype), dim)
+        q, out_p, out_s = MA.pad_head(query, dim), MA.pad_head(out_p, dim), MA.pad_head(out_s, dim)
+        sk, sv = MA.pad_head(suffix_key, dim), MA.pad_head(suffix_value, dim)
         cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
         with torch.autocast(query.device.type, enabled=False):
-            pk, pv = (_prefix_rows(t, dtype) for t in (prefix_key, prefix_value))
+            pk, pv = (MA.pad_head(_prefix_rows(t, dtype), dim) for t in (prefix_key, prefix_value))
             dq_p, dk_p, dv_p = ctx.kernels.backward(
-                grad, query, pk, pv, out_p, lse_p, cu_q, cu_p, total, prefix_len, ctx.scale, False
+                grad, q, pk, pv, out_p, lse_p, cu_q, cu_p, total, prefix_len, ctx.scale, False
             )
             dq_s, dk_s, dv_s = ctx.kernels.backward(
-                grad, query, suffix_key, suffix_value, out_s, lse_s, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len,
-                ctx.scale, True,
+                grad, q, sk, sv, out_s, lse_s, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len, ctx.scale, True,
             )  # fmt: skip
-            dq = MA.add_query_grads(dq_p, dq_s, dtype)
-        dk_p = dk_p.transpose(0, 1).unsqueeze(0).to(prefix_key.dtype).contiguous()
-        dv_p = dv_p.transpose(0, 1).unsqueeze(0).to(prefix_value.dtype).contiguous()
-        return dq, dk_p, dv_p, dk_s, dv_s, None, None, None
+            dq = MA.unpad_head(MA.add_query_grads(dq_p, dq_s, dtype), head_dim)
+        dk_p = MA.unpad_head(dk_p, head_dim).transpose(0, 1).unsqueeze(0).to(prefix_key.dtype).contiguous()
+        dv_p = MA.unpad_head(dv_p, value_dim).transpose(0, 1).unsqueeze(0).to(prefix_value.dtype).contiguous()
+        return dq, dk_p, dv_p, MA.unpad_head(dk_s, head_dim), MA.unpad_head(dv_s, value_dim), None, None, None
 
 
 def merged_varlen_attention(
@@ -487,7 +493,8 @@ def merged_varlen_attention(
     scaling: float | None = None,
 ) -> torch.Tensor:
     """HF layout in, HF layout out, as ``merged_attention``: query ``[B, Hq, S, d]``, prefix K/V
-    ``[1, Hkv, P, d]``, suffix K/V ``[B, Hkv, S, d]`` -> ``[B, S, Hq, d]``, zero at pad positions. Only the
+    ``[1, Hkv, P, d]``, suffix K/V ``[B, Hkv, S, d]`` (values may have another head size ``dv``: padded to the
+    wider inside, as in ``merged_attention``) -> ``[B, S, Hq, dv]``, zero at pad positions. Only the
     ``packing``'s real tokens reach the kernels (and what they save for backward)."""
     rows, heads, width = query.shape[:3]
     kv_heads = suffix_key.shape[1]

@@ -24,7 +24,39 @@ from tensordict import NonTensorData, TensorDict
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma4_text")
+_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+
+
+def _family_config(family: str, head_dim: int, hidden_size: int, vocab_size: int, experts: tuple[int, int]) -> dict:
+    """Config fields a family needs to be tiny (beyond the common ones): DeepSeek-V3's MLA (query/key heads of
+    ``head_dim``, half of it RoPE, value heads of ``head_dim // 2``, one KV head per query head) and MoE after
+    one dense layer; Gemma-4's per-layer inputs and global heads shrunk (its defaults build 200M parameters)
+    and a window longer than any test sequence."""
+    if family == "deepseek_v3":
+        return dict(
+            qk_rope_head_dim=head_dim // 2,
+            qk_nope_head_dim=head_dim // 2,
+            v_head_dim=head_dim // 2,
+            kv_lora_rank=hidden_size // 2,
+            q_lora_rank=None,
+            n_routed_experts=experts[0],
+            num_experts_per_tok=experts[1],
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            moe_intermediate_size=hidden_size // 2,
+        )
+    if family == "gemma4_text":
+        return dict(
+            head_dim=head_dim,
+            global_head_dim=2 * head_dim,
+            vocab_size_per_layer_input=vocab_size,
+            hidden_size_per_layer_input=8,
+            sliding_window=4096,
+        )
+    return {}
 
 
 def write_tiny_model(
@@ -91,6 +123,9 @@ def write_tiny_model(
         )
     if family == "mistral":
         kwargs["sliding_window"] = None  # Mistral's config defaults to a 4096 window; tests choose their own
+    if family == "deepseek_v3":
+        kwargs["num_key_value_heads"] = num_heads  # MLA: a K/V head per query head
+    kwargs.update(_family_config(family, head_dim, hidden_size, vocab_size, (num_experts, num_experts_per_tok)))
     kwargs.update(extra_config or {})
     config = AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(seed)
@@ -100,7 +135,7 @@ def write_tiny_model(
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("architectures"), f"config.json for {family} has no architectures"
     if experts_implementation is not None:
-        if family != "qwen3_moe":
+        if family not in _MOE_FAMILIES:
             raise ValueError("experts_implementation applies to mixture-of-experts families only")
         cfg["experts_implementation"] = experts_implementation
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
