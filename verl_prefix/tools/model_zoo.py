@@ -161,7 +161,6 @@ SKIPPED: dict[str, str] = {
 # phase-C crash) lands with a sibling branch: family -> branch. Their matrix tests are xfail(strict) until then;
 # the integrator drops a branch's entries when it merges (and regenerates docs/models.md).
 PENDING: dict[str, str] = {
-    **dict.fromkeys(["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa", "youtu", "gemma4_text"], "mla"),
     **dict.fromkeys(
         [
             "afmoe", "cohere2", "cohere2_moe", "cwm", "deepseek_v4", "exaone4", "exaone_moe", "gemma2", "gemma3_text",
