@@ -73,6 +73,17 @@ def _keep_fp64_output(module: torch.nn.Module, args: tuple, out: torch.Tensor) -
     return out.as_subclass(_KeepFp64)
 
 
+def _gate_in_fp64(module: torch.nn.Module, args: tuple) -> None:
+    # set per call: FSDP2 registers its unsharded parameter object for the forward
+    if type(module.A_log) is torch.nn.Parameter:
+        module.A_log.__class__ = _KeepFp64Parameter
+
+
+def _gate_restored(module: torch.nn.Module, args: tuple, out: object) -> None:
+    if type(module.A_log) is _KeepFp64Parameter:
+        module.A_log.__class__ = torch.nn.Parameter
+
+
 def _norm(self: Q.Qwen3_5RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
@@ -98,7 +109,8 @@ def fp64_delta_net(model: torch.nn.Module) -> Iterator[None]:
         for layer in layers:
             layer.chunk_gated_delta_rule = delta_rule_in_dtype
             layer.recurrent_gated_delta_rule = delta_rule_in_dtype
-            layer.A_log.__class__ = _KeepFp64Parameter
+            hooks.append(layer.register_forward_pre_hook(_gate_in_fp64))
+            hooks.append(layer.register_forward_hook(_gate_restored))
             hooks.append(layer.in_proj_a.register_forward_hook(_keep_fp64_output))
         yield
     finally:
@@ -108,6 +120,5 @@ def fp64_delta_net(model: torch.nn.Module) -> Iterator[None]:
         for hook in hooks:
             hook.remove()
         for layer in layers:
-            layer.A_log.__class__ = torch.nn.Parameter
             layer.chunk_gated_delta_rule = Q.torch_chunk_gated_delta_rule
             layer.recurrent_gated_delta_rule = Q.torch_recurrent_gated_delta_rule

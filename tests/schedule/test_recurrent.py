@@ -254,6 +254,19 @@ def test_served_layers_and_unserved_kernels():
     assert recurrent.recurrent_refusal(model) is None
 
 
+def _foreign_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    raise AssertionError("never called")
+
+
+def test_a_patched_forward_is_not_served(monkeypatch):
+    """verl's monkey patch for ``qwen3_5`` checkpoints replaces the layer's forward class-wide with one that
+    reads another cache interface: a model whose layers run a forward other than transformers' is refused."""
+    model = qwen3_5(torch.float32)
+    monkeypatch.setattr(modeling_qwen3_5.Qwen3_5GatedDeltaNet, "forward", _foreign_forward)
+    assert not any(recurrent.served_recurrent_layer(m) for m in model.modules())
+    assert "not served" in recurrent.recurrent_refusal(model)
+
+
 def test_plain_attention_models_have_no_recurrent_layers():
     from test_schedule_hf import tiny_model
 

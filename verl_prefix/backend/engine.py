@@ -153,7 +153,14 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def _model_fallback_reason(self, forward_only: bool) -> str | None:
         """A reason the whole mini-batch must run dense because of the model or the knobs, or None."""
-        return fallbacks.model_fallback_reason(self.module, self.reuse_config, forward_only=forward_only)
+        return fallbacks.model_fallback_reason(
+            self.module, self.reuse_config, forward_only=forward_only
+        ) or fallbacks.recurrent_fallback_reason(
+            self.module,
+            self.reuse_config,
+            ulysses=self.use_ulysses_sp,
+            dormant_policy="keep" if forward_only else self.dormant_prefix,
+        )
 
     def _agreement_group(self) -> Any:
         """Where ranks agree on the path a mini-batch takes: FSDP's collectives (and, under Ulysses, the

@@ -59,10 +59,15 @@ def is_recurrent_layer(module: nn.Module) -> bool:
 def served_recurrent_layer(module: nn.Module) -> bool:
     """Whether the reuse schedule carries this recurrent layer's state across the prefix boundary exactly.
 
-    True for the Qwen3.5 gated delta-net running transformers' torch kernels (CPU, or GPU without
-    ``fla``/``causal_conv1d``); False for any other recurrent mixer and for the fused kernels, whose
-    initial-state gradient is not yet checked here (issue 22)."""
+    True for the Qwen3.5 gated delta-net running transformers' own forward with its torch kernels (CPU, or GPU
+    without ``fla``/``causal_conv1d``); False for any other recurrent mixer, for the fused kernels (their
+    initial-state gradient is not yet checked here, issue 22) and under verl's patched forward."""
     if not isinstance(module, SERVED_CLASSES):
+        return False
+    # verl's monkey patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints swaps in its own forward, which reads
+    # another cache interface and continues no multi-token forward from a state: only transformers' own serves
+    forward = type(module).forward
+    if getattr(forward, "__module__", None) != next(c for c in SERVED_CLASSES if isinstance(module, c)).__module__:
         return False
     return getattr(module, "chunk_gated_delta_rule", None) in SERVED_KERNELS and module.causal_conv1d_fn is None
 
