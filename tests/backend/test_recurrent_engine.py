@@ -75,8 +75,14 @@ def test_unserved_settings_run_dense_with_a_reason(hybrid_dir, tmp_path, caplog)
     fallbacks.LOGGED_REASONS.clear()
     served = PrefixReuseConfig()
     assert fallbacks.recurrent_fallback_reason(model, served, ulysses=False, dormant_policy="keep") is None
+    assert (
+        fallbacks.recurrent_fallback_reason(
+            model, PrefixReuseConfig(prefix_chunk_tokens=64), ulysses=False, dormant_policy="recompute"
+        )
+        is None
+    )
     cases = [
-        (PrefixReuseConfig(prefix_chunk_tokens=64), False, "keep", "chunked prefixes"),
+        (served, False, "offload", "dormant policy 'offload'"),
         (served, True, "keep", "Ulysses"),
         (PrefixReuseConfig(phase_b_attention="merged_varlen"), False, "keep", "merged_varlen"),
         (served, False, "auto", "dormant policy 'auto'"),

@@ -10,8 +10,6 @@ many decays); reuse is judged against the fp64 reference: within 1.5x the dense 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from helpers.delta_rule import delta_rule_in_dtype, fp64_delta_net
@@ -165,6 +163,40 @@ def test_phase_a_holds_the_state_and_phase_b_serves_it_unchanged(model64):
     model64.zero_grad()
 
 
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_fp64_chunked_prefix_matches_dense(model64, chunk):
+    """Each chunk continues from the previous chunk's state leaves. Chunks of 1 and 2 tokens are shorter than
+    the conv window (kernel - 1 = 3), so a chunk's conv context reaches back over several earlier chunks, and
+    1-token chunks run transformers' single-token path in phase A (a 7-token prefix in chunks of 2 ends in
+    one too); forward-only too."""
+    layout = make_layout([(8, [4, 7, 1, 6])])
+    weights = token_weights(layout, torch.float64)
+    want = dense_grads(model64, layout, weights)
+    got = run(model64, layout, weights, rows=2, prefix_chunk_tokens=chunk)
+    assert worst_relative(got, want) < 1e-10
+    with torch.no_grad():
+        want_lp, _ = dense_response_outputs(model64, layout)
+        got_lp = infer_reuse(model64, layout, rows=4, prefix_chunk_tokens=chunk)
+    for i in range(len(layout)):
+        torch.testing.assert_close(got_lp[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("policy", "chunk", "prefix_chunks"),
+    [("recompute", None, 0), ("recompute", 3, 0), ("keep", 4, 5)],
+    ids=["recompute", "recompute-chunked", "lockstep-filler-chunks"],
+)
+def test_fp64_recompute_policy_and_filler_chunks(model64, policy, chunk, prefix_chunks):
+    """``recompute`` rebuilds phase A's graph in phase C (the recomputed states are checked against those
+    phase B continued from); lockstep filler chunks run one-token prefixes seeded with zeros."""
+    layout = make_layout([(9, [4, 7, 1, 6])])
+    weights = token_weights(layout, torch.float64)
+    want = dense_grads(model64, layout, weights)
+    dormant = lambda: Dormant(policy)  # noqa: E731
+    got = run(model64, layout, weights, rows=2, prefix_chunk_tokens=chunk, dormant=dormant, prefix_chunks=prefix_chunks)
+    assert worst_relative(got, want) < 1e-10
+
+
 # -- negative controls: each wrong boundary must be caught by the same comparison ------------------
 
 
@@ -194,6 +226,21 @@ def test_negative_control_conv_context_shifted_by_one_token(monkeypatch):
     assert _fp64_error(monkeypatch, patch) > 1e-3
 
 
+def test_negative_control_chunk_from_a_zero_state(monkeypatch):
+    """A later prefix chunk that starts its recurrent layers from nothing instead of the previous chunk's state."""
+    model = qwen3_5(torch.float64)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+
+    def from_nothing(self, module, hidden_states):
+        return recurrent.capturing_cache(module, self.recorder(module))
+
+    with fp64_delta_net(model):
+        want = dense_grads(model, layout, weights)
+        monkeypatch.setattr(prefix_kv.ChunkCaptureContext, "recurrent_cache", from_nothing)
+        assert worst_relative(run(model, layout, weights, rows=4, prefix_chunk_tokens=3), want) > 1e-3
+
+
 @pytest.mark.parametrize("slot", [0, 1], ids=["conv-gradient", "state-gradient"])
 def test_negative_control_state_gradient_dropped_in_phase_c(monkeypatch, slot):
     seeded = executor.seeded_backward
@@ -211,34 +258,25 @@ def test_negative_control_state_gradient_dropped_in_phase_c(monkeypatch, slot):
 @pytest.mark.parametrize(
     ("options", "policy", "match"),
     [
-        ({"prefix_chunk_tokens": 3}, "keep", "chunked prefixes"),
         ({"phase_b_attention": "merged_varlen"}, "keep", "merged_varlen"),
-        ({}, "recompute", "dormant policy 'recompute'"),
+        ({}, "offload", "dormant policy 'offload'"),
     ],
-    ids=["chunked", "merged_varlen", "recompute"],
+    ids=["merged_varlen", "offload"],
 )
 def test_unserved_settings_are_refused_before_phase_a(options, policy, match):
     model = qwen3_5(torch.float32)
     layout = make_layout([(9, [3, 4])])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
     model.zero_grad()
+    loss = weighted_loss(token_weights(layout, torch.float32))
+    schedule_options = ScheduleOptions(device=CPU, **options)
     with pytest.raises(ValueError, match=match):
-        executor.train_group(
-            model,
-            layout,
-            plan.groups[0],
-            weighted_loss(token_weights(layout, torch.float32)),
-            ScheduleOptions(device=CPU, **options),
-            Dormant(policy=policy),
-        )
+        executor.train_group(model, layout, plan.groups[0], loss, schedule_options, Dormant(policy))
     assert all(p.grad is None for p in model.parameters()), "refused after something ran"
     if policy == "keep":
         with pytest.raises(ValueError, match=match):
-            executor.infer_group(model, layout, plan.groups[0], ScheduleOptions(device=CPU, **options))
-    lockstep = dataclasses.replace(plan.groups[0], min_prefix_chunks=2)  # a filler chunk is a chunk too
-    assert recurrent.recurrent_refusal(model, ulysses=True) is not None
-    with pytest.raises(ValueError, match="chunked prefixes"):
-        executor.infer_group(model, layout, lockstep, ScheduleOptions(device=CPU))
+            executor.infer_group(model, layout, plan.groups[0], schedule_options)
+    assert "Ulysses" in recurrent.recurrent_refusal(model, ulysses=True)
 
 
 def test_served_layers_and_unserved_kernels():
@@ -271,4 +309,4 @@ def test_plain_attention_models_have_no_recurrent_layers():
     from test_schedule_hf import tiny_model
 
     model = tiny_model("qwen3", "sdpa", torch.float32)
-    assert recurrent.recurrent_layers(model) == {} and recurrent.recurrent_refusal(model, chunked=True) is None
+    assert recurrent.recurrent_layers(model) == {} and recurrent.recurrent_refusal(model, ulysses=True) is None

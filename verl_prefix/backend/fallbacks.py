@@ -67,7 +67,6 @@ def recurrent_fallback_reason(
     else None. Models without recurrent layers: always None."""
     detail = recurrent.recurrent_refusal(
         module,
-        chunked=bool(reuse.prefix_chunk_tokens),
         ulysses=ulysses,
         phase_b_attention=reuse.phase_b_attention,
         dormant_policy=dormant_policy,

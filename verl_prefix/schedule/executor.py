@@ -337,7 +337,7 @@ def train_group(
     """
     meter = options.meter or NullMeter()
     dormant = dormant or Dormant()
-    _refuse_recurrent(model, group, options, dormant.policy)
+    _refuse_recurrent(model, options, dormant.policy)
     routers, autocast, device = options.routers, options.autocast, options.device
     fillers = options.for_fillers()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
@@ -398,13 +398,11 @@ def train_group(
     return losses
 
 
-def _refuse_recurrent(model: nn.Module, group: GroupPlan, options: ScheduleOptions, dormant_policy: str) -> None:
+def _refuse_recurrent(model: nn.Module, options: ScheduleOptions, dormant_policy: str) -> None:
     """Before a group's phase A: what the schedule does not serve for recurrent layers is refused here
     (``recurrent.recurrent_refusal``), not found inside a layer mid-step."""
-    chunks = max(num_chunks(group.prefix_len, options.prefix_chunk_tokens), group.min_prefix_chunks)
     reason = recurrent.recurrent_refusal(
         model,
-        chunked=chunks > 1,
         ulysses=options.ulysses is not None,
         phase_b_attention=options.phase_b_attention,
         dormant_policy=dormant_policy,
@@ -457,7 +455,7 @@ def infer_group(
     Runs with ``options.forward_only()``: phase A always exits early and no router aux loss applies;
     phase A is chunked as in ``train_group`` (no backward). No dormant policy: only the K/V are kept."""
     options = options.forward_only()
-    _refuse_recurrent(model, group, options, "keep")
+    _refuse_recurrent(model, options, "keep")
     meter = options.meter or NullMeter()
     fillers = options.for_fillers()
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)

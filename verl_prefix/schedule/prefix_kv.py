@@ -217,8 +217,12 @@ class CaptureContext:
         return self._attention(module, base, query, key, value, **kwargs)
 
     def recurrent_cache(self, module: nn.Module, hidden_states: torch.Tensor) -> BoundaryCache:
-        """A recurrent layer runs the prefix from nothing and writes its end state here (the first pass
-        only: a checkpointed layer's recompute replays it; early exit as after an attention layer's K/V)."""
+        """A recurrent layer runs the prefix from nothing and writes its end state here."""
+        return capturing_cache(module, self.recorder(module))
+
+    def recorder(self, module: nn.Module) -> Callable[[RecurrentState], None]:
+        """Keeps a recurrent layer's end-of-prefix state (the first pass only: a checkpointed layer's
+        recompute replays it); early exit as after an attention layer's K/V."""
         layer = module.layer_idx
 
         def record(boundary: RecurrentState) -> None:
@@ -230,7 +234,7 @@ class CaptureContext:
                 self.kv.interrupted = module
                 raise PrefixCaptured
 
-        return capturing_cache(module, record)
+        return record
 
     def key_span(self, query_len: int) -> int:
         """How many keys the last real query of a ``query_len``-query call sees (itself included)."""
@@ -268,7 +272,8 @@ class ChunkCaptureContext(CaptureContext):
         refusal: str | None = None,
     ) -> None:
         # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
-        super().__init__(num_layers, early_exit, ready, ulysses, query_len if ulysses is not None else None)
+        length = query_len if ulysses is not None else None
+        super().__init__(num_layers, early_exit, ready, ulysses, length, recurrent_layers=earlier.recurrent_layers)
         padded = query_len if ulysses is None else ulysses.padded(query_len)
         self.serve = ServeContext(
             earlier, padded, device, attention, ulysses=ulysses, row_lengths=[query_len], refusal=refusal
@@ -278,9 +283,11 @@ class ChunkCaptureContext(CaptureContext):
         return self.serve.prefix.length + super().key_span(query_len)
 
     def recurrent_cache(self, module: nn.Module, hidden_states: torch.Tensor) -> BoundaryCache:
-        raise NotImplementedError(
-            "a chunked prefix with recurrent layers is not served yet (recurrent.recurrent_refusal refuses it first)"
-        )
+        """A recurrent layer continues from the previous chunk's state (leaves) and records its own."""
+        if self.ulysses is not None:
+            raise NotImplementedError("recurrent layers under Ulysses (recurrent.recurrent_refusal refuses it first)")
+        boundary = self.serve.prefix.recurrent[module.layer_idx]
+        return serving_cache(module, boundary, hidden_states, on_capture=self.recorder(module))
 
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs

@@ -91,7 +91,6 @@ def unserved_recurrent_reason(model: nn.Module) -> str | None:
 def recurrent_refusal(
     model: nn.Module,
     *,
-    chunked: bool = False,
     ulysses: bool = False,
     phase_b_attention: str = "auto",
     dormant_policy: str = "keep",
@@ -106,10 +105,9 @@ def recurrent_refusal(
     if reason is not None:
         return reason
     unserved = {
-        "chunked prefixes (prefix_chunk_tokens)": chunked,
         "Ulysses sequence parallelism": ulysses,
         "phase_b_attention=merged_varlen": phase_b_attention == "merged_varlen",
-        f"dormant policy {dormant_policy!r}": dormant_policy != "keep",
+        f"dormant policy {dormant_policy!r}": dormant_policy not in ("keep", "recompute"),
     }
     refused = [what for what, on in unserved.items() if on]
     if refused:
@@ -150,20 +148,28 @@ class BoundaryCache:
 
     def update_recurrent_state(self, state: torch.Tensor, layer_idx: int) -> None:
         if self.on_capture is not None:
-            conv = self._written_conv
+            # the single-token path wrote its new conv context into the served copy in place instead
+            conv = self._written_conv if self._written_conv is not None else self.conv_states
             self.on_capture(RecurrentState(conv=conv, state=state, conv_dtype=conv.dtype))
 
 
-def serving_cache(module: nn.Module, boundary: RecurrentState, hidden_states: torch.Tensor) -> BoundaryCache:
+def serving_cache(
+    module: nn.Module,
+    boundary: RecurrentState,
+    hidden_states: torch.Tensor,
+    on_capture: Callable[[RecurrentState], None] | None = None,
+) -> BoundaryCache:
     """The cache a suffix micro-batch's layer continues from: ``boundary`` broadcast over its rows (views of
     the leaves, so their gradients accumulate there). HF's single-token path writes its conv state in
-    place, so one-token micro-batches get a copy of the conv context (``rows x conv_dim x (kernel - 1)``)."""
+    place, so one-token calls get a copy of the conv context (``rows x conv_dim x (kernel - 1)``).
+    ``on_capture``: a later prefix chunk continues from the earlier chunks' state and records its own."""
     rows, seq_len = hidden_states.shape[:2]
     conv = boundary.conv.to(boundary.conv_dtype).expand(rows, -1, -1)
     if seq_len == 1:
         conv = conv.clone()
     state = boundary.state.expand(rows, -1, -1, -1)
-    return BoundaryCache(module.layer_idx, module.conv_kernel_size - 1, conv=conv, state=state)
+    width = module.conv_kernel_size - 1
+    return BoundaryCache(module.layer_idx, width, conv=conv, state=state, on_capture=on_capture)
 
 
 def capturing_cache(module: nn.Module, on_capture: Callable[[RecurrentState], None]) -> BoundaryCache:
