@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as Q
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as QM
 
 from verl_prefix.schedule import recurrent
 
@@ -84,29 +85,37 @@ def _gate_restored(module: torch.nn.Module, args: tuple, out: object) -> None:
         module.A_log.__class__ = torch.nn.Parameter
 
 
-def _norm(self: Q.Qwen3_5RMSNorm, x: torch.Tensor) -> torch.Tensor:
+def _norm(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
-def _gated_norm(self: Q.Qwen3_5RMSNormGated, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def _gated_norm(self: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * x * torch.nn.functional.silu(gate)
 
 
+_FAMILIES = (  # (gated delta-net, norm, gated norm, the family's own torch rules)
+    (Q.Qwen3_5GatedDeltaNet, Q.Qwen3_5RMSNorm, Q.Qwen3_5RMSNormGated, Q),
+    (QM.Qwen3_5MoeGatedDeltaNet, QM.Qwen3_5MoeRMSNorm, QM.Qwen3_5MoeRMSNormGated, QM),
+)
+
+
 @contextmanager
 def fp64_delta_net(model: torch.nn.Module) -> Iterator[None]:
-    """Every gated delta-net of ``model`` runs ``delta_rule_in_dtype`` and every Qwen3.5 norm computes in
-    its input dtype, for the duration; the schedule serves the layers with that rule (a plain torch function:
-    autograd gives the initial state's gradient)."""
-    layers = [m for m in model.modules() if isinstance(m, Q.Qwen3_5GatedDeltaNet)]
-    saved = [(cls, cls.forward) for cls in (Q.Qwen3_5RMSNorm, Q.Qwen3_5RMSNormGated)]
+    """Every gated delta-net of ``model`` (Qwen3.5, Qwen3.5-MoE) runs ``delta_rule_in_dtype`` with its decay
+    gate in fp64 and every norm of those families computes in its input dtype, for the duration; the schedule
+    serves the layers with that rule (a plain torch function: autograd gives the initial state's gradient)."""
+    nets = tuple(f[0] for f in _FAMILIES)
+    layers = [(m, next(f[3] for f in _FAMILIES if isinstance(m, f[0]))) for m in model.modules() if isinstance(m, nets)]
+    saved = [(cls, cls.forward) for f in _FAMILIES for cls in f[1:3]]
     kernels = recurrent.SERVED_KERNELS
     hooks = []
     try:
         recurrent.SERVED_KERNELS = (*kernels, delta_rule_in_dtype)
-        Q.Qwen3_5RMSNorm.forward = _norm
-        Q.Qwen3_5RMSNormGated.forward = _gated_norm
-        for layer in layers:
+        for f in _FAMILIES:
+            f[1].forward = _norm
+            f[2].forward = _gated_norm
+        for layer, _ in layers:
             layer.chunk_gated_delta_rule = delta_rule_in_dtype
             layer.recurrent_gated_delta_rule = delta_rule_in_dtype
             hooks.append(layer.register_forward_pre_hook(_gate_in_fp64))
@@ -119,6 +128,6 @@ def fp64_delta_net(model: torch.nn.Module) -> Iterator[None]:
             cls.forward = forward
         for hook in hooks:
             hook.remove()
-        for layer in layers:
-            layer.chunk_gated_delta_rule = Q.torch_chunk_gated_delta_rule
-            layer.recurrent_gated_delta_rule = Q.torch_recurrent_gated_delta_rule
+        for layer, family in layers:
+            layer.chunk_gated_delta_rule = family.torch_chunk_gated_delta_rule
+            layer.recurrent_gated_delta_rule = family.torch_recurrent_gated_delta_rule

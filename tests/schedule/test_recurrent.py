@@ -14,9 +14,11 @@ import pytest
 import torch
 from helpers.delta_rule import delta_rule_in_dtype, fp64_delta_net
 from helpers.layouts import VOCAB, make_layout, token_weights
+from helpers.precision import promote_fp32_upcasts
 from helpers.schedule_runs import infer_reuse, train_reuse
+from test_moe import compare
 from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weighted_loss, worst_relative
-from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from verl_prefix.schedule import executor, prefix_kv, recurrent
@@ -195,6 +197,48 @@ def test_fp64_recompute_policy_and_filler_chunks(model64, policy, chunk, prefix_
     dormant = lambda: Dormant(policy)  # noqa: E731
     got = run(model64, layout, weights, rows=2, prefix_chunk_tokens=chunk, dormant=dormant, prefix_chunks=prefix_chunks)
     assert worst_relative(got, want) < 1e-10
+
+
+def qwen3_5_moe(dtype: torch.dtype):
+    """A tiny random Qwen3.5-MoE text model: linear, full, linear layers; 4 experts (top 2) and a shared one."""
+    torch.manual_seed(0)
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        initializer_range=0.2,
+        attn_implementation="sdpa",
+        experts_implementation="eager",  # grouped_mm has no fp64 kernel
+    )
+    return AutoModelForCausalLM.from_config(config).to(dtype).train()
+
+
+def test_qwen3_5_moe_with_and_without_router_aux_loss():
+    """Qwen3.5-MoE: reuse against HF with its own aux loss (``output_router_logits``, the same micro-batch
+    partition, ``test_moe.compare``) and without it, fp64."""
+    model = qwen3_5_moe(torch.float64)
+    layout = make_layout([(7, [3, 5, 1, 4])])
+    weights = token_weights(layout, torch.float64)
+    with fp64_delta_net(model), promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights)
+        assert worst_relative(run(model, layout, weights, rows=2), want) < 1e-10, "aux off"
+        for rows in (4, 1):
+            grads, aux, flips, got, _ = compare(model, layout, rows, torch.float64)
+            assert flips == 0 and aux < 1e-10 and grads < 1e-10, f"aux on, {rows} rows: {grads:.2e} {aux:.2e}"
+            assert all(got[n].norm() > 0 for n in got if n.endswith("mlp.gate.weight"))
 
 
 # -- negative controls: each wrong boundary must be caught by the same comparison ------------------
