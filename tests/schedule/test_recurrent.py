@@ -104,7 +104,7 @@ def test_fp64_gradients_match_dense_for_every_partition(layer_types):
 def test_fp64_several_groups_entropy_checkpointing_and_no_early_exit():
     """Non-reentrant checkpointing replays each layer's cache in backward; without early exit phase A runs on."""
     model = qwen3_5(torch.float64, checkpointing=True)
-    layout = make_layout([(6, [3, 5, 2]), (13, [4]), (2, [6, 1, 2, 7])])  # a group of one; P=2: prefix < kernel-1
+    layout = make_layout([(6, [3, 5, 2]), (2, [6, 1, 2])])  # P=2: the prefix is shorter than kernel-1
     weights = token_weights(layout, torch.float64)
     with fp64_delta_net(model):
         want = dense_grads(model, layout, weights, with_entropy=True)
@@ -123,16 +123,16 @@ def test_fp32_transformers_kernels_within_the_dense_models_own_rounding(model64)
     as64 = lambda grads: {n: g.double() for n, g in grads.items()}  # noqa: E731
     dense_error = worst_relative(as64(dense_grads(model, layout, weights)), truth)
     assert dense_error < 1e-4
-    for rows in (8, 2, 1):
+    for rows in (8, 1):
         error = worst_relative(as64(run(model, layout, weights, rows=rows)), truth)
         assert error < max(1.5 * dense_error, 1e-5), f"{rows} rows: {error:.2e} vs dense {dense_error:.2e}"
 
 
 def test_forward_only_matches_dense(model64):
-    layout = make_layout([(9, [4, 7, 1, 6]), (4, [2, 3]), (3, [1])])
+    layout = make_layout([(9, [4, 7, 1, 6]), (3, [1, 2])])
     with torch.no_grad():
         want_lp, want_ent = dense_response_outputs(model64, layout)
-        for rows in (4, 2, 1):
+        for rows in (4, 1):
             got = infer_reuse(model64, layout, rows=rows)
             for i in range(len(layout)):
                 torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
