@@ -69,22 +69,24 @@ def num_chunks(prefix_len: int, chunk_tokens: int | None) -> int:
     return len(chunk_bounds(prefix_len, chunk_tokens))
 
 
-def _view(
-    full: PrefixKV, start: int, end: int, detach: bool = False, states: list[RecurrentState | None] | None = None
-) -> PrefixKV:
-    """K/V ``[start, end)`` of the whole prefix's leaves; recurrent layers hold ``states`` (a chunk's)."""
+def _view(full: PrefixKV, start: int, end: int, detach: bool = False) -> PrefixKV:
     view = PrefixKV(len(full.keys), full.recurrent_layers)
     view.keys = [None if k is None else k[:, :, start:end] for k in full.keys]
     view.values = [None if v is None else v[:, :, start:end] for v in full.values]
-    if states is not None:
-        view.recurrent = list(states)
     if detach:
         view.keys = [None if k is None else k.detach() for k in view.keys]
         view.values = [None if v is None else v.detach() for v in view.values]
-        view.recurrent = [
-            None if r is None else RecurrentState(r.conv.detach(), r.state.detach(), r.conv_dtype)
-            for r in view.recurrent
+    return view
+
+
+def with_states(view: PrefixKV, states: list[RecurrentState | None], detach: bool = False) -> PrefixKV:
+    """``view`` with its recurrent layers holding ``states`` (a chunk's end states; detached copies of the
+    tensors with ``detach``)."""
+    if detach:
+        states = [
+            None if r is None else RecurrentState(r.conv.detach(), r.state.detach(), r.conv_dtype) for r in states
         ]
+    view.recurrent = list(states)
     return view
 
 
@@ -169,7 +171,7 @@ class ChunkedPrefix:
         graph-attached K/V until phase C (keep/offload); otherwise only their values, in the leaves."""
         stats: list[RouterStats] = []
         for start, end in self.bounds:
-            earlier = _view(self.leaves, 0, start, states=self.states[-1]) if start else None
+            earlier = with_states(_view(self.leaves, 0, start), self.states[-1]) if start else None
             kv = self.run_chunk(start, end, earlier)
             if self.leaves is None:
                 self.leaves = self._allocate(kv)
@@ -180,7 +182,8 @@ class ChunkedPrefix:
             self.states.append(self._state_leaves(kv))
             if kv.router_stats is not None:
                 stats.append(kv.router_stats)
-            record = kv if keep_graphs else _view(self.leaves, start, end, detach=True, states=self.states[-1])
+            detached = _view(self.leaves, start, end, detach=True)
+            record = kv if keep_graphs else with_states(detached, self.states[-1], detach=True)
             if not keep_graphs and kv.router_stats is not None:
                 record.router_stats = kv.router_stats.detached_leaf(False)
             self.chunks.append(_Chunk(start, end, record))
@@ -208,7 +211,7 @@ class ChunkedPrefix:
             chunk = self.chunks[index]
             self.chunks[index] = None  # phase A's graph of this chunk goes with its backward
             earlier = (
-                _view(leaves, 0, chunk.start, states=self.states[index - 1])
+                with_states(_view(leaves, 0, chunk.start), self.states[index - 1])
                 if chunk.start and not chunk.filler
                 else None
             )
