@@ -1,6 +1,6 @@
 """Gemma-4 text under reuse (issue 21, item 4): per-layer inputs computed outside the decoder layers, sliding
 and global layers of different head sizes, and KV-shared layers (``num_kv_shared_layers``: the last layers
-attend with an earlier layer's K/V); and ``structure.unsupported_structure``, which names what the schedule
+attend with an earlier layer's K/V); and ``capability.structure_refusal``, which names what the schedule
 cannot serve before anything runs.
 
 Phase A now stops after the last layer that computes its own K/V and gives each KV-shared layer its source
@@ -21,6 +21,7 @@ from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss,
 from transformers import AutoModelForCausalLM, Gemma4TextConfig, LlamaConfig
 
 from verl_prefix.schedule import structure
+from verl_prefix.schedule.capability import structure_refusal
 from verl_prefix.schedule.executor import prefix_forward
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import prefix_attention_mode
@@ -84,7 +85,7 @@ def test_kv_sources_of_gemma4(models):
     model = models(torch.float64)
     assert structure.kv_sources(model) == {2: 0, 3: 1}
     assert structure.last_source_layer(4, structure.kv_sources(model)) == 1
-    assert structure.unsupported_structure(model) is None
+    assert structure_refusal(model) is None
     assert structure.kernel_head_dim(model.config) == 16  # the global layers' heads
 
 
@@ -142,17 +143,20 @@ def test_gemma4_chunked_no_early_exit_and_forward_only(models):
 
 def test_unsupported_structures_are_named():
     bidirectional = gemma4(torch.float32, use_bidirectional_attention="all")
-    reason = structure.unsupported_structure(bidirectional)
-    assert reason is not None and "Gemma4TextAttention of layer 0" in reason and "not causal" in reason
+    refusal = structure_refusal(bidirectional)
+    assert refusal is not None and refusal.reason == "bidirectional_attention"
+    assert "Gemma4TextAttention" in refusal.module
 
     unknown_source = gemma4(torch.float32)
     unknown_source.model.layers[1].self_attn.store_full_length_kv = False
-    reason = structure.unsupported_structure(unknown_source)
-    assert reason is not None and "layer 3" in reason and "is_kv_shared_layer" in reason
+    refusal = structure_refusal(unknown_source)
+    assert refusal is not None and refusal.reason == "kv_sharing"
+    assert "layer 3" in refusal.detail and "is_kv_shared_layer" in refusal.detail
     with pytest.raises(ValueError, match="cannot tell which"):
         structure.kv_sources(unknown_source)
 
     plain = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
     )
-    assert structure.unsupported_structure(AutoModelForCausalLM.from_config(plain)) is None
+    assert structure_refusal(AutoModelForCausalLM.from_config(plain)) is None
+    assert structure_refusal(gemma4(torch.float32)) is None

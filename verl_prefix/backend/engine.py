@@ -163,7 +163,14 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """A reason the whole mini-batch must run dense because of the model or the knobs, or None."""
         if self.reuse_config.enable and self._structure_reason() is not None:
             return self._structure_reason()
-        return fallbacks.model_fallback_reason(self.module, self.reuse_config, forward_only=forward_only)
+        return fallbacks.model_fallback_reason(
+            self.module, self.reuse_config, forward_only=forward_only
+        ) or fallbacks.recurrent_fallback_reason(
+            self.module,
+            self.reuse_config,
+            ulysses=self.use_ulysses_sp,
+            dormant_policy="keep" if forward_only else self.dormant_prefix,
+        )
 
     def _structure_reason(self) -> str | None:
         """Why the schedule cannot serve this model's structure (``schedule.capability``), agreed by every

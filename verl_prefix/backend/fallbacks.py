@@ -23,7 +23,7 @@ from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.schedule import moe
+from verl_prefix.schedule import moe, recurrent
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,26 @@ def model_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, *, forwar
         # a per-forward random router sample or an in-gate aux loss would see the prefix once per group
         return moe.stochastic_routing_reason(module) or moe.in_model_aux_reason(module)
     return None
+
+
+def recurrent_fallback_reason(
+    module: nn.Module, reuse: PrefixReuseConfig, *, ulysses: bool, dormant_policy: str
+) -> str | None:
+    """``recurrent_layers`` when the model's recurrent (linear-attention) layers are not served with these
+    settings (``schedule.recurrent.recurrent_refusal``: the mini-batch runs dense, the detail logged once),
+    else None. Models without recurrent layers: always None."""
+    detail = recurrent.recurrent_refusal(
+        module,
+        ulysses=ulysses,
+        phase_b_attention=reuse.phase_b_attention,
+        dormant_policy=dormant_policy,
+    )
+    if detail is None:
+        return None
+    if detail not in LOGGED_REASONS:
+        LOGGED_REASONS.add(detail)
+        logger.warning("prefix reuse: %s; the model runs dense (prefix/fallback_recurrent_layers)", detail)
+    return "recurrent_layers"
 
 
 # attention implementations verl's Ulysses patch wraps with its all-to-alls (``_flash_attention_forward``)

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import modeling_utils
 
+from verl_prefix.schedule.recurrent import served_recurrent_layer
+from verl_prefix.schedule.structure import kv_sources
+
 # model_type -> why reuse cannot reproduce its dense computation, though every layer attends through the
 # interface (each found by the coverage matrix: reuse against dense differed or stopped)
 FAMILY_REFUSALS: dict[str, tuple[str, str]] = {
@@ -96,6 +99,10 @@ def structure_refusal(model: nn.Module) -> StructureRefusal | None:
             "no_decoder_layers", name, f"no list of {num_layers} decoder layers found to capture K/V from"
         )
     path, modules = layers
+    try:
+        kv_sources(model)  # KV-shared layers read an earlier layer's K/V: the schedule must tell which
+    except ValueError as exc:
+        return StructureRefusal("kv_sharing", name, str(exc))
     for i, layer in enumerate(modules):
         refusal, indices = _layer_refusal(f"{path}.{i}", layer)
         if refusal is not None:
@@ -135,6 +142,9 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
             module = named[sub_path]
         where = f"{path}.{sub_path}" if sub_path else path
         where = f"{where} ({type(module).__name__})"
+        if served_recurrent_layer(module):  # its state crosses the prefix boundary (``schedule.recurrent``)
+            indices.add(int(module.layer_idx))
+            continue
         lowered = f"{type(module).__name__} {sub_path.rsplit('.', 1)[-1]}".lower().replace("_", "")
         is_conv = any(isinstance(m, nn.Conv1d) for m in module.children())
         if any(fragment in lowered for fragment in _RECURRENT_NAMES) or is_conv:
@@ -145,6 +155,13 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
                 where,
                 "a recurrent or convolution token mixer: it carries state along the sequence outside attention, "
                 "which phase A does not capture",
+            ), indices
+        if "indexer" in lowered:  # DeepSeek sparse attention: a learned top-k over the keys (``indices=``)
+            return StructureRefusal(
+                "sparse_attention",
+                where,
+                "sparse attention over keys a learned indexer selects from the whole sequence: phase B would "
+                "attend to the whole prefix",
             ), indices
         if getattr(module, "is_cross_attention", False) or "crossattention" in lowered:
             return StructureRefusal(

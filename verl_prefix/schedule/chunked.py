@@ -17,6 +17,12 @@ own backward, so only one chunk's activations exist at a time: memory then grows
 (or offload) every chunk's graph from A to C. Router statistics (MoE aux loss) of the chunks sum;
 every chunk's probability-sum root is seeded with the one router leaf's gradient.
 
+A recurrent layer (``schedule.recurrent``) has no K/V to slice: chunk ``i`` ends in its own state (conv
+context and recurrent state), kept as leaves of their own (``states[i]``); chunk ``i+1`` continues from
+them (a chunk shorter than the conv window takes part of its context from even earlier chunks through
+them) and phase B from the last chunk's. In phase C chunk ``i``'s state roots are seeded with those
+leaves' gradients, which chunk ``i+1``'s backward (or phase B) left there.
+
 Leaves are written through ``.data``: an earlier chunk's graph saved a view of ``[0, s_i)`` only, which
 later writes (``[s_j, e_j)``, ``j >= i``) never touch, so no saved value changes behind autograd's back.
 """
@@ -32,6 +38,7 @@ from torch import nn
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.moe import RouterStats
 from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.recurrent import RecurrentState
 
 # run_chunk(start, end, earlier) -> the chunk's captured K/V (graph-attached under grad). ``earlier`` is
 # None for the first chunk; a filler chunk is run as ``run_chunk(0, 1, None)`` (see ``ChunkedPrefix``).
@@ -63,12 +70,23 @@ def num_chunks(prefix_len: int, chunk_tokens: int | None) -> int:
 
 
 def _view(full: PrefixKV, start: int, end: int, detach: bool = False) -> PrefixKV:
-    view = PrefixKV(len(full.keys))
-    view.keys = [k[:, :, start:end] for k in full.keys]
-    view.values = [v[:, :, start:end] for v in full.values]
+    view = PrefixKV(len(full.keys), full.recurrent_layers)
+    view.keys = [None if k is None else k[:, :, start:end] for k in full.keys]
+    view.values = [None if v is None else v[:, :, start:end] for v in full.values]
     if detach:
-        view.keys = [k.detach() for k in view.keys]
-        view.values = [v.detach() for v in view.values]
+        view.keys = [None if k is None else k.detach() for k in view.keys]
+        view.values = [None if v is None else v.detach() for v in view.values]
+    return view
+
+
+def with_states(view: PrefixKV, states: list[RecurrentState | None], detach: bool = False) -> PrefixKV:
+    """``view`` with its recurrent layers holding ``states`` (a chunk's end states; detached copies of the
+    tensors with ``detach``)."""
+    if detach:
+        states = [
+            None if r is None else RecurrentState(r.conv.detach(), r.state.detach(), r.conv_dtype) for r in states
+        ]
+    view.recurrent = list(states)
     return view
 
 
@@ -117,6 +135,8 @@ class ChunkedPrefix:
         self.fillers = max(0, min_chunks - len(self.bounds))
         self.leaves: PrefixKV | None = None
         self.chunks: list[_Chunk] = []
+        # per real chunk, its recurrent layers' end states as leaves: the next chunk (or phase B) starts there
+        self.states: list[list[RecurrentState | None]] = []
 
     @property
     def count(self) -> int:
@@ -124,9 +144,11 @@ class ChunkedPrefix:
         return len(self.bounds) + self.fillers
 
     def _allocate(self, first: PrefixKV) -> PrefixKV:
-        full = PrefixKV(len(first.keys))
+        full = PrefixKV(len(first.keys), first.recurrent_layers)
 
-        def empty(t: torch.Tensor) -> torch.Tensor:
+        def empty(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
             dtype = t.dtype if self.min_dtype is None else torch.promote_types(t.dtype, self.min_dtype)
             shape = (*t.shape[:2], self.prefix_len, *t.shape[3:])
             return torch.empty(shape, dtype=dtype, device=t.device).requires_grad_(self.requires_grad)
@@ -135,27 +157,40 @@ class ChunkedPrefix:
         full.values = [empty(v) for v in first.values]
         return full
 
+    def _state_leaves(self, kv: PrefixKV) -> list[RecurrentState | None]:
+        """A chunk's recurrent end states as leaves (at least ``min_dtype``, like the K/V)."""
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            dtype = t.dtype if self.min_dtype is None else torch.promote_types(t.dtype, self.min_dtype)
+            return t.detach().to(dtype).requires_grad_(self.requires_grad)
+
+        return [None if r is None else RecurrentState(leaf(r.conv), leaf(r.state), r.conv_dtype) for r in kv.recurrent]
+
     def forward(self, keep_graphs: bool) -> PrefixKV:
         """Phase A under the caller's grad mode and policy context. ``keep_graphs``: hold each chunk's
         graph-attached K/V until phase C (keep/offload); otherwise only their values, in the leaves."""
         stats: list[RouterStats] = []
         for start, end in self.bounds:
-            earlier = _view(self.leaves, 0, start) if start else None
+            earlier = with_states(_view(self.leaves, 0, start), self.states[-1]) if start else None
             kv = self.run_chunk(start, end, earlier)
             if self.leaves is None:
                 self.leaves = self._allocate(kv)
             with torch.no_grad():
-                for dst, src in zip(self.leaves.tensors(), kv.tensors()):
-                    dst.data[:, :, start:end].copy_(src.detach())
+                for dst, src in zip(self.leaves.keys + self.leaves.values, kv.keys + kv.values):
+                    if dst is not None:
+                        dst.data[:, :, start:end].copy_(src.detach())
+            self.states.append(self._state_leaves(kv))
             if kv.router_stats is not None:
                 stats.append(kv.router_stats)
-            record = kv if keep_graphs else _view(self.leaves, start, end, detach=True)
+            detached = _view(self.leaves, start, end, detach=True)
+            record = kv if keep_graphs else with_states(detached, self.states[-1], detach=True)
             if not keep_graphs and kv.router_stats is not None:
                 record.router_stats = kv.router_stats.detached_leaf(False)
             self.chunks.append(_Chunk(start, end, record))
         for _ in range(self.fillers):
             kv = self.run_chunk(0, 1, None)
             self.chunks.append(_Chunk(0, 1, kv, filler=True))
+        self.leaves.recurrent = self.states[-1]  # phase B continues from the last chunk's state
         if stats:
             self.leaves.router_stats = _sum_stats(stats).detached_leaf(self.requires_grad)
         return self.leaves
@@ -175,17 +210,25 @@ class ChunkedPrefix:
         for index in reversed(range(len(self.chunks))):
             chunk = self.chunks[index]
             self.chunks[index] = None  # phase A's graph of this chunk goes with its backward
-            earlier = _view(leaves, 0, chunk.start) if chunk.start and not chunk.filler else None
+            earlier = (
+                with_states(_view(leaves, 0, chunk.start), self.states[index - 1])
+                if chunk.start and not chunk.filler
+                else None
+            )
             roots = dormant.phase_c_prefix(chunk.record, lambda c=chunk, e=earlier: self.run_chunk(c.start, c.end, e))
             chunk.record = None
             if chunk.filler:
                 seeds: list[torch.Tensor | None] = [None] * len(roots.tensors())
             else:
-                seeds = [
-                    leaf.grad[:, :, chunk.start : chunk.end].clone() if leaf.grad is not None else None
-                    for pair in zip(leaves.keys, leaves.values)
-                    for leaf in pair
-                ]
+                seeds = []
+                for layer in range(len(leaves.keys)):
+                    if layer in leaves.recurrent_layers:
+                        # the state this chunk ended in: its gradient came from the next chunk (or phase B)
+                        seeds.extend(leaf.grad for leaf in self.states[index][layer].tensors())
+                        continue
+                    for leaf in (leaves.keys[layer], leaves.values[layer]):
+                        grad = leaf.grad
+                        seeds.append(grad[:, :, chunk.start : chunk.end].clone() if grad is not None else None)
                 if roots.router_stats is not None:
                     seeds.append(router_seed)
             seeded_backward(roots, seeds, model)

@@ -478,7 +478,7 @@ class Dormant:
         diff = kv_difference(prefix, recomputed)
         if self.stats is not None:
             self.stats.recompute_max_diff = max(self.stats.recompute_max_diff, diff)
-        tolerance = recompute_tolerance(prefix.keys[0].dtype)
+        tolerance = recompute_tolerance(prefix.tensors()[0].dtype)  # layer 0's K (or conv context)
         if diff <= tolerance:
             return None
         return (

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from verl.utils.torch_functional import logprobs_from_logits
 
-from verl_prefix.schedule import moe
+from verl_prefix.schedule import moe, recurrent
 from verl_prefix.schedule.chunked import ChunkedPrefix, num_chunks
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
@@ -139,6 +139,7 @@ def prefix_forward(
                 ulysses=ulysses,
                 length=length if ulysses is not None else None,
                 sources=sources,
+                recurrent_layers=recurrent.recurrent_layers(model),
             )
         else:
             ctx = ChunkCaptureContext(
@@ -167,7 +168,11 @@ def prefix_forward(
             pass
     ctx.kv.share(sources)
     if not ctx.kv.complete:
-        raise RuntimeError("phase A did not capture K/V for every layer; is the model a supported decoder?")
+        missing = [layer for layer in range(len(ctx.kv.keys)) if not ctx.kv.captured(layer)]
+        raise RuntimeError(
+            f"phase A did not capture K/V (or a recurrent state) for layers {missing}; is the model a supported "
+            "decoder? (recurrent.recurrent_refusal names recurrent layers reuse does not serve)"
+        )
     if routers is not None:
         if ulysses is None:
             ctx.kv.router_stats = routers.stats(router_logits)
@@ -308,7 +313,7 @@ def seeded_backward(prefix: PrefixKV, seeds: list[torch.Tensor | None], model: n
             layers = [index // 2] if index < 2 * num_layers else range(num_layers)
             if all(prefix.captured_with_grad[layer] for layer in layers):
                 continue  # a constant: no trainable parameter upstream
-            what = f"{'KV'[index % 2]} of layer {index // 2}" if index < 2 * num_layers else "router statistics"
+            what = prefix.describe(index)
             raise RuntimeError(
                 f"phase C: the prefix {what} has no autograd graph: phase A ran that layer with autograd off "
                 "(a reentrant activation checkpoint around the decoder layer, e.g. verl's "
@@ -349,6 +354,7 @@ def train_group(
     """
     meter = options.meter or NullMeter()
     dormant = dormant or Dormant()
+    _refuse_recurrent(model, options, dormant.policy)
     routers, autocast, device = options.routers, options.autocast, options.device
     fillers = options.for_fillers()
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
@@ -409,6 +415,19 @@ def train_group(
     return losses
 
 
+def _refuse_recurrent(model: nn.Module, options: ScheduleOptions, dormant_policy: str) -> None:
+    """Before a group's phase A: what the schedule does not serve for recurrent layers is refused here
+    (``recurrent.recurrent_refusal``), not found inside a layer mid-step."""
+    reason = recurrent.recurrent_refusal(
+        model,
+        ulysses=options.ulysses is not None,
+        phase_b_attention=options.phase_b_attention,
+        dormant_policy=dormant_policy,
+    )
+    if reason is not None:
+        raise ValueError(f"prefix reuse cannot run this model's group: {reason}")
+
+
 def _chunked(
     model: nn.Module,
     prefix_ids: torch.Tensor,
@@ -453,6 +472,7 @@ def infer_group(
     Runs with ``options.forward_only()``: phase A always exits early and no router aux loss applies;
     phase A is chunked as in ``train_group`` (no backward). No dormant policy: only the K/V are kept."""
     options = options.forward_only()
+    _refuse_recurrent(model, options, "keep")
     meter = options.meter or NullMeter()
     fillers = options.for_fillers()
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,13 @@ from verl_prefix.schedule.attention_keywords import (
     window_covers,
 )
 from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
+from verl_prefix.schedule.recurrent import (
+    BoundaryCache,
+    RecurrentState,
+    capturing_cache,
+    recurrent_state_mode,
+    serving_cache,
+)
 from verl_prefix.schedule.structure import last_source_layer
 from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
 from verl_prefix.schedule.varlen_attention import Packing, merged_varlen_attention, varlen_refusal
@@ -90,13 +97,17 @@ def _as_eager_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class PrefixKV:
     """Per-layer prefix K/V, ``[1, kv_heads, P-1, head_dim]`` each, as attention sees them (post-RoPE).
 
-    With the MoE router aux loss on, ``router_stats`` holds the prefix's router statistics; its
-    probability sum is one more boundary tensor next to the K/V (``verl_prefix.schedule.moe``).
+    A recurrent layer (``recurrent_layers``: gated delta-net, ``verl_prefix.schedule.recurrent``) holds its
+    state after the prefix instead (``recurrent``: conv context and recurrent state), in the same two
+    boundary slots per layer. With the MoE router aux loss on, ``router_stats`` holds the prefix's router
+    statistics; its probability sum is one more boundary tensor next to them (``verl_prefix.schedule.moe``).
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, recurrent_layers: Iterable[int] = ()) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.recurrent_layers = frozenset(recurrent_layers)
+        self.recurrent: list[RecurrentState | None] = [None] * num_layers
         self.router_stats: RouterStats | None = None
         # the module whose forward phase A cut short (early exit), if any
         self.interrupted: nn.Module | None = None
@@ -112,29 +123,52 @@ class PrefixKV:
                 self.keys[layer], self.values[layer] = self.keys[source], self.values[source]
                 self.captured_with_grad[layer] = self.captured_with_grad[source]
 
+    def captured(self, layer: int) -> bool:
+        if layer in self.recurrent_layers:
+            return self.recurrent[layer] is not None
+        return self.keys[layer] is not None and self.values[layer] is not None
+
     @property
     def complete(self) -> bool:
-        return all(k is not None for k in self.keys) and all(v is not None for v in self.values)
+        return all(self.captured(layer) for layer in range(len(self.keys)))
+
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's two boundary tensors: its K and V, or a recurrent layer's conv context and state."""
+        if layer in self.recurrent_layers:
+            return self.recurrent[layer].tensors()
+        return self.keys[layer], self.values[layer]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every boundary tensor: per-layer K and V, then the router probability sum if any."""
-        out = [t for pair in zip(self.keys, self.values) for t in pair]
+        """Every boundary tensor: two per layer (``layer_tensors``), then the router probability sum if any."""
+        out = [t for layer in range(len(self.keys)) for t in self.layer_tensors(layer)]
         if self.router_stats is not None:
             out.append(self.router_stats.prob_sum)
         return out
 
-    def as_leaves(self, requires_grad: bool, min_dtype: torch.dtype | None = torch.float32) -> PrefixKV:
-        """Detached copies that collect dK/dV (and d(aux)/d(prob sums)) from every suffix micro-batch.
+    def describe(self, index: int) -> str:
+        """What ``tensors()[index]`` is, for an error message."""
+        layer = index // 2
+        if layer >= len(self.keys):
+            return "router statistics"
+        if layer in self.recurrent_layers:
+            return f"{('conv context', 'recurrent state')[index % 2]} of layer {layer}"
+        return f"{'KV'[index % 2]} of layer {layer}"
 
-        K/V leaves are held in at least ``min_dtype`` (fp32 by default) so dK/dV accumulate over the
-        micro-batches in fp32 whatever the compute dtype, as dense training accumulates parameter
-        grads; attention casts them to its own dtype (an exact round trip). ``None`` keeps K/V's dtype.
-        Layers that share one K/V tensor (KV-shared layers, ``share``) share one leaf: one copy, one dK/dV
-        holding both layers' shares (``executor.seeded_backward`` seeds such a root once)."""
-        leaves = PrefixKV(len(self.keys))
+    def as_leaves(self, requires_grad: bool, min_dtype: torch.dtype | None = torch.float32) -> PrefixKV:
+        """Detached copies that collect dK/dV (and d(state), d(aux)/d(prob sums)) from every suffix micro-batch.
+
+        K/V (and recurrent state) leaves are held in at least ``min_dtype`` (fp32 by default) so their
+        gradients accumulate over the micro-batches in fp32 whatever the compute dtype, as dense training
+        accumulates parameter grads; attention (the conv) casts them to its own dtype (an exact round trip).
+        ``None`` keeps their dtype. Layers that share one K/V tensor (KV-shared layers, ``share``) share one
+        leaf: one copy, one dK/dV holding both layers' shares (``executor.seeded_backward`` seeds such a root
+        once)."""
+        leaves = PrefixKV(len(self.keys), self.recurrent_layers)
         made: dict[int, torch.Tensor] = {}
 
-        def leaf(t: torch.Tensor) -> torch.Tensor:
+        def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
             if id(t) not in made:
                 dtype = t.dtype if min_dtype is None else torch.promote_types(t.dtype, min_dtype)
                 made[id(t)] = t.detach().to(dtype).requires_grad_(requires_grad)
@@ -142,13 +176,17 @@ class PrefixKV:
 
         leaves.keys = [leaf(k) for k in self.keys]
         leaves.values = [leaf(v) for v in self.values]
+        leaves.recurrent = [
+            None if r is None else RecurrentState(leaf(r.conv), leaf(r.state), r.conv_dtype) for r in self.recurrent
+        ]
         if self.router_stats is not None:
             leaves.router_stats = self.router_stats.detached_leaf(requires_grad)
         return leaves
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[2]
+        """Prefix tokens the attention layers' K/V hold."""
+        return next(k for k in self.keys if k is not None).shape[2]
 
 
 class CaptureContext:
@@ -162,8 +200,9 @@ class CaptureContext:
         ulysses: Ulysses | None = None,
         length: int | None = None,
         sources: dict[int, int] | None = None,
+        recurrent_layers: Iterable[int] = (),
     ) -> None:
-        self.kv = PrefixKV(num_layers)
+        self.kv = PrefixKV(num_layers, recurrent_layers)
         # KV-shared layers (``structure.kv_sources``) compute no K/V: phase A may stop after the last one that does
         self.sources = sources or {}
         self.last_layer = last_source_layer(num_layers, self.sources)
@@ -195,10 +234,30 @@ class CaptureContext:
                 self.kv.last_source = getattr(module, "wrapped", module)
             if layer == self.last_layer:
                 self.kv.share(self.sources)
-        if first and self.early_exit and layer == self.last_layer and self.ready():
+        if first and self.early_exit and self.kv.complete and self.ready():
             self.kv.interrupted = getattr(module, "wrapped", module)  # the real module under a head-shard view
             raise PrefixCaptured
         return self._attention(module, base, query, key, value, **kwargs)
+
+    def recurrent_cache(self, module: nn.Module, hidden_states: torch.Tensor) -> BoundaryCache:
+        """A recurrent layer runs the prefix from nothing and writes its end state here."""
+        return capturing_cache(module, self.recorder(module))
+
+    def recorder(self, module: nn.Module) -> Callable[[RecurrentState], None]:
+        """Keeps a recurrent layer's end-of-prefix state (the first pass only: a checkpointed layer's
+        recompute replays it); early exit as after an attention layer's K/V."""
+        layer = module.layer_idx
+
+        def record(boundary: RecurrentState) -> None:
+            if self.kv.recurrent[layer] is not None:
+                return
+            self.kv.recurrent[layer] = boundary
+            self.kv.captured_with_grad[layer] = torch.is_grad_enabled()
+            if self.early_exit and self.kv.complete and self.ready():
+                self.kv.interrupted = module
+                raise PrefixCaptured
+
+        return record
 
     def key_span(self, query_len: int) -> int:
         """How many keys the last real query of a ``query_len``-query call sees (itself included)."""
@@ -238,7 +297,9 @@ class ChunkCaptureContext(CaptureContext):
     ) -> None:
         # under sequence parallelism attention sees the chunk padded to the SP size; its real K/V are kept
         real = query_len if ulysses is not None else None
-        super().__init__(num_layers, early_exit, ready, ulysses, real, sources)
+        super().__init__(
+            num_layers, early_exit, ready, ulysses, real, sources, recurrent_layers=earlier.recurrent_layers
+        )
         padded = query_len if ulysses is None else ulysses.padded(query_len)
         self.serve = ServeContext(
             earlier, padded, device, attention, ulysses=ulysses, row_lengths=[query_len], refusal=refusal
@@ -246,6 +307,13 @@ class ChunkCaptureContext(CaptureContext):
 
     def key_span(self, query_len: int) -> int:
         return self.serve.prefix.length + super().key_span(query_len)
+
+    def recurrent_cache(self, module: nn.Module, hidden_states: torch.Tensor) -> BoundaryCache:
+        """A recurrent layer continues from the previous chunk's state (leaves) and records its own."""
+        if self.ulysses is not None:
+            raise NotImplementedError("recurrent layers under Ulysses (recurrent.recurrent_refusal refuses it first)")
+        boundary = self.serve.prefix.recurrent[module.layer_idx]
+        return serving_cache(module, boundary, hidden_states, on_capture=self.recorder(module))
 
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
@@ -324,6 +392,10 @@ class ServeContext:
     def longest_row(self) -> int:
         """The longest row's real token count (read once per micro-batch, and only where a window asks)."""
         return max(int(n) for n in self.row_lengths)
+
+    def recurrent_cache(self, module: nn.Module, hidden_states: torch.Tensor) -> BoundaryCache:
+        """A recurrent layer's rows all continue from the prefix's state (``recurrent.serving_cache``)."""
+        return serving_cache(module, self.prefix.recurrent[module.layer_idx], hidden_states)
 
     def _merged_refusal(self, base: Callable, query: torch.Tensor, value_dim: int, kwargs: dict) -> str | None:
         if self.attention == "concat":
@@ -523,7 +595,8 @@ def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
     """Switch attention to the prefix-aware wrapper for the duration of the reuse schedule.
 
     Every backward that may recompute a checkpointed layer runs inside this context, so a recompute
-    never sees the plain kernel with a prefix-length mismatch.
+    never sees the plain kernel with a prefix-length mismatch. Served recurrent layers take their state
+    from the prefix context meanwhile (``recurrent.recurrent_state_mode``).
     """
     configs = _configs_of(model)
     originals = [c._attn_implementation for c in configs]
@@ -533,7 +606,8 @@ def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
             if name is None:
                 raise ValueError(f"prefix reuse does not support attn_implementation={original!r}")
             config._attn_implementation = name
-        yield
+        with recurrent_state_mode(model):
+            yield
     finally:
         for config, original in zip(configs, originals):
             config._attn_implementation = original

@@ -8,8 +8,8 @@ its own K/V, ``last_source_layer``), and their prefix K/V are the source's tenso
 Phase B needs nothing special: the source layer's suffix K/V reach the shared layer through
 ``shared_kv_states`` as in dense, and the prefix part is the source's.
 
-``unsupported_structure`` names what the schedule cannot serve, so that a caller (the engine's capability
-check) can refuse or run dense before the first step instead of failing inside it.
+A shared layer whose source cannot be told is refused before the first step by the engine's capability check
+(``schedule.capability.structure_refusal``, reason ``kv_sharing``), never found inside a step.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _source_of(module: nn.Module, modules: dict[int, nn.Module]) -> int | None:
 
 def kv_sources(model: nn.Module) -> dict[int, int]:
     """``{shared layer: source layer}`` for every KV-shared attention layer (empty for most models); raises
-    ``ValueError`` naming the module where a shared layer's source cannot be told (``unsupported_structure``)."""
+    ``ValueError`` naming the module where a shared layer's source cannot be told (``capability`` refuses it)."""
     modules = attention_modules(model)
     sources = {}
     for layer, module in modules.items():
@@ -65,26 +65,6 @@ def last_source_layer(num_layers: int, sources: dict[int, int]) -> int:
     """The last layer that computes its own K/V: where phase A may stop."""
     own = [layer for layer in range(num_layers) if layer not in sources]
     return own[-1] if own else num_layers - 1
-
-
-def unsupported_structure(model: nn.Module) -> str | None:
-    """A short reason naming the module, where the schedule cannot serve this model's structure; else None.
-
-    - an attention module that is not causal (``is_causal`` False, e.g. Gemma-4's
-      ``use_bidirectional_attention="all"``): prefix tokens would see the suffix, so one prefix cannot serve
-      every suffix;
-    - a KV-shared layer whose source layer the schedule cannot tell (``kv_sources``).
-
-    Structures the linear-attention and window work decides on (recurrent or convolution layers, windows
-    shorter than the sequence) are not judged here."""
-    for layer, module in sorted(attention_modules(model).items()):
-        if getattr(module, "is_causal", True) is False:
-            return f"{type(module).__name__} of layer {layer} is not causal (bidirectional attention)"
-    try:
-        kv_sources(model)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 def kernel_head_dim(config: object) -> int:

@@ -24,7 +24,7 @@ from tensordict import NonTensorData, TensorDict
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma4_text")
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma4_text", "qwen3_5_text")
 _MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 
 
@@ -109,8 +109,15 @@ def write_tiny_model(
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
-    if family in ("qwen3", "qwen3_moe"):
+    if family in ("qwen3", "qwen3_moe", "qwen3_5_text"):
         kwargs["head_dim"] = head_dim
+    if family == "qwen3_5_text":  # gated delta-net layers as wide as the attention ones (layer_types: extra_config)
+        kwargs.update(
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_num_key_heads=num_kv_heads,
+            linear_num_value_heads=num_heads,
+        )
     if family == "qwen3_moe":
         kwargs.update(
             num_experts=num_experts,

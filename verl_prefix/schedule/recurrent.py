@@ -1,0 +1,207 @@
+"""Recurrent (linear-attention) layers under reuse: what crosses the prefix boundary is their state, not K/V.
+
+A gated delta-net layer (Qwen3.5) carries two things from one token to the next: its recurrent state
+``[heads, d_k, d_v]`` and the last ``kernel - 1`` inputs of its depthwise causal convolution. Phase A records
+both after the prefix; phase B starts every suffix row from them (broadcast over the rows, no per-row copy of
+the recurrent state); phase C seeds the prefix backward with their accumulated gradients, as it does dK/dV.
+
+The state reaches the layer through HF's own continuation path: the layer reads ``cache_params`` and, when it
+"has previous state", prepends the conv context and passes the recurrent state as ``initial_state``. A forward
+pre-hook (``recurrent_state_mode``) hands each served layer a ``BoundaryCache`` built by the prefix context
+riding in the forward kwargs (``prefix_ctx``), so non-reentrant checkpointing replays it. The cache never
+writes into what it serves: HF's single-token path copies into the conv state in place, so that path gets a
+fresh copy; the multi-token path only reads it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+# The recurrent token mixers the schedule serves: HF's Qwen3.5 (dense and MoE) gated delta-net with its torch
+# kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as ``nn.Conv1d``), whose
+# continuation path is checked against the dense model in tests/schedule/test_recurrent.py.
+SERVED_CLASSES: tuple[type[nn.Module], ...] = (
+    modeling_qwen3_5.Qwen3_5GatedDeltaNet,
+    modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet,
+)
+SERVED_KERNELS = (modeling_qwen3_5.torch_chunk_gated_delta_rule, modeling_qwen3_5_moe.torch_chunk_gated_delta_rule)
+
+# Class names of recurrent token mixers in transformers' hybrid families (Mamba/Mamba-2 mixers, short
+# convolutions, gated delta-nets, lightning attention, RG-LRU): a model holding one the schedule does not
+# serve cannot reuse (its suffixes would start from nothing).
+_RECURRENT_NAME = re.compile(r"(Mamba|Mixer$|ShortConv|GatedDeltaNet|LightningAttention|Rglru|RecurrentBlock|LSTM)")
+
+
+@dataclass
+class RecurrentState:
+    """One recurrent layer's state after the prefix: ``conv`` ``[1, conv_dim, kernel - 1]`` (the last
+    pre-convolution inputs, zero-padded on the left for a prefix shorter than that) and ``state``
+    ``[1, heads, d_k, d_v]``. ``conv_dtype``: the dtype the convolution computes in (the leaves may be held
+    in a wider one for fp32 gradient accumulation; the conv context is cast back, an exact round trip)."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+    conv_dtype: torch.dtype
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv, self.state
+
+
+def is_recurrent_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a recurrent token mixer of some hybrid family (served or not)."""
+    return bool(_RECURRENT_NAME.search(type(module).__name__))
+
+
+def served_recurrent_layer(module: nn.Module) -> bool:
+    """Whether the reuse schedule carries this recurrent layer's state across the prefix boundary exactly.
+
+    True for the Qwen3.5 (dense or MoE) gated delta-net running transformers' own forward with its torch
+    kernels (CPU, or GPU without ``fla``/``causal_conv1d``); False for any other recurrent mixer, for the
+    fused kernels (their initial-state gradient is not yet checked here, issue 22) and under verl's patched
+    forward."""
+    if not isinstance(module, SERVED_CLASSES):
+        return False
+    # verl's monkey patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints swaps in its own forward, which reads
+    # another cache interface and continues no multi-token forward from a state: only transformers' own serves
+    forward = type(module).forward
+    if getattr(forward, "__module__", None) != next(c for c in SERVED_CLASSES if isinstance(module, c)).__module__:
+        return False
+    return getattr(module, "chunk_gated_delta_rule", None) in SERVED_KERNELS and module.causal_conv1d_fn is None
+
+
+def recurrent_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """``{layer index: module}`` for every recurrent token mixer of ``model`` (served or not)."""
+    return {int(m.layer_idx): m for m in model.modules() if is_recurrent_layer(m) and hasattr(m, "layer_idx")}
+
+
+def unserved_recurrent_reason(model: nn.Module) -> str | None:
+    """Why reuse cannot serve ``model``'s recurrent layers (one line naming them), or None."""
+    unserved = sorted({type(m).__name__ for m in recurrent_layers(model).values() if not served_recurrent_layer(m)})
+    if not unserved:
+        return None
+    return (
+        f"recurrent layers {unserved} are not served by prefix reuse (served: Qwen3.5 gated delta-nets with "
+        "transformers' torch kernels); their state at the prefix boundary would be lost"
+    )
+
+
+def recurrent_refusal(
+    model: nn.Module,
+    *,
+    ulysses: bool = False,
+    phase_b_attention: str = "auto",
+    dormant_policy: str = "keep",
+) -> str | None:
+    """Why the schedule cannot run ``model`` with these settings because of its recurrent layers, or None.
+
+    Asked before a mini-batch (and again before each group's phase A): what is not served yet is refused
+    here rather than found inside a layer. Models without recurrent layers are never refused."""
+    if not recurrent_layers(model):
+        return None
+    reason = unserved_recurrent_reason(model)
+    if reason is not None:
+        return reason
+    unserved = {
+        "Ulysses sequence parallelism": ulysses,
+        "phase_b_attention=merged_varlen": phase_b_attention == "merged_varlen",
+        f"dormant policy {dormant_policy!r}": dormant_policy not in ("keep", "recompute"),
+    }
+    refused = [what for what, on in unserved.items() if on]
+    if refused:
+        return f"{', '.join(refused)} with recurrent (linear-attention) layers are not served yet (issue 22)"
+    return None
+
+
+class BoundaryCache:
+    """What a served recurrent layer sees as ``cache_params`` inside the reuse schedule.
+
+    Serving (``conv``/``state`` given): the layer continues from them; every write-back is dropped.
+    Capturing (``on_capture`` given): the layer starts from nothing, and what it writes back at the end of
+    the prefix is handed to ``on_capture(RecurrentState)`` (graph-attached, the roots phase C seeds).
+    ``width``: ``kernel - 1``, the conv columns a continuation needs."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        width: int,
+        conv: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        on_capture: Callable[[RecurrentState], None] | None = None,
+    ) -> None:
+        self.layer_idx = layer_idx
+        self.width = width
+        self.conv_states = conv
+        self.recurrent_states = state
+        self.on_capture = on_capture
+        self.layers = {layer_idx: self}  # HF reads ``cache_params.layers[layer_idx].conv_states``
+        self._written_conv: torch.Tensor | None = None
+
+    def has_previous_state(self, layer_idx: int | None = None) -> bool:
+        return self.conv_states is not None
+
+    def update_conv_state(self, conv_state: torch.Tensor, layer_idx: int) -> None:
+        # HF hands the last ``kernel`` columns (left zero-padded); a continuation reads the last ``width``
+        self._written_conv = conv_state[:, :, conv_state.shape[-1] - self.width :]
+
+    def update_recurrent_state(self, state: torch.Tensor, layer_idx: int) -> None:
+        if self.on_capture is not None:
+            # the single-token path wrote its new conv context into the served copy in place instead
+            conv = self._written_conv if self._written_conv is not None else self.conv_states
+            self.on_capture(RecurrentState(conv=conv, state=state, conv_dtype=conv.dtype))
+
+
+def serving_cache(
+    module: nn.Module,
+    boundary: RecurrentState,
+    hidden_states: torch.Tensor,
+    on_capture: Callable[[RecurrentState], None] | None = None,
+) -> BoundaryCache:
+    """The cache a suffix micro-batch's layer continues from: ``boundary`` broadcast over its rows (views of
+    the leaves, so their gradients accumulate there). HF's single-token path writes its conv state in
+    place, so one-token calls get a copy of the conv context (``rows x conv_dim x (kernel - 1)``).
+    ``on_capture``: a later prefix chunk continues from the earlier chunks' state and records its own."""
+    rows, seq_len = hidden_states.shape[:2]
+    conv = boundary.conv.to(boundary.conv_dtype).expand(rows, -1, -1)
+    if seq_len == 1:
+        conv = conv.clone()
+    state = boundary.state.expand(rows, -1, -1, -1)
+    width = module.conv_kernel_size - 1
+    return BoundaryCache(module.layer_idx, width, conv=conv, state=state, on_capture=on_capture)
+
+
+def capturing_cache(module: nn.Module, on_capture: Callable[[RecurrentState], None]) -> BoundaryCache:
+    """The cache phase A's layer writes its end-of-prefix state to (it starts from nothing)."""
+    return BoundaryCache(module.layer_idx, module.conv_kernel_size - 1, on_capture=on_capture)
+
+
+def _hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    ctx = kwargs.get("prefix_ctx")
+    if ctx is None:
+        return None
+    if kwargs.get("cache_params") is not None:
+        raise RuntimeError("prefix reuse runs recurrent layers without a cache; the model was called with one")
+    hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    kwargs["cache_params"] = ctx.recurrent_cache(module, hidden_states)
+    return args, kwargs
+
+
+@contextmanager
+def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
+    """For the duration of the reuse schedule, every served recurrent layer called with a prefix context
+    takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``)."""
+    handles = [
+        m.register_forward_pre_hook(_hook, with_kwargs=True) for m in model.modules() if served_recurrent_layer(m)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
