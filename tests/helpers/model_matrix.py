@@ -7,6 +7,7 @@ built once per family and dtype and cached for the module."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import subprocess
 import sys
@@ -128,9 +129,29 @@ def check_exact(family: str, window: int | None) -> None:
         )
         assert done.returncode == 0, f"{family} under reuse exited with {done.returncode}: {done.stderr[-2000:]}"
         return
-    for dtype in (torch.float32, torch.float64):
-        error = exactness(family, dtype, window)
-        assert error < TOLERANCE[dtype], f"{family} {dtype}: worst relative gradient error {error:.3g}"
+    error = exactness(family, torch.float64, window)
+    assert error < TOLERANCE[torch.float64], f"{family} fp64: worst relative gradient error {error:.3g}"
+    error = exactness(family, torch.float32, window)
+    if error >= TOLERANCE[torch.float32]:
+        check_fp32_against_own_rounding(family, window, error)
+
+
+def check_fp32_against_own_rounding(family: str, window: int | None, error: float) -> None:
+    """Families whose fp32 forward rounds more than 1e-5 on its own (Qwen3.5's gated delta rule runs its
+    chunked recurrence in fp32 with exponentials of cumulative decays) are judged as the stock engine is: reuse's
+    fp32 gradients against an fp64 run of the same weights must stay within 1.5x of dense fp32's own error."""
+    net = model(family, torch.float32, window)
+    layout = make_layout(GROUPS, vocab=100)
+    weights = token_weights(layout, torch.float32)
+    reuse = {n: g.double() for n, g in reuse_grads(net, layout, weights).items()}
+    dense = {n: g.double() for n, g in dense_grads(net, layout, weights).items()}
+    with fp64_throughout():
+        reference = dense_grads(copy.deepcopy(net).double(), layout, token_weights(layout, torch.float64))
+    own, ours = relative_errors(dense, reference), relative_errors(reuse, reference)
+    assert ours <= 1.5 * own, (
+        f"{family} fp32: reuse differs from dense by {error:.3g}; against fp64 reuse's error {ours:.3g} exceeds "
+        f"1.5x dense fp32's own {own:.3g}"
+    )
 
 
 def _tests_dir() -> str:
