@@ -164,8 +164,8 @@ PENDING: dict[str, str] = {
     **dict.fromkeys(
         [
             "afmoe", "cohere2", "cohere2_moe", "cwm", "deepseek_v4", "exaone4", "exaone_moe", "gemma2", "gemma3_text",
-            "gemma4_text", "gemma3n_text", "gemma4_unified_text", "gpt_oss", "ministral", "ministral3", "mistral", "mixtral",
-            "modernbert-decoder", "olmo3", "phi3", "starcoder2", "vaultgemma",
+            "gemma4_text", "gemma3n_text", "gemma4_unified_text", "gpt_oss", "ministral", "ministral3", "mistral",
+            "mixtral", "modernbert-decoder", "olmo3", "phi3", "starcoder2", "vaultgemma",
         ],
         "windows",
     ),
