@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers.models.gemma2 import modeling_gemma2
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
@@ -21,8 +22,8 @@ _NORMS = [
     modeling_qwen3_moe.Qwen3MoeRMSNorm,
     modeling_gpt_oss.GptOssRMSNorm,
 ]
-# Gemma-2 scales by (1 + weight) and rounds through fp32 as well
-_GEMMA_NORMS = [modeling_gemma2.Gemma2RMSNorm]
+# Gemma-2 and Gemma-3 scale by (1 + weight) and round through fp32 as well
+_GEMMA_NORMS = [modeling_gemma2.Gemma2RMSNorm, modeling_gemma3.Gemma3RMSNorm]
 
 
 def rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
