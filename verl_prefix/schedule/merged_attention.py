@@ -280,7 +280,7 @@ def scored_merged_attention(
     work = torch.promote_types(query.dtype, torch.float32)
     q = query.to(work)
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, length, dim)
-    suffix_keep = None if window is None else window_keep_mask(length, length, window, query.device)
+    suffix_keep = window_keep_mask(length, length, window, query.device)  # causal, within the window if any
     out, lse = scored_part(
         grouped, suffix_key.to(work).unsqueeze(2), suffix_value.to(work).unsqueeze(2), scale, softcap, suffix_keep
     )
