@@ -85,6 +85,14 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # (attention, compute dtype, device, training) -> the phase-B refusal every rank agreed on
         self._kernel_agreements: dict[tuple, str | None] = {}
 
+    def initialize(self) -> None:
+        """verl's initialisation, then what the model's structure decides once, before the first step: a knob
+        this model cannot run is an error here, on every rank alike (the structure is the same on all)."""
+        super().initialize()
+        error = fallbacks.windowed_varlen_error(self.module, self.reuse_config)
+        if error is not None:
+            raise ValueError(error)
+
     # -- MoE router aux loss ------------------------------------------------------------------------
 
     @property

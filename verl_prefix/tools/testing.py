@@ -24,7 +24,8 @@ from tensordict import NonTensorData, TensorDict
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+_MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 
 
 def write_tiny_model(
@@ -53,7 +54,9 @@ def write_tiny_model(
     log-prob and gradient comparisons are not trivially satisfied. Dropout is always 0.
     ``experts_implementation`` (MoE only) is written into ``config.json``: transformers defaults to
     ``grouped_mm``, which has no fp64 kernel; ``"eager"`` loads everywhere. ``extra_config`` is passed
-    to the config last (a sliding window, ``rope_parameters``...), so it wins.
+    to the config last (a sliding window, ``rope_parameters``...), so it wins. ``gemma3_text`` (sliding and
+    full layers) and ``gpt_oss`` (alternating sliding layers, attention sinks, MoE) get their defaults' large
+    windows and head dims scaled down to the tiny model: a window of 16, ``head_dim = hidden / heads``.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -89,8 +92,12 @@ def write_tiny_model(
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
-    if family in ("qwen3", "qwen3_moe"):
+    if family in ("qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"):
         kwargs["head_dim"] = head_dim
+    if family == "gemma3_text":
+        kwargs.update(query_pre_attn_scalar=head_dim, sliding_window=16)
+    if family == "gpt_oss":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok, sliding_window=16)
     if family == "qwen3_moe":
         kwargs.update(
             num_experts=num_experts,
@@ -112,7 +119,7 @@ def write_tiny_model(
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("architectures"), f"config.json for {family} has no architectures"
     if experts_implementation is not None:
-        if family != "qwen3_moe":
+        if family not in _MOE_FAMILIES:
             raise ValueError("experts_implementation applies to mixture-of-experts families only")
         cfg["experts_implementation"] = experts_implementation
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
