@@ -203,6 +203,45 @@ def test_window_covering_every_key_runs_the_plain_kernels():
     assert layer_paths(meter) == {"merged": 6.0}  # 2 micro-batches x 3 layers
 
 
+def _ulysses_body(rank: int, attention: str, chunk: int | None) -> dict:
+    """One gloo rank of SP=2: windowed gemma3_text reuse, gradients summed over the group and divided by its size
+    (FSDP's average over the sequence-parallel ranks) against plain HF on the rank; forward-only too."""
+    import torch.distributed as dist
+
+    from verl_prefix.schedule.ulysses import Ulysses
+
+    model = build("gemma3_text", torch.float64, "sdpa")
+    layout = make_layout([(72, [5, 30, 1]), (61, [9, 24])])  # prefixes 71 and 60: odd and even over 2 ranks
+    weights = token_weights(layout, torch.float64)
+    sp = Ulysses(dist.group.WORLD)
+    options = dict(device=CPU, ulysses=sp, prefix_chunk_tokens=chunk)
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights)
+        want_lp, _ = dense_response_outputs(model, layout)
+        grads = run(model, layout, weights, rows=2, attention=attention, **options)
+        results = infer_reuse(model, layout, rows=2, phase_b_attention=attention, **options)
+    worst = 0.0
+    for name, grad in grads.items():
+        dist.all_reduce(grad)
+        worst = max(worst, ((grad / sp.size - want[name]).norm() / want[name].norm()).item())
+    infer = max((results[i][0] - want_lp[i]).abs().max().item() for i in range(len(layout)))
+    return {"worst": worst, "infer": infer, "all_to_all_bytes": sp.all_to_all_bytes}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("attention, chunk", [("merged", None), ("concat", 25)], ids=["merged", "concat-chunked"])
+def test_windows_under_ulysses_match_dense(attention, chunk):
+    """Under Ulysses each rank attends with the whole (padded) sequence over its head shard: the windows index the
+    real positions, so the banded paths compose; chunked too."""
+    from helpers.ranks import run_ranks
+
+    results = run_ranks(_ulysses_body, attention, chunk, world=2)
+    for rank in range(2):
+        assert results[rank]["worst"] < 1e-10, results[rank]
+        assert results[rank]["infer"] < 1e-10, results[rank]
+        assert results[rank]["all_to_all_bytes"] > 0
+
+
 # -- negative controls: the prefix part's window off by one, or ignored; phase A without its window ----------
 
 
