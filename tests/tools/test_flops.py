@@ -73,3 +73,17 @@ def test_windows_per_family_convention():
     assert ModelShape.from_config(MistralConfig(sliding_window=None, **SHAPE)).windows == ()
     assert ModelShape.from_config(Qwen2Config(**SHAPE)).windows == ()  # use_sliding_window defaults to off
     assert ModelShape.from_config(Qwen3Config(**SHAPE)).windows == ()
+
+
+def test_window_preset_model_is_a_windowed_gemma3(tmp_path):
+    """The ``window`` bench preset's model: written as a Gemma-3 config whose layers the FLOP model reads as
+    three 512-token windows and one full layer (what the table's FLOP column rests on)."""
+    from transformers import AutoConfig
+
+    from verl_prefix.tools.bench_presets import PRESETS
+
+    (cell,) = PRESETS["window"].cells
+    config = AutoConfig.from_pretrained(cell.model.write(tmp_path / "model"))
+    assert config.model_type == "gemma3_text" and config.sliding_window == 512
+    assert ModelShape.from_config(config).windows == (512, 512, 512)
+    assert (cell.prompt_len, cell.response_len_range, cell.group_size) == (2048, (128, 128), 8)

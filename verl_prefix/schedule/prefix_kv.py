@@ -248,7 +248,12 @@ class ServeContext:
     row's real token count (``SuffixBatch.tokens.sum(1)``), which ``merged_varlen`` needs; the attention
     call must see the ``query_len``-wide rows these lengths describe. ``refusal``: why the merged kernels
     cannot serve on some data-parallel rank, agreed by every rank before the mini-batch
-    (``ScheduleOptions.phase_b_refusal``): ``auto`` runs concat for it, so every rank takes the same path."""
+    (``ScheduleOptions.phase_b_refusal``): ``auto`` runs concat for it, so every rank takes the same path.
+
+    A layer whose sliding window is shorter than the call's keys (``windows.active_window``) is served by merged
+    (the banded two-part attention in plain torch ops) or concat over the prefix's last ``W - 1`` positions;
+    ``merged_varlen`` raises for it (the engine refuses windowed models with it at initialisation).
+    ``layer_paths`` records what served each layer (``LAYER_PATHS``)."""
 
     def __init__(
         self,
