@@ -57,7 +57,10 @@ def windowed_model(tmp_path_factory):
 
 
 def layer_paths(metrics) -> dict[str, float]:
-    return {k.rsplit("/", 1)[-1]: v for k, v in reduced(metrics).items() if k.startswith("prefix/phase_b_layers/")}
+    """Layer-calls by the phase-B path that served them (every rank reports every path, zero where none ran)."""
+    layers = {k.rsplit("/", 1)[-1]: v for k, v in reduced(metrics).items() if k.startswith("prefix/phase_b_layers/")}
+    assert set(layers) == {"merged", "merged_window", "concat", "concat_window", "merged_varlen"}
+    return {path: n for path, n in layers.items() if n}
 
 
 # gpt_oss has no sdpa in transformers; under eager, auto serves concat (the family's own eager maths)

@@ -53,6 +53,7 @@ from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, r
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
+from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -334,6 +335,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         meter = PhaseMeter(device, model=self.module)
         for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
             meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
+        for path in LAYER_PATHS:
+            meter.count(f"prefix/phase_b_layers/{path}", 0.0)
         dormant_stats = DormantStats()
         policies = agree_on_policies(
             self.dormant_prefix if not forward_only else "keep",
