@@ -12,6 +12,7 @@ from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
+from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
@@ -19,6 +20,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 _NORMS = [
     modeling_llama.LlamaRMSNorm,
     modeling_mistral.MistralRMSNorm,
+    modeling_phi3.Phi3RMSNorm,
     modeling_qwen2.Qwen2RMSNorm,
     modeling_qwen3.Qwen3RMSNorm,
     modeling_qwen3_moe.Qwen3MoeRMSNorm,

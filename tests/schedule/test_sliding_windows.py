@@ -190,6 +190,47 @@ def test_forward_only_matches_dense(flash, family):
                 torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "family, config",
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1, "head_dim": 12}),
+        ("starcoder2", {"sliding_window": 12}),
+        ("phi3", {"sliding_window": 12, "pad_token_id": 0}),
+    ],
+)
+def test_other_window_families_match_dense(family, config):
+    """Families the issue does not name: Qwen2/Qwen3 (``use_sliding_window`` from ``max_window_layers`` on: layer 0
+    full, layer 1 windowed), Starcoder2 and Phi-3 (``config.sliding_window`` on every layer), window 12."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        attn_implementation="sdpa",
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**base, **config})).double().train()
+    layout = make_layout(GROUPS)
+    weights = token_weights(layout, torch.float64)
+    windowed = 1 if family.startswith("qwen") else 2
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights)
+        for attention, path in (("auto", "merged"), ("concat", "concat")):
+            meter = PhaseMeter(CPU)
+            got = run(model, layout, weights, rows=3, attention=attention, meter=meter)
+            assert worst_relative(got, want) < 1e-10, attention
+            want_paths = {f"{path}_window": 3.0 * windowed, path: 3.0 * (2 - windowed)}
+            assert layer_paths(meter) == {k: v for k, v in want_paths.items() if v}, attention
+
+
 def test_window_covering_every_key_runs_the_plain_kernels():
     """A window longer than prefix + suffix changes nothing: the fused kernels serve, no layer is banded."""
     model = build("gemma3_text", torch.float64, "sdpa", window=200)
