@@ -9,7 +9,8 @@
 #   cuda_tests.log   tests/backend/test_cuda.py on the GPU (exactness, bf16 error vs an fp32 run with the phase-B
 #                    attention each case ran, allocator peaks, NCCL), the CUDA varlen kernels against the CPU
 #                    reference, the kernel checks of tests/schedule/test_kernels.py, then the offload residency
-#                    check tests/schedule/test_offload_cuda.py (appended)
+#                    check tests/schedule/test_offload_cuda.py and the sliding-window cell
+#                    tests/backend/test_windows_cuda.py (both appended)
 #   gpu_bench.log    the gpu preset's log (per-rep times; all that is left if the bench is cut short)
 #   gpu.json         the result, rewritten after every cell ("complete": false while cells are missing)
 #   benchmarks.md    a copy of docs/benchmarks.md with the gpu table written in by the CLI (between
@@ -45,7 +46,9 @@
 # residency check: dormant_prefix=offload's real CUDA store, pinned memory, side stream and events, never run on a
 # GPU before; exactness, no parameter byte moved, nothing of the prefix graph on the device in phase B by the
 # store's log and by the allocator's per-phase peaks against keep; under a minute), BENCH=1 (0 skips the preset:
-# `SMOKE=0 CUDA_TESTS=0 BENCH=0 bash bench/gpu_check.sh` runs the offload check alone), SP_TESTS=1 (on a machine with two or
+# `SMOKE=0 CUDA_TESTS=0 BENCH=0 bash bench/gpu_check.sh` runs the offload check alone), WINDOW_TESTS=1 (0 skips
+# the sliding-window cell: torch's and flash-attn's window arguments against the bottom-right rule with fewer
+# queries than keys, a windowed gemma3_text through the engine in fp32 and bf16; about a minute), SP_TESTS=1 (on a machine with two or
 # more GPUs, runs the Ulysses SP=2 reuse test on NCCL, sp_tests.log; skipped with one GPU), KIT=.whl,
 # SITE=/tmp/site, PY=python3.
 # Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway;
@@ -64,6 +67,7 @@ SMOKE="${SMOKE:-1}"
 CUDA_TESTS="${CUDA_TESTS:-1}"
 SP_TESTS="${SP_TESTS:-1}"
 OFFLOAD_TESTS="${OFFLOAD_TESTS:-1}"
+WINDOW_TESTS="${WINDOW_TESTS:-1}"
 BENCH="${BENCH:-1}"
 CELLS="${CELLS:-}"
 KIT="${KIT:-.whl}"
@@ -169,6 +173,14 @@ if [ "$OFFLOAD_TESTS" = 1 ]; then
   VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 120 \
     "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/schedule/test_offload_cuda.py 2>&1 | tee -a "$OUT/cuda_tests.log" || rc=$?
   [ "$rc" = 0 ] || echo "gpu_check: the offload residency check exited $rc (see cuda_tests.log); going on" >&2
+fi
+
+if [ "$WINDOW_TESTS" = 1 ]; then
+  step "tests/backend/test_windows_cuda.py: sliding windows on CUDA (kernel window alignment, fp32 exactness, bf16 error)"
+  rc=0
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 150 \
+    "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/backend/test_windows_cuda.py 2>&1 | tee -a "$OUT/cuda_tests.log" || rc=$?
+  [ "$rc" = 0 ] || echo "gpu_check: the sliding-window CUDA tests exited $rc (see cuda_tests.log); going on" >&2
 fi
 
 gpus=$(command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l || echo 0)

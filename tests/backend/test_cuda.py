@@ -67,7 +67,7 @@ def test_explicit_two_part_attention_in_fp32_is_refused_before_it_runs(tiny_mode
         T.run_train_step(engine, loss_fn, grpo_batch())
 
 
-def _bf16_outputs(model_dir, backend: str, batch, bf16: bool, attention: str = "auto") -> tuple:
+def bf16_outputs(model_dir, backend: str, batch, bf16: bool, attention: str = "auto") -> tuple:
     """``(response log-probs, parameter grads, reduced metrics)`` of one engine: a forward-only pass, then one
     update. ``bf16``: verl's mixed precision (bf16 compute, fp32 master weights and reduction); else fp32."""
     engine, loss_fn, _ = T.build_verl_engine(
@@ -83,7 +83,7 @@ def _bf16_outputs(model_dir, backend: str, batch, bf16: bool, attention: str = "
     return log_probs.float().cpu(), {n: g.float().cpu() for n, g in step["grads"].items()}, step["reduced_metrics"]
 
 
-def _errors(got: tuple, reference: tuple) -> tuple[float, float]:
+def bf16_errors(got: tuple, reference: tuple) -> tuple[float, float]:
     """(mean |log-prob| error, relative error of all parameter gradients together) against ``reference``."""
     lp = (got[0] - reference[0]).abs().mean().item()
     names = sorted(reference[1])
@@ -112,10 +112,10 @@ def test_bf16_error_within_the_stock_engines_own(tiny_model, attention):
         pytest.skip("no CUDA varlen kernel here (torch < 2.10 and no flash-attn >= 2.7)")
     model_dir = tiny_model("qwen3", hidden_size=128, num_heads=4, num_kv_heads=2)  # head_dim 32
     batch = grpo_batch(num_groups=1, group_size=16, prompt_lens=[40], response_len_range=(4, 12), use_kl=False)
-    reference = _bf16_outputs(model_dir, "fsdp2", batch, bf16=False)
-    dense = _bf16_outputs(model_dir, "fsdp2", batch, bf16=True)
-    reuse = _bf16_outputs(model_dir, "prefix_fsdp2", batch, bf16=True, attention=attention)
-    dense_err, reuse_err = _errors(dense, reference), _errors(reuse, reference)
+    reference = bf16_outputs(model_dir, "fsdp2", batch, bf16=False)
+    dense = bf16_outputs(model_dir, "fsdp2", batch, bf16=True)
+    reuse = bf16_outputs(model_dir, "prefix_fsdp2", batch, bf16=True, attention=attention)
+    dense_err, reuse_err = bf16_errors(dense, reference), bf16_errors(reuse, reference)
     print(f"bf16 vs fp32 stock ({attention}): dense |lp| {dense_err[0]:.3e} grads {dense_err[1]:.3e}; "
           f"reuse |lp| {reuse_err[0]:.3e} grads {reuse_err[1]:.3e}")  # fmt: skip
     assert dense_err[0] > 0 and dense_err[1] > 0  # bf16 really ran

@@ -97,7 +97,9 @@ def test_sum_pi_squared_runs_dense_and_is_counted(tiny_model):
     assert metrics["prefix/fallback_sum_pi_squared"] == 8.0
 
 
-def test_sliding_window_runs_dense_and_is_counted(tiny_model):
+def test_declared_window_no_module_carries_runs_dense_and_is_counted(tiny_model):
+    """verl's override_config declares a window after the config derived its layer types: no attention module
+    carries it, so reuse cannot tell which the dense masks follow (windows the modules carry are served)."""
     overrides = [
         "+actor_rollout_ref.model.override_config.use_sliding_window=true",
         "+actor_rollout_ref.model.override_config.sliding_window=4",

@@ -9,23 +9,28 @@ from contextlib import contextmanager
 import torch
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.gemma2 import modeling_gemma2
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gemma4 import modeling_gemma4
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 _NORMS = [
     modeling_llama.LlamaRMSNorm,
+    modeling_mistral.MistralRMSNorm,
+    modeling_phi3.Phi3RMSNorm,
     modeling_qwen2.Qwen2RMSNorm,
     modeling_qwen3.Qwen3RMSNorm,
     modeling_qwen3_moe.Qwen3MoeRMSNorm,
     modeling_gpt_oss.GptOssRMSNorm,
     modeling_deepseek_v3.DeepseekV3RMSNorm,
 ]
-# Gemma-2 scales by (1 + weight) and rounds through fp32 as well
-_GEMMA_NORMS = [modeling_gemma2.Gemma2RMSNorm]
+# Gemma-2 and Gemma-3 scale by (1 + weight) and round through fp32 as well
+_GEMMA_NORMS = [modeling_gemma2.Gemma2RMSNorm, modeling_gemma3.Gemma3RMSNorm]
 
 
 def rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ and the typed kwargs that flow into those calls through ``**kwargs`` (``Transfor
 ``FlashAttentionKwargs``) must each be declared in ``verl_prefix.schedule.attention_keywords`` as honoured,
 without effect, or refused; a keyword transformers adds later fails here until someone decides. Then the
 wrappers themselves: a refused or unknown keyword with a value stops the call naming it, one without a value
-passes, and the value-dependent ones (dropout, is_causal, sliding_window) are refused exactly where they
-would change the result.
+passes, and the value-dependent ones (dropout, is_causal) are refused exactly where they would change the
+result; a sliding window is honoured (served banded where it is shorter than the call's keys).
 """
 
 from __future__ import annotations
@@ -205,13 +205,15 @@ def test_value_dependent_keywords_are_refused_exactly_where_they_matter(implemen
         serve_call(implementation, is_causal=False)
     with pytest.raises(AK.AttentionKeywordRefused, match="is_causal=None.*bidirectional"):
         serve_call(implementation, module=attention_module(is_causal=False))
-    # a window covering the 4 prefix + 3 suffix keys changes nothing; one key shorter is refused
+    # a window covering the 4 prefix + 3 suffix keys changes nothing; a shorter one is honoured (served banded,
+    # tests/schedule/test_sliding_windows.py checks its values); a window of no keys is refused
     torch.testing.assert_close(serve_call(implementation, sliding_window=7), plain, rtol=0, atol=0)
-    with pytest.raises(AK.AttentionKeywordRefused, match="sliding_window=6.*shorter than the 7 keys"):
-        serve_call(implementation, sliding_window=6)
-    capture_call(implementation, length=5, sliding_window=5)
-    with pytest.raises(AK.AttentionKeywordRefused, match="sliding_window=4.*shorter than the 5 keys"):
-        capture_call(implementation, length=5, sliding_window=4)
+    assert (serve_call(implementation, sliding_window=6) - plain).abs().max() > 1e-3
+    with pytest.raises(AK.AttentionKeywordRefused, match="sliding_window=0.*positive number of keys"):
+        serve_call(implementation, sliding_window=0)
+    plain_capture = capture_call(implementation, length=5)
+    torch.testing.assert_close(capture_call(implementation, length=5, sliding_window=5), plain_capture, rtol=0, atol=0)
+    assert (capture_call(implementation, length=5, sliding_window=4) - plain_capture).abs().max() > 1e-3
 
 
 def test_softcap_and_sinks_change_the_result_where_dense_applies_them(caplog):

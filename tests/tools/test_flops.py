@@ -37,3 +37,53 @@ def test_reuse_saves_the_prefix_but_not_the_head_or_suffix_attention():
     g, p, s = 8, 2048, 128
     ratio = predicted_speedup(shape, [(p, [s] * g)])
     assert 1 < ratio < g * (p + s) / (p + g * s)  # below the naive token ratio
+
+
+def test_sliding_window_layers_count_the_pairs_their_window_keeps():
+    """Gemma-3 style: 2 of 3 layers windowed (W = 3). A sequence of 7 keeps 1+2+3+3+3+3+3 = 18 pairs on a
+    windowed layer, 28 on the full one; reuse's prefix of 4 keeps 9 and 10, each suffix query sees at most W keys
+    (itself included) on the windowed layers: suffix queries at 4 and 5 keep 3 + 3 there, 5 + 6 on the full one."""
+    from transformers import Gemma3TextConfig
+
+    layers = ["sliding_attention", "full_attention", "sliding_attention"]
+    config = Gemma3TextConfig(
+        intermediate_size=128, sliding_window=3, layer_types=layers, **{**SHAPE, "num_hidden_layers": 3}
+    )
+    shape = ModelShape.from_config(config)
+    assert shape.windows == (3, 3)
+    pair = shape.attention_per_layer_pair
+    assert shape.attention_flops(0, 7) == (2 * 18 + 28) * pair
+    assert shape.attention_flops(0, 4) == (2 * 9 + 10) * pair
+    assert shape.attention_flops(4, 6) == (2 * 6 + 11) * pair
+    linear, head = shape.linear_per_token, shape.head_per_token
+    assert dense_flops(shape, 5, [2]) == 7 * (linear + head) + (2 * 18 + 28) * pair
+    assert reuse_flops(shape, 5, [2]) == 4 * linear + 2 * (linear + head) + (2 * 9 + 10 + 2 * 6 + 11) * pair
+    full = ModelShape.from_config(
+        Gemma3TextConfig(
+            intermediate_size=128, sliding_window=4096, layer_types=layers, **{**SHAPE, "num_hidden_layers": 3}
+        )
+    )
+    assert full.attention_flops(0, 7) == 3 * 28 * pair  # a window longer than the sequence keeps every pair
+
+
+def test_windows_per_family_convention():
+    from transformers import MistralConfig, Qwen2Config
+
+    assert ModelShape.from_config(MistralConfig(sliding_window=512, **SHAPE)).windows == (512, 512)
+    assert ModelShape.from_config(MistralConfig(sliding_window=None, **SHAPE)).windows == ()
+    assert ModelShape.from_config(Qwen2Config(**SHAPE)).windows == ()  # use_sliding_window defaults to off
+    assert ModelShape.from_config(Qwen3Config(**SHAPE)).windows == ()
+
+
+def test_window_preset_model_is_a_windowed_gemma3(tmp_path):
+    """The ``window`` bench preset's model: written as a Gemma-3 config whose layers the FLOP model reads as
+    three 512-token windows and one full layer (what the table's FLOP column rests on)."""
+    from transformers import AutoConfig
+
+    from verl_prefix.tools.bench_presets import PRESETS
+
+    (cell,) = PRESETS["window"].cells
+    config = AutoConfig.from_pretrained(cell.model.write(tmp_path / "model"))
+    assert config.model_type == "gemma3_text" and config.sliding_window == 512
+    assert ModelShape.from_config(config).windows == (512, 512, 512)
+    assert (cell.prompt_len, cell.response_len_range, cell.group_size) == (2048, (128, 128), 8)

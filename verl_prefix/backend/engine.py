@@ -53,6 +53,7 @@ from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, r
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
+from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -88,10 +89,16 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._structure_decision: tuple[tuple[int, str], str | None] | None = None
 
     def initialize(self) -> None:
-        """verl's build, then the decision whether the schedule can serve the model's structure at all, agreed
-        by every rank before any step (``prefix_reuse.unsupported_model``: dense with the reason, or raise)."""
+        """verl's build, then what the model's structure decides once, before any step, on every rank alike:
+        whether the schedule can serve it at all, agreed by every rank (``prefix_reuse.unsupported_model``: dense
+        with the reason, or raise), and a knob this model cannot run with (``merged_varlen`` with sliding
+        windows) is an error here."""
         super().initialize()
-        self._structure_reason()
+        if self._structure_reason() is not None:
+            return
+        error = fallbacks.windowed_varlen_error(self.module, self.reuse_config)
+        if error is not None:
+            raise ValueError(error)
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
@@ -355,6 +362,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         meter = PhaseMeter(device, model=self.module)
         for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
             meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
+        for path in LAYER_PATHS:
+            meter.count(f"prefix/phase_b_layers/{path}", 0.0)
         dormant_stats = DormantStats()
         policies = agree_on_policies(
             self.dormant_prefix if not forward_only else "keep",

@@ -219,7 +219,8 @@ def attention_windows(model: nn.Module) -> list[int]:
 def _declared_window(model: nn.Module) -> list[int]:
     """A window the config declares (``use_sliding_window``, ``sliding_attention`` layers) even where the
     modules ended up without it: verl's ``override_config`` sets attributes after the config derived its
-    ``layer_types``. Dense is the safe side of that disagreement."""
+    ``layer_types``. Reuse serves the windows the modules hand attention (``schedule.windows``); where the
+    config and the modules disagree, dense is the safe side."""
     config = model.config.get_text_config()
     declared = getattr(config, "use_sliding_window", False) or "sliding_attention" in (
         getattr(config, "layer_types", None) or []
@@ -257,20 +258,44 @@ def rope_length_limit(model: nn.Module) -> int | None:
     return min(known) if known else 0  # no length known: every batch runs dense
 
 
+def undeclared_windows(model: nn.Module) -> list[int]:
+    """Windows the config declares that no attention module carries (``_declared_window``): the modules and
+    the config disagree, and reuse cannot tell which one the dense model's masks follow."""
+    carried = set(attention_windows(model))
+    return [window for window in _declared_window(model) if window not in carried]
+
+
 def length_fallback_reason(model: nn.Module, data: TensorDict) -> str | None:
     """A reason from the model and this mini-batch's longest sequence (tokens or largest position + 1):
-    a sliding window shorter than it (phase B's masks give a suffix query the whole prefix), or RoPE
-    whose frequencies would differ between phase A, phase B and the dense call (``rope_length_limit``)."""
+    a window the config declares but no attention module carries, shorter than it (``undeclared_windows``;
+    the windows the modules carry are served by reuse, ``schedule.windows``), or RoPE whose frequencies
+    would differ between phase A, phase B and the dense call (``rope_length_limit``)."""
     positions = data["position_ids"]
     positions = positions.values() if positions.is_nested else positions
     longest = max(int(data["input_ids"].offsets().diff().max()), int(positions.max()) + 1)
-    windows = attention_windows(model) + _declared_window(model)
-    if windows and min(windows) < longest:
+    undeclared = undeclared_windows(model)
+    if undeclared and min(undeclared) < longest:
         return "sliding_window"
     limit = rope_length_limit(model)
     if limit is not None and longest >= limit:
         return "dynamic_rope"
     return None
+
+
+def windowed_varlen_error(model: nn.Module, reuse: PrefixReuseConfig) -> str | None:
+    """Why ``phase_b_attention=merged_varlen`` cannot serve this model, decided once at engine initialisation
+    (never mid-step): its packed kernels take no sliding window, and any windowed layer may meet a call its
+    window does not cover. None where it can."""
+    if reuse.phase_b_attention != "merged_varlen" or not reuse.enable:
+        return None
+    windows = attention_windows(model) + _declared_window(model)
+    if not windows:
+        return None
+    return (
+        f"prefix_reuse.phase_b_attention=merged_varlen does not serve sliding-window attention (this model has "
+        f"windows of {sorted(set(windows))} keys): use auto or merged (the window banded over the prefix's last "
+        "W - 1 positions) or concat"
+    )
 
 
 def log_fallbacks(reasons: Iterable[str]) -> None:

@@ -18,7 +18,6 @@ without them, so under sdpa reuse computes without them too (exact to dense) and
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -46,8 +45,9 @@ HONOURED: dict[str, str] = {
         "eager); transformers' sdpa ignores them, and so does reuse under sdpa; refused under Ulysses"
     ),
     "sliding_window": (
-        "served when it covers every key of the call (it then changes nothing); a shorter window is refused "
-        "(the engine runs such mini-batches dense first: prefix/fallback_sliding_window)"
+        "HF's rule (query q sees key k iff q - W < k <= q) in phase A, chunked phase A, concat and merged: the "
+        "prefix cut to its last W - 1 positions with a banded mask (schedule.windows); a window covering every "
+        "key of the call changes nothing and runs the plain paths; a positive integer only"
     ),
     "dropout": (
         "a rate of 0 only; a positive rate is refused: reuse would share one prefix dropout sample across "
@@ -126,31 +126,23 @@ def scored_keywords(kwargs: dict[str, Any]) -> bool:
     return bool(kwargs.get("softcap")) or kwargs.get("s_aux") is not None
 
 
-def window_covers(kwargs: dict[str, Any], span: int) -> bool:
-    """Whether the call's sliding window (if any) reaches every key a query of a ``span``-key call sees:
-    query i sees key j when ``i - j < window`` (HF's masks; flash-attn's ``window_size=(w - 1, w - 1)``)."""
-    window = kwargs.get("sliding_window")
-    return window is None or int(window) >= span
-
-
-def _value_refusal(name: str, value: Any, module: nn.Module, span: Callable[[], int]) -> str | None:
+def _value_refusal(name: str, value: Any, module: nn.Module) -> str | None:
     if name == "dropout" and float(value or 0.0) > 0.0:
         return "a positive attention dropout rate would share one prefix dropout sample across the group"
     if name == "is_causal" and not (getattr(module, "is_causal", True) if value is None else value):
         return "bidirectional attention: the schedule's prefix and suffix masks are causal"
-    if name == "sliding_window" and value is not None and not window_covers({name: value}, span()):
-        return f"a sliding window shorter than the {span()} keys of this call"
+    if name == "sliding_window" and value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
+        return "a sliding window is a positive number of keys (query q sees key k iff q - W < k <= q)"
     return None
 
 
-def check_attention_keywords(module: nn.Module, kwargs: dict[str, Any], span: Callable[[], int]) -> None:
-    """Raise ``AttentionKeywordRefused`` for the first keyword reuse cannot honour. ``span()``: how many keys
-    the call's last real query sees (prefix included), asked only when a window is given."""
+def check_attention_keywords(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise ``AttentionKeywordRefused`` for the first keyword reuse cannot honour."""
     for name, value in kwargs.items():
         if name in NO_EFFECT:
             continue
         if name in HONOURED:
-            reason = _value_refusal(name, value, module, span)
+            reason = _value_refusal(name, value, module)
         elif value is None or value is False:
             continue  # a refused or unknown feature that is off
         else:
@@ -158,6 +150,6 @@ def check_attention_keywords(module: nn.Module, kwargs: dict[str, Any], span: Ca
         if reason is not None:
             raise AttentionKeywordRefused(name, value, reason)
     if "is_causal" not in kwargs:  # the dense functions then read the module's own flag
-        reason = _value_refusal("is_causal", None, module, span)
+        reason = _value_refusal("is_causal", None, module)
         if reason is not None:
             raise AttentionKeywordRefused("is_causal", None, reason)

@@ -245,7 +245,8 @@ def suffix_forward(
 
 
 def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
-    """Count the micro-batch under the attention it ran: merged (or merged_varlen) when every layer ran it."""
+    """Count the micro-batch under the attention it ran: merged (or merged_varlen) when every layer ran it; and
+    each layer under the path that served it (``prefix/phase_b_layers/<path>``, ``prefix_kv.LAYER_PATHS``)."""
     if meter is None:
         return
     if ctx.varlen_calls > 0 and not ctx.merged_calls and not ctx.refusals:
@@ -255,6 +256,8 @@ def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
     meter.count(f"prefix/phase_b_attention/{ran}")
     for reason in sorted(ctx.refusals):
         meter.count(f"prefix/phase_b_attention/concat_{reason}")
+    for path in set(ctx.layer_paths.values()):  # layers per micro-batch served each way (windows apart)
+        meter.count(f"prefix/phase_b_layers/{path}", sum(1 for p in ctx.layer_paths.values() if p == path))
 
 
 def unshard_cut_short(model: nn.Module, modules: list[nn.Module | None]) -> None:

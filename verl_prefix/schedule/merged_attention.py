@@ -24,9 +24,10 @@ fp16; ``is_causal`` is upper-left, which equals lower-right for the square suffi
 ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``; fp16/bf16, head_dim a multiple of 8 up
 to 256, where ``torch.backends.cuda.can_use_flash_attention`` says it runs: ``kernels.cuda_merged_refusal``).
 ``merged_refusal`` says why these kernels cannot serve a call; the caller then runs the concat path.
-Logit softcapping and attention sinks, which none of them takes, run ``scored_merged_attention``
-instead: the same two parts and merge in plain torch ops (each part's scores capped before its own
-log-sum-exp, sinks a third part), no repeat on any device, but the scores materialised.
+Logit softcapping, attention sinks and sliding windows shorter than the call, which none of them takes,
+run ``scored_merged_attention`` instead: the same two parts and merge in plain torch ops (each part's scores
+capped before its own log-sum-exp, sinks a third part; a window cuts the prefix to its last ``W - 1``
+positions with a banded mask, ``schedule.windows``), no repeat on any device, but the scores materialised.
 
 Unequal head sizes (MLA: DeepSeek-V2/V3, Kimi-K2, value heads of 128 against query/key heads of 192): the
 flash ops take one head size for Q, K and V. The narrower side is zero-padded to the wider inside the kernel
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_prefix.schedule.kernels import cuda_merged_refusal
+from verl_prefix.schedule.windows import banded_prefix_keep, cut_prefix, window_keep_mask
 
 # kwargs HF attention forwards may carry that the merged kernels do not implement -> refusal reason
 _UNSERVED_KWARGS = {"sliding_window": "sliding_window", "softcap": "softcap", "s_aux": "sinks"}
@@ -273,16 +275,27 @@ def cap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def scored_part(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, softcap: float | None, causal: bool
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    keep: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One part's ``(out, lse)`` in plain torch ops (autograd's own backward), scores capped before the
-    part's own log-sum-exp. ``causal``: query i sees keys 0..i (the square suffix part)."""
+    part's own log-sum-exp. ``keep``: a boolean mask broadcast over the scores (None: every key). A query that
+    keeps no key of this part (a sliding window past the prefix) gets ``out = 0`` and ``lse = -inf``, exactly,
+    and no gradient: its scores are swapped for zeros before the softmax, so no ``-inf - -inf`` reaches autograd."""
     scores = cap_scores(torch.matmul(query, key.transpose(-1, -2)) * scale, softcap)
-    if causal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+    if keep is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value), lse
+    scores = scores.masked_fill(~keep, float("-inf"))
+    empty = torch.isneginf(scores.detach().amax(dim=-1))
+    scores = scores.masked_fill(empty.unsqueeze(-1), 0.0)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value), lse
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value)
+    return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
 
 
 def scored_merged_attention(
@@ -294,26 +307,39 @@ def scored_merged_attention(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """The two-part attention with logit softcapping and/or attention sinks, which no fused kernel here
-    takes: each part's scores are built in plain torch ops (at least fp32) and capped before the part's own
-    log-sum-exp, so the merge stays exact; sinks (one logit per query head, no value) are a third part of
-    the merge. Same layout and GQA handling as ``MergedAttention`` (prefix queries folded against the ONE
+    """The two-part attention with logit softcapping, attention sinks and/or a sliding window, which no fused
+    kernel here takes: each part's scores are built in plain torch ops (at least fp32) and capped before the
+    part's own log-sum-exp, so the merge stays exact; sinks (one logit per query head, no value) are a third part
+    of the merge. Same layout and GQA handling as ``MergedAttention`` (prefix queries folded against the ONE
     prefix, suffix K/V shared by a KV group's query heads by broadcasting: no repeat on any device), but the
-    scores are materialised: ``B x Hq x S x (P + S)`` in fp32 per layer, saved for backward."""
+    scores are materialised: ``B x Hq x S x (P + S)`` in fp32 per layer, saved for backward.
+
+    ``window`` (a sliding window shorter than the call, ``schedule.windows``): the prefix part attends to a view
+    of the prefix's last ``W - 1`` positions with a banded mask (queries past the band keep no prefix key: their
+    part is empty, ``lse = -inf``, and the merge gives it weight 0), the suffix part is causal within the
+    window; the scores are then ``B x Hq x S x (W - 1 + S)`` whatever the prefix length."""
     rows, heads, length, dim = query.shape
     kv_heads = prefix_key.shape[1]  # value heads may be narrower or wider than dim: plain matmuls take either
     work = torch.promote_types(query.dtype, torch.float32)
     q = query.to(work)
-    out1, lse1 = scored_part(
-        fold_queries(q, kv_heads), prefix_key.to(work), prefix_value.to(work), scale, softcap, causal=False
-    )
-    out1, lse1 = unfold_queries(out1, rows, heads), unfold_queries(lse1, rows, heads)
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, length, dim)
-    out2, lse2 = scored_part(
-        grouped, suffix_key.to(work).unsqueeze(2), suffix_value.to(work).unsqueeze(2), scale, softcap, causal=True
+    suffix_keep = window_keep_mask(length, length, window, query.device)  # causal, within the window if any
+    out, lse = scored_part(
+        grouped, suffix_key.to(work).unsqueeze(2), suffix_value.to(work).unsqueeze(2), scale, softcap, suffix_keep
     )
-    out, lse = merge(out1, lse1, out2.reshape(*query.shape[:3], -1), lse2.reshape(query.shape[:3]))
+    out, lse = out.reshape(*query.shape[:3], -1), lse.reshape(query.shape[:3])
+    prefix_keep = None
+    if window is not None:
+        prefix_key, prefix_value = cut_prefix(prefix_key, window), cut_prefix(prefix_value, window)
+        band = banded_prefix_keep(length, prefix_key.shape[2], window, query.device)
+        prefix_keep = band.repeat(rows * (heads // kv_heads), 1)  # folded query r is row position r % length
+    if prefix_key.shape[2] > 0:
+        out1, lse1 = scored_part(
+            fold_queries(q, kv_heads), prefix_key.to(work), prefix_value.to(work), scale, softcap, prefix_keep
+        )
+        out, lse = merge(unfold_queries(out1, rows, heads), unfold_queries(lse1, rows, heads), out, lse)
     if sinks is not None:
         total = torch.logaddexp(lse, sinks.to(work).reshape(1, heads, 1))
         out = out * torch.exp(lse - total).unsqueeze(-1)
@@ -330,23 +356,25 @@ def merged_attention(
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """HF layout in, HF layout out: query ``[B, Hq, S, d]``, prefix K/V ``[1, Hkv, P, d]``, suffix K/V
     ``[B, Hkv, S, d]`` (values may have another head size ``dv``) -> ``[B, S, Hq, dv]`` in the query's dtype.
     A prefix leaf held in fp32 goes in as it is (no per-micro-batch copy is saved for backward) and its
     gradient comes back in fp32. ``softcap``
     (Gemma-2's ``attn_logit_softcapping``) or ``sinks`` (``s_aux``, one logit per query head) run
-    ``scored_merged_attention`` (plain torch ops, any device and dtype); otherwise the device's flash
-    kernels (``MergedAttention``)."""
+    ``scored_merged_attention`` (plain torch ops, any device and dtype), and so does a sliding ``window``
+    shorter than the call (``schedule.windows.active_window``; the fused kernels take no mask); otherwise the
+    device's flash kernels (``MergedAttention``)."""
     heads, kv_heads = query.shape[1], suffix_key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
     groups = heads // kv_heads
     dtype = query.dtype
-    if softcap or sinks is not None:
+    if softcap or sinks is not None or window is not None:
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         out = scored_merged_attention(
-            query, prefix_key, prefix_value, suffix_key.to(dtype), suffix_value.to(dtype), scale, softcap, sinks
+            query, prefix_key, prefix_value, suffix_key.to(dtype), suffix_value.to(dtype), scale, softcap, sinks, window
         )
         return out.transpose(1, 2).contiguous()
     suffix_key, suffix_value = suffix_key.to(dtype), suffix_value.to(dtype)

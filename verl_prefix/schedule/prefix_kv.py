@@ -28,7 +28,6 @@ from verl_prefix.schedule.attention_keywords import (
     check_attention_keywords,
     dense_keywords,
     scored_keywords,
-    window_covers,
 )
 from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
 from verl_prefix.schedule.recurrent import (
@@ -41,6 +40,7 @@ from verl_prefix.schedule.recurrent import (
 from verl_prefix.schedule.structure import last_source_layer
 from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
 from verl_prefix.schedule.varlen_attention import Packing, merged_varlen_attention, varlen_refusal
+from verl_prefix.schedule.windows import active_window, cut_length, cut_prefix, window_keep_mask
 
 if TYPE_CHECKING:
     from verl_prefix.schedule.moe import RouterStats
@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 # ``prefix_reuse.phase_b_attention``: how a suffix micro-batch attends to the prefix
 PHASE_B_ATTENTION = ("auto", "merged", "concat", "merged_varlen")
+# what served one layer of a phase-B micro-batch (``ServeContext.layer_paths``): ``_window`` marks a sliding window
+# shorter than the call's keys (``schedule.windows``), served banded over the prefix's last W - 1 positions
+LAYER_PATHS = ("merged", "merged_window", "concat", "concat_window", "merged_varlen")
 _LOGGED_REFUSALS: set[str] = set()
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
@@ -266,13 +269,17 @@ class CaptureContext:
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prefix (or its first chunk) attends causally to itself."""
+        """The prefix (or its first chunk) attends causally to itself, within the layer's sliding window when
+        it is shorter than the prefix (``schedule.windows``)."""
+        length = query.shape[2]
+        window = active_window(kwargs.get("sliding_window"), self.key_span(length))
         if base is sdpa_attention_forward and scored_keywords(kwargs):
-            keep = causal_keep_mask(query.shape[2], 0, query.device)
+            keep = window_keep_mask(length, length, window, query.device)
             return scored_attention(module, query, key, value, keep, **kwargs)
-        mask = None  # sdpa: a single unpadded row takes the causal fast path
-        if base is not sdpa_attention_forward:
-            mask = _as_eager_mask(causal_keep_mask(query.shape[2], 0, query.device), query.dtype)
+        if base is sdpa_attention_forward and window is None:
+            return base(module, query, key, value, None, **kwargs)  # a single unpadded row: the causal fast path
+        keep = window_keep_mask(length, length, window, query.device)
+        mask = keep if base is sdpa_attention_forward else _as_eager_mask(keep, query.dtype)
         return base(module, query, key, value, mask, **kwargs)
 
 
@@ -333,7 +340,12 @@ class ServeContext:
     row's real token count (``SuffixBatch.tokens.sum(1)``), which ``merged_varlen`` needs; the attention
     call must see the ``query_len``-wide rows these lengths describe. ``refusal``: why the merged kernels
     cannot serve on some data-parallel rank, agreed by every rank before the mini-batch
-    (``ScheduleOptions.phase_b_refusal``): ``auto`` runs concat for it, so every rank takes the same path."""
+    (``ScheduleOptions.phase_b_refusal``): ``auto`` runs concat for it, so every rank takes the same path.
+
+    A layer whose sliding window is shorter than the call's keys (``windows.active_window``) is served by merged
+    (the banded two-part attention in plain torch ops) or concat over the prefix's last ``W - 1`` positions;
+    ``merged_varlen`` raises for it (the engine refuses windowed models with it at initialisation).
+    ``layer_paths`` records what served each layer (``LAYER_PATHS``)."""
 
     def __init__(
         self,
@@ -358,14 +370,21 @@ class ServeContext:
         self.merged_calls = 0
         self.varlen_calls = 0
         self.refusals: set[str] = set()
+        # layer -> the phase-B attention that served it in this micro-batch (``LAYER_PATHS``)
+        self.layer_paths: dict[int, str] = {}
+        self._window_keeps: dict[int, torch.Tensor] = {}
 
     @functools.cached_property
     def packing(self) -> Packing:
         """Where the rows' real tokens go in the packed layout (built once per micro-batch)."""
         return Packing.from_lengths(self.row_lengths, self.query_len, self.device)
 
-    def _varlen_refusal(self, query: torch.Tensor, value_dim: int, kwargs: dict) -> None:
-        reason = self.refusal or varlen_refusal(query, kwargs, value_dim)
+    def _varlen_refusal(self, query: torch.Tensor, value_dim: int, kwargs: dict, window: int | None) -> None:
+        if window is not None:
+            reason = "sliding_window"  # the engine refuses windowed models with merged_varlen at initialisation
+        else:  # a window covering every key of the call changes nothing
+            served = {k: v for k, v in kwargs.items() if k != "sliding_window"}
+            reason = self.refusal or varlen_refusal(query, served, value_dim)
         if reason is None and self.row_lengths is None:
             reason = "no_row_lengths"
         if reason is None and query.shape[2] != self.query_len:
@@ -380,6 +399,14 @@ class ServeContext:
     def keep(self) -> torch.Tensor:
         """The explicit mask eager attention adds (sdpa takes it as a causal bias instead)."""
         return causal_keep_mask(self.query_len, self.prefix.length, self.device)
+
+    def window_keep(self, window: int) -> torch.Tensor:
+        """Concat's mask under a sliding window: the rows' queries over ``cat(cut prefix, suffix)`` (the prefix
+        cut to the last ``W - 1`` positions, ``windows.cut_prefix``), banded and bottom-right aligned."""
+        if window not in self._window_keeps:
+            keys = cut_length(self.prefix.length, window) + self.query_len
+            self._window_keeps[window] = window_keep_mask(self.query_len, keys, window, self.device)
+        return self._window_keeps[window]
 
     def key_span(self, query_len: int) -> int:
         """How many keys the longest real row's last query sees: the prefix and the row (under Ulysses the
@@ -397,19 +424,18 @@ class ServeContext:
         """A recurrent layer's rows all continue from the prefix's state (``recurrent.serving_cache``)."""
         return serving_cache(module, self.prefix.recurrent[module.layer_idx], hidden_states)
 
-    def _merged_refusal(self, base: Callable, query: torch.Tensor, value_dim: int, kwargs: dict) -> str | None:
+    def _merged_refusal(
+        self, base: Callable, query: torch.Tensor, value_dim: int, kwargs: dict, window: int | None
+    ) -> str | None:
         if self.attention == "concat":
             return "concat"
         if self.refusal is not None:
             reason = self.refusal  # the kernels' refusal every rank agreed on before the schedule
-        elif scored_keywords(kwargs):
-            reason = None  # softcap/sinks: merged's maths in plain torch ops, which need no kernel
+        elif scored_keywords(kwargs) or window is not None:
+            reason = None  # softcap/sinks/a window: merged's maths in plain torch ops, which need no kernel
         else:
             # a window covering every key of the call changes nothing (the kernels take none)
-            window = kwargs.get("sliding_window")
-            covered = window is None or window_covers(kwargs, self.key_span(query.shape[2]))
-            served = {k: v for k, v in kwargs.items() if not (covered and k == "sliding_window")}
-            reason = merged_refusal(query, served, value_dim)
+            reason = merged_refusal(query, {k: v for k, v in kwargs.items() if k != "sliding_window"}, value_dim)
         if reason is None and self.attention == "auto" and base is not sdpa_attention_forward:
             reason = "eager"  # the model asked for eager attention's numerics; merged is sdpa's maths
         if reason is not None and self.attention == "merged":
@@ -430,16 +456,20 @@ class ServeContext:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = module.layer_idx
         prefix_key, prefix_value = self.prefix.keys[layer], self.prefix.values[layer]
+        window = active_window(kwargs.get("sliding_window"), self.key_span(query.shape[2]))
+        windowed = "_window" if window is not None else ""
         if self.attention == "merged_varlen":
-            self._varlen_refusal(query, value.shape[-1], kwargs)
+            self._varlen_refusal(query, value.shape[-1], kwargs, window)
             self.varlen_calls += 1
+            self.layer_paths[layer] = "merged_varlen"
             out = merged_varlen_attention(
                 query, prefix_key, prefix_value, key, value, self.packing, kwargs.get("scaling")
             )
             return out, None
-        reason = self._merged_refusal(base, query, value.shape[-1], kwargs)
+        reason = self._merged_refusal(base, query, value.shape[-1], kwargs, window)
         if reason is None:
             self.merged_calls += 1
+            self.layer_paths[layer] = "merged" + windowed
             out = merged_attention(
                 query,
                 prefix_key,
@@ -449,6 +479,7 @@ class ServeContext:
                 kwargs.get("scaling"),
                 softcap=kwargs.get("softcap"),
                 sinks=kwargs.get("s_aux"),
+                window=window,
             )
             return out, None
         if reason != "concat":
@@ -456,15 +487,22 @@ class ServeContext:
             if reason not in _LOGGED_REFUSALS:
                 _LOGGED_REFUSALS.add(reason)
                 logger.warning("phase B runs concat attention instead of merged: %s", reason)
+        self.layer_paths[layer] = "concat" + windowed
         rows = key.shape[0]
+        keep = self.keep
+        if window is not None:  # only the last W - 1 prefix positions can be seen: a view, dK/dV land in place
+            prefix_key, prefix_value = cut_prefix(prefix_key, window), cut_prefix(prefix_value, window)
+            keep = self.window_keep(window)
         # leaves may be held in fp32 (fp32 dK/dV accumulation): attend in the suffix's dtype
         key = torch.cat([prefix_key.to(key.dtype).expand(rows, -1, -1, -1), key], dim=2)
         value = torch.cat([prefix_value.to(value.dtype).expand(rows, -1, -1, -1), value], dim=2)
         if base is sdpa_attention_forward and scored_keywords(kwargs):
-            return scored_attention(module, query, key, value, self.keep, **kwargs)
-        if base is sdpa_attention_forward:
+            return scored_attention(module, query, key, value, keep, **kwargs)
+        if base is sdpa_attention_forward and window is None:
             return sdpa_lower_right(module, query, key, value, **kwargs)
-        return base(module, query, key, value, _as_eager_mask(self.keep, query.dtype), **kwargs)
+        if base is sdpa_attention_forward:  # an explicit banded mask (torch's memory-efficient kernel on CUDA)
+            return base(module, query, key, value, keep, **kwargs)
+        return base(module, query, key, value, _as_eager_mask(keep, query.dtype), **kwargs)
 
 
 def sdpa_lower_right(
@@ -553,14 +591,14 @@ def _make_prefix_attention(base_kind: str) -> Callable:
             )
         ulysses = ctx.ulysses
         if ulysses is None:
-            check_attention_keywords(module, kwargs, lambda: ctx.key_span(query.shape[2]))
+            check_attention_keywords(module, kwargs)
             return ctx.attend(module, base, query, key, value, **kwargs)
         if kwargs.get("s_aux") is not None:
             reason = "attention sinks under Ulysses (one sink per head, not split into head shards)"
             raise AttentionKeywordRefused("s_aux", kwargs["s_aux"], reason)
         query, key, value = ulysses.heads_in(query, key, value)
         shard = ShardedAttentionModule(module, query.shape[1], key.shape[1])
-        check_attention_keywords(shard, kwargs, lambda: ctx.key_span(query.shape[2]))
+        check_attention_keywords(shard, kwargs)
         out, weights = ctx.attend(shard, base, query, key, value, **kwargs)
         return ulysses.heads_out(out), weights
 

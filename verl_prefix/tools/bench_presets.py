@@ -39,6 +39,9 @@ class ModelSpec:
     family: str = "qwen3"
     num_experts: int = 0  # > 0 with family "qwen3_moe": intermediate_size is each expert's
     num_experts_per_tok: int = 0
+    # a sliding window on the layers ``layer_types`` marks "sliding_attention" (every layer without them)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def write(self, directory: Path) -> Path:
         """A random-init model of this shape, with a local tokenizer."""
@@ -47,7 +50,9 @@ class ModelSpec:
         if not self.num_experts:
             kwargs.pop("num_experts")
             kwargs.pop("num_experts_per_tok")
-        return T.write_tiny_model(directory, family, **kwargs)
+        extra = {"sliding_window": kwargs.pop("sliding_window"), "layer_types": kwargs.pop("layer_types")}
+        extra = {k: (list(v) if isinstance(v, tuple) else v) for k, v in extra.items() if v is not None}
+        return T.write_tiny_model(directory, family, extra_config=extra or None, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,18 @@ SMOKE_MOE_MODEL = ModelSpec(
     family="qwen3_moe",
     num_experts=8,
     num_experts_per_tok=2,
+)
+
+
+# A Gemma-3-style model half the smoke model's width: three 512-token sliding-window layers, then a full one
+# (Gemma 3 alternates five to one), for the ``window`` preset at prefix 2048.
+SMOKE_WINDOW_MODEL = dataclasses.replace(
+    SMOKE_MODEL,
+    hidden_size=64,  # head_dim 16: the stock engine's masked L x L attention dominates its time at prefix 2048
+    intermediate_size=192,
+    family="gemma3_text",
+    sliding_window=512,
+    layer_types=("sliding_attention", "sliding_attention", "sliding_attention", "full_attention"),
 )
 
 
@@ -266,6 +283,13 @@ PRESETS: dict[str, Preset] = {
         fresh_rss=True,
         description="29M-param model, fp32: stock fsdp2 vs prefix_fsdp2 with phase_b_attention merged and concat, "
         "prefix 2048/8192, suffix 128, G=8, suffix micro-batches of 2 and 8 rows; slow",
+    ),
+    "window": Preset(
+        cells=(Cell("P2048/S128/G8 window 512", SMOKE_WINDOW_MODEL, 1, 8, 2048, (128, 128)),),
+        reps=3,
+        threads=1,
+        description="0.3M-param Gemma-3-style model (3 of 4 layers with a 512-token sliding window), fp32, one G=8 "
+        "group at prefix 2048, suffix 128; about 5 minutes on 2 busy cores",
     ),
     "phase_b_smoke": Preset(
         cells=(Cell("P512/S32/G8/mb4", SMOKE_MODEL, 1, 8, 512, (32, 32), variants=VARIANTS),),

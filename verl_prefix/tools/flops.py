@@ -3,6 +3,10 @@
 Counts the three costs that matter: linear layers (per token), attention score/value products (per
 query-key pair) and the LM head (per token that gets logits). The naive token ratio
 G(P+S)/(P+G*S) overstates the gain because the LM head and suffix-to-prefix attention do not shrink.
+
+Sliding-window layers count the pairs their window keeps (query ``q`` sees ``min(q + 1, W)`` keys), in dense
+and in reuse alike (a suffix query sees the prefix's last ``W - 1`` positions at most): the work a windowed
+kernel does. A dense run whose kernel takes the window as an explicit mask computes every causal pair instead.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class ModelShape:
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    # the window of each sliding-window layer (the other layers attend to every earlier key)
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: object) -> ModelShape:
@@ -47,6 +53,7 @@ class ModelShape:
             experts=experts,
             experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
             expert_intermediate=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
+            windows=config_windows(config),
         )
 
     @property
@@ -66,12 +73,44 @@ class ModelShape:
         return 4.0 * self.layers * self.heads * self.head_dim
 
     @property
+    def attention_per_layer_pair(self) -> float:
+        """Forward FLOPs of QK^T and AV for one (query, key) pair of one layer, all heads."""
+        return 4.0 * self.heads * self.head_dim
+
+    def attention_flops(self, queries_from: int, queries_to: int) -> float:
+        """Attention FLOPs of queries at positions ``[queries_from, queries_to)`` of one causal sequence, each
+        over every key its layer keeps (all earlier keys, or its window's), summed over layers."""
+        full = self.layers - len(self.windows)
+        pairs = full * (_causal_pairs(queries_to) - _causal_pairs(queries_from))
+        pairs += sum(_window_pairs(queries_to, w) - _window_pairs(queries_from, w) for w in self.windows)
+        return pairs * self.attention_per_layer_pair
+
+    @property
     def head_per_token(self) -> float:
         return 2.0 * self.hidden * self.vocab
 
 
+def config_windows(config: object) -> tuple[int, ...]:
+    """The window of each sliding-window layer of an HF config: ``layer_types`` where the config has them
+    (Gemma, GPT-OSS, Qwen2 with ``use_sliding_window``), else every layer (Mistral-style ``sliding_window``)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return ()
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return (int(window),) * config.num_hidden_layers
+    return tuple(int(window) for t in types if t == "sliding_attention")
+
+
 def _causal_pairs(n: int) -> int:
     return n * (n + 1) // 2
+
+
+def _window_pairs(n: int, window: int) -> int:
+    """Pairs the first ``n`` queries of a causal sequence keep under a ``window``: ``sum min(q + 1, W)``."""
+    if n <= window:
+        return _causal_pairs(n)
+    return _causal_pairs(window) + (n - window) * window
 
 
 def dense_flops(shape: ModelShape, prompt_len: int, response_lens: list[int]) -> float:
@@ -79,17 +118,17 @@ def dense_flops(shape: ModelShape, prompt_len: int, response_lens: list[int]) ->
     total = 0.0
     for s in response_lens:
         n = prompt_len + s
-        total += n * (shape.linear_per_token + shape.head_per_token) + _causal_pairs(n) * shape.attention_per_pair
+        total += n * (shape.linear_per_token + shape.head_per_token) + shape.attention_flops(0, n)
     return total
 
 
 def reuse_flops(shape: ModelShape, prompt_len: int, response_lens: list[int]) -> float:
     """Forward FLOPs of phases A and B for one group: the prefix once, each suffix against it."""
     prefix = prompt_len - 1
-    total = prefix * shape.linear_per_token + _causal_pairs(prefix) * shape.attention_per_pair
+    total = prefix * shape.linear_per_token + shape.attention_flops(0, prefix)
     for s in response_lens:
         total += s * (shape.linear_per_token + shape.head_per_token)
-        total += (s * prefix + _causal_pairs(s)) * shape.attention_per_pair
+        total += shape.attention_flops(prefix, prefix + s)  # each suffix query over the prefix and itself
     return total
 
 

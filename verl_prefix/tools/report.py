@@ -68,7 +68,18 @@ def _shape_of_cell(cell: dict[str, Any]) -> ModelShape:
         kv_heads=m["num_kv_heads"],
         head_dim=m["hidden_size"] // m["num_heads"],  # write_tiny_model's convention
         vocab=m["vocab_size"],
+        windows=_cell_windows(m),
     )
+
+
+def _cell_windows(model: dict[str, Any]) -> tuple[int, ...]:
+    """The windows of a bench cell's sliding layers (``ModelSpec.sliding_window``/``layer_types``)."""
+    window, types = model.get("sliding_window"), model.get("layer_types")
+    if window is None:
+        return ()
+    if types is None:
+        return (int(window),) * int(model["num_layers"])
+    return tuple(int(window) for t in types if t == "sliding_attention")
 
 
 def _rep_ratios(dense: list[float], prefix: list[float]) -> list[float]:

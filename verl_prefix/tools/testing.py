@@ -24,8 +24,19 @@ from tensordict import NonTensorData, TensorDict
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma4_text", "qwen3_5_text")
-_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+    "gemma4_text",
+    "qwen3_5_text",
+    "gemma3_text",
+    "gpt_oss",
+)
+_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def _family_config(family: str, head_dim: int, hidden_size: int, vocab_size: int, experts: tuple[int, int]) -> dict:
@@ -85,7 +96,9 @@ def write_tiny_model(
     log-prob and gradient comparisons are not trivially satisfied. Dropout is always 0.
     ``experts_implementation`` (MoE only) is written into ``config.json``: transformers defaults to
     ``grouped_mm``, which has no fp64 kernel; ``"eager"`` loads everywhere. ``extra_config`` is passed
-    to the config last (a sliding window, ``rope_parameters``...), so it wins.
+    to the config last (a sliding window, ``rope_parameters``...), so it wins. ``gemma3_text`` (sliding and
+    full layers) and ``gpt_oss`` (alternating sliding layers, attention sinks, MoE) get their defaults' large
+    windows and head dims scaled down to the tiny model: a window of 16, ``head_dim = hidden / heads``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -109,7 +122,7 @@ def write_tiny_model(
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
-    if family in ("qwen3", "qwen3_moe", "qwen3_5_text"):
+    if family in ("qwen3", "qwen3_moe", "qwen3_5_text", "gemma3_text", "gpt_oss"):
         kwargs["head_dim"] = head_dim
     if family == "qwen3_5_text":  # gated delta-net layers as wide as the attention ones (layer_types: extra_config)
         kwargs.update(
@@ -118,6 +131,10 @@ def write_tiny_model(
             linear_num_key_heads=num_kv_heads,
             linear_num_value_heads=num_heads,
         )
+    if family == "gemma3_text":
+        kwargs.update(query_pre_attn_scalar=head_dim, sliding_window=16)
+    if family == "gpt_oss":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok, sliding_window=16)
     if family == "qwen3_moe":
         kwargs.update(
             num_experts=num_experts,
