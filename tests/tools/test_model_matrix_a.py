@@ -23,14 +23,6 @@ def test_family_lands_in_its_column(family):
     M.check_family(family)
 
 
-@pytest.mark.parametrize(
-    "family", [f for f, b in sorted(M.PENDING.items()) if b == "windows" and M.shard(f, SHARDS) == SHARD]
-)
-def test_windowed_family_exact_with_a_window_covering_the_prompt(family):
-    """What the windows branch leaves to do is the window alone: with a window covering the prompt, exact now."""
-    M.check_exact(family, window=256)
-
-
 def test_negative_control_a_wrong_suffix_position_fails():
     """The comparison can fail: suffix rows one position late (DESIGN trap 4) differ from dense by far more
     than the tolerance on a served family."""

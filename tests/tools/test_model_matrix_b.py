@@ -15,11 +15,3 @@ SHARD, SHARDS = 1, 2
 @pytest.mark.parametrize("family", M.shard_families(SHARD, SHARDS))
 def test_family_lands_in_its_column(family):
     M.check_family(family)
-
-
-@pytest.mark.parametrize(
-    "family", [f for f, b in sorted(M.PENDING.items()) if b == "windows" and M.shard(f, SHARDS) == SHARD]
-)
-def test_windowed_family_exact_with_a_window_covering_the_prompt(family):
-    """What the windows branch leaves to do is the window alone: with a window covering the prompt, exact now."""
-    M.check_exact(family, window=256)

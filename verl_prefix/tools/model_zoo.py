@@ -157,20 +157,6 @@ SKIPPED: dict[str, str] = {
     "gemma4_unified_assistant": "a draft (assistant) head for speculative decoding, not a standalone model",
 }
 
-# served families whose exactness under reuse (a window shorter than the prompt, unequal head dims, gemma4's
-# phase-C crash) lands with a sibling branch: family -> branch. Their matrix tests are xfail(strict) until then;
-# the integrator drops a branch's entries when it merges (and regenerates docs/models.md).
-PENDING: dict[str, str] = {
-    **dict.fromkeys(
-        [
-            "afmoe", "cohere2", "cohere2_moe", "cwm", "deepseek_v4", "exaone4", "exaone_moe", "gemma2", "gemma3_text",
-            "gemma4_text", "gemma3n_text", "gemma4_unified_text", "gpt_oss", "ministral", "ministral3", "mistral",
-            "mixtral", "modernbert-decoder", "olmo3", "phi3", "starcoder2", "vaultgemma",
-        ],
-        "windows",
-    ),
-}  # fmt: skip
-
 # the matrix's columns, as ``docs/models.md`` names them
 EXACT, DENSE, REFUSED, SKIP = "exact under reuse", "dense with a reason", "refused at initialisation", "not built"
 COLUMNS = (EXACT, DENSE, REFUSED, SKIP)
@@ -285,8 +271,7 @@ def classify(family: str, model: nn.Module | None = None) -> MatrixRow:
     refusal = structure_refusal(model)
     if refusal is not None:
         return MatrixRow(family, DENSE, refusal.message())
-    note = f"lands with branch {PENDING[family]}" if family in PENDING else ""
-    return MatrixRow(family, EXACT, note)
+    return MatrixRow(family, EXACT)
 
 
 def matrix_rows(families: list[str] | None = None) -> list[MatrixRow]:
