@@ -19,6 +19,7 @@ OPTION_FREE = {
     "suffix_positions": "position arithmetic of one row (trap 4)",
     "prefix_backward": "phase C is seeded by the leaves' gradients, configured by nothing",
     "seeded_backward": "phase C with the seeds given (the chunked prefix's per-chunk backward)",
+    "unshard_cut_short": "the FSDP2 units phase C must unshard follow from the model and phase A, no setting",
 }
 
 
