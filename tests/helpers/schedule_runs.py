@@ -64,3 +64,22 @@ def infer_reuse(
         group = dataclasses.replace(group, min_prefix_chunks=prefix_chunks)
         results.update(infer_group(model, layout, group, schedule_options))
     return results
+
+
+def assert_every_row_reused(layout: RowLayout, plan: BatchPlan) -> None:
+    """Every row went through a group's A/B/C (no dense rows) and fewer tokens ran than dense would run: an
+    exactness test that passed on dense rows would prove nothing."""
+    assert plan.groups and not plan.dense_rows, "every row must reuse"
+    assert sum(len(g.rows) for g in plan.groups) == len(layout)
+    logical = sum(p + s for p, s in zip(layout.prompt_lens, layout.response_lens))
+    physical = sum(g.prompt_len - 1 for g in plan.groups) + sum(layout.response_lens)
+    assert physical < logical, f"physical {physical} vs logical {logical} tokens: nothing reused"
+
+
+def reused_grads(
+    model: torch.nn.Module, layout: RowLayout, loss_fn: Callable, **kwargs: object
+) -> dict[str, torch.Tensor]:
+    """``train_reuse``'s gradients, after asserting every row reused (``assert_every_row_reused``)."""
+    grads, plan = train_reuse(model, layout, loss_fn, **kwargs)
+    assert_every_row_reused(layout, plan)
+    return grads

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers.layouts import VOCAB, make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
-from helpers.schedule_runs import infer_reuse, train_reuse
+from helpers.schedule_runs import infer_reuse, reused_grads
 from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Gemma4TextConfig, LlamaConfig
 
@@ -71,14 +71,9 @@ def models():
 
 
 def run(model, layout, weights, *, rows, attention="auto", meter=None, **options):
-    grads, plan = train_reuse(
+    return reused_grads(
         model, layout, weighted_loss(weights), rows=rows, phase_b_attention=attention, meter=meter, **options
     )
-    assert not plan.dense_rows and sum(len(g.rows) for g in plan.groups) == len(layout)
-    logical = sum(p + s for p, s in zip(layout.prompt_lens, layout.response_lens))
-    physical = sum(g.prompt_len - 1 for g in plan.groups) + sum(layout.response_lens)
-    assert physical < logical
-    return grads
 
 
 def test_kv_sources_of_gemma4(models):

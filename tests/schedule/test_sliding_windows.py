@@ -17,7 +17,7 @@ from helpers.flash_standin import flash_standin, use_flash
 from helpers.layouts import VOCAB, make_layout, token_weights
 from helpers.offload import RecordingStore
 from helpers.precision import promote_fp32_upcasts
-from helpers.schedule_runs import infer_reuse, train_reuse
+from helpers.schedule_runs import infer_reuse, reused_grads
 from test_merged_attention import attention_inputs, weighted_grads
 from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, MistralConfig
@@ -85,14 +85,9 @@ def build(family: str, dtype: torch.dtype, attn: str, window: int | None = None)
 
 def run(model, layout, weights, *, rows, attention="auto", meter=None, **options):
     """Reuse gradients; asserts every row reused (no dense rows, fewer physical than logical tokens)."""
-    grads, plan = train_reuse(
+    return reused_grads(
         model, layout, weighted_loss(weights), rows=rows, phase_b_attention=attention, meter=meter, **options
     )
-    assert not plan.dense_rows and sum(len(g.rows) for g in plan.groups) == len(layout) and plan.groups
-    logical = sum(p + s for p, s in zip(layout.prompt_lens, layout.response_lens))
-    physical = sum(g.prompt_len - 1 for g in plan.groups) + sum(layout.response_lens)
-    assert physical < logical
-    return grads
 
 
 def layer_paths(meter: PhaseMeter) -> dict[str, float]:

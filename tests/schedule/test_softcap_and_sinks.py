@@ -19,7 +19,7 @@ import torch
 from helpers.flash_standin import flash_standin, use_flash
 from helpers.layouts import VOCAB, make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
-from helpers.schedule_runs import infer_reuse, train_reuse
+from helpers.schedule_runs import infer_reuse, reused_grads
 from test_merged_attention import attention_inputs, weighted_grads
 from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
@@ -66,14 +66,9 @@ def gemma2(dtype: torch.dtype, attn: str, softcap: float | None = 2.0) -> torch.
 
 def run(model, layout, weights, *, rows, attention="auto", meter=None, **options):
     """Reuse gradients; asserts every row reused (no dense rows, every group through A/B/C)."""
-    grads, plan = train_reuse(
+    return reused_grads(
         model, layout, weighted_loss(weights), rows=rows, phase_b_attention=attention, meter=meter, **options
     )
-    assert not plan.dense_rows and sum(len(g.rows) for g in plan.groups) == len(layout)
-    logical = sum(p + s for p, s in zip(layout.prompt_lens, layout.response_lens))
-    physical = sum(g.prompt_len - 1 for g in plan.groups) + sum(layout.response_lens)
-    assert physical < logical
-    return grads
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
