@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.precision import promote_fp32_upcasts
-from helpers.reuse import assert_reuse_ran, reduced
+from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from test_engine_exactness import GRAD_TOL, compare_update, engines
 
 from verl_prefix import PrefixReuseConfig
@@ -107,12 +107,7 @@ def test_windowed_infer_matches_stock(windowed_model, family, attn):
     with promote_fp32_upcasts():
         dense = T.run_infer(d_engine, batch, calculate_entropy=True)
         prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
-    for key in ("response_log_probs", "response_entropy"):
-        want, got = dense[key], prefix[key]
-        want_v = want.values() if want.is_nested else want
-        got_v = got.values() if got.is_nested else got
-        torch.testing.assert_close(got_v, want_v, rtol=1e-10, atol=1e-10)
-    assert_reuse_ran(prefix["metrics"], groups=2)
+    assert_infer_matches(dense, prefix, 1e-10, groups=2)
 
 
 def test_negative_control_window_ignored_on_the_prefix(windowed_model, monkeypatch):

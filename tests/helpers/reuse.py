@@ -40,3 +40,16 @@ def assert_no_reuse(metrics: Mapping[str, Any], *, namespace: str = "prefix/") -
     m = reduced(metrics)
     assert m[namespace + "groups"] == 0, f"{namespace}groups = {m[namespace + 'groups']} on a fallback path"
     assert m[namespace + "physical_tokens"] == m[namespace + "logical_tokens"] > 0
+
+
+def assert_infer_matches(dense: Mapping[str, Any], prefix: Mapping[str, Any], tol: float, *, groups: int) -> None:
+    """A forward-only pass under reuse returns the stock engine's per-token log-probs and entropies (nested or
+    padded, as the engine returns them) within ``tol``, and reuse ran with ``groups`` groups."""
+    import torch
+
+    for key in ("response_log_probs", "response_entropy"):
+        want, got = dense[key], prefix[key]
+        want = want.values() if want.is_nested else want
+        got = got.values() if got.is_nested else got
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert_reuse_ran(prefix["metrics"], groups=groups)
