@@ -1,4 +1,4 @@
-"""True-fp64 mode for Qwen3.5's gated delta-net (DESIGN.md trap 9 for linear attention).
+"""True-fp64 mode for Qwen3.5's and Qwen3-Next's gated delta-nets (DESIGN.md trap 9 for linear attention).
 
 transformers runs the gated delta rule in fp32 whatever the model's dtype, and its RMSNorms upcast to
 fp32: an fp64 model then differs from itself by fp32 rounding between a whole-sequence forward and a
@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as Q
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as QM
+from transformers.models.qwen3_next import modeling_qwen3_next as QN
 
 from verl_prefix.schedule import recurrent
 
@@ -97,12 +98,13 @@ def _gated_norm(self: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> t
 _FAMILIES = (  # (gated delta-net, norm, gated norm, the family's own torch rules)
     (Q.Qwen3_5GatedDeltaNet, Q.Qwen3_5RMSNorm, Q.Qwen3_5RMSNormGated, Q),
     (QM.Qwen3_5MoeGatedDeltaNet, QM.Qwen3_5MoeRMSNorm, QM.Qwen3_5MoeRMSNormGated, QM),
+    (QN.Qwen3NextGatedDeltaNet, QN.Qwen3NextRMSNorm, QN.Qwen3NextRMSNormGated, QN),
 )
 
 
 @contextmanager
 def fp64_delta_net(model: torch.nn.Module) -> Iterator[None]:
-    """Every gated delta-net of ``model`` (Qwen3.5, Qwen3.5-MoE) runs ``delta_rule_in_dtype`` with its decay
+    """Every gated delta-net of ``model`` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) runs ``delta_rule_in_dtype`` with its decay
     gate in fp64 and every norm of those families computes in its input dtype, for the duration; the schedule
     serves the layers with that rule (a plain torch function: autograd gives the initial state's gradient)."""
     nets = tuple(f[0] for f in _FAMILIES)
@@ -120,7 +122,9 @@ def fp64_delta_net(model: torch.nn.Module) -> Iterator[None]:
             layer.recurrent_gated_delta_rule = delta_rule_in_dtype
             hooks.append(layer.register_forward_pre_hook(_gate_in_fp64))
             hooks.append(layer.register_forward_hook(_gate_restored))
-            hooks.append(layer.in_proj_a.register_forward_hook(_keep_fp64_output))
+            # the decay gate's input: Qwen3.5's own projection, Qwen3-Next's fused one (``a`` is split from it)
+            gate_input = layer.in_proj_a if hasattr(layer, "in_proj_a") else layer.in_proj_ba
+            hooks.append(gate_input.register_forward_hook(_keep_fp64_output))
         yield
     finally:
         recurrent.SERVED_KERNELS = kernels

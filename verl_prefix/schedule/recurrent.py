@@ -24,15 +24,23 @@ import torch
 from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+from transformers.models.qwen3_next import modeling_qwen3_next
 
-# The recurrent token mixers the schedule serves: HF's Qwen3.5 (dense and MoE) gated delta-net with its torch
-# kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as ``nn.Conv1d``), whose
-# continuation path is checked against the dense model in tests/schedule/test_recurrent.py.
+# The recurrent token mixers the schedule serves: HF's Qwen3.5 (dense and MoE) and Qwen3-Next gated delta-nets
+# with their torch kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as
+# ``nn.Conv1d``), whose continuation path is checked against the dense model in tests/schedule/test_recurrent.py.
+# Qwen3-Next differs only before the convolution (fused ``in_proj_qkvz``/``in_proj_ba`` projections regrouped per
+# key head); its cache interface, conv context and kernel contract are Qwen3.5's.
 SERVED_CLASSES: tuple[type[nn.Module], ...] = (
     modeling_qwen3_5.Qwen3_5GatedDeltaNet,
     modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet,
+    modeling_qwen3_next.Qwen3NextGatedDeltaNet,
 )
-SERVED_KERNELS = (modeling_qwen3_5.torch_chunk_gated_delta_rule, modeling_qwen3_5_moe.torch_chunk_gated_delta_rule)
+SERVED_KERNELS = (
+    modeling_qwen3_5.torch_chunk_gated_delta_rule,
+    modeling_qwen3_5_moe.torch_chunk_gated_delta_rule,
+    modeling_qwen3_next.torch_chunk_gated_delta_rule,
+)
 
 # Class names of recurrent token mixers in transformers' hybrid families (Mamba/Mamba-2 mixers, short
 # convolutions, gated delta-nets, lightning attention, RG-LRU): a model holding one the schedule does not
@@ -63,7 +71,7 @@ def is_recurrent_layer(module: nn.Module) -> bool:
 def served_recurrent_layer(module: nn.Module) -> bool:
     """Whether the reuse schedule carries this recurrent layer's state across the prefix boundary exactly.
 
-    True for the Qwen3.5 (dense or MoE) gated delta-net running transformers' own forward with its torch
+    True for the Qwen3.5 (dense or MoE) and Qwen3-Next gated delta-nets running transformers' own forward with its torch
     kernels (CPU, or GPU without ``fla``/``causal_conv1d``); False for any other recurrent mixer, for the
     fused kernels (their initial-state gradient is not yet checked here, issue 22) and under verl's patched
     forward."""
@@ -88,7 +96,8 @@ def unserved_recurrent_reason(model: nn.Module) -> str | None:
     if not unserved:
         return None
     return (
-        f"recurrent layers {unserved} are not served by prefix reuse (served: Qwen3.5 gated delta-nets with "
+        f"recurrent layers {unserved} are not served by prefix reuse (served: Qwen3.5 and Qwen3-Next gated "
+        "delta-nets with "
         "transformers' torch kernels); their state at the prefix boundary would be lost"
     )
 
