@@ -1,7 +1,10 @@
-"""A hybrid linear-attention model (``qwen3_5_text``: gated delta-net + full attention) through ``prefix_fsdp2``
-against verl's stock ``fsdp2`` engine on the same TensorDict (issue 22, slice 1): gradients, the update and
-forward-only log-probs/entropy in fp64 (``helpers.delta_rule.fp64_delta_net`` on both engines' models), each
-asserting reuse ran; settings the schedule does not serve for recurrent layers run dense, counted."""
+"""Hybrid linear-attention models (gated delta-net + full attention: ``qwen3_5_text``, ``qwen3_5_moe_text``,
+``qwen3_next``) through ``prefix_fsdp2`` against verl's stock ``fsdp2`` engine on the same TensorDict (issue 22):
+gradients, the update and forward-only log-probs/entropy in fp64 (``helpers.delta_rule.fp64_delta_net`` on both
+engines' models); ragged suffixes in micro-batches of 1, 2 and G rows; prefix chunks of 2 tokens (every chunk
+boundary inside the 3-token convolution window); the MoE router aux loss on (against the engine's own dense path)
+and off (against stock); two data-parallel ranks; an fp32 and a bf16 run judged against the stock engine's own
+rounding. Each asserts reuse ran; settings the schedule does not serve for recurrent layers run dense, counted."""
 
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ import logging
 
 import pytest
 from helpers.delta_rule import fp64_delta_net
+from helpers.precision import promote_fp32_upcasts
+from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
+from test_cuda import bf16_errors, bf16_outputs
 from test_engine_exactness import engines, grpo_batch, worst_relative
 from transformers import AutoModelForCausalLM
 
@@ -19,6 +25,7 @@ from verl_prefix.backend import fallbacks
 from verl_prefix.tools import testing as T
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+MOE_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +40,11 @@ def hybrid_dir(tmp_path_factory):
 
 
 def _fp64(*engines_):
+    """True fp64 on these engines' models: the delta rule and its norms (``fp64_delta_net``), routers' softmax."""
     stack = contextlib.ExitStack()
     for engine in engines_:
         stack.enter_context(fp64_delta_net(engine.module))
+    stack.enter_context(promote_fp32_upcasts())
     return stack
 
 
@@ -89,3 +98,107 @@ def test_unserved_settings_run_dense_with_a_reason(hybrid_dir, tmp_path, caplog)
     plain = T.write_tiny_model(tmp_path / "qwen3", "qwen3")
     plain_model = AutoModelForCausalLM.from_pretrained(plain)
     assert fallbacks.recurrent_fallback_reason(plain_model, cases[0][0], ulysses=True, dormant_policy="auto") is None
+
+
+def batch_of(rows: int):
+    """``grpo_batch()`` (3 groups of G = 4, ragged responses) in micro-batches of ``rows`` rows."""
+    return grpo_batch(worker_settings={"micro_batch_size_per_gpu": rows})
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
+def test_moe_hybrids_match_stock_engine_fp64(tmp_path, family):
+    """One pair of engines per family (``lr=0``: the weights stay put, so every case compares on the same
+    model; the update itself is compared above): forward-only, training in micro-batches of 2, 1 and G = 4 rows,
+    prefix chunks of 2 tokens; then the router aux loss on, against the engine's own dense path with the aux."""
+    model_dir = T.write_tiny_model(
+        tmp_path,
+        family,
+        num_layers=3,
+        hidden_size=32,
+        experts_implementation="eager",
+        extra_config={"layer_types": MOE_LAYER_TYPES},
+    )
+    (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(
+        model_dir, dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0
+    )
+    with _fp64(d_engine, p_engine):
+        dense = T.run_infer(d_engine, grpo_batch(), calculate_entropy=True)
+        prefix = T.run_infer(p_engine, grpo_batch(), calculate_entropy=True)
+        assert_infer_matches(dense, prefix, 1e-10, groups=3)
+        for rows, chunk in ((2, None), (1, None), (4, None), (2, 2)):
+            p_engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk)
+            batch = grpo_batch(worker_settings={"micro_batch_size_per_gpu": rows})
+            want = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+            got = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+            assert_reuse_ran(got["metrics"], groups=3)
+            assert worst_relative(got["grads"], want["grads"]) < 1e-10, (rows, chunk)
+        assert got["reduced_metrics"]["prefix/prefix_chunks"] == 4.0 + 2.0 + 6.0  # prefixes of 8, 4 and 11 tokens
+        # the aux is a mean per micro-batch: both paths must cut the mini-batch alike, here one group per micro-batch
+        p_engine.moe_aux_loss_coef = 0.5
+        aux = {}
+        for name, reuse in (("dense", PrefixReuseConfig(enable=False)), ("reuse", PrefixReuseConfig(min_prefix_len=2))):
+            p_engine.reuse_config = reuse
+            aux[name] = T.run_train_step(p_engine, p_loss, batch_of(4), capture_grads=True)
+    assert_reuse_ran(aux["reuse"]["metrics"], groups=3)
+    assert worst_relative(aux["reuse"]["grads"], aux["dense"]["grads"]) < 1e-10
+    got_aux, want_aux = (aux[k]["reduced_metrics"]["moe_aux_loss"] for k in ("reuse", "dense"))
+    assert got_aux == pytest.approx(want_aux, rel=1e-10) and want_aux > 1.0
+    gates = [n for n in aux["reuse"]["grads"] if n.endswith("mlp.gate.weight")]
+    assert gates and all(aux["reuse"]["grads"][n].norm() > 0 for n in gates)
+
+
+def rank_batch(rank: int):
+    """Rank 0: two groups of four. Rank 1: one group of four and four singletons with a 3-token prompt (dense)."""
+    from verl.utils import tensordict_utils as tu
+
+    shape = dict(response_len_range=(1, 6), vocab_size=128, global_batch_size=16)
+    if rank == 0:
+        return T.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[9, 5], seed=11, **shape)
+    group = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=12, seed=12, **shape)
+    return tu.concat_tensordict([group, T.make_grpo_batch(num_groups=4, group_size=1, prompt_lens=3, seed=13, **shape)])
+
+
+def _two_rank_body(rank: int, model_dir: str) -> dict:
+    batch = rank_batch(rank)
+    kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
+    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
+    with fp64_delta_net(dense.module), fp64_delta_net(prefix.module), promote_fp32_upcasts():
+        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    return {"worst": worst, "metrics": got["reduced_metrics"]}
+
+
+def test_two_ranks_match_stock_engine_fp64(hybrid_dir):
+    """Two data-parallel ranks (gloo, FSDP2 over both) with different group structure: rank 1 runs one group
+    under reuse and four short-prompt singletons dense, so the ranks' recurrent-state phases run in lockstep."""
+    results = run_two_ranks(_two_rank_body, str(hybrid_dir))
+    for rank, groups in ((0, 2), (1, 1)):
+        assert results[rank]["worst"] < 1e-10, rank
+        assert_reuse_ran(results[rank]["metrics"], groups=groups)
+    assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
+
+
+def test_fp32_and_bf16_within_the_stock_engines_own_rounding(hybrid_dir):
+    """G = 16 single-row micro-batches through transformers' own fp32 kernels (the chunked delta rule rounds
+    differently when a sequence is split at the prefix): fp32 reuse's gradients against an fp64 stock run are
+    within 1.5x the fp32 stock engine's own error; bf16 (verl's mixed precision) against the fp32 stock run
+    likewise (mean |log-prob| error and the gradients' relative error), as ``test_cuda`` judges bf16 on a GPU."""
+    batch = grpo_batch(num_groups=1, group_size=16, prompt_lens=[40], response_len_range=(4, 12), use_kl=False)
+    truth, t_loss, _ = T.build_verl_engine(hybrid_dir, dtype="float64", micro_batch_size_per_gpu=1)
+    with _fp64(truth):
+        truth_grads = T.run_train_step(truth, t_loss, batch, capture_grads=True)["grads"]
+    reference = bf16_outputs(hybrid_dir, "fsdp2", batch, bf16=False)
+    fp32 = bf16_outputs(hybrid_dir, "prefix_fsdp2", batch, bf16=False)
+    as64 = lambda grads: {n: g.double() for n, g in grads.items()}  # noqa: E731
+    own, ours = worst_relative(as64(reference[1]), truth_grads), worst_relative(as64(fp32[1]), truth_grads)
+    assert own < 1e-3 and ours <= max(1.5 * own, 1e-5), (ours, own)
+    assert_reuse_ran(fp32[2], groups=1)
+    dense = bf16_outputs(hybrid_dir, "fsdp2", batch, bf16=True)
+    reuse = bf16_outputs(hybrid_dir, "prefix_fsdp2", batch, bf16=True)
+    dense_err, reuse_err = bf16_errors(dense, reference), bf16_errors(reuse, reference)
+    assert dense_err[0] > 0 and dense_err[1] > 0  # bf16 really ran
+    assert reuse_err[0] <= 1.5 * dense_err[0] and reuse_err[1] <= 1.5 * dense_err[1], (reuse_err, dense_err)
+    assert_reuse_ran(reuse[2], groups=1)

@@ -4,8 +4,8 @@ verl 0.9.1's FSDP engine never adds a router aux loss, so ``prefix_fsdp2`` offer
 (``moe_aux_loss_coef``) and computes it identically in dense and reuse mode.
 
 HF's ``load_balancing_loss_func`` (Switch Transformer, used unchanged by Qwen3-MoE, Qwen2-MoE,
-Mixtral, OLMoE, Qwen3.5-MoE) is, for one forward call over the non-pad tokens ``T`` of a micro-batch and its MoE
-layers ``L``::
+Mixtral, OLMoE, Qwen3.5-MoE, Qwen3-Next) is, for one forward call over the non-pad tokens ``T`` of a micro-batch
+and its MoE layers ``L``::
 
     aux = E * sum_{k,e} f[k, e] * p[e]
     f[k, e] = #{(l, t): the k-th top expert of token t in layer l is e} / (|L| |T|)   (fp32, no grad)
@@ -36,7 +36,7 @@ from torch import nn
 # Families whose causal LM adds transformers' Switch-style ``load_balancing_loss_func`` over the
 # logits their ``*TopKRouter`` returns first, with ``num_experts`` / ``num_experts_per_tok``
 # (checked against transformers 5.10.4 source).
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_5_moe_text")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_5_moe_text", "qwen3_next")
 
 # Router statistics other than per-micro-batch ones. No transformers 5.10.4 family computes them (HF's
 # DeepSeek-V2/V3 define no aux loss at all); remote-code DeepSeek models declare them in the config.

@@ -33,10 +33,14 @@ _FAMILIES = (
     "deepseek_v3",
     "gemma4_text",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
     "gemma3_text",
     "gpt_oss",
 )
-_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
+# hybrids whose gated delta-net layers are sized like the attention ones (``layer_types`` via ``extra_config``)
+_DELTA_NET_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 def _family_config(family: str, head_dim: int, hidden_size: int, vocab_size: int, experts: tuple[int, int]) -> dict:
@@ -122,14 +126,23 @@ def write_tiny_model(
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
-    if family in ("qwen3", "qwen3_moe", "qwen3_5_text", "gemma3_text", "gpt_oss"):
+    if family in ("qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", *_DELTA_NET_FAMILIES):
         kwargs["head_dim"] = head_dim
-    if family == "qwen3_5_text":  # gated delta-net layers as wide as the attention ones (layer_types: extra_config)
+    if family in _DELTA_NET_FAMILIES:
         kwargs.update(
             linear_key_head_dim=head_dim,
             linear_value_head_dim=head_dim,
             linear_num_key_heads=num_kv_heads,
             linear_num_value_heads=num_heads,
+        )
+    if family in ("qwen3_5_moe_text", "qwen3_next"):  # every layer sparse, with a shared expert
+        kwargs.update(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size or hidden_size // 2,
+            shared_expert_intermediate_size=intermediate_size or hidden_size // 2,
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
         )
     if family == "gemma3_text":
         kwargs.update(query_pre_attn_scalar=head_dim, sliding_window=16)
