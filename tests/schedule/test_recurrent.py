@@ -18,7 +18,7 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.schedule_runs import infer_reuse, reused_grads, train_reuse
 from test_moe import compare
 from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weighted_loss, worst_relative
-from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from verl_prefix.schedule import executor, prefix_kv, recurrent
@@ -238,6 +238,58 @@ def test_qwen3_5_moe_with_and_without_router_aux_loss():
             grads, aux, flips, got, _ = compare(model, layout, rows, torch.float64)
             assert flips == 0 and aux < 1e-10 and grads < 1e-10, f"aux on, {rows} rows: {grads:.2e} {aux:.2e}"
             assert all(got[n].norm() > 0 for n in got if n.endswith("mlp.gate.weight"))
+
+
+def qwen3_next(dtype: torch.dtype):
+    """A tiny random Qwen3-Next: linear, full, linear layers (fused ``in_proj_qkvz``/``in_proj_ba``, 2 key / 4 value
+    heads, kernel 4), every layer sparse (4 experts, top 2, a gated shared expert)."""
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        initializer_range=0.2,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return AutoModelForCausalLM.from_config(config).to(dtype).train()
+
+
+def test_qwen3_next_fp64_partitions_chunks_and_router_aux_loss():
+    """Qwen3-Next's gated delta-net (its in-projections regrouped per key head before the convolution) under
+    reuse, fp64 against HF dense: micro-batches of G, 2 and 1 rows, 2-token prefix chunks, forward-only, and
+    with HF's own router aux loss on the same micro-batch partition (``test_moe.compare``)."""
+    model = qwen3_next(torch.float64)
+    assert sorted(recurrent.recurrent_layers(model)) == [0, 2] and recurrent.recurrent_refusal(model) is None
+    layout = make_layout([(8, [3, 5, 1, 4])])
+    weights = token_weights(layout, torch.float64)
+    with fp64_delta_net(model), promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights)
+        for rows, chunk in ((4, None), (2, None), (1, None), (2, 2)):
+            got = run(model, layout, weights, rows=rows, prefix_chunk_tokens=chunk)
+            assert worst_relative(got, want) < 1e-10, f"{rows} rows, chunks of {chunk}"
+        with torch.no_grad():
+            want_lp, want_ent = dense_response_outputs(model, layout)
+            got = infer_reuse(model, layout, rows=2, prefix_chunk_tokens=3)
+        for i in range(len(layout)):
+            torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)
+        grads, aux, flips, got, _ = compare(model, layout, 2, torch.float64)
+    assert flips == 0 and aux < 1e-10 and grads < 1e-10, f"aux on: {grads:.2e} {aux:.2e}"
+    assert all(got[n].norm() > 0 for n in got if n.endswith("mlp.gate.weight"))
 
 
 # -- negative controls: each wrong boundary must be caught by the same comparison ------------------

@@ -87,6 +87,14 @@ _MLA = {
     "q_lora_rank": 24,
 }
 _HYBRID = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+# gated delta-nets shrunk (their defaults: 32 value heads of 128, a 8192-channel convolution, 2 MiB of state a row)
+_DELTA_NET = {
+    **_HYBRID,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
 _MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 8, "mamba_chunk_size": 16, "mamba_n_groups": 1}
 
 # per family, applied after the generic sizes (any key, present in the defaults or not)
@@ -126,10 +134,10 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
         "global_head_dim": 16,
     },
     # hybrids: both layer kinds present in two layers
-    "qwen3_next": _HYBRID,
-    "qwen3_5_text": _HYBRID,
-    "qwen3_5_moe_text": _HYBRID,
-    "olmo_hybrid": _HYBRID,
+    "qwen3_next": _DELTA_NET,
+    "qwen3_5_text": _DELTA_NET,
+    "qwen3_5_moe_text": _DELTA_NET,
+    "olmo_hybrid": _DELTA_NET,
     "minimax": _HYBRID,
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
