@@ -21,7 +21,9 @@ from test_engine_exactness import engines, grpo_batch, worst_relative
 from transformers import AutoModelForCausalLM
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.backend import engine as engine_module
 from verl_prefix.backend import fallbacks
+from verl_prefix.schedule import executor, structure
 from verl_prefix.tools import testing as T
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
@@ -48,11 +50,16 @@ def _fp64(*engines_):
     return stack
 
 
-def test_update_and_infer_match_stock_engine_fp64(hybrid_dir):
-    """One pair of engines (building them is most of the cost): forward-only log-probs/entropy, then an update."""
+def test_update_and_infer_match_stock_engine_fp64(hybrid_dir, monkeypatch):
+    """One pair of engines (building them is most of the cost): forward-only log-probs/entropy, then an update.
+    The model's layer roles (KV-shared and recurrent layers) are found once per engine, not once per group."""
     (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(
         hybrid_dir, dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
     )
+    walks = []
+    counted = lambda model: walks.append(model) or structure.layer_roles(model)  # noqa: E731
+    monkeypatch.setattr(engine_module, "layer_roles", counted)
+    monkeypatch.setattr(executor, "layer_roles", counted)
     batch = grpo_batch()
     with _fp64(d_engine, p_engine):
         dense = T.run_infer(d_engine, batch, calculate_entropy=True)
@@ -69,6 +76,7 @@ def test_update_and_infer_match_stock_engine_fp64(hybrid_dir):
     update = worst_relative({n: p_after[n] - before[n] for n in before}, {n: d_after[n] - before[n] for n in before})
     assert update < 1e-9
     assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-10)
+    assert walks == [p_engine.module], "layer roles found more than once (or not by the engine)"
 
 
 def test_unserved_settings_run_dense_with_a_reason(hybrid_dir, tmp_path, caplog):

@@ -124,12 +124,13 @@ def test_no_decoder_layers_and_encoder_decoder():
 
 
 def test_real_families():
-    """Served: plain attention, MoE, per-layer inputs; refused: gated delta-net, short conv, Mamba, a router that
-    samples, a layer that drops its keywords (each family as the matrix builds it)."""
-    for family in ("llama", "qwen3_moe", "gemma3n_text"):
+    """Served: plain attention, MoE, per-layer inputs, Qwen3-Next's gated delta-net; refused: OLMo-Hybrid's gated
+    delta-net (its decoder layer drops the keywords the state rides in), short conv, Mamba, a router that samples,
+    a layer that drops its keywords (each family as the matrix builds it)."""
+    for family in ("llama", "qwen3_moe", "gemma3n_text", "qwen3_next"):
         assert structure_refusal(Z.build(family)) is None, family
     cases = {
-        "qwen3_next": ("recurrent_layers", "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)"),
+        "olmo_hybrid": ("recurrent_layers", "model.layers.0 (OlmoHybridLinearAttentionDecoderLayer)"),
         "lfm2": ("convolution_layers", "model.layers.0.conv (Lfm2ShortConv)"),
         "bamba": ("recurrent_layers", "model.layers.0.mamba (BambaMixer)"),
         "phimoe": (FAMILY_REFUSALS["phimoe"][0], "PhimoeForCausalLM (phimoe)"),

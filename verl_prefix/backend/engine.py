@@ -54,6 +54,7 @@ from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
+from verl_prefix.schedule.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -75,6 +76,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self.record_trace_dir: str | None = getattr(engine_config, "record_trace_dir", None)
         self._trace_writer: Any = None
         self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
+        self._layer_roles_cache: tuple[int, LayerRoles] | None = None
         self.dormant_prefix = validate_policy(
             getattr(engine_config, "dormant_prefix", "keep"),
             getattr(engine_config, "dormant_prefix_budget_bytes", None),
@@ -344,7 +346,14 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             ulysses=self._ulysses(),
             routers=self._moe_routers() if aux_on else None,
             aux_fn=aux_fn if aux_on else None,
+            layer_roles=self._layer_roles(),
         )
+
+    def _layer_roles(self) -> LayerRoles:
+        """The model's KV-shared and recurrent layers, found once per model (not once per group)."""
+        if self._layer_roles_cache is None or self._layer_roles_cache[0] != id(self.module):
+            self._layer_roles_cache = (id(self.module), layer_roles(self.module))
+        return self._layer_roles_cache[1]
 
     def _reuse_batch(self, data: TensorDict, layout: RowLayout, loss_function: Callable, forward_only: bool) -> Any:
         self._attach_global_normalisation(data)

@@ -43,7 +43,7 @@ from verl_prefix.schedule.prefix_kv import (
     ServeContext,
     prefix_attention_mode,
 )
-from verl_prefix.schedule.structure import kv_sources
+from verl_prefix.schedule.structure import layer_roles
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
@@ -120,7 +120,8 @@ def prefix_forward(
     slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
     over the slices."""
     routers, ulysses = options.routers, options.ulysses
-    sources = kv_sources(model)  # KV-shared layers: their prefix K/V are their source layer's
+    roles = options.layer_roles or layer_roles(model)
+    sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -139,7 +140,7 @@ def prefix_forward(
                 ulysses=ulysses,
                 length=length if ulysses is not None else None,
                 sources=sources,
-                recurrent_layers=recurrent.recurrent_layers(model),
+                recurrent_layers=roles.recurrent,
             )
         else:
             ctx = ChunkCaptureContext(
@@ -420,7 +421,10 @@ def train_group(
 
 def _refuse_recurrent(model: nn.Module, options: ScheduleOptions, dormant_policy: str) -> None:
     """Before a group's phase A: what the schedule does not serve for recurrent layers is refused here
-    (``recurrent.recurrent_refusal``), not found inside a layer mid-step."""
+    (``recurrent.recurrent_refusal``), not found inside a layer mid-step. Models known to hold no recurrent
+    layer (``options.layer_roles``) skip the walk over their modules."""
+    if options.layer_roles is not None and not options.layer_roles.recurrent:
+        return
     reason = recurrent.recurrent_refusal(
         model,
         ulysses=options.ulysses is not None,

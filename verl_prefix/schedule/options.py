@@ -21,6 +21,7 @@ import torch
 from verl.utils.torch_functional import entropy_from_logits
 
 from verl_prefix.schedule import moe
+from verl_prefix.schedule.structure import LayerRoles
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -45,6 +46,8 @@ class ScheduleOptions:
     ``ulysses``: every phase sequence-parallel over that group (``schedule.ulysses``). ``routers`` and
     ``aux_fn`` (together or neither): each training micro-batch's loss gains ``aux_fn(rows, stats)``, the
     stats counting the prefix once per row (``schedule.moe``); forward-only passes ignore them.
+    ``layer_roles``: the model's KV-shared and recurrent layers (``structure.layer_roles``), decided once by the
+    caller; ``None``: found from the model at every phase A.
     """
 
     device: torch.device
@@ -61,6 +64,7 @@ class ScheduleOptions:
     ulysses: Ulysses | None = None
     routers: moe.MoeRouters | None = None
     aux_fn: AuxFn | None = None
+    layer_roles: LayerRoles | None = None
 
     def __post_init__(self) -> None:
         if (self.routers is None) != (self.aux_fn is None):

@@ -10,11 +10,19 @@ Phase B needs nothing special: the source layer's suffix K/V reach the shared la
 
 A shared layer whose source cannot be told is refused before the first step by the engine's capability check
 (``schedule.capability.structure_refusal``, reason ``kv_sharing``), never found inside a step.
+
+``layer_roles`` gathers both per-layer facts phase A needs (the KV-shared layers' sources and the recurrent
+layers, ``schedule.recurrent``): the engine decides them once per model (``ScheduleOptions.layer_roles``) rather
+than walking the modules again for every group.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
+
+from verl_prefix.schedule.recurrent import recurrent_layers
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
@@ -75,3 +83,17 @@ def kernel_head_dim(config: object) -> int:
     sizes = [getattr(config, "head_dim", None) or config.hidden_size // heads]
     sizes += [getattr(config, name, None) for name in ("qk_head_dim", "v_head_dim", "global_head_dim")]
     return max(int(size) for size in sizes if size)
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    """What phase A captures per decoder layer besides plain K/V: ``sources`` (``kv_sources``: a KV-shared layer's
+    prefix K/V are its source's) and ``recurrent`` (layers whose state crosses the boundary instead of K/V)."""
+
+    sources: dict[int, int]
+    recurrent: frozenset[int]
+
+
+def layer_roles(model: nn.Module) -> LayerRoles:
+    """``model``'s ``LayerRoles`` (one walk over its modules; raises as ``kv_sources`` does)."""
+    return LayerRoles(kv_sources(model), frozenset(recurrent_layers(model)))
