@@ -157,11 +157,11 @@ if [ "$SMOKE" = 1 ]; then
 fi
 
 if [ "$CUDA_TESTS" = 1 ]; then
-  step "CUDA tests: exactness vs the stock engine, bf16 vs fp32, the varlen kernels, allocator peaks, NCCL"
+  step "CUDA tests: exactness vs the stock engine, bf16 vs fp32, the varlen kernels, fla's delta rule, allocator peaks, NCCL"
   rc=0
   VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 200 \
     "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/backend/test_cuda.py tests/schedule/test_kernels.py \
-    tests/schedule/test_varlen_attention.py::test_cuda_varlen_matches_cpu_reference 2>&1 \
+    tests/schedule/test_varlen_attention.py::test_cuda_varlen_matches_cpu_reference tests/schedule/test_recurrent_cuda.py 2>&1 \
     | tee "$OUT/cuda_tests.log" || rc=$?
   # a failing test is a finding to read, not a reason to skip the benchmark
   [ "$rc" = 0 ] || echo "gpu_check: the CUDA tests exited $rc (see cuda_tests.log); going on" >&2

@@ -62,6 +62,10 @@ WHEELS=(
   rpds-py==2026.9.1
   colorful==0.5.8
 )
+# GPU-only: flash-linear-attention's Triton kernels (no CPU .venv can import them: no triton there, so they
+# are not checked against it). With them transformers runs Qwen3.5/Qwen3-Next's gated delta-nets on fla, and
+# the schedule serves fla's chunked rule (docs/design.md, tests/schedule/test_recurrent_cuda.py).
+GPU_ONLY=(fla-core==0.5.2 flash-linear-attention==0.5.2 einops==0.8.2)
 SDISTS=(antlr4-python3-runtime==4.9.3) # hydra/omegaconf pin 4.9.*, published as an sdist only: built here
 RAY=ray==2.60.0
 
@@ -102,6 +106,8 @@ pip_download() {
 
 echo "gpu_kit: downloading ${#WHEELS[@]} wheels for CPython $PYVER into $DEST"
 pip_download "$DEST" "${WHEELS[@]}"
+echo "gpu_kit: downloading the GPU-only kernels: ${GPU_ONLY[*]}"
+pip_download "$DEST" "${GPU_ONLY[@]}"
 echo "gpu_kit: building ${SDISTS[*]} (pure Python)"
 "$PY" -m pip wheel --quiet --no-deps --no-cache-dir -w "$DEST" "${SDISTS[@]}"
 

@@ -405,3 +405,62 @@ def test_plain_attention_models_have_no_recurrent_layers():
 
     model = tiny_model("qwen3", "sdpa", torch.float32)
     assert recurrent.recurrent_layers(model) == {} and recurrent.recurrent_refusal(model, ulysses=True) is None
+
+
+# -- fla's kernels (CUDA): the chunked rule serves; its one-token kernel, which has no backward, is kept off grad --
+
+
+class _NoBackward(torch.autograd.Function):
+    """What fla's ``fused_recurrent_gated_delta_rule`` does in backward: raise."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("fla's fused recurrent kernel has no backward")
+
+
+def fla_standins(calls: list):
+    """CPU stand-ins with fla's names and contracts: the chunked rule (refuses stride-0 state views, as a Triton
+    kernel would misread them) and the one-token rule (no backward), both computing ``delta_rule_in_dtype``."""
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, **kwargs):
+        assert initial_state is None or initial_state.is_contiguous(), "a stride-0 view reached the kernel"
+        calls.append(("chunk", q.shape[1], torch.is_grad_enabled()))
+        return delta_rule_in_dtype(q, k, v, g, beta, initial_state=initial_state, **kwargs)
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, **kwargs):
+        calls.append(("fused", q.shape[1], torch.is_grad_enabled()))
+        out, state = delta_rule_in_dtype(q, k, v, g, beta, initial_state=initial_state, **kwargs)
+        return _NoBackward.apply(out), state
+
+    chunk_gated_delta_rule.__module__ = "fla.ops.gated_delta_rule.chunk"
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def test_fla_kernels_serve_with_one_token_calls_kept_off_the_fused_kernel(model64):
+    """With fla's kernels (stand-ins on CPU: ``test_fla_matches_torch_rule_on_cuda`` checks the real ones) the
+    layers are served; one-token suffix rows and one-token prefix chunks under grad run the chunked kernel (the
+    fused one has no backward), forward-only ones the fused kernel; fp64 exact, the kernels restored after."""
+    layout = make_layout(RAGGED)  # a one-token suffix: one-row micro-batches include a one-token call
+    weights = token_weights(layout, torch.float64)
+    calls: list = []
+    chunk, fused = fla_standins(calls)
+    layers = recurrent.recurrent_layers(model64).values()
+    want = dense_grads(model64, layout, weights)
+    try:
+        for layer in layers:
+            layer.chunk_gated_delta_rule, layer.recurrent_gated_delta_rule = chunk, fused
+        assert all(recurrent.served_recurrent_layer(m) for m in layers)
+        got = run(model64, layout, weights, rows=1, prefix_chunk_tokens=1)
+        assert worst_relative(got, want) < 1e-10
+        assert ("chunk", 1, True) in calls and not any(c[0] == "fused" and c[2] for c in calls)
+        assert all(layer.recurrent_gated_delta_rule is fused for layer in layers)
+        with torch.no_grad():
+            infer_reuse(model64, layout, rows=1)
+        assert ("fused", 1, False) in calls
+    finally:
+        for layer in layers:
+            layer.chunk_gated_delta_rule = layer.recurrent_gated_delta_rule = delta_rule_in_dtype

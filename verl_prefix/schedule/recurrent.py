@@ -71,9 +71,9 @@ def is_recurrent_layer(module: nn.Module) -> bool:
 def served_recurrent_layer(module: nn.Module) -> bool:
     """Whether the reuse schedule carries this recurrent layer's state across the prefix boundary exactly.
 
-    True for the Qwen3.5 (dense or MoE) and Qwen3-Next gated delta-nets running transformers' own forward with its torch
-    kernels (CPU, or GPU without ``fla``/``causal_conv1d``); False for any other recurrent mixer, for the
-    fused kernels (their initial-state gradient is not yet checked here, issue 22) and under verl's patched
+    True for the Qwen3.5 (dense or MoE) and Qwen3-Next gated delta-nets running transformers' own forward with its
+    torch kernels or fla's chunked rule (``fla_chunk_kernel``); False for any other recurrent mixer, for
+    ``causal_conv1d``'s fused convolution (its one-token update has no autograd) and under verl's patched
     forward."""
     if not isinstance(module, SERVED_CLASSES):
         return False
@@ -82,7 +82,17 @@ def served_recurrent_layer(module: nn.Module) -> bool:
     forward = type(module).forward
     if getattr(forward, "__module__", None) != next(c for c in SERVED_CLASSES if isinstance(module, c)).__module__:
         return False
-    return getattr(module, "chunk_gated_delta_rule", None) in SERVED_KERNELS and module.causal_conv1d_fn is None
+    kernel = getattr(module, "chunk_gated_delta_rule", None)
+    return (kernel in SERVED_KERNELS or fla_chunk_kernel(kernel)) and module.causal_conv1d_fn is None
+
+
+def fla_chunk_kernel(kernel: object) -> bool:
+    """Whether ``kernel`` is flash-linear-attention's chunked gated delta rule (what transformers runs on CUDA when
+    ``fla`` is installed): its backward returns the initial state's gradient (``dh0``), so a multi-token call
+    continues from a state leaf exactly. fla's one-token ``fused_recurrent_gated_delta_rule`` raises in backward:
+    under grad a one-token call runs this chunked kernel instead (``_hook``)."""
+    module = getattr(kernel, "__module__", None) or ""
+    return getattr(kernel, "__name__", None) == "chunk_gated_delta_rule" and module.startswith("fla.")
 
 
 def recurrent_layers(model: nn.Module) -> dict[int, nn.Module]:
@@ -182,6 +192,8 @@ def serving_cache(
     if seq_len == 1:
         conv = conv.clone()
     state = boundary.state.expand(rows, -1, -1, -1)
+    if fla_chunk_kernel(module.chunk_gated_delta_rule):  # a Triton kernel reads rows by stride: no stride-0 views
+        state = state.contiguous()
     width = module.conv_kernel_size - 1
     return BoundaryCache(module.layer_idx, width, conv=conv, state=state, on_capture=on_capture)
 
@@ -199,16 +211,30 @@ def _hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | 
         raise RuntimeError("prefix reuse runs recurrent layers without a cache; the model was called with one")
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     kwargs["cache_params"] = ctx.recurrent_cache(module, hidden_states)
+    if hidden_states.shape[1] == 1 and torch.is_grad_enabled() and fla_chunk_kernel(module.chunk_gated_delta_rule):
+        # transformers runs a one-token call with a state through fla's fused recurrent kernel, which has no
+        # backward: under grad it runs the chunked kernel (the same recurrence, one token) until the call returns
+        _SWAPPED[module] = module.recurrent_gated_delta_rule
+        module.recurrent_gated_delta_rule = module.chunk_gated_delta_rule
     return args, kwargs
+
+
+# one-token kernels swapped for the duration of a call (``_hook``), restored by ``_restore``
+_SWAPPED: dict[nn.Module, Callable] = {}
+
+
+def _restore(module: nn.Module, args: tuple, output: object) -> None:
+    if module in _SWAPPED:
+        module.recurrent_gated_delta_rule = _SWAPPED.pop(module)
 
 
 @contextmanager
 def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     """For the duration of the reuse schedule, every served recurrent layer called with a prefix context
     takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``)."""
-    handles = [
-        m.register_forward_pre_hook(_hook, with_kwargs=True) for m in model.modules() if served_recurrent_layer(m)
-    ]
+    served = [m for m in model.modules() if served_recurrent_layer(m)]
+    handles = [m.register_forward_pre_hook(_hook, with_kwargs=True) for m in served]
+    handles += [m.register_forward_hook(_restore, always_call=True) for m in served]
     try:
         yield
     finally:
