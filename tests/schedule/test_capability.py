@@ -124,13 +124,13 @@ def test_no_decoder_layers_and_encoder_decoder():
 
 
 def test_real_families():
-    """Served: plain attention, MoE, per-layer inputs, Qwen3-Next's gated delta-net; refused: OLMo-Hybrid's gated
-    delta-net (its decoder layer drops the keywords the state rides in), short conv, Mamba, a router that samples,
-    a layer that drops its keywords (each family as the matrix builds it)."""
-    for family in ("llama", "qwen3_moe", "gemma3n_text", "qwen3_next"):
+    """Served: plain attention, MoE, per-layer inputs, Qwen3-Next's and OLMo-Hybrid's gated delta-nets (OLMo's
+    decoder layer passes no keywords on, which a layer whose only mixer is a served recurrent one does not need);
+    refused: short conv, Mamba, a router that samples, a layer that drops its keywords (each family as the matrix
+    builds it)."""
+    for family in ("llama", "qwen3_moe", "gemma3n_text", "qwen3_next", "olmo_hybrid"):
         assert structure_refusal(Z.build(family)) is None, family
     cases = {
-        "olmo_hybrid": ("recurrent_layers", "model.layers.0 (OlmoHybridLinearAttentionDecoderLayer)"),
         "lfm2": ("convolution_layers", "model.layers.0.conv (Lfm2ShortConv)"),
         "bamba": ("recurrent_layers", "model.layers.0.mamba (BambaMixer)"),
         "phimoe": (FAMILY_REFUSALS["phimoe"][0], "PhimoeForCausalLM (phimoe)"),

@@ -464,3 +464,37 @@ def test_fla_kernels_serve_with_one_token_calls_kept_off_the_fused_kernel(model6
     finally:
         for layer in layers:
             layer.chunk_gated_delta_rule = layer.recurrent_gated_delta_rule = delta_rule_in_dtype
+
+
+def test_olmo_hybrid_split_convolutions_and_a_decoder_layer_that_drops_keywords():
+    """OLMo-Hybrid: q/k/v convolved separately (its cache keeps three conv contexts, ``SplitConvCache``) and a
+    decoder layer that calls the mixer without the forward keywords (the prefix context comes from the layer's own
+    call, replayed under non-reentrant checkpointing). fp64 (``fp64_throughout``) against HF dense: micro-batches of
+    1 row (a one-token suffix), 1- and 2-token prefix chunks (single-token calls in phase A, conv contexts spanning
+    chunks), forward-only; suffixes from a zero state must fail."""
+    from helpers.precision import fp64_throughout
+
+    from verl_prefix.tools import model_zoo
+
+    model = model_zoo.build("olmo_hybrid", torch.float64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert recurrent.recurrent_refusal(model) is None and sorted(recurrent.recurrent_layers(model)) == [0]
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    with fp64_throughout():
+        want = dense_grads(model, layout, weights)
+        for rows, chunk in ((1, None), (3, 1), (8, 2)):
+            got = run(model, layout, weights, rows=rows, prefix_chunk_tokens=chunk)
+            assert worst_relative(got, want) < 1e-10, f"{rows} rows, chunks of {chunk}"
+        with torch.no_grad():
+            want_lp, _ = dense_response_outputs(model, layout)
+            got_lp = infer_reuse(model, layout, rows=1, prefix_chunk_tokens=2)
+        for i in range(len(layout)):
+            torch.testing.assert_close(got_lp[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
+        zero = recurrent.SplitConvCache((1, 1, 1))  # a cache without state: the layer starts from nothing
+        original = prefix_kv.serving_cache
+        prefix_kv.serving_cache = lambda module, boundary, hidden_states: zero
+        try:
+            assert worst_relative(run(model, layout, weights, rows=2), want) > 1e-3
+        finally:
+            prefix_kv.serving_cache = original

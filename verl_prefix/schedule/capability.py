@@ -26,7 +26,7 @@ from torch import nn
 from transformers import modeling_utils
 
 from verl_prefix.schedule.recurrent import served_recurrent_layer
-from verl_prefix.schedule.structure import kv_sources
+from verl_prefix.schedule.structure import attention_modules, kv_sources
 
 # model_type -> why reuse cannot reproduce its dense computation, though every layer attends through the
 # interface (each found by the coverage matrix: reuse against dense differed or stopped)
@@ -114,7 +114,7 @@ def structure_refusal(model: nn.Module) -> StructureRefusal | None:
                 f"no attention module with layer_idx={i} goes through HF's attention interface, so phase A could "
                 "not capture that layer's K/V",
             )
-        if not _forwards_keywords(type(layer)):
+        if not _forwards_keywords(type(layer)) and not _served_mixer_only(layer):
             return StructureRefusal(
                 "keywords_not_forwarded",
                 f"{path}.{i} ({type(layer).__name__})",
@@ -136,7 +136,11 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
     """A refusal for one decoder layer, else the ``layer_idx`` values its interface attention modules carry."""
     indices: set[int] = set()
     named = dict(layer.named_modules())
+    served = [p for p, m in named.items() if served_recurrent_layer(m)]
+    holders = {p.rsplit(".", k)[0] for p in served for k in range(1, p.count(".") + 1)} | ({""} if served else set())
     for sub_path, module in named.items():
+        if sub_path in holders:  # a container of a served mixer (OLMo-Hybrid's ``...LinearAttentionDecoderLayer``)
+            continue
         if isinstance(module, nn.Conv1d) and "." in sub_path:  # name the mixer that holds the convolution
             sub_path = sub_path.rsplit(".", 1)[0]
             module = named[sub_path]
@@ -186,6 +190,13 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
         if isinstance(layer_idx, int):
             indices.add(layer_idx)
     return None, indices
+
+
+def _served_mixer_only(layer: nn.Module) -> bool:
+    """A decoder layer whose only token mixer is a served recurrent layer: it needs no keywords passed on (the
+    prefix context reaches the mixer from the layer's own call, ``recurrent.recurrent_state_mode``)."""
+    mixers = [m for m in layer.modules() if served_recurrent_layer(m)]
+    return bool(mixers) and not attention_modules(layer)
 
 
 @functools.cache

@@ -19,9 +19,11 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
+from transformers.models.olmo_hybrid import modeling_olmo_hybrid
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next
@@ -30,16 +32,20 @@ from transformers.models.qwen3_next import modeling_qwen3_next
 # with their torch kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as
 # ``nn.Conv1d``), whose continuation path is checked against the dense model in tests/schedule/test_recurrent.py.
 # Qwen3-Next differs only before the convolution (fused ``in_proj_qkvz``/``in_proj_ba`` projections regrouped per
-# key head); its cache interface, conv context and kernel contract are Qwen3.5's.
+# key head); its cache interface, conv context and kernel contract are Qwen3.5's. OLMo-Hybrid convolves q, k and v
+# separately and keeps per-layer lists in its cache (``SplitConvCache``); its decoder layer calls the mixer
+# without the forward keywords, so the prefix context reaches it from the decoder layer's call (``_stash``).
 SERVED_CLASSES: tuple[type[nn.Module], ...] = (
     modeling_qwen3_5.Qwen3_5GatedDeltaNet,
     modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet,
     modeling_qwen3_next.Qwen3NextGatedDeltaNet,
+    modeling_olmo_hybrid.OlmoHybridGatedDeltaNet,
 )
 SERVED_KERNELS = (
     modeling_qwen3_5.torch_chunk_gated_delta_rule,
     modeling_qwen3_5_moe.torch_chunk_gated_delta_rule,
     modeling_qwen3_next.torch_chunk_gated_delta_rule,
+    modeling_olmo_hybrid.torch_chunk_gated_delta_rule,
 )
 
 # Class names of recurrent token mixers in transformers' hybrid families (Mamba/Mamba-2 mixers, short
@@ -83,7 +89,10 @@ def served_recurrent_layer(module: nn.Module) -> bool:
     if getattr(forward, "__module__", None) != next(c for c in SERVED_CLASSES if isinstance(module, c)).__module__:
         return False
     kernel = getattr(module, "chunk_gated_delta_rule", None)
-    return (kernel in SERVED_KERNELS or fla_chunk_kernel(kernel)) and module.causal_conv1d_fn is None
+    fused_conv = getattr(module, "causal_conv1d_fn", None) is not None or any(
+        type(m).__module__.startswith("fla.") and isinstance(m, nn.Conv1d) for m in module.children()
+    )  # causal_conv1d's, or fla's ShortConvolution (OLMo-Hybrid on CUDA): not checked here
+    return (kernel in SERVED_KERNELS or fla_chunk_kernel(kernel)) and not fused_conv
 
 
 def fla_chunk_kernel(kernel: object) -> bool:
@@ -177,6 +186,57 @@ class BoundaryCache:
             self.on_capture(RecurrentState(conv=conv, state=state, conv_dtype=conv.dtype))
 
 
+class _LayerSlot:
+    """``cache.<list>[layer_idx]`` for one layer (OLMo-Hybrid's cache keeps per-layer lists): reads give ``value``,
+    writes go to ``on_set`` (dropped without one)."""
+
+    def __init__(self, value: torch.Tensor | None, on_set: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.value, self.on_set = value, on_set
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor | None:
+        return self.value
+
+    def __setitem__(self, layer_idx: int, value: torch.Tensor) -> None:
+        if self.on_set is not None:
+            self.on_set(value)
+
+
+class SplitConvCache:
+    """``BoundaryCache`` for OLMo-Hybrid's interface: separate q/k/v conv contexts (``conv_states_q/k/v``) and the
+    recurrent state in per-layer lists, written by assignment. The boundary's conv context is the three
+    concatenated along channels (``splits``: their widths), so a ``RecurrentState`` looks as for Qwen3.5."""
+
+    def __init__(
+        self,
+        splits: tuple[int, int, int],
+        conv: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        on_capture: Callable[[RecurrentState], None] | None = None,
+    ) -> None:
+        parts = conv.split(list(splits), dim=1) if conv is not None else (None, None, None)
+        self.serving = conv is not None
+        self.on_capture = on_capture
+        self._written: dict[str, torch.Tensor] = {}
+        slots = [_LayerSlot(p, partial(self._written.__setitem__, n)) for n, p in zip("qkv", parts)]
+        self.conv_states_q, self.conv_states_k, self.conv_states_v = slots
+        self.recurrent_states = _LayerSlot(state, self._state_written)
+
+    def has_previous_state(self, layer_idx: int | None = None) -> bool:
+        return self.serving
+
+    def _state_written(self, state: torch.Tensor) -> None:
+        if self.on_capture is not None:  # the conv contexts are written first
+            conv = torch.cat([self._written[n] for n in "qkv"], dim=1)
+            self.on_capture(RecurrentState(conv=conv, state=state, conv_dtype=conv.dtype))
+
+
+def _splits(module: nn.Module) -> tuple[int, int, int] | None:
+    """OLMo-Hybrid's q/k/v conv widths, or None for a mixer with one conv over the concatenated q/k/v."""
+    if not hasattr(module, "q_conv1d"):
+        return None
+    return (module.key_dim, module.key_dim, module.value_dim)
+
+
 def serving_cache(
     module: nn.Module,
     boundary: RecurrentState,
@@ -195,16 +255,20 @@ def serving_cache(
     if fla_chunk_kernel(module.chunk_gated_delta_rule):  # a Triton kernel reads rows by stride: no stride-0 views
         state = state.contiguous()
     width = module.conv_kernel_size - 1
+    if _splits(module) is not None:
+        return SplitConvCache(_splits(module), conv=conv, state=state, on_capture=on_capture)
     return BoundaryCache(module.layer_idx, width, conv=conv, state=state, on_capture=on_capture)
 
 
 def capturing_cache(module: nn.Module, on_capture: Callable[[RecurrentState], None]) -> BoundaryCache:
     """The cache phase A's layer writes its end-of-prefix state to (it starts from nothing)."""
+    if _splits(module) is not None:
+        return SplitConvCache(_splits(module), on_capture=on_capture)
     return BoundaryCache(module.layer_idx, module.conv_kernel_size - 1, on_capture=on_capture)
 
 
 def _hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    ctx = kwargs.get("prefix_ctx")
+    ctx = kwargs.get("prefix_ctx") or _STASHED.get(module)
     if ctx is None:
         return None
     if kwargs.get("cache_params") is not None:
@@ -221,6 +285,22 @@ def _hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | 
 
 # one-token kernels swapped for the duration of a call (``_hook``), restored by ``_restore``
 _SWAPPED: dict[nn.Module, Callable] = {}
+# a mixer's prefix context taken from its decoder layer's call, for layers that do not pass keywords on
+_STASHED: dict[nn.Module, object] = {}
+
+
+def _stash(mixer: nn.Module) -> tuple[Callable, Callable]:
+    """Hooks for ``mixer``'s decoder layer: keep the prefix context of its call for the mixer (a checkpointed
+    layer's replay runs them again), drop it when the call returns."""
+
+    def keep(layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("prefix_ctx") is not None:
+            _STASHED[mixer] = kwargs["prefix_ctx"]
+
+    def drop(layer: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        _STASHED.pop(mixer, None)
+
+    return keep, drop
 
 
 def _restore(module: nn.Module, args: tuple, output: object) -> None:
@@ -235,6 +315,12 @@ def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     served = [m for m in model.modules() if served_recurrent_layer(m)]
     handles = [m.register_forward_pre_hook(_hook, with_kwargs=True) for m in served]
     handles += [m.register_forward_hook(_restore, always_call=True) for m in served]
+    for parent in model.modules():
+        for child in parent.children():
+            if any(child is m for m in served):
+                keep, drop = _stash(child)
+                handles.append(parent.register_forward_pre_hook(keep, with_kwargs=True))
+                handles.append(parent.register_forward_hook(drop, with_kwargs=True, always_call=True))
     try:
         yield
     finally:
