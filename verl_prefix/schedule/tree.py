@@ -61,6 +61,12 @@ def join_path(path: list[PrefixKV]) -> PrefixKV | None:
     return joined
 
 
+def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions) -> PrefixKV:
+    """Phase A of one node: its tokens, attending to its path's K/V (a root: plain capture)."""
+    ids, positions = node.ids.to(options.device), node.positions.to(options.device)
+    return prefix_forward(model, ids, positions, options, join_path(path))
+
+
 def train_tree(
     model: nn.Module, layout: RowLayout, roots: list[TrieNode], loss_fn: LossFn, options: ScheduleOptions
 ) -> list[torch.Tensor]:
@@ -73,7 +79,7 @@ def train_tree(
 
     def visit(node: TrieNode, path: list[PrefixKV]) -> None:
         with meter.phase("A"), autocast():
-            kv = prefix_forward(model, node.ids.to(options.device), node.positions.to(options.device), options, join_path(path))
+            kv = _node_forward(model, node, path, options)
         meter.note_prefix_kv(kv.tensors())
         leaves = kv.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
         meter.note_prefix_leaves(kv.tensors(), leaves.tensors())
@@ -123,7 +129,7 @@ def infer_tree(
 
     def visit(node: TrieNode, path: list[PrefixKV]) -> None:
         with meter.phase("A"):
-            kv = prefix_forward(model, node.ids.to(options.device), node.positions.to(options.device), options, join_path(path))
+            kv = _node_forward(model, node, path, options)
         meter.note_prefix_kv(kv.tensors())
         below = [*path, kv]
         for child in node.children:

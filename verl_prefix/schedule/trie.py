@@ -94,9 +94,7 @@ def _build(layout: RowLayout, items: list[tuple[GroupPlan, list[tuple]]], start:
         while end < shortest and all(keys[end] == first[end] for _, keys in members):
             end += 1
         row = members[0][0].rows[0]
-        node = TrieNode(
-            start, end, layout.input_ids[row][start:end], layout.position_ids[row][..., start:end].clone()
-        )
+        node = TrieNode(start, end, layout.input_ids[row][start:end], layout.position_ids[row][..., start:end].clone())
         node.groups = [group for group, keys in members if len(keys) == end]
         node.children = _build(layout, [m for m in members if len(m[1]) > end], end)
         nodes.append(node)
