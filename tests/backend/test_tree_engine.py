@@ -79,3 +79,74 @@ def test_tree_knob_refuses_what_it_does_not_serve():
         PrefixReuseConfig(min_shared_tokens=0)
     with pytest.raises(ValueError, match="dormant_prefix=keep"):
         PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute")
+
+
+def test_tree_with_moe_aux_counts_each_node_once_per_row(tiny_model):
+    """The router aux loss under the tree: a node's router statistics count once per row below it, so the
+    update equals one-level reuse's on the same suffix partition (the aux is a per-micro-batch mean: one-level
+    reuse is itself checked against dense in ``test_engine_exactness``), fp64."""
+    model_dir = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+    results = {}
+    for tree in (False, True):
+        engine, loss_fn, _ = T.build_verl_engine(
+            model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
+        )
+        engine.reuse_config = tree_reuse() if tree else PrefixReuseConfig(min_prefix_len=2)
+        engine.moe_aux_loss_coef = 0.5
+        with promote_fp32_upcasts():
+            results[tree] = T.run_train_step(engine, loss_fn, system_batch(), capture_grads=True)
+    assert_tree_ran(results[True]["metrics"])
+    one_level, tree = results[False], results[True]
+    assert tree["reduced_metrics"]["moe_aux_loss"] == pytest.approx(one_level["reduced_metrics"]["moe_aux_loss"])
+    assert tree["reduced_metrics"]["moe_aux_loss"] > 0
+    worst = max(((tree["grads"][n] - g).norm() / g.norm()).item() for n, g in one_level["grads"].items())
+    assert worst < 1e-10
+    gates = [n for n in tree["grads"] if n.endswith("mlp.gate.weight")]
+    assert gates and all(tree["grads"][n].norm() > 0 for n in gates)
+
+
+def _two_rank_body(rank: int, model_dir: str) -> dict:
+    from helpers.precision import promote_fp32_upcasts
+
+    from verl_prefix.tools import testing as T
+
+    kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
+    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    prefix.reuse_config = tree_reuse()
+    out = {}
+    # same trie shape on both ranks (other tokens): the tree runs; then rank 1's prompts share no system block:
+    # its trie's passes differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same
+    same = system_batch(seed=3 + rank)
+    differ = system_batch(seed=5)
+    if rank == 1:
+        differ = T.make_grpo_batch(
+            num_groups=4,
+            group_size=3,
+            prompt_lens=[29, 33, 28, 31],
+            response_len_range=(1, 6),
+            vocab_size=VOCAB,
+            seed=6,
+            use_kl=True,
+            calculate_entropy=True,
+        )
+    for name, batch in (("same", same), ("differ", differ)):
+        with promote_fp32_upcasts():
+            want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+            got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+        out[name] = {"worst": worst, "metrics": got["reduced_metrics"]}
+    return out
+
+
+def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
+    from helpers.ranks import run_two_ranks
+
+    results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")))
+    for rank in range(2):
+        assert results[rank]["same"]["worst"] < 1e-10
+        assert_tree_ran(results[rank]["same"]["metrics"])
+        assert results[rank]["differ"]["worst"] < 1e-10
+        metrics = results[rank]["differ"]["metrics"]
+        assert metrics["prefix/tree_fallback_lockstep"] == 1.0 and metrics["prefix/tree_nodes"] == 0
+        assert_reuse_ran(metrics)

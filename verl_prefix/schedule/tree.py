@@ -42,23 +42,25 @@ from verl_prefix.schedule.trie import TrieNode
 
 def join_path(path: list[PrefixKV]) -> PrefixKV | None:
     """The K/V of a root-to-node path as one prefix: each layer's leaves concatenated along the sequence (a
-    graph back to every node's own leaves), router statistics summed. ``None`` for an empty path (a root)."""
+    graph back to every node's own leaves). No router statistics: ``path_stats`` counts them per row.
+    ``None`` for an empty path (a root)."""
     if not path:
         return None
-    if len(path) == 1:
-        return path[0]
     joined = PrefixKV(len(path[0].keys), path[0].recurrent_layers)
     joined.keys = [torch.cat([p.keys[layer] for p in path], dim=2) for layer in range(len(joined.keys))]
     joined.values = [torch.cat([p.values[layer] for p in path], dim=2) for layer in range(len(joined.values))]
-    stats = [p.router_stats for p in path]
-    if stats[0] is not None:
-        joined.router_stats = moe.RouterStats(
-            counts=sum(s.counts for s in stats[1:]) + stats[0].counts,
-            prob_sum=torch.stack([s.prob_sum for s in stats]).sum(0),
-            tokens=sum(s.tokens for s in stats),
-            layers=stats[0].layers,
-        )
     return joined
+
+
+def path_stats(path: list[PrefixKV], suffix: moe.RouterStats, copies: int) -> moe.RouterStats:
+    """What a dense micro-batch of ``copies`` full rows sees: every node of the path once per row
+    (``moe.logical_stats`` node by node). Each node's probability sum is scaled on its own, so each node's leaf
+    receives a gradient tensor of its own: a ``stack(...).sum(0)`` hands both leaves views of one expanded
+    gradient, which autograd may keep as both ``.grad``s and then accumulate into twice."""
+    stats = suffix
+    for node in path:
+        stats = moe.logical_stats(node.router_stats, stats, copies)
+    return stats
 
 
 def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions) -> PrefixKV:
@@ -98,7 +100,7 @@ def train_tree(
                         loss = loss_fn(rows, log_probs, entropy)
                         if routers is not None:
                             suffix_stats = suffix_router_stats(router_logits, batch, options)
-                            stats = moe.logical_stats(prefix.router_stats, suffix_stats, copies=len(rows))
+                            stats = path_stats(below, suffix_stats, copies=len(rows))
                             loss = loss + options.aux_fn(rows, stats)
                     options.backward(loss)
                 losses.append(loss.detach())
