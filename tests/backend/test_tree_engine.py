@@ -130,12 +130,13 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
             use_kl=True,
             calculate_entropy=True,
         )
-    for name, batch in (("same", same), ("differ", differ)):
-        with promote_fp32_upcasts():
-            want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-            got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-        worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
-        out[name] = {"worst": worst, "metrics": got["reduced_metrics"]}
+    with promote_fp32_upcasts():
+        want = T.run_train_step(dense, d_loss, same, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, same, capture_grads=True)
+        # one-level reuse in lockstep is checked against stock in test_two_ranks; here: no hang, and why
+        out["differ"] = T.run_train_step(prefix, p_loss, differ)["reduced_metrics"]
+    out["worst"] = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    out["same"] = got["reduced_metrics"]
     return out
 
 
@@ -144,9 +145,8 @@ def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
 
     results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")))
     for rank in range(2):
-        assert results[rank]["same"]["worst"] < 1e-10
-        assert_tree_ran(results[rank]["same"]["metrics"])
-        assert results[rank]["differ"]["worst"] < 1e-10
-        metrics = results[rank]["differ"]["metrics"]
+        assert results[rank]["worst"] < 1e-10
+        assert_tree_ran(results[rank]["same"])
+        metrics = results[rank]["differ"]
         assert metrics["prefix/tree_fallback_lockstep"] == 1.0 and metrics["prefix/tree_nodes"] == 0
         assert_reuse_ran(metrics)
