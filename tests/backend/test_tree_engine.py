@@ -6,11 +6,15 @@ tokens, the system block computed once)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+from transformers import AutoModelForCausalLM, MistralConfig
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
+from verl_prefix.backend.trees import plan_tree, tree_refusal
+from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.tools import testing as T
 
 VOCAB = 128
@@ -81,30 +85,6 @@ def test_tree_knob_refuses_what_it_does_not_serve():
         PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute")
 
 
-def test_tree_with_moe_aux_counts_each_node_once_per_row(tiny_model):
-    """The router aux loss under the tree: a node's router statistics count once per row below it, so the
-    update equals one-level reuse's on the same suffix partition (the aux is a per-micro-batch mean: one-level
-    reuse is itself checked against dense in ``test_engine_exactness``), fp64."""
-    model_dir = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
-    results = {}
-    for tree in (False, True):
-        engine, loss_fn, _ = T.build_verl_engine(
-            model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
-        )
-        engine.reuse_config = tree_reuse() if tree else PrefixReuseConfig(min_prefix_len=2)
-        engine.moe_aux_loss_coef = 0.5
-        with promote_fp32_upcasts():
-            results[tree] = T.run_train_step(engine, loss_fn, system_batch(), capture_grads=True)
-    assert_tree_ran(results[True]["metrics"])
-    one_level, tree = results[False], results[True]
-    assert tree["reduced_metrics"]["moe_aux_loss"] == pytest.approx(one_level["reduced_metrics"]["moe_aux_loss"])
-    assert tree["reduced_metrics"]["moe_aux_loss"] > 0
-    worst = max(((tree["grads"][n] - g).norm() / g.norm()).item() for n, g in one_level["grads"].items())
-    assert worst < 1e-10
-    gates = [n for n in tree["grads"] if n.endswith("mlp.gate.weight")]
-    assert gates and all(tree["grads"][n].norm() > 0 for n in gates)
-
-
 def _two_rank_body(rank: int, model_dir: str) -> dict:
     from helpers.precision import promote_fp32_upcasts
 
@@ -150,3 +130,31 @@ def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
         metrics = results[rank]["differ"]
         assert metrics["prefix/tree_fallback_lockstep"] == 1.0 and metrics["prefix/tree_nodes"] == 0
         assert_reuse_ran(metrics)
+
+
+def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
+    """Ulysses and sliding windows: the mini-batch runs one-level reuse, named (no collective is needed: the
+    reason is the same on every rank)."""
+
+    def mistral(window):
+        config = MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=window,
+        )
+        return AutoModelForCausalLM.from_config(config)
+
+    plain, windowed = mistral(None), mistral(8)
+    assert tree_refusal(plain, ulysses=False) is None
+    assert tree_refusal(plain, ulysses=True) == "ulysses"
+    assert tree_refusal(windowed, ulysses=False) == "sliding_window"
+    rows = [torch.arange(6), torch.arange(6)]
+    layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"])
+    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    assert plan_tree(windowed, layout, plan, 1, ulysses=False, group=None) == (None, "sliding_window")
+    roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
+    assert reason is None and len(roots) == 1 and len(roots[0].groups) == 2  # two uids, one prompt: one node

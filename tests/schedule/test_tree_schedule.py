@@ -1,8 +1,8 @@
 """The depth-first tree schedule (``schedule.tree``, issue 25) against plain HF in fp64: groups whose prompts share
 a system block, two of them a question stem too, and one whose prompt ends inside the tree (its suffixes hang on an
 inner node, as a per-turn sample does under the next turn's), training and forward-only, both phase-B
-attentions; a negative control where a node attends to its sibling's K/V must fail. fp32 runs through the engine
-(``tests/backend/test_tree_engine.py``)."""
+attentions; the MoE router aux loss (each node's statistics once per row below it); a negative control where a
+node attends to its sibling's K/V must fail. fp32 runs through the engine (``tests/backend/test_tree_engine.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import pytest
 import torch
 from helpers.layouts import VOCAB, token_weights
 from helpers.precision import promote_fp32_upcasts
+from test_moe import tiny_moe
 from test_schedule_hf import dense_grads, dense_response_outputs, tiny_model, weighted_loss, worst_relative
 
+from verl_prefix.schedule import moe
 from verl_prefix.schedule import tree as tree_schedule
+from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.trie import build_trie, trie_stats
@@ -113,3 +116,38 @@ def test_negative_control_a_node_attending_to_its_siblings_kv_fails(case, monkey
         got = tree_grads(model, layout, weights, calculate_entropy=True)
     assert leaked, "the control must have leaked a sibling's K/V"
     assert worst_relative(got, want) > 1e-3
+
+
+def test_moe_aux_counts_each_node_once_per_row():
+    """With the router aux loss on, the tree's update equals one-level reuse's on the same suffix partition (the
+    aux is a per-micro-batch mean; one-level reuse is checked against dense in ``test_moe``), fp64. Summing the
+    nodes' probability-sum leaves with ``stack(...).sum(0)`` gave both leaves one aliased gradient, accumulated
+    twice: a 0.7% gradient error here."""
+    model = tiny_moe(torch.float64)
+    layout = shared_system_layout()
+    weights = token_weights(layout, torch.float64)
+    routers = moe.MoeRouters(model)
+    auxes: dict[str, list[float]] = {"one-level": [], "tree": []}
+
+    def run(name):
+        def aux_fn(rows, stats):
+            aux = routers.loss(stats)
+            auxes[name].append(aux.item())
+            return 0.5 * stats.tokens / 100 * aux
+
+        model.zero_grad()
+        options = ScheduleOptions(device=CPU, routers=routers, aux_fn=aux_fn)
+        plan = plan_batch(layout, max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
+        if name == "tree":
+            tree_schedule.train_tree(model, layout, tree_plan(layout), weighted_loss(weights), options)
+        else:
+            for group in plan.groups:
+                train_group(model, layout, group, weighted_loss(weights), options)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with promote_fp32_upcasts():
+        want, got = run("one-level"), run("tree")
+    assert sorted(auxes["tree"]) == pytest.approx(sorted(auxes["one-level"]), rel=1e-12)
+    assert worst_relative(got, want) < 1e-10
+    gates = [n for n in got if n.endswith("mlp.gate.weight")]
+    assert gates and all(got[n].norm() > 0 for n in gates)

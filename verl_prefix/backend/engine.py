@@ -397,6 +397,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             order.append(rows)
 
         roots, tree_reason = None, None
+        if self.reuse_config.tree and not forward_only and self.dormant_prefix != "keep":
+            # the configs refuse this; an engine whose knobs were set after construction is refused here
+            raise ValueError(f"prefix_reuse.tree runs dormant_prefix=keep only, got {self.dormant_prefix!r}")
         if self.reuse_config.tree:
             roots, tree_reason = plan_tree(
                 self.module,
