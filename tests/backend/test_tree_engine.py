@@ -1,6 +1,6 @@
 """``prefix_reuse.tree`` through the engine against verl's stock fsdp2 engine (issue 25): groups whose prompts
-share a system block (a trie of depth 2: system block -> each group's question -> its G suffixes), training and
-forward-only, fp64 and fp32; every comparison asserts the tree ran (depth >= 2, fewer physical than logical
+share a system block (a trie of depth 2: system block -> each group's question -> its G suffixes), training in
+fp64 and fp32, forward-only in fp64; every comparison asserts the tree ran (depth >= 2, fewer physical than logical
 tokens, the system block computed once)."""
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
 SYSTEM = 24
 
 
-def system_batch(seed: int = 3):
-    """4 groups of G = 3 whose prompts are one 24-token system block, then 4-9 tokens of their own."""
+def system_batch(seed: int = 3, prompt_lens: tuple[int, ...] = (5, 9, 4, 7)):
+    """``len(prompt_lens)`` groups of G = 3 whose prompts are one 24-token system block, then 4-9 tokens of their
+    own."""
     return T.make_grpo_batch(
-        num_groups=4,
+        num_groups=len(prompt_lens),
         group_size=3,
-        prompt_lens=[5, 9, 4, 7],
+        prompt_lens=list(prompt_lens),
         response_len_range=(1, 6),
         vocab_size=VOCAB,
         seed=seed,
@@ -64,14 +65,16 @@ def test_tree_update_and_log_probs_match_stock_engine(model_dir, dtype):
     with promote_fp32_upcasts():
         want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-        want_infer = T.run_infer(dense, system_batch())
-        got_infer = T.run_infer(prefix, system_batch())
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     assert worst < GRAD_TOL[dtype]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert_tree_ran(got["metrics"])
-    assert_infer_matches(want_infer, got_infer, GRAD_TOL[dtype], groups=4)
-    assert_tree_ran(got_infer["metrics"])
+    if dtype == "float64":  # forward-only once: it shares every line of phase A/B with training (CPU budget)
+        with promote_fp32_upcasts():
+            want_infer = T.run_infer(dense, system_batch())
+            got_infer = T.run_infer(prefix, system_batch())
+        assert_infer_matches(want_infer, got_infer, GRAD_TOL[dtype], groups=4)
+        assert_tree_ran(got_infer["metrics"])
 
 
 def test_tree_knob_refuses_what_it_does_not_serve():
@@ -96,14 +99,15 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
     prefix.reuse_config = tree_reuse()
     out = {}
     # same trie shape on both ranks (other tokens): the tree runs; then rank 1's prompts share no system block:
-    # its trie's passes differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same
-    same = system_batch(seed=3 + rank)
-    differ = system_batch(seed=5)
+    # its trie's passes differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same.
+    # Two groups per rank: the same paths as four at less CPU
+    same = system_batch(seed=3 + rank, prompt_lens=(5, 9))
+    differ = system_batch(seed=5, prompt_lens=(5, 9))
     if rank == 1:
         differ = T.make_grpo_batch(
-            num_groups=4,
+            num_groups=2,
             group_size=3,
-            prompt_lens=[29, 33, 28, 31],
+            prompt_lens=[29, 33],
             response_len_range=(1, 6),
             vocab_size=VOCAB,
             seed=6,
@@ -126,7 +130,7 @@ def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
     results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")))
     for rank in range(2):
         assert results[rank]["worst"] < 1e-10
-        assert_tree_ran(results[rank]["same"])
+        assert_tree_ran(results[rank]["same"], groups=2)
         metrics = results[rank]["differ"]
         assert metrics["prefix/tree_fallback_lockstep"] == 1.0 and metrics["prefix/tree_nodes"] == 0
         assert_reuse_ran(metrics)
