@@ -23,10 +23,10 @@ from verl_prefix.schedule.trie import build_trie, trie_stats
 CPU = torch.device("cpu")
 
 
-def shared_system_layout(seed: int = 0) -> RowLayout:
-    """4 groups (G = 3, ragged responses) whose prompts are one 12-token system block and a question of their own;
-    groups 0 and 2 share the question's first 4 tokens (a third level), and group 3's prompt is the system block,
-    that stem and one token: its prefix ends on the stem's node, which has children of its own."""
+def shared_system_layout(seed: int = 0, responses: tuple[int, ...] = (3, 6, 2)) -> RowLayout:
+    """4 groups (G = ``len(responses)``, ragged) whose prompts are one 12-token system block and a question of
+    their own; groups 0 and 2 share the question's first 4 tokens (a third level), and group 3's prompt is the
+    system block, that stem and one token: its prefix ends on the stem's node, which has children of its own."""
     gen = torch.Generator().manual_seed(seed)
     rand = lambda n: torch.randint(0, VOCAB, (n,), generator=gen)  # noqa: E731
     system, stem = rand(12), rand(4)
@@ -34,7 +34,7 @@ def shared_system_layout(seed: int = 0) -> RowLayout:
     ids, pos, p_lens, r_lens, uids = [], [], [], [], []
     for g, question in enumerate(questions):
         prompt = torch.cat([system, question])
-        for s in (3, 6, 2):
+        for s in responses:
             row = torch.cat([prompt, rand(s)])
             ids.append(row)
             pos.append(torch.arange(len(row)))
@@ -44,7 +44,7 @@ def shared_system_layout(seed: int = 0) -> RowLayout:
     return RowLayout(ids, pos, p_lens, r_lens, uids)
 
 
-def tree_plan(layout: RowLayout, rows: int = 2):
+def tree_plan(layout: RowLayout, rows: int = 1):
     """The trie over every group (all reuse), asserting it shares: depth 3, an inner node with a group, fewer
     physical than logical tokens."""
     plan = plan_batch(layout, max_rows=rows, max_tokens=None, min_prefix_len=1, min_group_size=1)
@@ -69,7 +69,7 @@ def tree_grads(model, layout, weights, **options):
 def case():
     """The model, layout, weights and plain-HF gradients (fp64, entropy in the loss) every test compares with."""
     model = tiny_model("qwen3", "sdpa", torch.float64)
-    layout = shared_system_layout()
+    layout = shared_system_layout(responses=(3, 6))  # G = 2 in micro-batches of one row: leaves accumulate
     weights = token_weights(layout, torch.float64)
     with promote_fp32_upcasts():
         want = dense_grads(model, layout, weights, with_entropy=True)
@@ -123,8 +123,8 @@ def test_moe_aux_counts_each_node_once_per_row():
     aux is a per-micro-batch mean; one-level reuse is checked against dense in ``test_moe``), fp64. Summing the
     nodes' probability-sum leaves with ``stack(...).sum(0)`` gave both leaves one aliased gradient, accumulated
     twice: a 0.7% gradient error here."""
-    model = tiny_moe(torch.float64)
-    layout = shared_system_layout()
+    model = tiny_moe(torch.float64, num_hidden_layers=2)
+    layout = shared_system_layout(responses=(3, 5))  # G = 2, two layers: the same paths at half the CPU
     weights = token_weights(layout, torch.float64)
     routers = moe.MoeRouters(model)
     auxes: dict[str, list[float]] = {"one-level": [], "tree": []}
@@ -139,7 +139,7 @@ def test_moe_aux_counts_each_node_once_per_row():
         options = ScheduleOptions(device=CPU, routers=routers, aux_fn=aux_fn)
         plan = plan_batch(layout, max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
         if name == "tree":
-            tree_schedule.train_tree(model, layout, tree_plan(layout), weighted_loss(weights), options)
+            tree_schedule.train_tree(model, layout, tree_plan(layout, rows=2), weighted_loss(weights), options)
         else:
             for group in plan.groups:
                 train_group(model, layout, group, weighted_loss(weights), options)
