@@ -11,6 +11,7 @@ from verl.workers.config import FSDPEngineConfig
 from verl_prefix.schedule.chunked import validate_chunk_tokens
 from verl_prefix.schedule.dormant import validate_policy
 from verl_prefix.schedule.prefix_kv import PHASE_B_ATTENTION
+from verl_prefix.schedule.trie import DEFAULT_MIN_SHARED_TOKENS
 
 PREFIX_BACKEND = "prefix_fsdp2"
 # ``prefix_reuse.unsupported_model``: what a model the schedule cannot serve does (``schedule.capability``)
@@ -73,6 +74,13 @@ class PrefixReuseConfig(BaseConfig):
             data-parallel rank: ``dense`` runs every mini-batch through the stock path, counted as
             ``prefix/fallback_<reason>`` with one log line at initialisation naming the module; ``raise`` stops
             every rank with one ``UnsupportedModel`` error naming it.
+        tree: run each rank's groups as a token trie (``docs/trees.md``): tokens that several groups' prompts
+            share (a system block) run once per rank and mini-batch, not once per group. Needs
+            ``dormant_prefix=keep``, no ``prefix_chunk_tokens`` and no ``merged_varlen`` (refused here); a
+            model or setting the tree does not serve yet (Ulysses, sliding windows, recurrent layers, ranks
+            whose tries differ in shape) runs one-level reuse, counted as ``prefix/tree_fallback_<reason>``.
+        min_shared_tokens: a trie node shorter than this on which no group's prompt ends is merged into its
+            children (one more prefix forward's fixed cost would not pay).
     """
 
     enable: bool = True
@@ -85,6 +93,8 @@ class PrefixReuseConfig(BaseConfig):
     phase_b_attention: str = "auto"
     prefix_chunk_tokens: int | None = None
     unsupported_model: str = "dense"
+    tree: bool = False
+    min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_chunk_tokens", validate_chunk_tokens(self.prefix_chunk_tokens))
@@ -106,6 +116,12 @@ class PrefixReuseConfig(BaseConfig):
             raise ValueError(f"prefix_reuse.min_prefix_len must be >= 1, got {self.min_prefix_len}")
         if self.min_group_size < 1:
             raise ValueError(f"prefix_reuse.min_group_size must be >= 1, got {self.min_group_size}")
+        if self.min_shared_tokens < 1:
+            raise ValueError(f"prefix_reuse.min_shared_tokens must be >= 1, got {self.min_shared_tokens}")
+        if self.tree and self.prefix_chunk_tokens is not None:
+            raise ValueError("prefix_reuse.tree does not run chunked nodes yet: unset prefix_chunk_tokens")
+        if self.tree and self.phase_b_attention == "merged_varlen":
+            raise ValueError("prefix_reuse.tree does not run phase_b_attention=merged_varlen yet")
 
 
 @dataclass
@@ -144,3 +160,5 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
             object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
         object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))
         validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
+        if self.prefix_reuse.tree and self.dormant_prefix != "keep":
+            raise ValueError(f"prefix_reuse.tree runs dormant_prefix=keep only, got {self.dormant_prefix!r}")

@@ -47,6 +47,7 @@ from verl_prefix.backend.outputs import (
     static_bsz,
     token_counts,
 )
+from verl_prefix.backend.trees import TREE_FALLBACKS, plan_tree
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
@@ -55,7 +56,9 @@ from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
-from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
+from verl_prefix.schedule.tree import infer_tree, train_tree
+from verl_prefix.schedule.trie import TrieNode, trie_stats
 from verl_prefix.schedule.ulysses import Ulysses
 
 logger = logging.getLogger(__name__)
@@ -402,7 +405,24 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             )
             order.append(rows)
 
-        for slot in range(lockstep.num_groups):
+        roots, tree_reason = None, None
+        if self.reuse_config.tree and not forward_only and self.dormant_prefix != "keep":
+            # the configs refuse this; an engine whose knobs were set after construction is refused here
+            raise ValueError(f"prefix_reuse.tree runs dormant_prefix=keep only, got {self.dormant_prefix!r}")
+        if self.reuse_config.tree:
+            roots, tree_reason = plan_tree(
+                self.module,
+                layout,
+                plan,
+                self.reuse_config.min_shared_tokens,
+                self.use_ulysses_sp,
+                self._agreement_group(),
+            )
+        if roots is not None:
+            self._run_tree(
+                micro_data, layout, plan, roots, options, loss_function, loss_fn, pending, record, forward_only
+            )
+        for slot in range(lockstep.num_groups if roots is None else 0):
             group = plan.groups[slot] if slot < len(plan.groups) else None
             num_micro, prefix_chunks = lockstep.micro_batches[slot], lockstep.prefix_chunks[slot]
             policy, why = policies[slot]
@@ -443,6 +463,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
         fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
         logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
+        if self.reuse_config.tree:
+            output["metrics"].update(self._tree_metrics(roots, tree_reason))
+            physical -= int(output["metrics"]["prefix/tree_saved_tokens"])
         phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
         output["metrics"].update(meter.metrics(logical, physical, phases=phases))
         output["metrics"].update(dormant_stats.metrics())
@@ -508,6 +531,40 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         return loss_fn, aux_fn
 
+    def _run_tree(
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        plan: BatchPlan,
+        roots: list[TrieNode],
+        options: ScheduleOptions,
+        loss_function: Callable | None,
+        loss_fn: LossFn,
+        pending: list[tuple[list[int], dict, dict]],
+        record: Callable,
+        forward_only: bool,
+    ) -> None:
+        """Every reuse group of the mini-batch through the tree schedule (``prefix_reuse.tree``), recorded per
+        micro-batch as the one-level path records them."""
+        if forward_only:
+            results = infer_tree(self.module, layout, roots, options)
+            for group in plan.groups:
+                self._infer_group(data, layout, group, options, loss_function, record, results)
+            return
+        losses = train_tree(self.module, layout, roots, loss_fn, options)
+        for (rows, model_output, metrics), loss in zip(pending, losses, strict=True):
+            record(rows, model_output, loss.item(), metrics)
+        pending.clear()
+
+    def _tree_metrics(self, roots: list[TrieNode] | None, reason: str | None) -> dict[str, float]:
+        """``prefix/tree_*`` of the mini-batch (zeros where it ran one-level) and its one-level reason, if any."""
+        metrics = {f"prefix/tree_fallback_{r}": float(r == reason) for r in TREE_FALLBACKS}
+        if roots is None:
+            return {**metrics, **tree_metrics(0, 0, (), 0)}
+        stats = trie_stats(roots)
+        saved = stats.prefix_tokens - stats.node_tokens
+        return {**metrics, **tree_metrics(stats.nodes, stats.depth, stats.shared_tokens, saved)}
+
     def _infer_group(
         self,
         data: TensorDict,
@@ -516,8 +573,12 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         options: ScheduleOptions,
         loss_function: Callable | None,
         record: Callable,
+        results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> None:
-        results = infer_group(self.module, layout, group, options)
+        """Record a group's forward-only micro-batches: ``results`` where the tree schedule computed them
+        already, else the group's own A/B."""
+        if results is None:
+            results = infer_group(self.module, layout, group, options)
         for rows in group.micro_batches:
             log_probs = [results[i][0] for i in rows]
             model_output = {"log_probs": full_length(log_probs, layout, rows)}

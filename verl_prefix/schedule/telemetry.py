@@ -361,3 +361,20 @@ class NullMeter(PhaseMeter):
 
     def note_prefix_leaves(self, kv: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
         pass
+
+
+# ``prefix/tree_shared_tokens/<level>``: levels past the third are summed into the last key, so every rank and
+# mini-batch reports the same keys
+TREE_LEVELS = ("level1", "level2", "level3plus")
+
+
+def tree_metrics(nodes: int, depth: int, shared_tokens: tuple[int, ...], saved_tokens: int) -> dict[str, float]:
+    """What a mini-batch's token trie (``prefix_reuse.tree``, ``schedule.trie``) did: its nodes, its depth,
+    the tokens shared by more than one group per level, and the prefix tokens it computed fewer than one-level
+    reuse would have (already subtracted from ``prefix/physical_tokens``)."""
+    levels = [*shared_tokens[:2], sum(shared_tokens[2:])]
+    levels += [0] * (len(TREE_LEVELS) - len(levels))
+    metrics = {"prefix/tree_nodes": float(nodes), "prefix/tree_depth": float(depth)}
+    metrics.update({f"prefix/tree_shared_tokens/{name}": float(n) for name, n in zip(TREE_LEVELS, levels)})
+    metrics["prefix/tree_saved_tokens"] = float(saved_tokens)
+    return metrics

@@ -380,6 +380,7 @@ def make_grpo_batch(
     calculate_entropy: bool = False,
     global_batch_size: int | None = None,
     worker_settings: dict[str, Any] | None = None,
+    shared_system: int = 0,
 ) -> TensorDict:
     """A per-rank GRPO actor-update mini-batch, as ``TrainingWorker.train_batch`` receives it.
 
@@ -389,7 +390,9 @@ def make_grpo_batch(
     right-padded, dense ``attention_mask``, put through verl's ``left_right_2_no_padding``.
     Samples of a group are contiguous, share a ``uid`` and identical prompt tokens. The engine
     settings the worker injects (``micro_batch_size_per_gpu``...) are left to ``run_train_step``
-    unless given in ``worker_settings``.
+    unless given in ``worker_settings``. ``shared_system``: every prompt starts with one block of that many
+    tokens (a system prompt shared across groups, what ``prefix_reuse.tree`` computes once), before its own
+    ``prompt_lens`` tokens.
     """
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
     from verl.utils import tensordict_utils as tu
@@ -408,8 +411,9 @@ def make_grpo_batch(
         return torch.randint(first, vocab_size, (n,), generator=g, dtype=torch.int64)
 
     prompts, responses, uids = [], [], []
+    system = rand_tokens(shared_system) if shared_system else None  # drawn only when asked: seeds stay put
     for gi in range(num_groups):
-        prompt = rand_tokens(p_lens[gi])
+        prompt = rand_tokens(p_lens[gi]) if system is None else torch.cat([system, rand_tokens(p_lens[gi])])
         for _ in range(group_size):
             r_len = int(torch.randint(lo, hi + 1, (1,), generator=g))
             prompts.append(prompt.clone())
@@ -452,7 +456,7 @@ def make_grpo_batch(
         }
         batch = tu.get_tensordict(tensor_dict={**tensors, "uid": np.array(uids, dtype=object)})
     elif layout == "legacy":
-        p_max = max(p_lens)
+        p_max = max(len(p) for p in prompts)
         left = [torch.cat([torch.full((p_max - len(p),), pad_token_id), p]) for p in prompts]
         prompts_pad = torch.stack(left)
         responses_pad = _pad_right(responses, r_max, pad_token_id)

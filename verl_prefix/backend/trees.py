@@ -1,0 +1,80 @@
+"""The engine's side of ``prefix_reuse.tree``: whether a mini-batch runs the tree schedule, agreed by every
+data-parallel rank, and why not where it does not (``prefix/tree_fallback_<reason>``, one log line per reason).
+
+FSDP2 issues collectives in every forward and backward, so every rank must run the same sequence of model
+passes. The tree schedule's sequence (``trie.execution_signature``) depends on each rank's trie; ranks run the
+tree only where every rank's signature is the same, and one-level reuse (whose lockstep fillers make any
+shapes agree) otherwise, counted as ``lockstep``."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from verl_prefix.backend.fallbacks import attention_windows
+from verl_prefix.backend.lockstep import collective_device
+from verl_prefix.schedule import recurrent
+from verl_prefix.schedule.grouping import BatchPlan, RowLayout
+from verl_prefix.schedule.trie import TrieNode, build_trie, execution_signature
+
+logger = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
+
+# why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
+TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "lockstep")
+
+
+def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
+    """What the tree schedule does not serve yet for this model and setting (the same on every rank)."""
+    if ulysses:
+        return "ulysses"
+    if attention_windows(model):
+        return "sliding_window"
+    if recurrent.recurrent_layers(model):
+        return "recurrent"
+    return None
+
+
+def signature_code(signature: str) -> int:
+    """A process-independent 63-bit code of an execution signature (``hash`` differs per process)."""
+    return (zlib.crc32(signature.encode()) << 31) ^ len(signature)
+
+
+def agree_on_signature(signature: str, group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank's tree schedule runs the same sequence of passes (True without several ranks)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return True
+    code = signature_code(signature)
+    both = torch.tensor([code, -code], dtype=torch.long, device=collective_device(group))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return int(both[0]) == -int(both[1])
+
+
+def plan_tree(
+    model: nn.Module,
+    layout: RowLayout,
+    plan: BatchPlan,
+    min_shared_tokens: int,
+    ulysses: bool,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[TrieNode] | None, str | None]:
+    """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
+    (the lockstep agreement) on every rank that reaches it, whatever its own trie."""
+    reason = tree_refusal(model, ulysses)
+    if reason is None:
+        roots = build_trie(layout, plan.groups, min_shared_tokens)
+        if agree_on_signature(execution_signature(roots), group):
+            return roots, None
+        reason = "lockstep"
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        logger.warning(
+            "prefix_reuse.tree: this mini-batch runs one-level reuse (%s); counted as prefix/tree_fallback_%s",
+            reason,
+            reason,
+        )
+    return None, reason

@@ -1,0 +1,155 @@
+"""The depth-first tree schedule (``prefix_reuse.tree``): phases A/B/C over a token trie (``schedule.trie``).
+
+Each node's tokens run forward once (phase A), attending to its ancestors' K/V held as leaves, the way a later
+chunk of a chunked prefix attends to the earlier chunks' (``ChunkCaptureContext``); the node's own K/V become
+leaves of their own. Then its children run, then the suffix micro-batches of the groups that end on it
+(phase B, attending to the path's leaves); the path's leaves are joined by ``torch.cat`` per call, so every
+descendant's dK/dV flows back through the cat into each ancestor's own leaves. After the last of them the
+node's backward runs once (phase C), seeded with its leaves' gradients, and deposits its share on its
+ancestors' leaves before their own backward runs. Exact by construction: the same K/V, the same causal
+attention, the chain rule split at node boundaries. Only one root-to-node path's graphs are alive at a time.
+
+With an MoE router aux loss each node keeps its router statistics as one more leaf; a micro-batch's aux sees
+every node on its path once per row (``moe.logical_stats`` over the path's summed statistics), so each node
+counts once per row below it, as dense does.
+
+What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, chunked
+nodes, recurrent layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from verl_prefix.schedule import moe
+from verl_prefix.schedule.executor import (
+    LossFn,
+    build_suffix_batch,
+    prefix_backward,
+    prefix_forward,
+    suffix_forward,
+    suffix_router_stats,
+)
+from verl_prefix.schedule.grouping import RowLayout
+from verl_prefix.schedule.options import ScheduleOptions
+from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
+from verl_prefix.schedule.telemetry import NullMeter
+from verl_prefix.schedule.trie import TrieNode
+
+
+def join_path(path: list[PrefixKV]) -> PrefixKV | None:
+    """The K/V of a root-to-node path as one prefix: each layer's leaves concatenated along the sequence (a
+    graph back to every node's own leaves). No router statistics: ``path_stats`` counts them per row.
+    ``None`` for an empty path (a root)."""
+    if not path:
+        return None
+    joined = PrefixKV(len(path[0].keys), path[0].recurrent_layers)
+    joined.keys = [torch.cat([p.keys[layer] for p in path], dim=2) for layer in range(len(joined.keys))]
+    joined.values = [torch.cat([p.values[layer] for p in path], dim=2) for layer in range(len(joined.values))]
+    return joined
+
+
+def path_stats(path: list[PrefixKV], suffix: moe.RouterStats, copies: int) -> moe.RouterStats:
+    """What a dense micro-batch of ``copies`` full rows sees: every node of the path once per row
+    (``moe.logical_stats`` node by node). Each node's probability sum is scaled on its own, so each node's leaf
+    receives a gradient tensor of its own: a ``stack(...).sum(0)`` hands both leaves views of one expanded
+    gradient, which autograd may keep as both ``.grad``s and then accumulate into twice."""
+    stats = suffix
+    for node in path:
+        stats = moe.logical_stats(node.router_stats, stats, copies)
+    return stats
+
+
+def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions) -> PrefixKV:
+    """Phase A of one node: its tokens, attending to its path's K/V (a root: plain capture)."""
+    ids, positions = node.ids.to(options.device), node.positions.to(options.device)
+    return prefix_forward(model, ids, positions, options, join_path(path))
+
+
+def train_tree(
+    model: nn.Module, layout: RowLayout, roots: list[TrieNode], loss_fn: LossFn, options: ScheduleOptions
+) -> list[torch.Tensor]:
+    """Run the tree schedule over ``roots``; parameter grads accumulate. Returns every micro-batch's loss
+    (detached) in the order they ran (children before the groups that end on a node)."""
+    meter = options.meter or NullMeter()
+    routers, autocast = options.routers, options.autocast
+    fillers = options.for_fillers()
+    losses: list[torch.Tensor] = []
+
+    def visit(node: TrieNode, path: list[PrefixKV]) -> None:
+        with meter.phase("A"), autocast():
+            kv = _node_forward(model, node, path, options)
+        meter.note_prefix_kv(kv.tensors())
+        leaves = kv.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
+        meter.note_prefix_leaves(kv.tensors(), leaves.tensors())
+        below = [*path, leaves]
+        for child in node.children:
+            visit(child, below)
+        for group in node.groups:
+            for rows in group.micro_batches:
+                batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
+                with meter.phase("B"):
+                    with autocast():
+                        capture = routers.capture() if routers is not None else nullcontext([])
+                        prefix = join_path(below)
+                        with capture as router_logits:
+                            log_probs, entropy = suffix_forward(model, prefix, batch, options)
+                        loss = loss_fn(rows, log_probs, entropy)
+                        if routers is not None:
+                            suffix_stats = suffix_router_stats(router_logits, batch, options)
+                            stats = path_stats(below, suffix_stats, copies=len(rows))
+                            loss = loss + options.aux_fn(rows, stats)
+                    options.backward(loss)
+                losses.append(loss.detach())
+            for _ in range(group.filler_micro_batches):
+                batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
+                with meter.phase("B"):
+                    with autocast():
+                        log_probs, _ = suffix_forward(model, join_path(below), batch, fillers)
+                    options.backward(log_probs[0].sum() * 0.0)
+        with meter.phase("C"):
+            prefix_backward(kv, leaves, model)
+
+    with prefix_attention_mode(model):
+        for root in roots:
+            visit(root, [])
+    return losses
+
+
+@torch.no_grad()
+def infer_tree(
+    model: nn.Module, layout: RowLayout, roots: list[TrieNode], options: ScheduleOptions
+) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Forward-only tree schedule (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
+    options = options.forward_only()
+    meter = options.meter or NullMeter()
+    fillers = options.for_fillers()
+    results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def visit(node: TrieNode, path: list[PrefixKV]) -> None:
+        with meter.phase("A"):
+            kv = _node_forward(model, node, path, options)
+        meter.note_prefix_kv(kv.tensors())
+        below = [*path, kv]
+        for child in node.children:
+            visit(child, below)
+        for group in node.groups:
+            prefix = join_path(below)
+            for rows in group.micro_batches:
+                batch = build_suffix_batch(layout, rows, group.prompt_len, options)
+                with meter.phase("B"):
+                    log_probs, entropy = suffix_forward(model, prefix, batch, options)
+                for k, i in enumerate(rows):
+                    results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
+            for _ in range(group.filler_micro_batches):
+                batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
+                with meter.phase("B"):
+                    suffix_forward(model, prefix, batch, fillers)
+
+    with prefix_attention_mode(model), options.autocast():
+        for root in roots:
+            visit(root, [])
+    return results
