@@ -25,6 +25,8 @@ from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
+from verl_prefix.schedule import mamba
+
 # The recurrent token mixers the schedule serves: HF's Qwen3.5 (dense and MoE) gated delta-net with its torch
 # kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as ``nn.Conv1d``), whose
 # continuation path is checked against the dense model in tests/schedule/test_recurrent.py.
@@ -66,7 +68,9 @@ def served_recurrent_layer(module: nn.Module) -> bool:
     True for the Qwen3.5 (dense or MoE) gated delta-net running transformers' own forward with its torch
     kernels (CPU, or GPU without ``fla``/``causal_conv1d``); False for any other recurrent mixer, for the
     fused kernels (their initial-state gradient is not yet checked here, issue 22) and under verl's patched
-    forward."""
+    forward. Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid): ``mamba.served_mamba_layer``."""
+    if mamba.served_mamba_layer(module):
+        return True
     if not isinstance(module, SERVED_CLASSES):
         return False
     # verl's monkey patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints swaps in its own forward, which reads
@@ -193,15 +197,28 @@ def _hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | 
     return args, kwargs
 
 
+def mamba_continuation(mixer: nn.Module, hidden_states: torch.Tensor, ctx: object) -> mamba.Continuation:
+    """A Mamba-2 mixer's cache for one call: where the prefix context says it starts (``ctx.recurrent_cache``,
+    as for a gated delta-net) and where its end state goes (a ``RecurrentState`` for the context)."""
+    cache = ctx.recurrent_cache(mixer, hidden_states)
+    record = cache.on_capture
+    on_end = None if record is None else lambda conv, state: record(RecurrentState(conv, state, conv.dtype))
+    return mamba.Continuation(mixer, cache.conv_states, cache.recurrent_states, on_end)
+
+
 @contextmanager
 def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     """For the duration of the reuse schedule, every served recurrent layer called with a prefix context
-    takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``)."""
+    takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``);
+    Mamba-2 mixers through their decoder block (``mamba.continuation_mode``)."""
     handles = [
-        m.register_forward_pre_hook(_hook, with_kwargs=True) for m in model.modules() if served_recurrent_layer(m)
+        m.register_forward_pre_hook(_hook, with_kwargs=True)
+        for m in model.modules()
+        if served_recurrent_layer(m) and not mamba.served_mamba_layer(m)
     ]
     try:
-        yield
+        with mamba.continuation_mode(model, mamba_continuation):
+            yield
     finally:
         for handle in handles:
             handle.remove()
