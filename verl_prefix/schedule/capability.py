@@ -136,7 +136,10 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
     """A refusal for one decoder layer, else the ``layer_idx`` values its interface attention modules carry."""
     indices: set[int] = set()
     named = dict(layer.named_modules())
+    served: list[str] = []  # served recurrent mixers (or mixer-less blocks): what they hold is theirs
     for sub_path, module in named.items():
+        if any(sub_path.startswith(f"{s}.") if s else sub_path for s in served):
+            continue
         if isinstance(module, nn.Conv1d) and "." in sub_path:  # name the mixer that holds the convolution
             sub_path = sub_path.rsplit(".", 1)[0]
             module = named[sub_path]
@@ -144,10 +147,14 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
         where = f"{where} ({type(module).__name__})"
         if served_recurrent_layer(module):  # its state crosses the prefix boundary (``schedule.recurrent``)
             indices.add(int(module.layer_idx))
+            served.append(sub_path)
             continue
         lowered = f"{type(module).__name__} {sub_path.rsplit('.', 1)[-1]}".lower().replace("_", "")
         is_conv = any(isinstance(m, nn.Conv1d) for m in module.children())
-        if any(fragment in lowered for fragment in _RECURRENT_NAMES) or is_conv:
+        # an attention class held under a path named "mixer" (Nemotron-H's blocks) is no recurrent mixer
+        own = type(module).__name__.lower().replace("_", "")
+        plain_attention = "attention" in own and not any(fragment in own for fragment in _RECURRENT_NAMES)
+        if (any(fragment in lowered for fragment in _RECURRENT_NAMES) or is_conv) and not plain_attention:
             recurrent = any(fragment in lowered for fragment in _RECURRENT_NAMES if fragment != "shortconv")
             kind = "recurrent_layers" if recurrent else "convolution_layers"
             return StructureRefusal(

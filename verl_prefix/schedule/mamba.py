@@ -41,6 +41,12 @@ _CLAMP_MIN_ONLY = (modeling_nemotron_h.NemotronHMamba2Mixer,)
 OnEnd = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+def is_stateless_block(module: nn.Module) -> bool:
+    """A Nemotron-H MLP or MoE block: a decoder layer without a token mixer, so nothing of it crosses the
+    prefix boundary (phase A records an empty state for it, so the prefix counts as complete)."""
+    return isinstance(module, modeling_nemotron_h.NemotronHBlock) and module.block_type in ("mlp", "moe")
+
+
 def served_mamba_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a Mamba-2 mixer the schedule continues from a boundary state: one of
     ``MIXERS`` running transformers' own forward on its torch path (no ``mamba_ssm`` fast path loaded)."""
@@ -173,11 +179,14 @@ def continuing(original: Callable) -> Callable:
 
 @contextmanager
 def continuation_mode(
-    model: nn.Module, make: Callable[[nn.Module, torch.Tensor, object], Continuation]
+    model: nn.Module,
+    make: Callable[[nn.Module, torch.Tensor, object], Continuation],
+    on_stateless: Callable[[nn.Module, object], None],
 ) -> Iterator[None]:
     """While active, every served Mamba-2 mixer whose decoder block is called with a prefix context
     (``prefix_ctx``) runs under ``make(mixer, hidden_states, ctx)``: the block's ``past_key_values`` (which
-    each family's block hands its mixer as ``cache_params``) is that continuation."""
+    each family's block hands its mixer as ``cache_params``) is that continuation. A block without a token
+    mixer (``is_stateless_block``) called with one calls ``on_stateless(block, ctx)`` first."""
     blocks = [(block, mixer) for block in model.modules() for mixer in block.children() if served_mamba_layer(mixer)]
 
     def hook_for(mixer: nn.Module) -> Callable:
@@ -193,7 +202,18 @@ def continuation_mode(
 
         return hook
 
+    def stateless_hook(block: nn.Module, args: tuple, kwargs: dict) -> None:
+        ctx = kwargs.get("prefix_ctx")
+        if ctx is not None:
+            on_stateless(block, ctx)
+
     handles = [block.register_forward_pre_hook(hook_for(mixer), with_kwargs=True) for block, mixer in blocks]
+    if blocks:
+        handles += [
+            m.register_forward_pre_hook(stateless_hook, with_kwargs=True)
+            for m in model.modules()
+            if is_stateless_block(m)
+        ]
     for _, mixer in blocks:
         mixer.forward = continuing(type(mixer).forward.__get__(mixer))
     try:

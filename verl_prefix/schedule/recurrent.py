@@ -69,7 +69,7 @@ def served_recurrent_layer(module: nn.Module) -> bool:
     kernels (CPU, or GPU without ``fla``/``causal_conv1d``); False for any other recurrent mixer, for the
     fused kernels (their initial-state gradient is not yet checked here, issue 22) and under verl's patched
     forward. Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid): ``mamba.served_mamba_layer``."""
-    if mamba.served_mamba_layer(module):
+    if mamba.served_mamba_layer(module) or mamba.is_stateless_block(module):
         return True
     if not isinstance(module, SERVED_CLASSES):
         return False
@@ -82,8 +82,12 @@ def served_recurrent_layer(module: nn.Module) -> bool:
 
 
 def recurrent_layers(model: nn.Module) -> dict[int, nn.Module]:
-    """``{layer index: module}`` for every recurrent token mixer of ``model`` (served or not)."""
-    return {int(m.layer_idx): m for m in model.modules() if is_recurrent_layer(m) and hasattr(m, "layer_idx")}
+    """``{layer index: module}`` for every recurrent token mixer of ``model`` (served or not), and, in a model
+    with one, every decoder block without a token mixer (``mamba.is_stateless_block``: its state is empty)."""
+    layers = {int(m.layer_idx): m for m in model.modules() if is_recurrent_layer(m) and hasattr(m, "layer_idx")}
+    if layers:
+        layers.update({int(m.layer_idx): m for m in model.modules() if mamba.is_stateless_block(m)})
+    return layers
 
 
 def unserved_recurrent_reason(model: nn.Module) -> str | None:
@@ -206,6 +210,16 @@ def mamba_continuation(mixer: nn.Module, hidden_states: torch.Tensor, ctx: objec
     return mamba.Continuation(mixer, cache.conv_states, cache.recurrent_states, on_end)
 
 
+def record_empty_state(block: nn.Module, ctx: object) -> None:
+    """Phase A (capture contexts have a ``recorder``): a block without a token mixer ends the prefix in an
+    empty state (``[1, 0, 0]`` and ``[1, 0, 0, 0]``, no graph): nothing to serve in B, nothing to seed in C."""
+    recorder = getattr(ctx, "recorder", None)
+    if recorder is not None:
+        weight = next(block.parameters())
+        empty = weight.new_zeros(1, 0, 0).detach()
+        recorder(block)(RecurrentState(empty, empty.reshape(1, 0, 0, 0), empty.dtype))
+
+
 @contextmanager
 def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     """For the duration of the reuse schedule, every served recurrent layer called with a prefix context
@@ -214,10 +228,10 @@ def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     handles = [
         m.register_forward_pre_hook(_hook, with_kwargs=True)
         for m in model.modules()
-        if served_recurrent_layer(m) and not mamba.served_mamba_layer(m)
+        if isinstance(m, SERVED_CLASSES) and served_recurrent_layer(m)
     ]
     try:
-        with mamba.continuation_mode(model, mamba_continuation):
+        with mamba.continuation_mode(model, mamba_continuation, record_empty_state):
             yield
     finally:
         for handle in handles:
