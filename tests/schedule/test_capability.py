@@ -124,14 +124,15 @@ def test_no_decoder_layers_and_encoder_decoder():
 
 
 def test_real_families():
-    """Served: plain attention, MoE, per-layer inputs; refused: gated delta-net, short conv, Mamba, a router that
-    samples, a layer that drops its keywords (each family as the matrix builds it)."""
-    for family in ("llama", "qwen3_moe", "gemma3n_text"):
+    """Served: plain attention, MoE, per-layer inputs, Mamba-2 hybrids (Nemotron-H: attention under a path named
+    ``mixer``); refused: gated delta-net, short conv, Falcon-H1's Mamba, a router that samples, a layer that
+    drops its keywords (each family as the matrix builds it)."""
+    for family in ("llama", "qwen3_moe", "gemma3n_text", "bamba", "nemotron_h"):
         assert structure_refusal(Z.build(family)) is None, family
     cases = {
         "qwen3_next": ("recurrent_layers", "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)"),
         "lfm2": ("convolution_layers", "model.layers.0.conv (Lfm2ShortConv)"),
-        "bamba": ("recurrent_layers", "model.layers.0.mamba (BambaMixer)"),
+        "falcon_h1": ("recurrent_layers", "model.layers.0.mamba (FalconH1Mixer)"),
         "phimoe": (FAMILY_REFUSALS["phimoe"][0], "PhimoeForCausalLM (phimoe)"),
         "stablelm": ("keywords_not_forwarded", "model.layers.0 (StableLmDecoderLayer)"),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import offload as O
 from helpers.layouts import VOCAB, make_layout, token_weights
 from helpers.precision import fp64_throughout
 from helpers.schedule_runs import infer_reuse, reused_grads
@@ -19,6 +20,7 @@ from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weight
 from transformers import AutoModelForCausalLM, BambaConfig, GraniteMoeHybridConfig, NemotronHConfig
 from transformers.models.nemotron_h import modeling_nemotron_h
 
+from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import executor, mamba, prefix_kv, recurrent
 
 MAMBA = {"initializer_range": 0.2, "use_mamba_kernels": False, "vocab_size": VOCAB, "hidden_size": 32}
@@ -193,6 +195,32 @@ def test_phase_a_holds_the_state_and_empty_states_for_blocks_without_a_mixer(mod
         conv, state = prefix.layer_tensors(layer)
         assert conv.shape == (1, 64, 3) and state.shape == (1, 4, 8, 8) and state.requires_grad
     assert all(t.numel() == 0 for layer in (1, 3) for t in prefix.layer_tensors(layer))
+
+
+def test_dormant_policies_carry_the_states(model64):
+    """``recompute`` re-derives the states in phase C (checked against phase A's), ``offload`` moves phase A's
+    saved activations to the (stand-in) host and back, the boundary states staying like K/V: both exact, offload
+    bit-identical to keep; ``auto`` resolves to one of them (recompute over budget on the CPU)."""
+    layout = make_layout([(9, [4, 7, 1, 6]), (5, [3, 2])])
+    weights = token_weights(layout, torch.float64)
+    stats = D.DormantStats()
+    policy = lambda name: lambda: D.Dormant(name, stats=stats, store_factory=O.RecordingStore)  # noqa: E731
+    O.RecordingStore.instances.clear()
+    with fp64_throughout():
+        want = dense_grads(model64, layout, weights)
+        keep = run(model64, layout, weights, rows=2)
+        offload = run(model64, layout, weights, rows=2, dormant=policy("offload"))
+        assert worst_relative(run(model64, layout, weights, rows=2, dormant=policy("recompute")), want) < 1e-10
+        chunked = run(model64, layout, weights, rows=2, dormant=policy("offload"), prefix_chunk_tokens=3)
+    assert worst_relative(offload, want) < 1e-10 and worst_relative(chunked, want) < 1e-10
+    assert all(torch.equal(offload[n], keep[n]) for n in keep)
+    assert stats.policies == {"offload": 4, "recompute": 2}
+    for store in O.RecordingStore.instances:
+        found = O.claims(store, model64)
+        assert 0 < store.restored_bytes <= store.offloaded_bytes
+        assert found["parameter_bytes_moved"] == found["resident_in_b"] == 0
+    estimate = D.estimate_prefix_graph(model64, 8)
+    assert D.choose_policy(estimate, 1, torch.device("cpu")) == ("recompute", "over_budget_cpu")
 
 
 # -- negative controls: each wrong boundary must be caught by the same comparison ------------------

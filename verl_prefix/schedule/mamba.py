@@ -141,7 +141,9 @@ def continue_forward(
     else:
         context = cache.conv.to(xbc.dtype).expand(batch, -1, -1)
     full = torch.cat([context, xbc], dim=-1)
-    end_conv = full[:, :, full.shape[-1] - width :]
+    # copies, not views: the boundary holds ``kernel - 1`` columns, not the whole call's inputs (which a
+    # dormant policy moves off the device or drops)
+    end_conv = full[:, :, full.shape[-1] - width :].clone()
     conv = module.conv1d
     xbc = F.conv1d(full, conv.weight, conv.bias, 1, 0, conv.dilation, conv.groups)
     xbc = _masked(module.act(xbc.transpose(1, 2)), attention_mask)
@@ -160,7 +162,7 @@ def continue_forward(
     state = None if cache.state is None else cache.state.expand(batch, -1, -1, -1)
     y, final = ssd_scan(x * dt[..., None], a.to(x.dtype) * dt, b, c, module.chunk_size, state)
     if cache.on_end is not None:
-        cache.on_end(end_conv, final)
+        cache.on_end(end_conv, final.clone())
     y = (y + d_residual).reshape(batch, length, -1)
     return module.out_proj(module.norm(y, gate).to(dtype))
 

@@ -96,8 +96,9 @@ def unserved_recurrent_reason(model: nn.Module) -> str | None:
     if not unserved:
         return None
     return (
-        f"recurrent layers {unserved} are not served by prefix reuse (served: Qwen3.5 gated delta-nets with "
-        "transformers' torch kernels); their state at the prefix boundary would be lost"
+        f"recurrent layers {unserved} are not served by prefix reuse (served: Qwen3.5 gated delta-nets and the "
+        "Nemotron-H/Bamba/Granite-4 Mamba-2 mixers on transformers' torch path); their state at the prefix "
+        "boundary would be lost"
     )
 
 
@@ -111,7 +112,10 @@ def recurrent_refusal(
     """Why the schedule cannot run ``model`` with these settings because of its recurrent layers, or None.
 
     Asked before a mini-batch (and again before each group's phase A): what is not served yet is refused
-    here rather than found inside a layer. Models without recurrent layers are never refused."""
+    here rather than found inside a layer. Models without recurrent layers are never refused. Every dormant
+    policy serves recurrent layers (``dormant_policy`` is kept for callers): ``recompute`` re-derives and
+    checks the states like K/V, ``offload`` moves phase A's saved activations and leaves the boundary states
+    (small copies, ``schedule.mamba``/HF's own) where they are, as it leaves the K/V."""
     if not recurrent_layers(model):
         return None
     reason = unserved_recurrent_reason(model)
@@ -120,7 +124,6 @@ def recurrent_refusal(
     unserved = {
         "Ulysses sequence parallelism": ulysses,
         "phase_b_attention=merged_varlen": phase_b_attention == "merged_varlen",
-        f"dormant policy {dormant_policy!r}": dormant_policy not in ("keep", "recompute"),
     }
     refused = [what for what, on in unserved.items() if on]
     if refused:
@@ -163,7 +166,8 @@ class BoundaryCache:
         if self.on_capture is not None:
             # the single-token path wrote its new conv context into the served copy in place instead
             conv = self._written_conv if self._written_conv is not None else self.conv_states
-            self.on_capture(RecurrentState(conv=conv, state=state, conv_dtype=conv.dtype))
+            # copies: a view would keep a saved activation's whole storage on the device (``offload``)
+            self.on_capture(RecurrentState(conv=conv.clone(), state=state.clone(), conv_dtype=conv.dtype))
 
 
 def serving_cache(
