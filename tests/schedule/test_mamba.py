@@ -101,8 +101,16 @@ def _build(config, dtype):
 
 @pytest.fixture(scope="module")
 def model64():
+    return nemotron_h(torch.float64)  # each test runs it under ``fp64_throughout``
+
+
+@pytest.fixture(scope="module")
+def ragged64(model64):
+    """The ragged layout (G = 8, right-padded rows, a one-token suffix), its weights and dense fp64 grads."""
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
     with fp64_throughout():
-        yield nemotron_h(torch.float64)
+        return layout, weights, dense_grads(model64, layout, weights)
 
 
 def run(model, layout, weights, *, rows, **options):
@@ -135,46 +143,41 @@ def test_scan_is_the_recurrence_and_transformers_multi_chunk_scan_is_not():
     torch.testing.assert_close(ours, one_chunk, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    ("build", "partitions"),
-    [(nemotron_h, (8, 2, 1)), (bamba, (3,)), (granite, (3,))],
-    ids=["nemotron_h", "bamba", "granitemoehybrid"],
-)
-def test_fp64_gradients_match_dense_for_every_partition(build, partitions):
-    layout = make_layout(RAGGED)  # G = 8, ragged: right-padded rows, a one-token suffix
-    weights = token_weights(layout, torch.float64)
+def test_fp64_gradients_match_dense_for_every_partition(model64, ragged64):
+    """Nemotron-H in micro-batches of G, 2 and 1 rows; Bamba and Granite-4 hybrid in micro-batches of 3."""
+    layout, weights, want = ragged64
     with fp64_throughout():
-        model = build(torch.float64)
-        assert any(mamba.served_mamba_layer(m) for m in model.modules())
-        want = dense_grads(model, layout, weights)
-        for rows in partitions:  # micro-batches of G, 2 and 1 rows
-            got = run(model, layout, weights, rows=rows)
-            assert worst_relative(got, want) < 1e-10, f"{rows} rows per micro-batch"
+        for rows in (8, 2, 1):
+            assert worst_relative(run(model64, layout, weights, rows=rows), want) < 1e-10, f"{rows} rows"
+        for build in (bamba, granite):
+            model = build(torch.float64)
+            assert any(mamba.served_mamba_layer(m) for m in model.modules())
+            want = dense_grads(model, layout, weights)
+            assert worst_relative(run(model, layout, weights, rows=3), want) < 1e-10, build.__name__
 
 
-@pytest.mark.parametrize("chunk", [1, 2])
-def test_fp64_chunked_prefix_and_forward_only_match_dense(model64, chunk):
-    """Chunks of 1 and 2 tokens, shorter than the conv window (kernel - 1 = 3): a chunk's conv context reaches
-    back over several earlier chunks; each chunk starts from the previous one's state leaves."""
+def test_fp64_chunked_prefix_and_forward_only_match_dense(model64):
+    """Chunks of 2 (gradients) and 1 token (forward-only), shorter than the conv window (kernel - 1 = 3): a
+    chunk's conv context reaches back over several earlier chunks; each starts from the previous one's state."""
     layout = make_layout([(8, [4, 7, 1, 6])])
     weights = token_weights(layout, torch.float64)
     with fp64_throughout():
         want = dense_grads(model64, layout, weights)
-        assert worst_relative(run(model64, layout, weights, rows=2, prefix_chunk_tokens=chunk), want) < 1e-10
+        assert worst_relative(run(model64, layout, weights, rows=2, prefix_chunk_tokens=2), want) < 1e-10
         with torch.no_grad():
             want_lp, want_ent = dense_response_outputs(model64, layout)
-            got = infer_reuse(model64, layout, rows=4, prefix_chunk_tokens=chunk)
+            got = infer_reuse(model64, layout, rows=4, prefix_chunk_tokens=1)
+            unchunked = infer_reuse(model64, layout, rows=1)
     for i in range(len(layout)):
-        torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-12, atol=1e-12)
+        for outputs in (got, unchunked):
+            torch.testing.assert_close(outputs[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(outputs[i][1], want_ent[i], rtol=1e-12, atol=1e-12)
 
 
-def test_fp32_within_the_dense_models_own_rounding(model64):
+def test_fp32_within_the_dense_models_own_rounding(ragged64):
     """fp32 (the scan in fp32, as transformers runs it): reuse's error against the fp64 reference within 1.5x
     the dense fp32 model's own (or 1e-5)."""
-    layout = make_layout(RAGGED)
-    with fp64_throughout():
-        truth = dense_grads(model64, layout, token_weights(layout, torch.float64))
+    layout, _, truth = ragged64
     model = nemotron_h(torch.float32)
     weights = token_weights(layout, torch.float32)
     as64 = lambda grads: {n: g.double() for n, g in grads.items()}  # noqa: E731
@@ -226,23 +229,22 @@ def test_dormant_policies_carry_the_states(model64):
 # -- negative controls: each wrong boundary must be caught by the same comparison ------------------
 
 
-def _fp64_error(model64, monkeypatch, patch, **options) -> float:
-    layout = make_layout(RAGGED)
-    weights = token_weights(layout, torch.float64)
+def _fp64_error(model64, ragged64, monkeypatch, patch) -> float:
+    layout, weights, want = ragged64
+    patch(monkeypatch)
     with fp64_throughout():
-        want = dense_grads(model64, layout, weights)
-        patch(monkeypatch)
-        return worst_relative(run(model64, layout, weights, rows=3, **options), want)
+        return worst_relative(run(model64, layout, weights, rows=3), want)
 
 
-def test_negative_control_suffixes_from_a_zero_state(model64, monkeypatch):
+def test_negative_control_suffixes_from_a_zero_state(model64, ragged64, monkeypatch):
     def from_nothing(module, boundary, hidden_states):
         return recurrent.BoundaryCache(module.layer_idx, module.conv_kernel_size - 1)
 
-    assert _fp64_error(model64, monkeypatch, lambda mp: mp.setattr(prefix_kv, "serving_cache", from_nothing)) > 1e-2
+    patch = lambda mp: mp.setattr(prefix_kv, "serving_cache", from_nothing)  # noqa: E731
+    assert _fp64_error(model64, ragged64, monkeypatch, patch) > 1e-2
 
 
-def test_negative_control_conv_context_shifted_by_one_token(model64, monkeypatch):
+def test_negative_control_conv_context_shifted_by_one_token(model64, ragged64, monkeypatch):
     made = recurrent.mamba_continuation
 
     def shifted(mixer, hidden_states, ctx):
@@ -251,18 +253,20 @@ def test_negative_control_conv_context_shifted_by_one_token(model64, monkeypatch
             cont.conv = torch.nn.functional.pad(cont.conv[:, :, :-1], (1, 0))
         return cont
 
-    assert _fp64_error(model64, monkeypatch, lambda mp: mp.setattr(recurrent, "mamba_continuation", shifted)) > 1e-3
+    patch = lambda mp: mp.setattr(recurrent, "mamba_continuation", shifted)  # noqa: E731
+    assert _fp64_error(model64, ragged64, monkeypatch, patch) > 1e-3
 
 
 @pytest.mark.parametrize("slot", [0, 1], ids=["conv-gradient", "state-gradient"])
-def test_negative_control_state_gradient_dropped_in_phase_c(model64, monkeypatch, slot):
+def test_negative_control_state_gradient_dropped_in_phase_c(model64, ragged64, monkeypatch, slot):
     seeded = executor.seeded_backward
 
     def dropping(prefix, seeds, model=None):
         seeds = [None if i // 2 in prefix.recurrent_layers and i % 2 == slot else s for i, s in enumerate(seeds)]
         seeded(prefix, seeds, model)
 
-    assert _fp64_error(model64, monkeypatch, lambda mp: mp.setattr(executor, "seeded_backward", dropping)) > 1e-3
+    patch = lambda mp: mp.setattr(executor, "seeded_backward", dropping)  # noqa: E731
+    assert _fp64_error(model64, ragged64, monkeypatch, patch) > 1e-3
 
 
 # -- what is not served is refused before phase A --------------------------------------------------
