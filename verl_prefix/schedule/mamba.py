@@ -91,6 +91,9 @@ def ssd_scan(
     ``initial`` ``[B, H, P, N]`` or None (zeros). Returns ``y`` ``[B, L, H, P]`` and the final state."""
     batch, length, heads, head_dim = x.shape
     pad = (chunk - length % chunk) % chunk
+    # one dtype, the promotion transformers' elementwise products apply (an fp64 ``dt`` makes the scan fp64)
+    dtype = torch.promote_types(torch.promote_types(x.dtype, a.dtype), torch.promote_types(b.dtype, c.dtype))
+    x, a, b, c = (t.to(dtype) for t in (x, a, b, c))
 
     def chunks(t: torch.Tensor) -> torch.Tensor:
         t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
