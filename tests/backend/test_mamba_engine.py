@@ -13,6 +13,7 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran
 from test_engine_exactness import engines, grpo_batch, worst_relative
 from transformers import AutoModelForCausalLM, NemotronHConfig
 
+from verl_prefix import PrefixReuseConfig
 from verl_prefix.tools import testing as T
 
 VOCAB = 128
@@ -48,8 +49,9 @@ def nemotron_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(("dtype", "tol"), [("float64", 1e-10), ("float32", 1e-5)])
 def test_update_and_infer_match_stock_engine(nemotron_dir, dtype, tol):
-    """One pair of engines per dtype (building them is most of the cost): forward-only, then an update with
-    micro-batches of 2 rows (ragged suffixes, 3 groups)."""
+    """One pair of engines per dtype (building them is most of the cost): forward-only (whole and in 2-token
+    prefix chunks, shorter than the conv window), then an update with micro-batches of 2 rows (ragged
+    suffixes, 3 groups)."""
     (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(
         nemotron_dir, dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
     )
@@ -58,6 +60,11 @@ def test_update_and_infer_match_stock_engine(nemotron_dir, dtype, tol):
         dense = T.run_infer(d_engine, batch, calculate_entropy=True)
         prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
     assert_infer_matches(dense, prefix, tol, groups=3)
+    p_engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=2)  # inside the conv window
+    with fp64_throughout():
+        chunked = T.run_infer(p_engine, batch, calculate_entropy=True)
+    assert_infer_matches(dense, chunked, tol, groups=3)
+    p_engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
 
     before = T.params_of(d_engine)
     with fp64_throughout():

@@ -125,13 +125,13 @@ def test_no_decoder_layers_and_encoder_decoder():
 
 def test_real_families():
     """Served: plain attention, MoE, per-layer inputs, Mamba-2 hybrids (Nemotron-H: attention under a path named
-    ``mixer``); refused: gated delta-net, short conv, Falcon-H1's Mamba, a router that samples, a layer that
-    drops its keywords (each family as the matrix builds it)."""
-    for family in ("llama", "qwen3_moe", "gemma3n_text", "bamba", "nemotron_h"):
+    ``mixer``), LFM2's short conv; refused: gated delta-net, Falcon-H1's Mamba, plain Mamba-2, a router that
+    samples, a layer that drops its keywords (each family as the matrix builds it)."""
+    for family in ("llama", "qwen3_moe", "gemma3n_text", "bamba", "nemotron_h", "lfm2"):
         assert structure_refusal(Z.build(family)) is None, family
     cases = {
         "qwen3_next": ("recurrent_layers", "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)"),
-        "lfm2": ("convolution_layers", "model.layers.0.conv (Lfm2ShortConv)"),
+        "mamba2": ("recurrent_layers", "backbone.layers.0 (Mamba2Block)"),
         "falcon_h1": ("recurrent_layers", "model.layers.0.mamba (FalconH1Mixer)"),
         "phimoe": (FAMILY_REFUSALS["phimoe"][0], "PhimoeForCausalLM (phimoe)"),
         "stablelm": ("keywords_not_forwarded", "model.layers.0 (StableLmDecoderLayer)"),

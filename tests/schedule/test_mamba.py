@@ -22,6 +22,7 @@ from transformers.models.nemotron_h import modeling_nemotron_h
 
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import executor, mamba, prefix_kv, recurrent
+from verl_prefix.tools import model_zoo
 
 MAMBA = {"initializer_range": 0.2, "use_mamba_kernels": False, "vocab_size": VOCAB, "hidden_size": 32}
 
@@ -224,6 +225,22 @@ def test_dormant_policies_carry_the_states(model64):
         assert found["parameter_bytes_moved"] == found["resident_in_b"] == 0
     estimate = D.estimate_prefix_graph(model64, 8)
     assert D.choose_policy(estimate, 1, torch.device("cpu")) == ("recompute", "over_budget_cpu")
+
+
+def test_lfm2_short_conv_carries_its_conv_context(monkeypatch):
+    """LFM2 (a gated short conv, then full attention): only the conv context ``[1, hidden, L_cache - 1]`` crosses
+    the boundary. fp64 against dense in micro-batches of G and 1, with 1-token prefix chunks (inside the conv
+    window of 2); suffixes from a zero context fail."""
+    model = model_zoo.build("lfm2", torch.float64)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    with fp64_throughout():
+        want = dense_grads(model, layout, weights)
+        for rows, chunk in ((8, None), (1, None), (2, 1)):
+            got = run(model, layout, weights, rows=rows, prefix_chunk_tokens=chunk)
+            assert worst_relative(got, want) < 1e-10, (rows, chunk)
+        monkeypatch.setattr(prefix_kv, "serving_cache", lambda m, b, h: recurrent.BoundaryCache(m.layer_idx, 2))
+        assert worst_relative(run(model, layout, weights, rows=8), want) > 1e-3
 
 
 # -- negative controls: each wrong boundary must be caught by the same comparison ------------------

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.bamba import modeling_bamba
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+from transformers.models.lfm2 import modeling_lfm2
+from transformers.models.lfm2_moe import modeling_lfm2_moe
 from transformers.models.nemotron_h import modeling_nemotron_h
 
 # Mamba-2 mixers whose torch forward ``continue_forward`` reproduces (tests/schedule/test_mamba.py). Nemotron-H
@@ -37,6 +39,9 @@ MIXERS: tuple[type[nn.Module], ...] = (
     modeling_granitemoehybrid.GraniteMoeHybridMambaLayer,
 )
 _CLAMP_MIN_ONLY = (modeling_nemotron_h.NemotronHMamba2Mixer,)
+# LFM2's gated short convolutions (``B * x`` through a depthwise causal conv, gated by ``C``): the conv context
+# is all that crosses the boundary (their state slot holds an empty tensor)
+SHORT_CONVS: tuple[type[nn.Module], ...] = (modeling_lfm2.Lfm2ShortConv, modeling_lfm2_moe.Lfm2MoeShortConv)
 
 OnEnd = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -48,9 +53,10 @@ def is_stateless_block(module: nn.Module) -> bool:
 
 
 def served_mamba_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is a Mamba-2 mixer the schedule continues from a boundary state: one of
-    ``MIXERS`` running transformers' own forward on its torch path (no ``mamba_ssm`` fast path loaded)."""
-    cls = next((c for c in MIXERS if isinstance(module, c)), None)
+    """Whether ``module`` is a Mamba-2 mixer (or LFM2 short conv) the schedule continues from a boundary
+    state: one of ``MIXERS`` / ``SHORT_CONVS`` running transformers' own forward on its torch path (no
+    ``mamba_ssm`` / ``causal_conv1d`` fast path loaded)."""
+    cls = next((c for c in MIXERS + SHORT_CONVS if isinstance(module, c)), None)
     if cls is None or getattr(type(module).forward, "__module__", None) != cls.__module__:
         return False
     return not getattr(sys.modules[cls.__module__], "is_fast_path_available", False)
@@ -170,13 +176,42 @@ def continue_forward(
     return module.out_proj(module.norm(y, gate).to(dtype))
 
 
+def conv_width(module: nn.Module) -> int:
+    """``kernel - 1``: the conv context columns a continuation of ``module`` needs."""
+    return (module.L_cache if isinstance(module, SHORT_CONVS) else module.conv_kernel_size) - 1
+
+
+def continue_short_conv(
+    module: nn.Module, hidden_states: torch.Tensor, cache: Continuation, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """LFM2's short conv (``slow_forward``: ``out_proj(C * conv(B * x))``) over its conv context; hands its end
+    context (and an empty state) to ``cache.on_end``."""
+    batch = hidden_states.shape[0]
+    b, c, x = module.in_proj(_masked(hidden_states, attention_mask)).transpose(-1, -2).chunk(3, dim=-2)
+    bx = b * x
+    width = conv_width(module)
+    if cache.conv is None:
+        context = bx.new_zeros(batch, bx.shape[1], width)
+    else:
+        context = cache.conv.to(bx.dtype).expand(batch, -1, -1)
+    full = torch.cat([context, bx], dim=-1)
+    conv = module.conv
+    out = F.conv1d(full, conv.weight, conv.bias, 1, 0, conv.dilation, conv.groups)
+    if cache.on_end is not None:
+        cache.on_end(full[:, :, full.shape[-1] - width :].clone(), full.new_zeros(1, 0, 0, 0))
+    return module.out_proj((c * out).transpose(-1, -2).contiguous())
+
+
 def continuing(original: Callable) -> Callable:
-    """A mixer forward that runs ``continue_forward`` when called with a ``Continuation`` as ``cache_params``."""
+    """A mixer forward that runs ``continue_forward`` (``continue_short_conv``) when called with a
+    ``Continuation`` as ``cache_params`` (LFM2: ``past_key_values``)."""
 
     def forward(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> object:
-        cache = kwargs.get("cache_params")
+        cache = kwargs.get("cache_params", kwargs.get("past_key_values"))
         if not isinstance(cache, Continuation):
             return original(hidden_states, *args, **kwargs)
+        if isinstance(cache.module, SHORT_CONVS):
+            return continue_short_conv(cache.module, hidden_states, cache, kwargs.get("attention_mask"))
         return continue_forward(cache.module, hidden_states, cache, kwargs.get("attention_mask"))
 
     return forward

@@ -185,13 +185,13 @@ def serving_cache(
     if seq_len == 1:
         conv = conv.clone()
     state = boundary.state.expand(rows, -1, -1, -1)
-    width = module.conv_kernel_size - 1
+    width = mamba.conv_width(module)
     return BoundaryCache(module.layer_idx, width, conv=conv, state=state, on_capture=on_capture)
 
 
 def capturing_cache(module: nn.Module, on_capture: Callable[[RecurrentState], None]) -> BoundaryCache:
     """The cache phase A's layer writes its end-of-prefix state to (it starts from nothing)."""
-    return BoundaryCache(module.layer_idx, module.conv_kernel_size - 1, on_capture=on_capture)
+    return BoundaryCache(module.layer_idx, mamba.conv_width(module), on_capture=on_capture)
 
 
 def _hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
