@@ -92,11 +92,11 @@ def test_unserved_settings_run_dense_with_a_reason(hybrid_dir, tmp_path, caplog)
         )
         is None
     )
+    for policy in ("offload", "auto"):  # every dormant policy carries the recurrent states (test_recurrent.py)
+        assert fallbacks.recurrent_fallback_reason(model, served, ulysses=False, dormant_policy=policy) is None
     cases = [
-        (served, False, "offload", "dormant policy 'offload'"),
         (served, True, "keep", "Ulysses"),
         (PrefixReuseConfig(phase_b_attention="merged_varlen"), False, "keep", "merged_varlen"),
-        (served, False, "auto", "dormant policy 'auto'"),
     ]
     with caplog.at_level(logging.WARNING, logger=fallbacks.__name__):
         for reuse, ulysses, policy, what in cases:

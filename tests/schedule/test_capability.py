@@ -125,14 +125,16 @@ def test_no_decoder_layers_and_encoder_decoder():
 
 def test_real_families():
     """Served: plain attention, MoE, per-layer inputs, Qwen3-Next's and OLMo-Hybrid's gated delta-nets (OLMo's
-    decoder layer passes no keywords on, which a layer whose only mixer is a served recurrent one does not need);
-    refused: short conv, Mamba, a router that samples, a layer that drops its keywords (each family as the matrix
+    decoder layer passes no keywords on, which a layer whose only mixer is a served recurrent one does not need),
+    Mamba-2 hybrids (Nemotron-H: attention under a path named ``mixer``), LFM2's short conv; refused: Falcon-H1's
+    Mamba, plain Mamba-2, a router that samples, a layer that drops its keywords (each family as the matrix
     builds it)."""
-    for family in ("llama", "qwen3_moe", "gemma3n_text", "qwen3_next", "olmo_hybrid"):
+    served = ("llama", "qwen3_moe", "gemma3n_text", "qwen3_next", "olmo_hybrid", "bamba", "nemotron_h", "lfm2")
+    for family in served:
         assert structure_refusal(Z.build(family)) is None, family
     cases = {
-        "lfm2": ("convolution_layers", "model.layers.0.conv (Lfm2ShortConv)"),
-        "bamba": ("recurrent_layers", "model.layers.0.mamba (BambaMixer)"),
+        "mamba2": ("recurrent_layers", "backbone.layers.0 (Mamba2Block)"),
+        "falcon_h1": ("recurrent_layers", "model.layers.0.mamba (FalconH1Mixer)"),
         "phimoe": (FAMILY_REFUSALS["phimoe"][0], "PhimoeForCausalLM (phimoe)"),
         "stablelm": ("keywords_not_forwarded", "model.layers.0 (StableLmDecoderLayer)"),
     }

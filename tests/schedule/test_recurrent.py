@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import offload as O
 from helpers.delta_rule import delta_rule_in_dtype, fp64_delta_net
 from helpers.layouts import VOCAB, make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
@@ -352,11 +353,8 @@ def test_negative_control_state_gradient_dropped_in_phase_c(monkeypatch, slot):
 
 @pytest.mark.parametrize(
     ("options", "policy", "match"),
-    [
-        ({"phase_b_attention": "merged_varlen"}, "keep", "merged_varlen"),
-        ({}, "offload", "dormant policy 'offload'"),
-    ],
-    ids=["merged_varlen", "offload"],
+    [({"phase_b_attention": "merged_varlen"}, "keep", "merged_varlen")],
+    ids=["merged_varlen"],
 )
 def test_unserved_settings_are_refused_before_phase_a(options, policy, match):
     model = qwen3_5(torch.float32)
@@ -372,6 +370,23 @@ def test_unserved_settings_are_refused_before_phase_a(options, policy, match):
         with pytest.raises(ValueError, match=match):
             executor.infer_group(model, layout, plan.groups[0], schedule_options)
     assert "Ulysses" in recurrent.recurrent_refusal(model, ulysses=True)
+    assert recurrent.recurrent_refusal(model, dormant_policy="offload") is None
+
+
+def test_fp64_offload_policy_leaves_the_states_in_place(model64):
+    """``offload`` (the CPU stand-in store) moves phase A's saved activations and back; the boundary states are
+    copies, so no moved storage stays held on the device in phase B; exact and bit-identical to keep."""
+    layout = make_layout([(9, [4, 7, 1, 6])])
+    weights = token_weights(layout, torch.float64)
+    O.RecordingStore.instances.clear()
+    offload = lambda: Dormant("offload", store_factory=O.RecordingStore)  # noqa: E731
+    keep = run(model64, layout, weights, rows=2)
+    got = run(model64, layout, weights, rows=2, dormant=offload)
+    assert worst_relative(got, dense_grads(model64, layout, weights)) < 1e-10
+    assert all(torch.equal(got[n], keep[n]) for n in keep)
+    (store,) = O.RecordingStore.instances
+    found = O.claims(store, model64)
+    assert store.restored_bytes > 0 and found["parameter_bytes_moved"] == found["resident_in_b"] == 0
 
 
 def test_served_layers_and_unserved_kernels():

@@ -87,3 +87,25 @@ def test_window_preset_model_is_a_windowed_gemma3(tmp_path):
     assert config.model_type == "gemma3_text" and config.sliding_window == 512
     assert ModelShape.from_config(config).windows == (512, 512, 512)
     assert (cell.prompt_len, cell.response_len_range, cell.group_size) == (2048, (128, 128), 8)
+
+
+def test_hybrid_preset_counts_delta_net_layers_as_linear_in_length(tmp_path):
+    """The ``hybrid`` presets' model (Qwen3.5-style): three gated delta-net layers cost per token (projections,
+    conv, ``8 d_k d_v`` per value head) and add no attention pairs; only the full layer's pairs grow as P^2."""
+    from transformers import AutoConfig
+
+    from verl_prefix.tools.bench_presets import PRESETS
+    from verl_prefix.tools.flops import delta_net_per_token
+
+    (cell,) = PRESETS["hybrid"].cells
+    config = AutoConfig.from_pretrained(cell.model.write(tmp_path / "model"))
+    shape = ModelShape.from_config(config)
+    assert config.model_type == "qwen3_5_text" and shape.recurrent_layers == 3
+    key, value = config.linear_num_key_heads * 16, config.linear_num_value_heads * 16
+    proj = 2 * 64 * (2 * key + 2 * value + 2 * config.linear_num_value_heads) + 2 * value * 64
+    recurrence = 8 * config.linear_num_value_heads * 16 * 16 + 2 * 4 * (2 * key + value)
+    assert config.linear_key_head_dim == config.linear_value_head_dim == 16
+    assert delta_net_per_token(config) == proj + recurrence == shape.recurrent_per_token
+    assert shape.attention_flops(0, 100) == 5050 * 4 * 4 * 16  # one full-attention layer's pairs
+    assert 1 < predicted_speedup(shape, [(2048, [128] * 8)]) < 8  # (P + S) G / (P + G S) = 6.2 caps it
+    assert (PRESETS["hybrid_8192"].cells[0].prompt_len, cell.prompt_len, cell.group_size) == (8192, 2048, 8)

@@ -136,10 +136,15 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
     """A refusal for one decoder layer, else the ``layer_idx`` values its interface attention modules carry."""
     indices: set[int] = set()
     named = dict(layer.named_modules())
+    # served recurrent mixers (or mixer-less blocks): their containers and what they hold are theirs
     served = [p for p, m in named.items() if served_recurrent_layer(m)]
-    holders = {p.rsplit(".", k)[0] for p in served for k in range(1, p.count(".") + 1)} | ({""} if served else set())
+    holders = {p.rsplit(".", k)[0] for p in served for k in range(1, p.count(".") + 1)} | (
+        {""} if any(served) else set()
+    )
     for sub_path, module in named.items():
         if sub_path in holders:  # a container of a served mixer (OLMo-Hybrid's ``...LinearAttentionDecoderLayer``)
+            continue
+        if any(sub_path.startswith(f"{s}.") if s else sub_path for s in served):  # inside a served mixer
             continue
         if isinstance(module, nn.Conv1d) and "." in sub_path:  # name the mixer that holds the convolution
             sub_path = sub_path.rsplit(".", 1)[0]
@@ -151,7 +156,10 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
             continue
         lowered = f"{type(module).__name__} {sub_path.rsplit('.', 1)[-1]}".lower().replace("_", "")
         is_conv = any(isinstance(m, nn.Conv1d) for m in module.children())
-        if any(fragment in lowered for fragment in _RECURRENT_NAMES) or is_conv:
+        # an attention class held under a path named "mixer" (Nemotron-H's blocks) is no recurrent mixer
+        own = type(module).__name__.lower().replace("_", "")
+        plain_attention = "attention" in own and not any(fragment in own for fragment in _RECURRENT_NAMES)
+        if (any(fragment in lowered for fragment in _RECURRENT_NAMES) or is_conv) and not plain_attention:
             recurrent = any(fragment in lowered for fragment in _RECURRENT_NAMES if fragment != "shortconv")
             kind = "recurrent_layers" if recurrent else "convolution_layers"
             return StructureRefusal(

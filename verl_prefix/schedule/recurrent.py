@@ -28,6 +28,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next
 
+from verl_prefix.schedule import mamba
+
 # The recurrent token mixers the schedule serves: HF's Qwen3.5 (dense and MoE) and Qwen3-Next gated delta-nets
 # with their torch kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as
 # ``nn.Conv1d``), whose continuation path is checked against the dense model in tests/schedule/test_recurrent.py.
@@ -35,6 +37,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next
 # key head); its cache interface, conv context and kernel contract are Qwen3.5's. OLMo-Hybrid convolves q, k and v
 # separately and keeps per-layer lists in its cache (``SplitConvCache``); its decoder layer calls the mixer
 # without the forward keywords, so the prefix context reaches it from the decoder layer's call (``_stash``).
+# Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid) and LFM2's short convs: ``schedule.mamba``.
 SERVED_CLASSES: tuple[type[nn.Module], ...] = (
     modeling_qwen3_5.Qwen3_5GatedDeltaNet,
     modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet,
@@ -80,7 +83,10 @@ def served_recurrent_layer(module: nn.Module) -> bool:
     True for the Qwen3.5 (dense or MoE) and Qwen3-Next gated delta-nets running transformers' own forward with its
     torch kernels or fla's chunked rule (``fla_chunk_kernel``); False for any other recurrent mixer, for
     ``causal_conv1d``'s fused convolution (its one-token update has no autograd) and under verl's patched
-    forward."""
+    forward. Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid) and LFM2's short convs:
+    ``mamba.served_mamba_layer``."""
+    if mamba.served_mamba_layer(module) or mamba.is_stateless_block(module):
+        return True
     if not isinstance(module, SERVED_CLASSES):
         return False
     # verl's monkey patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints swaps in its own forward, which reads
@@ -105,8 +111,12 @@ def fla_chunk_kernel(kernel: object) -> bool:
 
 
 def recurrent_layers(model: nn.Module) -> dict[int, nn.Module]:
-    """``{layer index: module}`` for every recurrent token mixer of ``model`` (served or not)."""
-    return {int(m.layer_idx): m for m in model.modules() if is_recurrent_layer(m) and hasattr(m, "layer_idx")}
+    """``{layer index: module}`` for every recurrent token mixer of ``model`` (served or not), and, in a model
+    with one, every decoder block without a token mixer (``mamba.is_stateless_block``: its state is empty)."""
+    layers = {int(m.layer_idx): m for m in model.modules() if is_recurrent_layer(m) and hasattr(m, "layer_idx")}
+    if layers:
+        layers.update({int(m.layer_idx): m for m in model.modules() if mamba.is_stateless_block(m)})
+    return layers
 
 
 def unserved_recurrent_reason(model: nn.Module) -> str | None:
@@ -116,8 +126,9 @@ def unserved_recurrent_reason(model: nn.Module) -> str | None:
         return None
     return (
         f"recurrent layers {unserved} are not served by prefix reuse (served: Qwen3.5 and Qwen3-Next gated "
-        "delta-nets with "
-        "transformers' torch kernels); their state at the prefix boundary would be lost"
+        "delta-nets with transformers' torch kernels or fla's chunked rule, and the Nemotron-H/Bamba/Granite-4 "
+        "Mamba-2 mixers and LFM2 short convs on transformers' torch path); their state at the prefix boundary "
+        "would be lost"
     )
 
 
@@ -131,7 +142,10 @@ def recurrent_refusal(
     """Why the schedule cannot run ``model`` with these settings because of its recurrent layers, or None.
 
     Asked before a mini-batch (and again before each group's phase A): what is not served yet is refused
-    here rather than found inside a layer. Models without recurrent layers are never refused."""
+    here rather than found inside a layer. Models without recurrent layers are never refused. Every dormant
+    policy serves recurrent layers (``dormant_policy`` is kept for callers): ``recompute`` re-derives and
+    checks the states like K/V, ``offload`` moves phase A's saved activations and leaves the boundary states
+    (small copies, ``schedule.mamba``/HF's own) where they are, as it leaves the K/V."""
     if not recurrent_layers(model):
         return None
     reason = unserved_recurrent_reason(model)
@@ -140,7 +154,6 @@ def recurrent_refusal(
     unserved = {
         "Ulysses sequence parallelism": ulysses,
         "phase_b_attention=merged_varlen": phase_b_attention == "merged_varlen",
-        f"dormant policy {dormant_policy!r}": dormant_policy not in ("keep", "recompute"),
     }
     refused = [what for what, on in unserved.items() if on]
     if refused:
@@ -183,7 +196,8 @@ class BoundaryCache:
         if self.on_capture is not None:
             # the single-token path wrote its new conv context into the served copy in place instead
             conv = self._written_conv if self._written_conv is not None else self.conv_states
-            self.on_capture(RecurrentState(conv=conv, state=state, conv_dtype=conv.dtype))
+            # copies: a view would keep a saved activation's whole storage on the device (``offload``)
+            self.on_capture(RecurrentState(conv=conv.clone(), state=state.clone(), conv_dtype=conv.dtype))
 
 
 class _LayerSlot:
@@ -252,9 +266,11 @@ def serving_cache(
     if seq_len == 1:
         conv = conv.clone()
     state = boundary.state.expand(rows, -1, -1, -1)
-    if fla_chunk_kernel(module.chunk_gated_delta_rule):  # a Triton kernel reads rows by stride: no stride-0 views
+    if fla_chunk_kernel(
+        getattr(module, "chunk_gated_delta_rule", None)
+    ):  # a Triton kernel reads rows by stride: no stride-0 views
         state = state.contiguous()
-    width = module.conv_kernel_size - 1
+    width = mamba.conv_width(module)
     if _splits(module) is not None:
         return SplitConvCache(_splits(module), conv=conv, state=state, on_capture=on_capture)
     return BoundaryCache(module.layer_idx, width, conv=conv, state=state, on_capture=on_capture)
@@ -264,7 +280,7 @@ def capturing_cache(module: nn.Module, on_capture: Callable[[RecurrentState], No
     """The cache phase A's layer writes its end-of-prefix state to (it starts from nothing)."""
     if _splits(module) is not None:
         return SplitConvCache(_splits(module), on_capture=on_capture)
-    return BoundaryCache(module.layer_idx, module.conv_kernel_size - 1, on_capture=on_capture)
+    return BoundaryCache(module.layer_idx, mamba.conv_width(module), on_capture=on_capture)
 
 
 def _hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -308,11 +324,31 @@ def _restore(module: nn.Module, args: tuple, output: object) -> None:
         module.recurrent_gated_delta_rule = _SWAPPED.pop(module)
 
 
+def mamba_continuation(mixer: nn.Module, hidden_states: torch.Tensor, ctx: object) -> mamba.Continuation:
+    """A Mamba-2 mixer's cache for one call: where the prefix context says it starts (``ctx.recurrent_cache``,
+    as for a gated delta-net) and where its end state goes (a ``RecurrentState`` for the context)."""
+    cache = ctx.recurrent_cache(mixer, hidden_states)
+    record = cache.on_capture
+    on_end = None if record is None else lambda conv, state: record(RecurrentState(conv, state, conv.dtype))
+    return mamba.Continuation(mixer, cache.conv_states, cache.recurrent_states, on_end)
+
+
+def record_empty_state(block: nn.Module, ctx: object) -> None:
+    """Phase A (capture contexts have a ``recorder``): a block without a token mixer ends the prefix in an
+    empty state (``[1, 0, 0]`` and ``[1, 0, 0, 0]``, no graph): nothing to serve in B, nothing to seed in C."""
+    recorder = getattr(ctx, "recorder", None)
+    if recorder is not None:
+        weight = next(block.parameters())
+        empty = weight.new_zeros(1, 0, 0).detach()
+        recorder(block)(RecurrentState(empty, empty.reshape(1, 0, 0, 0), empty.dtype))
+
+
 @contextmanager
 def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     """For the duration of the reuse schedule, every served recurrent layer called with a prefix context
-    takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``)."""
-    served = [m for m in model.modules() if served_recurrent_layer(m)]
+    takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``);
+    Mamba-2 mixers and short convs through their decoder block (``mamba.continuation_mode``)."""
+    served = [m for m in model.modules() if isinstance(m, SERVED_CLASSES) and served_recurrent_layer(m)]
     handles = [m.register_forward_pre_hook(_hook, with_kwargs=True) for m in served]
     handles += [m.register_forward_hook(_restore, always_call=True) for m in served]
     for parent in model.modules():
@@ -322,7 +358,8 @@ def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
                 handles.append(parent.register_forward_pre_hook(keep, with_kwargs=True))
                 handles.append(parent.register_forward_hook(drop, with_kwargs=True, always_call=True))
     try:
-        yield
+        with mamba.continuation_mode(model, mamba_continuation, record_empty_state):
+            yield
     finally:
         for handle in handles:
             handle.remove()

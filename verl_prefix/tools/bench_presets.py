@@ -142,6 +142,17 @@ SMOKE_WINDOW_MODEL = dataclasses.replace(
 )
 
 
+# A Qwen3.5-style hybrid of the same width: three gated delta-net layers, then a full-attention one (Qwen3.5
+# interleaves three to one), for the ``hybrid`` presets: the suffixes start from the prefix's recurrent state.
+SMOKE_HYBRID_MODEL = dataclasses.replace(
+    SMOKE_MODEL,
+    hidden_size=64,
+    intermediate_size=192,
+    family="qwen3_5_text",
+    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+)
+
+
 # Qwen3-1.7B's shape (28 layers, GQA 16/8, vocab 151936): the largest Qwen3 whose full fine-tune (fp32
 # master weights and Adam states, about 27 GB) leaves one H200 room for 16 x 12K-token sequences.
 MODEL_GPU = ModelSpec(
@@ -290,6 +301,19 @@ PRESETS: dict[str, Preset] = {
         threads=1,
         description="0.3M-param Gemma-3-style model (3 of 4 layers with a 512-token sliding window), fp32, one G=8 "
         "group at prefix 2048, suffix 128; about 5 minutes on 2 busy cores",
+    ),
+    "hybrid": Preset(
+        cells=(Cell("P2048/S128/G8 hybrid", SMOKE_HYBRID_MODEL, 1, 8, 2048, (128, 128)),),
+        reps=3,
+        threads=1,
+        description="0.3M-param Qwen3.5-style hybrid (3 gated delta-net layers, 1 full attention), fp32, one G=8 "
+        "group at prefix 2048, suffix 128",
+    ),
+    "hybrid_8192": Preset(
+        cells=(Cell("P8192/S128/G8 hybrid", SMOKE_HYBRID_MODEL, 1, 8, 8192, (128, 128), max_reps=1),),
+        reps=1,
+        threads=1,
+        description="the hybrid preset's model at prefix 8192, suffix 128, G=8; slow on a CPU",
     ),
     "phase_b_smoke": Preset(
         cells=(Cell("P512/S32/G8/mb4", SMOKE_MODEL, 1, 8, 512, (32, 32), variants=VARIANTS),),

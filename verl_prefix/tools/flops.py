@@ -7,6 +7,11 @@ G(P+S)/(P+G*S) overstates the gain because the LM head and suffix-to-prefix atte
 Sliding-window layers count the pairs their window keeps (query ``q`` sees ``min(q + 1, W)`` keys), in dense
 and in reuse alike (a suffix query sees the prefix's last ``W - 1`` positions at most): the work a windowed
 kernel does. A dense run whose kernel takes the window as an explicit mask computes every causal pair instead.
+
+Recurrent (linear-attention) layers (Qwen3.5's gated delta-net) have no query-key pairs: per token they cost
+their projections, the depthwise causal conv (``2 kernel`` per channel) and the state update and read, about
+``8 d_k d_v`` per value head (decay, ``S^T k``, the rank-1 write, ``S^T q``): linear in the sequence length,
+in dense and in reuse alike (reuse runs the prefix's once and starts each suffix from its state).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class ModelShape:
     expert_intermediate: int = 0
     # the window of each sliding-window layer (the other layers attend to every earlier key)
     windows: tuple[int, ...] = ()
+    # recurrent (linear-attention) layers: no attention pairs; their per-token cost replaces q/k/v/o
+    recurrent_layers: int = 0
+    recurrent_per_token: float = 0.0  # forward FLOPs per token of one recurrent layer's mixer
 
     @classmethod
     def from_config(cls, config: object) -> ModelShape:
@@ -54,6 +62,8 @@ class ModelShape:
             experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
             expert_intermediate=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
             windows=config_windows(config),
+            recurrent_layers=len(recurrent_layer_indices(config)),
+            recurrent_per_token=delta_net_per_token(config),
         )
 
     @property
@@ -65,12 +75,14 @@ class ModelShape:
         dense_mlp = 3 * self.hidden * self.intermediate
         moe_mlp = self.hidden * self.experts + 3 * self.hidden * self.expert_intermediate * self.experts_per_token
         dense_layers = self.layers - self.moe_layers
-        return 2.0 * (self.layers * (q_o + k_v) + dense_layers * dense_mlp + self.moe_layers * moe_mlp)
+        attention_layers = self.layers - self.recurrent_layers
+        mixers = 2.0 * attention_layers * (q_o + k_v) + self.recurrent_layers * self.recurrent_per_token
+        return mixers + 2.0 * (dense_layers * dense_mlp + self.moe_layers * moe_mlp)
 
     @property
     def attention_per_pair(self) -> float:
-        """Forward FLOPs of QK^T and AV for one (query, key) pair over all layers and heads."""
-        return 4.0 * self.layers * self.heads * self.head_dim
+        """Forward FLOPs of QK^T and AV for one (query, key) pair over all attention layers and heads."""
+        return 4.0 * (self.layers - self.recurrent_layers) * self.heads * self.head_dim
 
     @property
     def attention_per_layer_pair(self) -> float:
@@ -80,7 +92,7 @@ class ModelShape:
     def attention_flops(self, queries_from: int, queries_to: int) -> float:
         """Attention FLOPs of queries at positions ``[queries_from, queries_to)`` of one causal sequence, each
         over every key its layer keeps (all earlier keys, or its window's), summed over layers."""
-        full = self.layers - len(self.windows)
+        full = self.layers - len(self.windows) - self.recurrent_layers
         pairs = full * (_causal_pairs(queries_to) - _causal_pairs(queries_from))
         pairs += sum(_window_pairs(queries_to, w) - _window_pairs(queries_from, w) for w in self.windows)
         return pairs * self.attention_per_layer_pair
@@ -100,6 +112,26 @@ def config_windows(config: object) -> tuple[int, ...]:
     if types is None:
         return (int(window),) * config.num_hidden_layers
     return tuple(int(window) for t in types if t == "sliding_attention")
+
+
+def recurrent_layer_indices(config: object) -> list[int]:
+    """The layers ``layer_types`` marks ``linear_attention`` (Qwen3.5 / Qwen3-Next gated delta-nets)."""
+    types = getattr(config, "layer_types", None) or []
+    return [i for i, t in enumerate(types) if t == "linear_attention"]
+
+
+def delta_net_per_token(config: object) -> float:
+    """Forward FLOPs per token of one gated delta-net mixer: its projections (q/k/v/z, beta/a, out), the
+    depthwise conv over q/k/v and the recurrence (``8 d_k d_v`` per value head); 0 without such layers."""
+    if not recurrent_layer_indices(config):
+        return 0.0
+    hidden = config.hidden_size
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_heads, d_k, d_v = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    value_dim = value_heads * d_v
+    projections = 2.0 * hidden * (2 * key_dim + 2 * value_dim + 2 * value_heads) + 2.0 * value_dim * hidden
+    conv = 2.0 * config.linear_conv_kernel_dim * (2 * key_dim + value_dim)
+    return projections + conv + 8.0 * value_heads * d_k * d_v
 
 
 def _causal_pairs(n: int) -> int:
