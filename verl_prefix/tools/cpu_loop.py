@@ -362,10 +362,13 @@ def cpu_grpo_config(
 
 
 @contextmanager
-def local_cluster(num_cpus: int = 4, log_to_driver: bool = True) -> Iterator[None]:
+def local_cluster(num_cpus: int = 16, log_to_driver: bool = True) -> Iterator[None]:
     """A local Ray cluster (no dashboard) and TransferQueue for the loop; reuses ones already running.
 
     ``log_to_driver=False`` keeps the workers' output in Ray's session logs instead of this terminal.
+    ``num_cpus`` is logical (the ranks take one each): Ray keeps at most that many worker processes, actors
+    included, and kills an idle task worker above it, so with 4 the two ranks and TransferQueue's two actors
+    left no room for the plugin check's task worker, and each check started (and imported verl in) a new one.
     """
     import ray
     import transfer_queue as tq
