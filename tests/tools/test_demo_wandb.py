@@ -34,7 +34,9 @@ def demo(tmp_path_factory):
     home, wandb_dir, out = root / "home", root / "wandb_dir", root / "out"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
-    env.update(HOME=str(home), WANDB_DIR=str(wandb_dir))
+    # one torch thread, as in every test process: the demo's driver samples with a tiny model, and two threads
+    # on a saturated machine spin more than they compute
+    env.update(HOME=str(home), WANDB_DIR=str(wandb_dir), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "verl_prefix.tools.cli", "demo", "--steps", str(STEPS), "--prompts", "2", "--n", "4"]
     proc = subprocess.run(
         [*cmd, "--out-dir", str(out)], env=env, capture_output=True, text=True, timeout=600, check=False

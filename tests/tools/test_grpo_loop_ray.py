@@ -10,7 +10,8 @@ also computes reference log-probs on a ref worker whose engine follows ``actor.s
 for us), with a KL coefficient large enough to move the update. The parameters, the KL term verl logs and
 its share of the loss must agree, and our ref pass must have reused prefixes. The AdamW pair and the pair
 with two mini-batches per step run without a KL loss (verl then builds no ref worker). Six runs in one
-cluster: each run starts its own worker processes, the costliest part of the file.
+cluster and one set of worker processes (``worker_hosts``): starting a rank's process costs more than a
+run's two steps, so the ranks start once and host every run's workers, the stock runs first.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import pytest
 from helpers.reuse import assert_reuse_ran
 
-from verl_prefix.tools.cpu_loop import compare_runs, local_cluster, run_cpu_grpo, split_groups
+from verl_prefix.tools.cpu_loop import compare_runs, cpu_grpo_config, local_cluster, run_cpu_grpo, split_groups
+from verl_prefix.tools.cpu_workers import worker_hosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -44,20 +46,33 @@ REF = "actor/prefix/ref_log_prob/"
 
 @pytest.fixture(scope="module")
 def all_runs(tiny_qwen3_dir):
-    common = dict(steps=STEPS, num_prompts=PROMPTS, n=N, world_size=2, seed=0)
-    runs = {}
+    common = dict(steps=STEPS, num_prompts=PROMPTS, n=N, world_size=2)
+    sgd = dict(optimizer="SGD", lr=0.5, **common)
+    # name -> (dense run, prefix run): each side's config (cpu_grpo_config's arguments)
+    pairs = {
+        "SGD": (dict(sgd, overrides=KL_OVERRIDES), dict(sgd, overrides=KL_OVERRIDES)),
+        "AdamW": (dict(optimizer="AdamW", lr=1e-3, **common), dict(optimizer="AdamW", lr=1e-3, **common)),
+        "SGD, two mini-batches": (
+            dict(sgd, overrides=(*TWO_MINI_BATCHES, "trainer.v1.trainer_mode=prefix_sync")),
+            dict(sgd, overrides=TWO_MINI_BATCHES),
+        ),
+    }
+    # every stock run first: none runs in a process where a prefix engine has run
+    order = [(name, prefix) for prefix in (False, True) for name in pairs]
+    rollouts = {"SGD": "SGD", "AdamW": "AdamW", "SGD, two mini-batches": "SGD"}  # whose rollouts a pair trains on
+    dense, runs = {}, {}
     with local_cluster():
-        for optimizer, lr, overrides in (("SGD", 0.5, KL_OVERRIDES), ("AdamW", 1e-3, ())):
-            kw = dict(optimizer=optimizer, lr=lr, overrides=overrides, **common)
-            dense = run_cpu_grpo(tiny_qwen3_dir, prefix=False, **kw)
-            prefix = run_cpu_grpo(tiny_qwen3_dir, prefix=True, replay=dense.rollouts, **kw)
-            runs[optimizer] = (dense, prefix)
-        sgd = dict(optimizer="SGD", lr=0.5, replay=runs["SGD"][0].rollouts, **common)
-        dense = run_cpu_grpo(
-            tiny_qwen3_dir, prefix=False, overrides=(*TWO_MINI_BATCHES, "trainer.v1.trainer_mode=prefix_sync"), **sgd
-        )
-        prefix = run_cpu_grpo(tiny_qwen3_dir, prefix=True, overrides=TWO_MINI_BATCHES, **sgd)
-        runs["SGD, two mini-batches"] = (dense, prefix)
+        configs = [cpu_grpo_config(tiny_qwen3_dir, prefix=p, **pairs[name][p]) for name, p in order]
+        with worker_hosts(configs, world_size=2) as hosts:
+            for name, prefix in order:
+                replay = dense[rollouts[name]].rollouts if prefix or rollouts[name] != name else None
+                run = run_cpu_grpo(
+                    tiny_qwen3_dir, prefix=prefix, seed=0, replay=replay, workers=hosts, **pairs[name][prefix]
+                )
+                if prefix:
+                    runs[name] = (dense[name], run)
+                else:
+                    dense[name] = run
     return runs
 
 

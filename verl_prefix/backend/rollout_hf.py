@@ -16,7 +16,7 @@ meant to be correct, not fast:
   of ``logits / temperature`` before top-k/top-p, the quantity verl's actor recomputes, so
   ``training/rollout_probs_diff_*`` measures only numerics and weight staleness. Each request is sampled
   with its own seed (``rollout.seed``, weight version, prompt, and how many times that prompt was requested
-  at this version, counted by one ``_SeedBook`` actor for all replicas): a run with the same data and seed
+  at this version, counted by one seed-book actor for all replicas): a run with the same data and seed
   draws the same group of samples whatever replica serves each request and in whatever order;
 - ``HFServerAdapter`` (verl's ``get_rollout_class`` table, built inside each ``ActorRolloutRefWorker``):
   receives the weights verl's naive checkpoint engine hands a colocated rollout
@@ -29,6 +29,7 @@ meant to be correct, not fast:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
@@ -63,17 +64,25 @@ def _torch_dtype(name: str) -> torch.dtype:
 _SEED_BOOK = "hf_rollout_seed_book"
 
 
-@ray.remote
-class _SeedBook:
-    """How many times each (weight version, prompt) was requested, across all replicas of a job."""
+@functools.cache
+def _seed_book_class() -> Any:
+    """The seed-book actor class: how many times each (weight version, prompt) was requested, across all
+    replicas of a job.
 
-    def __init__(self) -> None:
-        self.seen: dict[str, int] = {}
+    Built inside a function so that Ray ships the class by value: its actor process then starts without
+    importing this module, and so without verl (about seven CPU-seconds a job on a small machine).
+    """
 
-    def next(self, key: str) -> int:
-        k = self.seen.get(key, 0)
-        self.seen[key] = k + 1
-        return k
+    class SeedBook:
+        def __init__(self) -> None:
+            self.seen: dict[str, int] = {}
+
+        def next(self, key: str) -> int:
+            k = self.seen.get(key, 0)
+            self.seen[key] = k + 1
+            return k
+
+    return ray.remote(SeedBook)
 
 
 class HFRolloutServer:
@@ -153,7 +162,7 @@ class HFRolloutServer:
 
     def _seed_book(self) -> Any:
         if self._book is None:
-            self._book = _SeedBook.options(name=_SEED_BOOK, get_if_exists=True, num_cpus=0).remote()
+            self._book = _seed_book_class().options(name=_SEED_BOOK, get_if_exists=True, num_cpus=0).remote()
         return self._book
 
     @torch.no_grad()

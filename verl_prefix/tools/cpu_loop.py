@@ -34,9 +34,8 @@ import logging
 import os
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,15 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_prefix.tools.cpu_workers import ACTOR, REF, WORKER_ENV, RunWorkers, WorkerHosts, own_workers
+
 logger = logging.getLogger(__name__)
 
-WORKER_ENV = {
-    "VERL_PLATFORM": "cpu",
-    "VERL_ENGINE_DEVICE": "cpu",
-    "TOKENIZERS_PARALLELISM": "false",
-    "WANDB_MODE": "offline",
-    "HF_HUB_OFFLINE": "1",
-}
 PARTITION = "train"
 
 
@@ -368,10 +362,13 @@ def cpu_grpo_config(
 
 
 @contextmanager
-def local_cluster(num_cpus: int = 4, log_to_driver: bool = True) -> Iterator[None]:
+def local_cluster(num_cpus: int = 16, log_to_driver: bool = True) -> Iterator[None]:
     """A local Ray cluster (no dashboard) and TransferQueue for the loop; reuses ones already running.
 
     ``log_to_driver=False`` keeps the workers' output in Ray's session logs instead of this terminal.
+    ``num_cpus`` is logical (the ranks take one each): Ray keeps at most that many worker processes, actors
+    included, and kills an idle task worker above it, so with 4 the two ranks and TransferQueue's two actors
+    left no room for the plugin check's task worker, and each check started (and imported verl in) a new one.
     """
     import ray
     import transfer_queue as tq
@@ -411,81 +408,6 @@ def _default_tq_config() -> Any:
     return conf
 
 
-def _spawn_worker_groups(trainer: Any, world_size: int) -> tuple[Any, Any | None, Any]:
-    """Start the trainer's actor (and ref) worker classes on ``world_size`` CPU ranks, as ``PPOTrainer._setup`` does.
-
-    The worker classes come from the trainer's own ``_init_resource_pool_mgr`` (where ``prefix_sync``
-    registers ``PrefixActorRolloutRefWorker`` for the actor and ref roles), with the actor-only role verl
-    uses when rollout replicas are not colocated. As in ``_setup``, a ref role sits in the actor's pool, so
-    both are built into the same Ray actors (``create_colocated_worker_cls``), and ``ref_in_actor`` (LoRA)
-    and ``ref_policy_wg`` are set as ``_setup`` sets them. Only the resource pool differs from a GPU
-    cluster: its bundles ask for no GPU. Returns the actor group, the ref group (or ``None``) and the pool.
-    """
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.single_controller.ray.base import create_colocated_worker_cls
-    from verl.trainer.ppo.utils import Role
-
-    trainer._enable_hybrid_replicas = False  # role = Role.Actor: no rollout engine inside the worker
-    trainer._init_resource_pool_mgr()
-    model = trainer.config.actor_rollout_ref.model
-    lora_rank = model.get("lora", {}).get("rank", 0)
-    if lora_rank <= 0:
-        lora_rank = model.get("lora_rank", 0)
-    trainer.ref_in_actor = lora_rank > 0 or model.get("lora_adapter_path") is not None
-    class_dict = {
-        str(Role.Actor): RayClassWithInitArgs(
-            cls=trainer.role_worker_mapping[Role.Actor],
-            config=trainer.config.actor_rollout_ref,
-            distillation_config=trainer.config.get("distillation"),
-            role=str(Role.Actor),
-        )
-    }
-    with_ref = trainer.use_reference_policy and not trainer.ref_in_actor
-    if with_ref:
-        if trainer.mapping[Role.RefPolicy] != trainer.mapping[Role.Actor]:
-            raise NotImplementedError("the CPU loop colocates the ref with the actor, as verl's global_pool does")
-        class_dict[str(Role.RefPolicy)] = RayClassWithInitArgs(
-            cls=trainer.role_worker_mapping[Role.RefPolicy],
-            config=trainer.config.actor_rollout_ref,
-            role=str(Role.RefPolicy),
-        )
-    pool = RayResourcePool(
-        process_on_nodes=[world_size], use_gpu=False, max_colocate_count=1, name_prefix=f"cpu_{uuid.uuid4().hex[:6]}"
-    )
-    wg_dict = RayWorkerGroup(
-        resource_pool=pool,
-        ray_cls_with_init=create_colocated_worker_cls(class_dict=class_dict),
-        device_name="cpu",
-        worker_env={**WORKER_ENV, "OMP_NUM_THREADS": "1"},
-    )
-    groups = wg_dict.spawn(prefix_set=class_dict.keys())
-    actor_wg = groups[str(Role.Actor)]
-    ref_wg = groups.get(str(Role.RefPolicy))
-    try:
-        actor_wg.init_model()  # _setup's order: actor first, then ref
-        if ref_wg is not None:
-            ref_wg.init_model()
-    except BaseException:
-        _teardown(actor_wg, pool)
-        raise
-    if ref_wg is not None:
-        trainer.ref_policy_wg = ref_wg
-    if trainer.ref_in_actor:
-        trainer.ref_policy_wg = actor_wg
-    return actor_wg, ref_wg, pool
-
-
-def _teardown(actor_wg: Any, pool: Any) -> None:
-    """Kill the colocated Ray actors (the ref group shares the actor group's) and free their bundles."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for worker in actor_wg.workers:
-        ray.kill(worker)
-    for pg in pool.pgs or []:
-        remove_placement_group(pg)
-
-
 def run_cpu_grpo(
     model_dir: str | os.PathLike,
     *,
@@ -503,6 +425,7 @@ def run_cpu_grpo(
     optimizer: str = "AdamW",
     lr: float = 1e-3,
     progress: Callable[[str], None] | None = None,
+    workers: WorkerHosts | None = None,
 ) -> CPULoopRun:
     """Run ``steps`` GRPO steps of verl's v1 trainer on CPU with ``world_size`` actor ranks.
 
@@ -514,6 +437,8 @@ def run_cpu_grpo(
     sharpest with ``SGD``, whose update is proportional to the gradient (AdamW's first step is nearly
     ``lr * sign(grad)`` and hides gradient-scale errors). Each step's metrics are logged through verl's
     ``Tracking`` (``trainer.logger``, see ``cpu_grpo_config``); ``progress`` receives one line per stage.
+    The run starts its own worker processes and kills them after it, unless ``workers`` (from
+    ``cpu_workers.worker_hosts``, which must have been given this run's config) hosts them.
     """
     from verl.trainer.ppo.v1 import get_trainer_cls
 
@@ -534,31 +459,28 @@ def run_cpu_grpo(
     mode = config.trainer.v1.trainer_mode
     say = progress or (lambda _: None)
     with local_cluster(), tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        slot = workers.reserve(config) if workers is not None else None  # before the trainer edits the config
         trainer = get_trainer_cls(mode)(config)
         trainer._init_tokenizer()
         ref_note = " with a reference policy" if trainer.use_reference_policy else ""
-        say(f"{mode}/{config.actor_rollout_ref.actor.strategy}: starting {world_size} actor ranks{ref_note}")
-        actor_wg, ref_wg, pool = _spawn_worker_groups(trainer, world_size)
-        try:
+        where = "in the shared worker processes" if workers is not None else f"on {world_size} new actor ranks"
+        say(f"{mode}/{config.actor_rollout_ref.actor.strategy}: starting {where}{ref_note}")
+        if workers is not None and slot is not None:
+            hosted: AbstractContextManager[RunWorkers] = nullcontext(workers.build(slot, trainer))
+        else:
+            hosted = own_workers(trainer, world_size)
+        with hosted as wg:
             run = CPULoopRun(
                 mode=mode,
                 trainer=type(trainer).__name__,
-                worker=_worker_class_name(trainer, "Actor"),
+                worker=wg.names[ACTOR],
                 strategy=config.actor_rollout_ref.actor.strategy,
                 initial_params={},
-                ref_worker=_worker_class_name(trainer, "RefPolicy") if ref_wg is not None else None,
+                ref_worker=wg.names.get(REF) if wg.ref is not None else None,
             )
-            _train(run, trainer, actor_wg, config, model_dir, task, steps, seed, replay, Path(tmp), say)
-        finally:
-            _teardown(actor_wg, pool)
+            _train(run, trainer, wg.actor, config, model_dir, task, steps, seed, replay, Path(tmp), say)
     run.seconds = time.perf_counter() - start
     return run
-
-
-def _worker_class_name(trainer: Any, role: str) -> str:
-    from verl.trainer.ppo.utils import Role
-
-    return trainer.role_worker_mapping[Role[role]].__ray_actor_class__.__name__
 
 
 def _train(
