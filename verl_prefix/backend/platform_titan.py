@@ -23,7 +23,8 @@ any engine is built, in every process that builds one), not in tests only:
 - Flex attention has no CPU backward and varlen is CUDA-only: on CPU, ``FlexAttention`` computes a dense
   attention over the block mask materialised from its ``mask_mod`` (same keys kept, same scale, GQA expanded).
   On CUDA torchtitan's own flex/varlen kernels run untouched.
-- verl registers its TorchTitan engine for cuda/npu only; the CPU platform registers it for "cpu".
+- verl registers its TorchTitan engine for cuda/npu only, and only when its import succeeds (it does not with
+  0.3.0): ``titan_registry`` registers it (and ``prefix_torchtitan``) for cuda and cpu as factories.
 """
 
 from __future__ import annotations
@@ -269,17 +270,6 @@ def _patch_verl_engine_module(impl: types.ModuleType, cpu: bool) -> None:
     impl._verl_prefix_titan = True
 
 
-def register_stock_engine_for_cpu(impl: types.ModuleType) -> None:
-    """verl registers ``torchtitan`` for cuda/npu; the CPU platform needs it for device "cpu" too."""
-    from verl.workers.engine.base import EngineRegistry
-
-    if "cpu" in EngineRegistry._engines.get("language_model", {}).get("torchtitan", {}):
-        return
-    EngineRegistry.register(model_type="language_model", backend="torchtitan", device="cpu")(
-        impl.TorchTitanEngineWithLMHead
-    )
-
-
 def ensure_titan_platform() -> types.ModuleType:
     """Apply every adaptation (idempotent) and return verl's TorchTitan engine module."""
     from verl_prefix.backend.platform_cpu import cpu_platform_requested
@@ -289,11 +279,15 @@ def ensure_titan_platform() -> types.ModuleType:
     cpu = cpu_platform_requested()
     if cpu:
         patch_cpu_device()
-    impl = importlib.import_module("verl.workers.engine.torchtitan.transformer_impl")
+    name = "verl.workers.engine.torchtitan.transformer_impl"
+    if name not in sys.modules:
+        from verl_prefix.backend.titan_registry import release_stock
+
+        release_stock()
+    impl = importlib.import_module(name)
     if cpu:
         patch_cpu_device()  # the modules verl's engine pulled in
         patch_cpu_attention()
-        register_stock_engine_for_cpu(impl)
     _patch_verl_engine_module(impl, cpu)
     return impl
 

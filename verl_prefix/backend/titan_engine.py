@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.torch_functional import logprobs_from_logits
-from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks, platform_titan
@@ -37,7 +36,7 @@ from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.outputs import as_micro_batch_lists, fallback_metrics, full_length, static_bsz, token_counts
 from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
-from verl_prefix.backend.titan_config import TITAN_BACKEND, refusal
+from verl_prefix.backend.titan_config import refusal
 from verl_prefix.backend.titan_flavor import check_flavor
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
@@ -243,12 +242,3 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         name = get_device_name()
         return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
 
-
-def register() -> None:
-    """Register ``prefix_torchtitan`` for cuda and cpu (idempotent)."""
-    registered = EngineRegistry._engines.get("language_model", {}).get(TITAN_BACKEND, {})
-    devices = [d for d in ("cuda", "cpu") if d not in registered]
-    if devices:
-        EngineRegistry.register(model_type="language_model", backend=TITAN_BACKEND, device=devices)(
-            PrefixTorchtitanEngineWithLMHead
-        )
