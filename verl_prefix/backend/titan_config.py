@@ -27,6 +27,10 @@ class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
     strategy: str = TITAN_BACKEND
     prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
     mixed_precision_param: str = "bfloat16"
+    # what the schedule is built and tested on (verl's defaults are refused, see ``refusal``)
+    spmd_backend: str = "default"
+    activation_checkpoint: str = "none"
+    use_torch_compile: bool = False
 
     def __post_init__(self) -> None:
         requested = self.strategy

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 FLAVOR_PREFIX = "verl_prefix_tiny"
@@ -134,16 +133,3 @@ def build_titan_engine(
     engine.initialize()
     return engine
 
-
-def full_grads(engine: Any) -> dict[str, torch.Tensor]:
-    """Every parameter gradient of a TorchTitan engine, unsharded, by torchtitan name."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for module in engine.module:
-        for name, param in module.named_parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad.detach()
-            out[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).clone()
-    return out
