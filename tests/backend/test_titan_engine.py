@@ -29,13 +29,11 @@ def _body(rank: int, model_dir: str) -> dict:
     from verl_prefix.tools import testing as T
     from verl_prefix.tools import titan_testing as TT
 
-    batch = T.make_grpo_batch(
-        num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 7), vocab_size=VOCAB, seed=7, use_kl=True
-    )
+    shape = dict(num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 7))
+    batch = T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=7, use_kl=True)
     a = "actor_rollout_ref.actor"
-    actor = T.compose_ppo_config(
-        [f"{a}.strategy=fsdp2", f"{a}.ppo_micro_batch_size_per_gpu=4", f"{a}.use_kl_loss=true", f"{a}.entropy_coeff=0.01"]
-    ).actor_rollout_ref.actor
+    knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
+    actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
     loss_fn = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
     # two suffix micro-batches per group: the prefix leaves accumulate dK/dV across them
     reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
@@ -109,6 +107,33 @@ def test_refusals_at_config_time():
         assert reason is not None and knob in reason and words in reason, (knob, reason)
 
 
+def test_selected_through_verl_config():
+    """``model_engine=torchtitan`` plus the engine config's target and strategy select prefix_torchtitan; verl's
+    YAML defaults (spmd_types, selective checkpointing, compile) are refused with the knob to set."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from verl_prefix.backend.titan_config import refusal
+    from verl_prefix.backend.titan_registry import build_prefix_torchtitan
+    from verl_prefix.tools.testing import compose_ppo_config
+
+    a = "actor_rollout_ref.actor"
+    overrides = [
+        "model_engine=torchtitan",
+        f"{a}.strategy=prefix_torchtitan",
+        f"{a}.torchtitan._target_=verl_prefix.backend.titan_config.PrefixTorchtitanEngineConfig",
+        f"{a}.torchtitan.strategy=prefix_torchtitan",
+        f"+{a}.torchtitan.prefix_reuse.min_prefix_len=8",
+        f"{a}.ppo_micro_batch_size_per_gpu=2",
+    ]
+    engine = omega_conf_to_dataclass(compose_ppo_config(overrides).actor_rollout_ref.actor).engine
+    assert EngineRegistry.get_engine_cls("language_model", engine.strategy) is build_prefix_torchtitan
+    assert "spmd_backend" in refusal(engine)
+    served = ["spmd_backend=default", "activation_checkpoint=none", "use_torch_compile=false"]
+    fixed = compose_ppo_config(overrides + [f"{a}.torchtitan.{kv}" for kv in served]).actor_rollout_ref.actor
+    assert refusal(omega_conf_to_dataclass(fixed).engine) is None
+
+
 def test_flavor_mismatch_is_refused(tiny_model):
     """verl picks a flavor by (hidden, layers, vocab): the dense and MoE debug flavors share them."""
     from torchtitan.models import qwen3
@@ -129,7 +154,8 @@ def test_flavor_mismatch_is_refused(tiny_model):
     with pytest.raises(ValueError, match="MoE flavor"):
         check_flavor(qwen3.model_registry("debugmodel_moe"), dense_debug)
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        check_flavor(qwen3.model_registry("debugmodel"), AutoConfig.for_model(**{**dense_debug.to_dict(), "num_key_value_heads": 4}))
+        other_heads = AutoConfig.for_model(**{**dense_debug.to_dict(), "num_key_value_heads": 4})
+        check_flavor(qwen3.model_registry("debugmodel"), other_heads)
 
 
 pytestmark = pytest.mark.timeout(600)

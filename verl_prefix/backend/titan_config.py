@@ -4,6 +4,7 @@ this slice refuses at config time (each with its reason) instead of running it w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,8 @@ def refusal(config: Any) -> str | None:
     nothing: the engine is then verl's own TorchTitan engine.
     """
     reuse = getattr(config, "prefix_reuse", None)
+    if isinstance(reuse, Mapping):  # from YAML without a _target_
+        reuse = PrefixReuseConfig(**reuse)
     if reuse is not None and not reuse.enable:
         return None
     for knob, (value, why) in _SERVED_VALUES.items():

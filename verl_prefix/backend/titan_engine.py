@@ -18,7 +18,7 @@ checkpoint (``titan_flavor``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -58,6 +58,8 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         if reason is not None:
             raise ValueError(reason)
         reuse = getattr(engine_config, "prefix_reuse", None)
+        if isinstance(reuse, Mapping):  # from YAML without a _target_
+            reuse = PrefixReuseConfig(**reuse)
         self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
         backend = getattr(engine_config, "spmd_backend", None)
         engine_config = platform_titan.replace_config(
@@ -241,4 +243,3 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
     def _device(self) -> torch.device:
         name = get_device_name()
         return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
-

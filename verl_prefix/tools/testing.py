@@ -503,9 +503,7 @@ def _model_parts(engine: Any) -> list[torch.nn.Module]:
 
 def grads_of(engine: Any) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of every parameter gradient, by parameter name; None grads are skipped."""
-    return {
-        n: _full(p.grad) for part in _model_parts(engine) for n, p in part.named_parameters() if p.grad is not None
-    }
+    return {n: _full(p.grad) for part in _model_parts(engine) for n, p in part.named_parameters() if p.grad is not None}
 
 
 def params_of(engine: Any) -> dict[str, torch.Tensor]:

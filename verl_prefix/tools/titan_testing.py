@@ -132,4 +132,3 @@ def build_titan_engine(
     )
     engine.initialize()
     return engine
-
