@@ -1,5 +1,5 @@
-"""prefix_torchtitan against verl's own TorchTitan engine (no reuse) on two gloo ranks at TP=2, fp32: log-probs,
-entropies, per-parameter gradients, loss and grad norm; reuse ran; skipping phase C fails. Plus what the
+"""prefix_torchtitan against verl's own TorchTitan engine (no reuse) on two gloo ranks, TP=2 and FSDP=2, fp32:
+log-probs, entropies, per-parameter gradients, loss and grad norm; reuse ran; skipping phase C fails. Plus what the
 engine refuses before it builds anything: a flavor that is not the checkpoint's, PP, CP and other settings.
 
 One set of ranks for every engine-level fact (two engines per rank, lr 0 so every step sees the same weights).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.ranks import run_two_ranks
-from helpers.reuse import assert_infer_matches, assert_reuse_ran
+from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is an optional dependency (scripts/setup.sh installs it)")
 pytest.importorskip("triton", reason="torchtitan 0.3.0's model stack imports triton (scripts/setup.sh installs it)")
@@ -18,44 +18,75 @@ VOCAB = 128
 TOL = 1e-5  # fp32
 
 
-def _body(rank: int, model_dir: str) -> dict:
-    import functools
+def _rank_batch(rank: int, fsdp: bool):
+    from verl.utils import tensordict_utils as tu
 
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.utils.losses import ppo_loss
+    from verl_prefix.tools import testing as T
 
+    shape = dict(num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 7))
+    if not fsdp:  # TP ranks hold the same rows
+        return T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=7, use_kl=True)
+    if rank == 0:
+        return T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=8, use_kl=True, global_batch_size=16)
+    # data-parallel rank 1: one group and four singletons (dense): the ranks' schedules differ (lockstep fillers)
+    group = T.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=10, response_len_range=(2, 6), vocab_size=VOCAB, seed=9, use_kl=True,
+        global_batch_size=16,
+    )  # fmt: skip
+    singles = T.make_grpo_batch(
+        num_groups=4, group_size=1, prompt_lens=6, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
+        global_batch_size=16,
+    )  # fmt: skip
+    return tu.concat_tensordict([group, singles])
+
+
+def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool) -> dict:
+    """Stock and prefix engines on this layout (lr 0: every step sees the same weights)."""
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend import titan_engine
     from verl_prefix.tools import testing as T
     from verl_prefix.tools import titan_testing as TT
 
-    shape = dict(num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 7))
-    batch = T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=7, use_kl=True)
-    a = "actor_rollout_ref.actor"
-    knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
-    actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
-    loss_fn = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
+    batch = _rank_batch(rank, fsdp)
+    layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
     # two suffix micro-batches per group: the prefix leaves accumulate dK/dV across them
     reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
-    stock = TT.build_titan_engine(model_dir, backend="torchtitan", tensor_parallel_size=2, lr=0.0)
-    prefix = TT.build_titan_engine(
-        model_dir, backend="prefix_torchtitan", tensor_parallel_size=2, lr=0.0, prefix_reuse=reuse
-    )
+    stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
+    prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, **layout)
     out = {
         "want_infer": T.run_infer(stock, batch),
         "got_infer": T.run_infer(prefix, batch),
         "want": T.run_train_step(stock, loss_fn, batch, capture_grads=True),
         "got": T.run_train_step(prefix, loss_fn, batch, capture_grads=True),
     }
-    skip_c = titan_engine.prefix_backward
-    titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
-    try:
-        out["no_phase_c"] = T.run_train_step(prefix, loss_fn, batch, capture_grads=True)
-    finally:
-        titan_engine.prefix_backward = skip_c
+    if negative:
+        skip_c = titan_engine.prefix_backward
+        titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
+        try:
+            out["no_phase_c"] = T.run_train_step(prefix, loss_fn, batch, capture_grads=True)
+        finally:
+            titan_engine.prefix_backward = skip_c
     for key in ("want_infer", "got_infer"):
         out[key] = {k: out[key][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     return out
+
+
+def _body(rank: int, model_dir: str) -> dict:
+    import functools
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_prefix.tools import testing as T
+
+    a = "actor_rollout_ref.actor"
+    knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
+    actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
+    loss_fn = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
+    return {
+        "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
+        "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
+    }
 
 
 def _worst(want: dict, got: dict) -> tuple[float, str]:
@@ -65,30 +96,44 @@ def _worst(want: dict, got: dict) -> tuple[float, str]:
 
 
 @pytest.fixture(scope="module")
-def tp2(tiny_model) -> dict:
+def ranks(tiny_model) -> dict:
     return run_two_ranks(_body, str(tiny_model("qwen3")))
 
 
-def test_tp2_matches_verl_torchtitan_engine(tp2):
+def _assert_matches(r: dict, rank: int, groups: int, grad_norm: bool) -> None:
+    assert_infer_matches(r["want_infer"], r["got_infer"], TOL, groups=groups)
+    want, got = r["want"], r["got"]
+    assert set(got["grads"]) == set(want["grads"]) and len(want["grads"]) > 10
+    worst, name = _worst(want["grads"], got["grads"])
+    assert worst < TOL, f"rank {rank}: {name} off by {worst:.2e}"
+    assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7)
+    if grad_norm:
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+    assert_reuse_ran(got["metrics"], groups=groups)
+
+
+def test_tp2_matches_verl_torchtitan_engine(ranks):
     """Phase A's K/V are each rank's head shard at inner_attention; dK/dV accumulate on that shard."""
     for rank in range(2):
-        r = tp2[rank]
-        assert_infer_matches(r["want_infer"], r["got_infer"], TOL, groups=2)
-        want, got = r["want"], r["got"]
-        assert set(got["grads"]) == set(want["grads"]) and len(want["grads"]) > 10
-        worst, name = _worst(want["grads"], got["grads"])
-        assert worst < TOL, f"rank {rank}: {name} off by {worst:.2e}"
-        assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7)
-        if rank == 0:  # verl reports the grad norm on the collecting rank
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
-        assert_reuse_ran(got["metrics"], groups=2)
+        _assert_matches(ranks[rank]["tp2"], rank, groups=2, grad_norm=rank == 0)  # verl reports it on rank 0
 
 
-def test_tp2_without_phase_c_is_wrong(tp2):
+def test_tp2_without_phase_c_is_wrong(ranks):
     """Negative control: the same comparison fails when the prefix gets no gradient from the suffixes."""
     for rank in range(2):
-        worst, _ = _worst(tp2[rank]["want"]["grads"], tp2[rank]["no_phase_c"]["grads"])
+        r = ranks[rank]["tp2"]
+        worst, _ = _worst(r["want"]["grads"], r["no_phase_c"]["grads"])
         assert worst > 1e-2
+
+
+def test_fsdp2_with_different_group_structure(ranks):
+    """Data-parallel ranks with 2 groups vs 1 group + 4 dense rows: lockstep fillers keep FSDP's collectives
+    matched (rank 0 fills in for rank 1's dense chunk, rank 1 for rank 0's second group)."""
+    for rank, groups in ((0, 2), (1, 1)):
+        r = ranks[rank]["fsdp2"]
+        _assert_matches(r, rank, groups=groups, grad_norm=True)
+        assert reduced(r["got"]["metrics"])["prefix/time_s/lockstep"] > 0, rank
+    assert reduced(ranks[1]["fsdp2"]["got"]["metrics"])["prefix/fallback_small_group"] == 4.0
 
 
 def test_refusals_at_config_time():

@@ -10,13 +10,15 @@ batches and phase C's seeded backward are the schedule layer's (``verl_prefix.sc
 torchtitan-specific calls live here.
 
 Rows that cannot reuse (short prefix, a group of one) run through verl's own ``forward_step`` and are counted
-under ``prefix/fallback_<reason>`` with one log line. What this slice does not serve is refused when the
+under ``prefix/fallback_<reason>`` with one log line. Data-parallel ranks keep FSDP's collectives matched with
+the FSDP engine's lockstep (``backend.lockstep``: agreed shape, zero-loss fillers). What this slice does not serve is refused when the
 engine is built (``titan_config.refusal``), and so is a torchtitan flavor that does not match the
 checkpoint (``titan_flavor``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -34,6 +36,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 from verl_prefix.backend import fallbacks, platform_titan
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.inputs import per_row_temperature
+from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import as_micro_batch_lists, fallback_metrics, full_length, static_bsz, token_counts
 from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
 from verl_prefix.backend.titan_config import refusal
@@ -134,13 +137,13 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         )
 
     def _reuse_batch(self, data: TensorDict, layout: RowLayout, loss_function: Callable, forward_only: bool) -> Any:
-        if self.get_data_parallel_size() > 1:
-            # data-parallel ranks hold different groups; their FSDP collectives would need the lockstep fillers
-            # of the FSDP engine (backend.lockstep), not built for torchtitan in this slice
-            raise ValueError("prefix_torchtitan: reuse with data parallelism > 1 is not built yet; use TP")
         self._attach_global_normalisation(data)
         layout = RowLayout(**{**layout.__dict__, "temperature": per_row_temperature(data)})
         plan = self._plan(data, layout)
+        dense_chunks = self._dense_chunks(data, plan.all_dense_rows)
+        # data-parallel ranks hold different groups: every rank runs as many group slots, suffix micro-batches
+        # and dense chunks as the busiest one (zero-loss fillers), or their FSDP collectives would not match
+        lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
         device = self._device()
         meter = PhaseMeter(device)
         options = ScheduleOptions(device=device, meter=meter)
@@ -159,9 +162,22 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         grad = torch.no_grad() if forward_only else nullcontext()
         autocast = platform_titan.engine_autocast(self.engine_config, get_device_name())
         with self.trainer.train_context(), grad, autocast:
-            for group in plan.groups:
-                self._group(data, layout, group, options, loss_function, forward_only, calculate_entropy, record)
-            for rows in self._dense_chunks(data, plan.all_dense_rows):
+            for slot in range(lockstep.num_groups):
+                num_micro = lockstep.micro_batches[slot]
+                if slot < len(plan.groups):
+                    group = plan.groups[slot]
+                    group = dataclasses.replace(group, filler_micro_batches=num_micro - len(group.micro_batches))
+                    self._group(data, layout, group, options, loss_function, forward_only, calculate_entropy, record)
+                else:
+                    filler_layout, filler = filler_group(num_micro)
+                    with meter.phase("lockstep"):
+                        self._group(data, filler_layout, filler, options, None, forward_only, False, record)
+            for k in range(lockstep.num_dense_chunks):
+                if k >= len(dense_chunks):
+                    with meter.phase("lockstep"):
+                        self._filler_dense(device, forward_only)
+                    continue
+                rows = dense_chunks[k]
                 micro = tu.index_select_tensor_dict(data, rows)
                 with meter.phase("dense"):
                     loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
@@ -177,7 +193,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
         fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
         logical, physical = token_counts(layout, plan)
-        phases = ("A", "B", "dense") if forward_only else ("A", "B", "C", "dense")
+        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
         output["metrics"].update(meter.metrics(logical, physical, phases=phases))
         return output
 
@@ -232,9 +248,24 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                         loss.backward()
                     loss_value = loss.detach().item()
                 record(rows, model_output, loss_value, metrics)
+        for _ in range(group.filler_micro_batches):  # lockstep: the same collectives, zero loss
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
+            mask = suffix_mask(1, group.prefix_len, batch.input_ids.shape[1], device)
+            with meter.phase("lockstep"), self.hooks.serving(leaves):
+                logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
+                if not forward_only:
+                    (logits.sum() * 0.0).backward()
         if not forward_only:
             with meter.phase("C"):
                 prefix_backward(prefix, leaves, model)
+
+    def _filler_dense(self, device: torch.device, forward_only: bool) -> None:
+        """A zero-loss dense micro-batch that matches a peer's dense chunk collective for collective."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        pos = torch.arange(2, device=device)[None]
+        logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(2, device))
+        if not forward_only:
+            (logits.sum() * 0.0).backward()
 
     def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
         size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
