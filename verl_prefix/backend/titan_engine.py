@@ -11,9 +11,9 @@ torchtitan-specific calls live here.
 
 Rows that cannot reuse (short prefix, a group of one) run through verl's own ``forward_step`` and are counted
 under ``prefix/fallback_<reason>`` with one log line. Data-parallel ranks keep FSDP's collectives matched with
-the FSDP engine's lockstep (``backend.lockstep``: agreed shape, zero-loss fillers). What this slice does not serve is refused when the
-engine is built (``titan_config.refusal``), and so is a torchtitan flavor that does not match the
-checkpoint (``titan_flavor``).
+the FSDP engine's lockstep (``backend.lockstep``: agreed shape, zero-loss fillers). What this slice does not
+serve is refused when the engine is built (``titan_config.refusal``), and so is a torchtitan flavor that does
+not match the checkpoint (``titan_flavor``).
 """
 
 from __future__ import annotations
