@@ -125,7 +125,8 @@ def dense_masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *, scale: float | None
 ) -> torch.Tensor:
     """Attention of ``[B, N, Lq, H]`` queries over ``[B, Nkv, Lk, H]`` keys with a boolean ``keep`` mask
-    (``[B or 1, 1, Lq, Lk]``); K/V heads repeat over their query groups. Rows with no key give zeros."""
+    (``[B or 1, 1, Lq, Lk]``); K/V heads repeat over their query groups; softmax in at least fp32, as flex
+    computes it. Rows with no key give zeros."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
@@ -133,7 +134,7 @@ def dense_masked_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
     probs = torch.nan_to_num(probs, nan=0.0)
     return torch.matmul(probs, v)
 

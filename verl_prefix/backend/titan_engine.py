@@ -38,7 +38,7 @@ from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import as_micro_batch_lists, fallback_metrics, full_length, static_bsz, token_counts
-from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
+from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, decoder_layers, suffix_mask
 from verl_prefix.backend.titan_config import refusal
 from verl_prefix.backend.titan_flavor import check_flavor
 from verl_prefix.backend.validation import agree_on_validity, check_batch
@@ -78,6 +78,15 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         super().initialize()
         if len(self.module) != 1:
             raise ValueError("prefix_torchtitan: one model part expected (pipeline parallelism is refused)")
+        if self.reuse_config.enable and any(
+            getattr(layer, "moe_enabled", False) for layer in decoder_layers(self.module[0])
+        ):
+            # torchtitan's MoE load balancing (expert-bias updates from tokens per expert) would count each prefix
+            # token once instead of once per row: the update would differ from dense without a word
+            raise ValueError(
+                "prefix_torchtitan: MoE flavors are not served yet (router statistics need logical prefix-token "
+                "accounting under reuse); set prefix_reuse.enable=false or use a dense model"
+            )
         self.hooks = InnerAttentionHooks(self.module[0])
 
     # -- the mini-batch -----------------------------------------------------------------------------
