@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.prefix_kv import PrefixCaptured, PrefixKV
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -70,6 +70,7 @@ class InnerAttentionHooks:
     def __init__(self, model: nn.Module) -> None:
         self.layers = decoder_layers(model)
         self.mode: str | None = None
+        self.early_exit = False
         self.kv: PrefixKV | None = None
         for index, layer in enumerate(self.layers):
             inner = layer.attention.inner_attention
@@ -84,10 +85,17 @@ class InnerAttentionHooks:
         return len(self.layers)
 
     @contextmanager
-    def capturing(self, prefix: PrefixKV) -> Iterator[PrefixKV]:
-        """Phase A: record every layer's K/V (graph-attached, ``[1, kv_heads, P-1, head_dim]`` local shards)."""
-        with self._mode("capture", prefix):
-            yield prefix
+    def capturing(self, prefix: PrefixKV, early_exit: bool) -> Iterator[PrefixKV]:
+        """Phase A: record every layer's K/V (graph-attached, ``[1, kv_heads, P-1, head_dim]`` local shards);
+        with ``early_exit`` the forward stops right after the last layer's K/V."""
+        self.early_exit = early_exit
+        try:
+            with self._mode("capture", prefix):
+                yield prefix
+        except PrefixCaptured:
+            pass
+        finally:
+            self.early_exit = False
         if not prefix.complete:
             missing = [i for i in range(self.num_layers) if not prefix.captured(i)]
             raise RuntimeError(f"prefix_torchtitan: phase A did not capture K/V of layers {missing}")
@@ -118,6 +126,11 @@ class InnerAttentionHooks:
             self.kv.captured_with_grad[index] = torch.is_grad_enabled()
             # phase C starts inside this layer: its FSDP unit must be unsharded then (executor.unshard_cut_short)
             self.kv.last_source = self.layers[index].attention
+            if self.early_exit and index == self.num_layers - 1:
+                # the last layer's attention output, MLP, final norm and LM head over the prefix feed nothing;
+                # every TP rank stops here alike (before the row-parallel output projection's collective)
+                self.kv.interrupted = self.layers[index].attention
+                raise PrefixCaptured()
         elif self.mode == "serve":
             assert self.kv is not None
             keys, values = self.kv.layer_tensors(index)

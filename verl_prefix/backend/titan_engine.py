@@ -224,7 +224,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         ids = layout.input_ids[first][: group.prefix_len].to(device)[None]
         pos = layout.position_ids[first][..., : group.prefix_len].to(device)[None]
         prefix = PrefixKV(self.hooks.num_layers)
-        with meter.phase("A"), self.hooks.capturing(prefix):
+        with meter.phase("A"), self.hooks.capturing(prefix, self.reuse_config.early_exit):
             model(ids, positions=pos, attention_masks=causal_mask(group.prefix_len, device))
         leaves = prefix.as_leaves(requires_grad=not forward_only)
         meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
