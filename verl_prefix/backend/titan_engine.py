@@ -101,7 +101,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
             if not self.reuse_config.enable:
                 return "disabled", None
             if forward_only and not self.reuse_config.forward_only_reuse:
-                return "forward_only_reuse_off", None
+                return "forward_only_disabled", None
             reason = fallbacks.batch_fallback_reason(data)
             return reason, check_batch(data, forward_only=forward_only, reuse=reason is None)
 
