@@ -63,9 +63,15 @@ def torchtitan_available() -> bool:
 
 def check_version() -> None:
     """Refuse a torchtitan other than the pinned one: every adaptation here is written against 0.3.0."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    found = version("torchtitan")
+    try:
+        found = version("torchtitan")
+    except PackageNotFoundError as error:
+        raise ImportError(
+            f"the TorchTitan engines need torchtitan {TORCHTITAN_VERSION} and triton, which are optional: "
+            "scripts/setup.sh installs them (docs/torchtitan.md)"
+        ) from error
     if found != TORCHTITAN_VERSION:
         raise RuntimeError(
             f"prefix_torchtitan is pinned to torchtitan {TORCHTITAN_VERSION} (found {found}); its platform "
