@@ -8,6 +8,7 @@ One set of ranks for every engine-level fact (two engines per rank, lr 0 so ever
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
@@ -16,6 +17,8 @@ pytest.importorskip("triton", reason="torchtitan 0.3.0's model stack imports tri
 
 VOCAB = 128
 TOL = 1e-5  # fp32
+# a tiny qwen3_moe checkpoint (4 experts, top 2) whose torchtitan flavor differs from the dense one's dimensions
+MOE = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=32)
 
 
 def _rank_batch(rank: int, fsdp: bool):
@@ -40,7 +43,19 @@ def _rank_batch(rank: int, fsdp: bool):
     return tu.concat_tensordict([group, singles])
 
 
-def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool) -> dict:
+def _expert_counts(engine) -> list:
+    from verl_prefix.backend.titan_moe import moe_layers
+
+    return [m.tokens_per_expert_E.detach().clone() for m in moe_layers(engine.module[0])]
+
+
+def _expert_bias(engine) -> list:
+    from verl_prefix.backend.titan_moe import moe_layers
+
+    return [m.expert_bias_E.detach().clone() for m in moe_layers(engine.module[0]) if m.expert_bias_E is not None]
+
+
+def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep: bool = False) -> dict:
     """Stock and prefix engines on this layout (lr 0: every step sees the same weights)."""
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend import titan_engine
@@ -49,16 +64,38 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool) -> 
 
     batch = _rank_batch(rank, fsdp)
     layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
+    if ep:  # the experts split over the two data-parallel ranks (all-to-all dispatch)
+        layout["engine_overrides"] = dict(expert_parallel_size=2)
     # two suffix micro-batches per group: the prefix leaves accumulate dK/dV across them
     reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
     stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, **layout)
-    out = {
-        "want_infer": T.run_infer(stock, batch),
-        "got_infer": T.run_infer(prefix, batch),
-        "want": T.run_train_step(stock, loss_fn, batch, capture_grads=True),
-        "got": T.run_train_step(prefix, loss_fn, batch, capture_grads=True),
-    }
+    out = {"want_infer": T.run_infer(stock, batch), "got_infer": T.run_infer(prefix, batch)}
+    for key, engine in (("want", stock), ("got", prefix)):
+        counts = {}
+        step = engine.optimizer_step  # the routing counts as torchtitan's expert-bias pre-hook will read them
+        engine.optimizer_step = lambda step=step, counts=counts, engine=engine: (
+            counts.update(routed=_expert_counts(engine)) or step()
+        )
+        out[key] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)  # it drops the wrapper after
+        bias = _expert_bias(engine)
+        out[key].update(counts, bias=bias)
+    if ep:  # negative control: the prefix's routing counted once per group instead of once per row
+        from verl_prefix.backend.titan_moe import ExpertCounts, moe_layers
+
+        for m in moe_layers(prefix.module[0]):
+            m.expert_bias_E.zero_()  # as before the step above (torchtitan's pre-hook moved it): the same routing
+        weighted = ExpertCounts.weighted
+        ExpertCounts.weighted = lambda self, w: weighted(self, torch.as_tensor(w).clamp(max=1.0))
+        counts = {}
+        step = prefix.optimizer_step
+        prefix.optimizer_step = lambda: counts.update(routed=_expert_counts(prefix)) or step()
+        try:
+            T.run_train_step(prefix, loss_fn, batch)
+        finally:
+            ExpertCounts.weighted = weighted
+            prefix.__dict__.pop("optimizer_step", None)
+        out["once_per_group"] = counts["routed"]
     if negative:
         skip_c = titan_engine.prefix_backward
         titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
@@ -71,7 +108,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool) -> 
     return out
 
 
-def _body(rank: int, model_dir: str) -> dict:
+def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
     import functools
 
     from verl.utils.config import omega_conf_to_dataclass
@@ -84,6 +121,7 @@ def _body(rank: int, model_dir: str) -> dict:
     actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
     loss_fn = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
     return {
+        "ep2": _compare(rank, moe_dir, loss_fn, fsdp=True, negative=False, ep=True),
         "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
         "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
     }
@@ -96,8 +134,12 @@ def _worst(want: dict, got: dict) -> tuple[float, str]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tiny_model) -> dict:
-    return run_two_ranks(_body, str(tiny_model("qwen3")))
+def ranks(tiny_model, tmp_path_factory) -> dict:
+    from verl_prefix.tools.testing import write_tiny_model
+
+    extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (tools.titan_testing)
+    moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe"), "qwen3_moe", **MOE, extra_config=extra)
+    return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe))
 
 
 def _assert_matches(r: dict, rank: int, groups: int, grad_norm: bool) -> None:
@@ -134,6 +176,23 @@ def test_fsdp2_with_different_group_structure(ranks):
         _assert_matches(r, rank, groups=groups, grad_norm=True)
         assert reduced(r["got"]["metrics"])["prefix/time_s/lockstep"] > 0, rank
     assert reduced(ranks[1]["fsdp2"]["got"]["metrics"])["prefix/fallback_small_group"] == 4.0
+
+
+def test_ep2_matches_verl_torchtitan_engine(ranks):
+    """EP=2 over the data-parallel ranks (2 groups vs 1 group + 4 dense rows): gradients as dense, and the
+    tokens per expert that torchtitan's load balancing reads equal dense's (the prefix counted once per row)."""
+    for rank, groups in ((0, 2), (1, 1)):
+        r = ranks[rank]["ep2"]
+        _assert_matches(r, rank, groups=groups, grad_norm=True)
+        want, got = r["want"]["routed"], r["got"]["routed"]
+        assert len(want) == 2 and all(w.sum() > 0 for w in want)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g), (rank, w, g)
+        assert len(r["want"]["bias"]) == 2 and all(b.abs().sum() > 0 for b in r["want"]["bias"])
+        for w, g in zip(r["want"]["bias"], r["got"]["bias"]):
+            assert torch.equal(w, g), (rank, w, g)
+        # negative control: the prefix counted once per group gives other counts
+        assert any(not torch.equal(w, g) for w, g in zip(want, r["once_per_group"])), rank
 
 
 def test_refusals_at_config_time():

@@ -23,6 +23,10 @@ any engine is built, in every process that builds one), not in tests only:
 - Flex attention has no CPU backward and varlen is CUDA-only: on CPU, ``FlexAttention`` computes a dense
   attention over the block mask materialised from its ``mask_mod`` (same keys kept, same scale, GQA expanded).
   On CUDA torchtitan's own flex/varlen kernels run untouched.
+- ``GroupedExperts`` (MoE) casts tokens and expert weights to bf16 whatever the parameter dtype, so each
+  backward call rounds the expert weights' gradients to bf16 and gradient accumulation over micro-batches
+  differs from one call at bf16 precision: with float32 parameters the experts compute in float32
+  (``torch._grouped_mm`` runs fp32); with bf16 parameters torchtitan's own forward runs.
 - verl registers its TorchTitan engine for cuda/npu only, and only when its import succeeds (it does not with
   0.3.0): ``titan_registry`` registers it (and ``prefix_torchtitan``) for cuda and cpu as factories.
 """
@@ -277,6 +281,39 @@ def _patch_verl_engine_module(impl: types.ModuleType, cpu: bool) -> None:
     impl._verl_prefix_titan = True
 
 
+def _fp32_grouped_experts(self: Any, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over grouped tokens in the weights' dtype (fp32 here), as torchtitan's in bf16."""
+    from torch.distributed.tensor import DTensor
+
+    weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+    offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+
+    def grouped(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._grouped_mm(A=a, B_t=w.transpose(-2, -1), offs=offsets)
+
+    w1, w2, w3 = weights
+    x = x_RD.to(w1.dtype)
+    hidden = torch.nn.functional.silu(grouped(x, w1)) * grouped(x, w3)
+    return grouped(hidden, w2).type_as(x_RD)
+
+
+def patch_grouped_experts() -> None:
+    """fp32 expert compute for fp32 parameters (module docstring); torchtitan's forward otherwise."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    if getattr(GroupedExperts, "_verl_prefix_fp32", False):
+        return
+    original = GroupedExperts.forward
+
+    def forward(self: Any, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if self.w1_EFD.dtype == torch.float32:
+            return _fp32_grouped_experts(self, x_RD, num_tokens_per_expert_E)
+        return original(self, x_RD, num_tokens_per_expert_E)
+
+    GroupedExperts.forward = forward
+    GroupedExperts._verl_prefix_fp32 = True
+
+
 def ensure_titan_platform() -> types.ModuleType:
     """Apply every adaptation (idempotent) and return verl's TorchTitan engine module."""
     from verl_prefix.backend.platform_cpu import cpu_platform_requested
@@ -296,6 +333,7 @@ def ensure_titan_platform() -> types.ModuleType:
         patch_cpu_device()  # the modules verl's engine pulled in
         patch_cpu_attention()
     _patch_verl_engine_module(impl, cpu)
+    patch_grouped_experts()
     return impl
 
 

@@ -53,8 +53,7 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
         "context parallelism would shard the prefix and the suffix rows over ranks; phase B's prefix leaves "
         "would need the CP all-gathers of torchtitan's ring attention, not built yet",
     ),
-    "expert_parallel_size": (1, "MoE flavors (and so EP) are not served by this slice"),
-    "expert_tensor_parallel_size": (1, "MoE flavors (and so expert TP) are not served by this slice"),
+    "expert_tensor_parallel_size": (1, "expert tensor parallelism is not tested under reuse yet"),
     "data_parallel_replicate_size": (1, "HSDP (replicate > 1) is not tested under reuse yet"),
     "spmd_backend": (
         "default",

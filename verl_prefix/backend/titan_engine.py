@@ -38,9 +38,10 @@ from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import as_micro_batch_lists, fallback_metrics, full_length, static_bsz, token_counts
-from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, decoder_layers, suffix_mask
+from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
 from verl_prefix.backend.titan_config import refusal
 from verl_prefix.backend.titan_flavor import check_flavor
+from verl_prefix.backend.titan_moe import ExpertCounts
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
@@ -73,19 +74,19 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         super().__init__(model_config, engine_config, *args, **kwargs)
         check_flavor(self.config.model_spec, model_config.hf_config)
         self.hooks: InnerAttentionHooks | None = None
+        self.expert_counts: ExpertCounts | None = None
 
     def initialize(self) -> None:
         super().initialize()
         if len(self.module) != 1:
             raise ValueError("prefix_torchtitan: one model part expected (pipeline parallelism is refused)")
-        if self.reuse_config.enable and any(
-            getattr(layer, "moe_enabled", False) for layer in decoder_layers(self.module[0])
-        ):
-            # torchtitan's MoE load balancing (expert-bias updates from tokens per expert) would count each prefix
-            # token once instead of once per row: the update would differ from dense without a word
+        self.expert_counts = ExpertCounts(self.module[0])
+        if self.reuse_config.enable and self.expert_counts and self.engine_config.tensor_parallel_size > 1:
+            # TP shards the MoE's tokens (sequence parallel): the weighted counts would need the same sharding
             raise ValueError(
-                "prefix_torchtitan: MoE flavors are not served yet (router statistics need logical prefix-token "
-                "accounting under reuse); set prefix_reuse.enable=false or use a dense model"
+                "prefix_torchtitan: MoE flavors with tensor_parallel_size > 1 are not served yet (the router's "
+                "token counts are sharded on the sequence under TP); use expert_parallel_size / FSDP, or "
+                "prefix_reuse.enable=false"
             )
         self.hooks = InnerAttentionHooks(self.module[0])
 
@@ -178,9 +179,10 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                     group = dataclasses.replace(group, filler_micro_batches=num_micro - len(group.micro_batches))
                     self._group(data, layout, group, options, loss_function, forward_only, calculate_entropy, record)
                 else:
-                    filler_layout, filler = filler_group(num_micro)
+                    filler_layout, slot_plan = filler_group(num_micro)
                     with meter.phase("lockstep"):
-                        self._group(data, filler_layout, filler, options, None, forward_only, False, record)
+                        args = (data, filler_layout, slot_plan, options, None, forward_only, False, record)
+                        self._group(*args, filler=True)
             for k in range(lockstep.num_dense_chunks):
                 if k >= len(dense_chunks):
                     with meter.phase("lockstep"):
@@ -216,24 +218,32 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         forward_only: bool,
         calculate_entropy: bool,
         record: Callable,
+        filler: bool = False,
     ) -> None:
-        """Phases A, B and C of one uid group on torchtitan's model."""
+        """Phases A, B and C of one uid group on torchtitan's model (``filler``: a lockstep slot, uncounted)."""
         assert self.hooks is not None
         model, meter, device = self.module[0], options.meter, options.device
         first = group.rows[0]
         ids = layout.input_ids[first][: group.prefix_len].to(device)[None]
         pos = layout.position_ids[first][..., : group.prefix_len].to(device)[None]
         prefix = PrefixKV(self.hooks.num_layers)
-        with meter.phase("A"), self.hooks.capturing(prefix, self.reuse_config.early_exit):
+        counts = self.expert_counts
+        # the prefix's tokens count once per row of the group (zero for a lockstep filler); with MoE layers
+        # phase A runs to the end so that the last layer routes the prefix too
+        copies = 0.0 if filler else float(len(group.rows))
+        early_exit = self.reuse_config.early_exit and not counts
+        with meter.phase("A"), self.hooks.capturing(prefix, early_exit), self._counted(copies):
             model(ids, positions=pos, attention_masks=causal_mask(group.prefix_len, device))
         leaves = prefix.as_leaves(requires_grad=not forward_only)
         meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
         for rows in group.micro_batches:
             with meter.phase("B"):
-                batch = build_suffix_batch(layout, rows, group.prompt_len, options)
+                # with MoE layers each row's last response token is routed too, as dense routes it
+                batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=bool(counts))
                 width = batch.input_ids.shape[1]
                 mask = suffix_mask(len(rows), group.prefix_len, width, device)
-                with self.hooks.serving(leaves):
+                real = 0.0 if filler else batch.tokens.float()
+                with self.hooks.serving(leaves), self._counted(real):
                     logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
                 if isinstance(logits, DTensor):
                     logits = logits.full_tensor()
@@ -260,7 +270,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         for _ in range(group.filler_micro_batches):  # lockstep: the same collectives, zero loss
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
             mask = suffix_mask(1, group.prefix_len, batch.input_ids.shape[1], device)
-            with meter.phase("lockstep"), self.hooks.serving(leaves):
+            with meter.phase("lockstep"), self.hooks.serving(leaves), self._counted(0.0):
                 logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
                 if not forward_only:
                     (logits.sum() * 0.0).backward()
@@ -272,9 +282,15 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         """A zero-loss dense micro-batch that matches a peer's dense chunk collective for collective."""
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         pos = torch.arange(2, device=device)[None]
-        logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(2, device))
+        with self._counted(0.0):
+            logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(2, device))
         if not forward_only:
             (logits.sum() * 0.0).backward()
+
+    def _counted(self, weights: torch.Tensor | float) -> Any:
+        """MoE routing counted with ``weights`` per token (``titan_moe``); nothing to do for a dense model."""
+        counts = self.expert_counts
+        return counts.weighted(weights) if counts else nullcontext()
 
     def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
         size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)

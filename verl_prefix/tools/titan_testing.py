@@ -20,7 +20,7 @@ FLAVOR_PREFIX = "verl_prefix_tiny"
 
 def _dense_flavor(hf: dict[str, Any], attn_backend: str) -> Any:
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
+    from torchtitan.models.common.config_utils import get_attention_config, make_gqa_config
     from torchtitan.models.common.nn_modules import RMSNorm
     from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 
@@ -48,9 +48,7 @@ def _dense_flavor(hf: dict[str, Any], attn_backend: str) -> Any:
                 rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=int(hf["max_position_embeddings"]), theta=theta),
                 qk_norm=norm(head_dim),
             ),
-            feed_forward=make_ffn_config(
-                dim=dim, hidden_dim=int(hf["intermediate_size"]), w1_param_init=init, w2w3_param_init=init
-            ),
+            **_ffn_or_moe(hf, dim, init),
         )
         for _ in range(int(hf["num_hidden_layers"]))
     ]
@@ -66,15 +64,43 @@ def _dense_flavor(hf: dict[str, Any], attn_backend: str) -> Any:
     )
 
 
+def _ffn_or_moe(hf: dict[str, Any], dim: int, init: dict[str, Any]) -> dict[str, Any]:
+    """A dense qwen3 block's SwiGLU, or a qwen3_moe block's routed experts (softmax router, top-k renormalised
+    as HF's ``norm_topk_prob``), with torchtitan's auxiliary-loss-free load balancing when
+    ``verl_prefix_load_balance_coeff`` is in the config (the "aux on" flavor)."""
+    from torchtitan.models.common.config_utils import (
+        make_ffn_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+
+    if hf.get("model_type") != "qwen3_moe":
+        hidden = int(hf["intermediate_size"])
+        return {"feed_forward": make_ffn_config(dim=dim, hidden_dim=hidden, w1_param_init=init, w2w3_param_init=init)}
+    experts, top_k = int(hf.get("num_experts") or hf["num_local_experts"]), int(hf["num_experts_per_tok"])
+    router = make_router_config(
+        dim=dim, num_experts=experts, gate_param_init=init, top_k=top_k, score_func="softmax",
+        route_norm=bool(hf.get("norm_topk_prob", True)),
+    )  # fmt: skip
+    routed = make_routed_experts_config(
+        dim=dim, hidden_dim=int(hf["moe_intermediate_size"]), num_experts=experts, top_k=top_k,
+        param_init={"w1_EFD": init["weight"], "w2_EDF": init["weight"], "w3_EFD": init["weight"]},
+        comm_backend="standard",
+    )  # fmt: skip
+    coeff = hf.get("verl_prefix_load_balance_coeff")
+    return {"moe": make_moe_config(num_experts=experts, router=router, routed_experts=routed, load_balance_coeff=coeff)}
+
+
 def register_tiny_flavor(model_dir: str | os.PathLike) -> str:
-    """Register (idempotent) a torchtitan qwen3 flavor with the shapes of the dense qwen3 checkpoint in
+    """Register (idempotent) a torchtitan qwen3 flavor with the shapes of the qwen3 or qwen3_moe checkpoint in
     ``model_dir``; returns its name. Registering in the parent before ranks fork makes every rank see it."""
     from torchtitan.models import qwen3
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
-    if hf.get("model_type") != "qwen3":
-        raise ValueError(f"register_tiny_flavor builds dense qwen3 flavors, not {hf.get('model_type')!r}")
-    name = f"{FLAVOR_PREFIX}_{hf['hidden_size']}x{hf['num_hidden_layers']}x{hf['vocab_size']}"
+    if hf.get("model_type") not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"register_tiny_flavor builds qwen3 and qwen3_moe flavors, not {hf.get('model_type')!r}")
+    name = f"{FLAVOR_PREFIX}_{hf['model_type']}_{hf['hidden_size']}x{hf['num_hidden_layers']}x{hf['vocab_size']}"
     qwen3.qwen3_configs[name] = functools.partial(_dense_flavor, hf)
     return name
 
