@@ -1,5 +1,7 @@
-"""prefix_torchtitan against verl's own TorchTitan engine (no reuse) on two gloo ranks, TP=2 and FSDP=2, fp32:
-log-probs, entropies, per-parameter gradients, loss and grad norm; reuse ran; skipping phase C fails. Plus what the
+"""prefix_torchtitan against verl's own TorchTitan engine (no reuse) on two gloo ranks, TP=2, FSDP=2 and EP=2 (a
+tiny qwen3_moe), fp32: log-probs, entropies, per-parameter gradients, loss and grad norm, and under EP the expert
+load counts and bias torchtitan's load balancing uses; reuse ran; skipping phase C, or counting the prefix's
+routing once per group, fails. Plus what the
 engine refuses before it builds anything: a flavor that is not the checkpoint's, PP, CP and other settings.
 
 One set of ranks for every engine-level fact (two engines per rank, lr 0 so every step sees the same weights).
