@@ -82,7 +82,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         out[key] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)  # it drops the wrapper after
         bias = _expert_bias(engine)
         out[key].update(counts, bias=bias)
-    if ep:  # negative control: the prefix's routing counted once per group instead of once per row
+    if ep and negative:  # negative control: the prefix's routing counted once per group instead of once per row
         from verl_prefix.backend.titan_moe import ExpertCounts, moe_layers
 
         for m in moe_layers(prefix.module[0]):
@@ -110,7 +110,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     return out
 
 
-def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
+def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
     import functools
 
     from verl.utils.config import omega_conf_to_dataclass
@@ -123,7 +123,8 @@ def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
     actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
     loss_fn = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
     return {
-        "ep2": _compare(rank, moe_dir, loss_fn, fsdp=True, negative=False, ep=True),
+        "ep2": _compare(rank, moe_dir, loss_fn, fsdp=True, negative=True, ep=True),
+        "ep2_aux_off": _compare(rank, moe_off_dir, loss_fn, fsdp=True, negative=False, ep=True),
         "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
         "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
     }
@@ -141,7 +142,10 @@ def ranks(tiny_model, tmp_path_factory) -> dict:
 
     extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (tools.titan_testing)
     moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe"), "qwen3_moe", **MOE, extra_config=extra)
-    return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe))
+    # the same shapes without load balancing (torchtitan counts, moves no bias); its flavor replaces the one above
+    # under the same name when its engines are built
+    moe_off = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe_off"), "qwen3_moe", **MOE, seed=1)
+    return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe), str(moe_off))
 
 
 def _assert_matches(r: dict, rank: int, groups: int, grad_norm: bool) -> None:
@@ -195,6 +199,15 @@ def test_ep2_matches_verl_torchtitan_engine(ranks):
             assert torch.equal(w, g), (rank, w, g)
         # negative control: the prefix counted once per group gives other counts
         assert any(not torch.equal(w, g) for w, g in zip(want, r["once_per_group"])), rank
+
+
+def test_ep2_without_load_balancing(ranks):
+    """``load_balance_coeff`` unset: torchtitan counts without moving a bias; the counts still equal dense's."""
+    for rank, groups in ((0, 2), (1, 1)):
+        r = ranks[rank]["ep2_aux_off"]
+        _assert_matches(r, rank, groups=groups, grad_norm=True)
+        assert r["want"]["bias"] == [] and r["got"]["bias"] == []
+        assert all(w.sum() > 0 and torch.equal(w, g) for w, g in zip(r["want"]["routed"], r["got"]["routed"]))
 
 
 def test_refusals_at_config_time():
