@@ -110,6 +110,18 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     return out
 
 
+def _refused_moe_tp(moe_dir: str) -> str:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.tools import titan_testing as TT
+
+    try:
+        reuse = PrefixReuseConfig()
+        TT.build_titan_engine(moe_dir, backend="prefix_torchtitan", tensor_parallel_size=2, prefix_reuse=reuse)
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
 def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
     import functools
 
@@ -125,6 +137,7 @@ def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
     return {
         "ep2": _compare(rank, moe_dir, loss_fn, fsdp=True, negative=True, ep=True),
         "ep2_aux_off": _compare(rank, moe_off_dir, loss_fn, fsdp=True, negative=False, ep=True),
+        "moe_tp2_refused": _refused_moe_tp(moe_dir),
         "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
         "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
     }
@@ -208,6 +221,12 @@ def test_ep2_without_load_balancing(ranks):
         _assert_matches(r, rank, groups=groups, grad_norm=True)
         assert r["want"]["bias"] == [] and r["got"]["bias"] == []
         assert all(w.sum() > 0 and torch.equal(w, g) for w, g in zip(r["want"]["routed"], r["got"]["routed"]))
+
+
+def test_moe_with_tp_is_refused_at_build(ranks):
+    """TP shards the MoE's tokens on the sequence: the weighted expert counts do not map that yet."""
+    for rank in range(2):
+        assert "tensor_parallel_size > 1" in ranks[rank]["moe_tp2_refused"], ranks[rank]["moe_tp2_refused"]
 
 
 def test_refusals_at_config_time():
