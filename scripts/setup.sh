@@ -10,4 +10,11 @@ TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
 .venv/bin/python -m pip install --quiet -e '.[test,dashboard]'
+# prefix_torchtitan (docs/torchtitan.md): torchtitan 0.3.0 and what it imports, pinned and without their own
+# dependencies, so that nothing already installed (torch, transformers, verl, datasets, fsspec) changes.
+# triton is imported by torchtitan's model stack even on CPU. SKIP_TORCHTITAN=1 leaves them out.
+if [ -z "${SKIP_TORCHTITAN:-}" ]; then
+  .venv/bin/python -m pip install --quiet --no-deps torchtitan==0.3.0 triton==3.9.0 einops==0.8.2 spmd_types==0.2.3 \
+    torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1
+fi
 .venv/bin/python -c "import verl, verl_prefix; assert verl_prefix.is_registered(); print('verl-prefix ready:', verl.__version__)"

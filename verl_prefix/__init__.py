@@ -21,6 +21,12 @@ from verl_prefix.backend.engine import PrefixFSDPEngineWithLMHead, register  # n
 
 register()
 
+# prefix_torchtitan (and verl's torchtitan, which verl 0.9.1 cannot import with torchtitan 0.3.0) as factories:
+# torchtitan is imported only when such an engine is built.
+from verl_prefix.backend import titan_registry as _titan_registry  # noqa: E402
+
+_titan_registry.register()
+
 # rollout.name=hf: an HF-generate rollout on CPU, so verl's own main_ppo runs without vLLM/SGLang.
 from verl_prefix.backend import rollout_hf as _rollout_hf  # noqa: E402
 

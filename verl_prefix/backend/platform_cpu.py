@@ -123,6 +123,11 @@ class _CPUDeviceModule(types.ModuleType):
 _DEVICE_MODULE = _CPUDeviceModule("verl_prefix_cpu_device")
 
 
+def cpu_device_module() -> types.ModuleType:
+    """The stand-in for ``torch.cuda`` on CPU (torchtitan's ``device_module`` on this platform too)."""
+    return _DEVICE_MODULE
+
+
 @PlatformRegistry.register(platform=PLATFORM_NAME)
 class PlatformCPU(PlatformBase):
     """verl platform for host CPU: device "cpu", gloo collectives, no profiler ranges."""

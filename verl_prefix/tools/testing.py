@@ -513,9 +513,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
 
 
+def _model_parts(engine: Any) -> list[torch.nn.Module]:
+    """The engine's model: one module (FSDP engines) or torchtitan's list of model parts."""
+    return list(engine.module) if isinstance(engine.module, list) else [engine.module]
+
+
 def grads_of(engine: Any) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of every parameter gradient, by parameter name; None grads are skipped."""
-    return {n: _full(p.grad) for n, p in engine.module.named_parameters() if p.grad is not None}
+    return {n: _full(p.grad) for part in _model_parts(engine) for n, p in part.named_parameters() if p.grad is not None}
 
 
 def params_of(engine: Any) -> dict[str, torch.Tensor]:

@@ -1,0 +1,299 @@
+"""prefix_torchtitan against verl's own TorchTitan engine (no reuse) on two gloo ranks, TP=2, FSDP=2 and EP=2 (a
+tiny qwen3_moe), fp32: log-probs, entropies, per-parameter gradients, loss and grad norm, and under EP the expert
+load counts and bias torchtitan's load balancing uses; reuse ran; skipping phase C, or counting the prefix's
+routing once per group, fails. Plus what the
+engine refuses before it builds anything: a flavor that is not the checkpoint's, PP, CP and other settings.
+
+One set of ranks for every engine-level fact (two engines per rank, lr 0 so every step sees the same weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.ranks import run_two_ranks
+from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+
+pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is an optional dependency (scripts/setup.sh installs it)")
+pytest.importorskip("triton", reason="torchtitan 0.3.0's model stack imports triton (scripts/setup.sh installs it)")
+
+VOCAB = 128
+TOL = 1e-5  # fp32
+# a tiny qwen3_moe checkpoint (4 experts, top 2) whose torchtitan flavor differs from the dense one's dimensions
+MOE = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=32)
+
+
+def _rank_batch(rank: int, fsdp: bool):
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.tools import testing as T
+
+    shape = dict(num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 7))
+    if not fsdp:  # TP ranks hold the same rows
+        return T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=7, use_kl=True)
+    if rank == 0:
+        return T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=8, use_kl=True, global_batch_size=16)
+    # data-parallel rank 1: one group and four singletons (dense): the ranks' schedules differ (lockstep fillers)
+    group = T.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=10, response_len_range=(2, 6), vocab_size=VOCAB, seed=9, use_kl=True,
+        global_batch_size=16,
+    )  # fmt: skip
+    singles = T.make_grpo_batch(
+        num_groups=4, group_size=1, prompt_lens=6, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
+        global_batch_size=16,
+    )  # fmt: skip
+    return tu.concat_tensordict([group, singles])
+
+
+def _expert_counts(engine) -> list:
+    from verl_prefix.backend.titan_moe import moe_layers
+
+    return [m.tokens_per_expert_E.detach().clone() for m in moe_layers(engine.module[0])]
+
+
+def _expert_bias(engine) -> list:
+    from verl_prefix.backend.titan_moe import moe_layers
+
+    return [m.expert_bias_E.detach().clone() for m in moe_layers(engine.module[0]) if m.expert_bias_E is not None]
+
+
+def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep: bool = False) -> dict:
+    """Stock and prefix engines on this layout (lr 0: every step sees the same weights)."""
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.backend import titan_engine
+    from verl_prefix.tools import testing as T
+    from verl_prefix.tools import titan_testing as TT
+
+    batch = _rank_batch(rank, fsdp)
+    layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
+    if ep:  # the experts split over the two data-parallel ranks (all-to-all dispatch)
+        layout["engine_overrides"] = dict(expert_parallel_size=2)
+    # two suffix micro-batches per group: the prefix leaves accumulate dK/dV across them
+    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
+    prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, **layout)
+    out = {"want_infer": T.run_infer(stock, batch), "got_infer": T.run_infer(prefix, batch)}
+    for key, engine in (("want", stock), ("got", prefix)):
+        counts = {}
+        step = engine.optimizer_step  # the routing counts as torchtitan's expert-bias pre-hook will read them
+        engine.optimizer_step = lambda step=step, counts=counts, engine=engine: (
+            counts.update(routed=_expert_counts(engine)) or step()
+        )
+        out[key] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)  # it drops the wrapper after
+        bias = _expert_bias(engine)
+        out[key].update(counts, bias=bias)
+    if ep and negative:  # negative control: the prefix's routing counted once per group instead of once per row
+        from verl_prefix.backend.titan_moe import ExpertCounts, moe_layers
+
+        for m in moe_layers(prefix.module[0]):
+            m.expert_bias_E.zero_()  # as before the step above (torchtitan's pre-hook moved it): the same routing
+        weighted = ExpertCounts.weighted
+        ExpertCounts.weighted = lambda self, w: weighted(self, torch.as_tensor(w).clamp(max=1.0))
+        counts = {}
+        step = prefix.optimizer_step
+        prefix.optimizer_step = lambda: counts.update(routed=_expert_counts(prefix)) or step()
+        try:
+            T.run_train_step(prefix, loss_fn, batch)
+        finally:
+            ExpertCounts.weighted = weighted
+            prefix.__dict__.pop("optimizer_step", None)
+        out["once_per_group"] = counts["routed"]
+    if negative:
+        skip_c = titan_engine.prefix_backward
+        titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
+        try:
+            out["no_phase_c"] = T.run_train_step(prefix, loss_fn, batch, capture_grads=True)
+        finally:
+            titan_engine.prefix_backward = skip_c
+    for key in ("want_infer", "got_infer"):
+        out[key] = {k: out[key][k] for k in ("response_log_probs", "response_entropy", "metrics")}
+    return out
+
+
+def _refused_moe_tp(moe_dir: str) -> str:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.tools import titan_testing as TT
+
+    try:
+        reuse = PrefixReuseConfig()
+        TT.build_titan_engine(moe_dir, backend="prefix_torchtitan", tensor_parallel_size=2, prefix_reuse=reuse)
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
+    import functools
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_prefix.tools import testing as T
+
+    a = "actor_rollout_ref.actor"
+    knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
+    actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
+    loss_fn = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
+    return {
+        "ep2": _compare(rank, moe_dir, loss_fn, fsdp=True, negative=True, ep=True),
+        "ep2_aux_off": _compare(rank, moe_off_dir, loss_fn, fsdp=True, negative=False, ep=True),
+        "moe_tp2_refused": _refused_moe_tp(moe_dir),
+        "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
+        "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
+    }
+
+
+def _worst(want: dict, got: dict) -> tuple[float, str]:
+    errors = {n: ((got[n] - g).norm() / g.norm()).item() for n, g in want.items()}
+    name = max(errors, key=errors.get)
+    return errors[name], name
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model, tmp_path_factory) -> dict:
+    from verl_prefix.tools.testing import write_tiny_model
+
+    extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (tools.titan_testing)
+    moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe"), "qwen3_moe", **MOE, extra_config=extra)
+    # the same shapes without load balancing (torchtitan counts, moves no bias); its flavor replaces the one above
+    # under the same name when its engines are built
+    moe_off = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe_off"), "qwen3_moe", **MOE, seed=1)
+    return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe), str(moe_off))
+
+
+def _assert_matches(r: dict, rank: int, groups: int, grad_norm: bool) -> None:
+    assert_infer_matches(r["want_infer"], r["got_infer"], TOL, groups=groups)
+    want, got = r["want"], r["got"]
+    assert set(got["grads"]) == set(want["grads"]) and len(want["grads"]) > 10
+    worst, name = _worst(want["grads"], got["grads"])
+    assert worst < TOL, f"rank {rank}: {name} off by {worst:.2e}"
+    assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7)
+    if grad_norm:
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+    assert_reuse_ran(got["metrics"], groups=groups)
+
+
+def test_tp2_matches_verl_torchtitan_engine(ranks):
+    """Phase A's K/V are each rank's head shard at inner_attention; dK/dV accumulate on that shard."""
+    for rank in range(2):
+        _assert_matches(ranks[rank]["tp2"], rank, groups=2, grad_norm=rank == 0)  # verl reports it on rank 0
+
+
+def test_tp2_without_phase_c_is_wrong(ranks):
+    """Negative control: the same comparison fails when the prefix gets no gradient from the suffixes."""
+    for rank in range(2):
+        r = ranks[rank]["tp2"]
+        worst, _ = _worst(r["want"]["grads"], r["no_phase_c"]["grads"])
+        assert worst > 1e-2
+
+
+def test_fsdp2_with_different_group_structure(ranks):
+    """Data-parallel ranks with 2 groups vs 1 group + 4 dense rows: lockstep fillers keep FSDP's collectives
+    matched (rank 0 fills in for rank 1's dense chunk, rank 1 for rank 0's second group)."""
+    for rank, groups in ((0, 2), (1, 1)):
+        r = ranks[rank]["fsdp2"]
+        _assert_matches(r, rank, groups=groups, grad_norm=True)
+        assert reduced(r["got"]["metrics"])["prefix/time_s/lockstep"] > 0, rank
+    assert reduced(ranks[1]["fsdp2"]["got"]["metrics"])["prefix/fallback_small_group"] == 4.0
+
+
+def test_ep2_matches_verl_torchtitan_engine(ranks):
+    """EP=2 over the data-parallel ranks (2 groups vs 1 group + 4 dense rows): gradients as dense, and the
+    tokens per expert that torchtitan's load balancing reads equal dense's (the prefix counted once per row)."""
+    for rank, groups in ((0, 2), (1, 1)):
+        r = ranks[rank]["ep2"]
+        _assert_matches(r, rank, groups=groups, grad_norm=True)
+        want, got = r["want"]["routed"], r["got"]["routed"]
+        assert len(want) == 2 and all(w.sum() > 0 for w in want)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g), (rank, w, g)
+        assert len(r["want"]["bias"]) == 2 and all(b.abs().sum() > 0 for b in r["want"]["bias"])
+        for w, g in zip(r["want"]["bias"], r["got"]["bias"]):
+            assert torch.equal(w, g), (rank, w, g)
+        # negative control: the prefix counted once per group gives other counts
+        assert any(not torch.equal(w, g) for w, g in zip(want, r["once_per_group"])), rank
+
+
+def test_ep2_without_load_balancing(ranks):
+    """``load_balance_coeff`` unset: torchtitan counts without moving a bias; the counts still equal dense's."""
+    for rank, groups in ((0, 2), (1, 1)):
+        r = ranks[rank]["ep2_aux_off"]
+        _assert_matches(r, rank, groups=groups, grad_norm=True)
+        assert r["want"]["bias"] == [] and r["got"]["bias"] == []
+        assert all(w.sum() > 0 and torch.equal(w, g) for w, g in zip(r["want"]["routed"], r["got"]["routed"]))
+
+
+def test_moe_with_tp_is_refused_at_build(ranks):
+    """TP shards the MoE's tokens on the sequence: the weighted expert counts do not map that yet."""
+    for rank in range(2):
+        assert "tensor_parallel_size > 1" in ranks[rank]["moe_tp2_refused"], ranks[rank]["moe_tp2_refused"]
+
+
+def test_refusals_at_config_time():
+    from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig, refusal
+
+    assert refusal(PrefixTorchtitanEngineConfig()) is None
+    for knob, value, words in (
+        ("pipeline_parallel_size", 2, "docs/design.md"),
+        ("context_parallel_size", 2, "context parallelism"),
+        ("spmd_backend", "spmd_types", "torch 2.13"),
+        ("attn_type", "varlen", "flex"),
+        ("activation_checkpoint", "selective", "recompute"),
+        ("use_torch_compile", True, "compiled"),
+    ):
+        reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
+        assert reason is not None and knob in reason and words in reason, (knob, reason)
+
+
+def test_selected_through_verl_config():
+    """``model_engine=torchtitan`` plus the engine config's target and strategy select prefix_torchtitan; verl's
+    YAML defaults (spmd_types, selective checkpointing, compile) are refused with the knob to set."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from verl_prefix.backend.titan_config import refusal
+    from verl_prefix.backend.titan_registry import build_prefix_torchtitan
+    from verl_prefix.tools.testing import compose_ppo_config
+
+    a = "actor_rollout_ref.actor"
+    overrides = [
+        "model_engine=torchtitan",
+        f"{a}.strategy=prefix_torchtitan",
+        f"{a}.torchtitan._target_=verl_prefix.backend.titan_config.PrefixTorchtitanEngineConfig",
+        f"{a}.torchtitan.strategy=prefix_torchtitan",
+        f"+{a}.torchtitan.prefix_reuse.min_prefix_len=8",
+        f"{a}.ppo_micro_batch_size_per_gpu=2",
+    ]
+    engine = omega_conf_to_dataclass(compose_ppo_config(overrides).actor_rollout_ref.actor).engine
+    assert EngineRegistry.get_engine_cls("language_model", engine.strategy) is build_prefix_torchtitan
+    assert "spmd_backend" in refusal(engine)
+    served = ["spmd_backend=default", "activation_checkpoint=none", "use_torch_compile=false"]
+    fixed = compose_ppo_config(overrides + [f"{a}.torchtitan.{kv}" for kv in served]).actor_rollout_ref.actor
+    assert refusal(omega_conf_to_dataclass(fixed).engine) is None
+
+
+def test_flavor_mismatch_is_refused(tiny_model):
+    """verl picks a flavor by (hidden, layers, vocab): the dense and MoE debug flavors share them."""
+    from torchtitan.models import qwen3
+    from transformers import AutoConfig
+
+    from verl_prefix.backend.titan_flavor import check_flavor, flavor_mismatches
+    from verl_prefix.tools.titan_testing import register_tiny_flavor
+
+    model_dir = tiny_model("qwen3")
+    hf = AutoConfig.from_pretrained(model_dir)
+    assert flavor_mismatches(qwen3.model_registry(register_tiny_flavor(model_dir)), hf) == []
+    dense_debug = AutoConfig.for_model(
+        "qwen3", hidden_size=256, num_hidden_layers=8, vocab_size=2048, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )  # fmt: skip
+    assert flavor_mismatches(qwen3.model_registry("debugmodel"), dense_debug) == []
+    with pytest.raises(ValueError, match="MoE flavor"):
+        check_flavor(qwen3.model_registry("debugmodel_moe"), dense_debug)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        other_heads = AutoConfig.for_model(**{**dense_debug.to_dict(), "num_key_value_heads": 4})
+        check_flavor(qwen3.model_registry("debugmodel"), other_heads)
+
+
+pytestmark = pytest.mark.timeout(600)

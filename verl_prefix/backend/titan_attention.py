@@ -1,0 +1,142 @@
+"""Phase A capture and phase B serving at torchtitan's ``layers.{i}.attention.inner_attention``.
+
+That module receives post-norm, post-RoPE q/k/v as ``[B, L, heads, head_dim]``, under TP already this rank's
+head shard, so what is captured and served is the local shard: dK/dV stay on the rank that owns the heads
+and phase C backpropagates through the rank's own projections (their TP collectives run as in dense).
+Phase B attends each row's queries to ``cat(prefix_leaf.expand(B), row_kv)`` with a flex block mask whose key
+length is ``P - 1 + S`` (flex expresses query length != key length): every prefix key, then the row's own
+keys causally. On CPU the platform layer computes that mask densely (``platform_titan``); on CUDA the flex
+kernel runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from verl_prefix.schedule.prefix_kv import PrefixCaptured, PrefixKV
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """torchtitan's decoder blocks, in order (``model.layers`` is a ModuleDict keyed by index)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError("prefix_torchtitan: the model has no `layers`; only torchtitan decoders are served")
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(leaf: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``leaf`` (this rank's local shard) as the kind of tensor ``ref`` is: a DTensor on ``ref``'s mesh."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(ref, DTensor):
+        return DTensor.from_local(leaf, ref.device_mesh, ref.placements, run_check=False)
+    return leaf
+
+
+def causal_mask(length: int, device: torch.device) -> BlockMask:
+    """Phase A: the prefix attends to itself causally."""
+
+    def causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return kv <= q
+
+    return create_block_mask(causal, 1, None, length, length, device=device)
+
+
+def suffix_mask(batch: int, prefix_len: int, suffix_len: int, device: torch.device) -> BlockMask:
+    """Phase B: suffix query ``q`` keeps every prefix key and its row's keys up to itself."""
+
+    def keep(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (kv < prefix_len) | (kv - prefix_len <= q)
+
+    return create_block_mask(keep, batch, None, suffix_len, prefix_len + suffix_len, device=device)
+
+
+class InnerAttentionHooks:
+    """Wraps every layer's ``inner_attention``: pass-through (dense), capture (phase A) or serve (phase B)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = decoder_layers(model)
+        self.mode: str | None = None
+        self.early_exit = False
+        self.kv: PrefixKV | None = None
+        for index, layer in enumerate(self.layers):
+            inner = layer.attention.inner_attention
+            if getattr(inner, "_verl_prefix_hook", None) is not None:
+                raise RuntimeError("prefix_torchtitan: inner attention is hooked twice")
+            original = inner.forward
+            inner.forward = functools.partial(self._forward, index, original)
+            inner._verl_prefix_hook = self
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @contextmanager
+    def capturing(self, prefix: PrefixKV, early_exit: bool) -> Iterator[PrefixKV]:
+        """Phase A: record every layer's K/V (graph-attached, ``[1, kv_heads, P-1, head_dim]`` local shards);
+        with ``early_exit`` the forward stops right after the last layer's K/V."""
+        self.early_exit = early_exit
+        try:
+            with self._mode("capture", prefix):
+                yield prefix
+        except PrefixCaptured:
+            pass
+        finally:
+            self.early_exit = False
+        if not prefix.complete:
+            missing = [i for i in range(self.num_layers) if not prefix.captured(i)]
+            raise RuntimeError(f"prefix_torchtitan: phase A did not capture K/V of layers {missing}")
+
+    @contextmanager
+    def serving(self, leaves: PrefixKV) -> Iterator[None]:
+        """Phase B: every layer attends to the prefix leaves before the rows' own keys."""
+        with self._mode("serve", leaves):
+            yield
+
+    @contextmanager
+    def _mode(self, mode: str, kv: PrefixKV) -> Iterator[None]:
+        if self.mode is not None:
+            raise RuntimeError(f"prefix_torchtitan: {mode} inside {self.mode}")
+        self.mode, self.kv = mode, kv
+        try:
+            yield
+        finally:
+            self.mode, self.kv = None, None
+
+    def _forward(
+        self, index: int, original: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        if self.mode == "capture":
+            assert self.kv is not None
+            self.kv.keys[index] = _local(k).transpose(1, 2)
+            self.kv.values[index] = _local(v).transpose(1, 2)
+            self.kv.captured_with_grad[index] = torch.is_grad_enabled()
+            # phase C starts inside this layer: its FSDP unit must be unsharded then (executor.unshard_cut_short)
+            self.kv.last_source = self.layers[index].attention
+            if self.early_exit and index == self.num_layers - 1:
+                # the last layer's attention output, MLP, final norm and LM head over the prefix feed nothing;
+                # every TP rank stops here alike (before the row-parallel output projection's collective)
+                self.kv.interrupted = self.layers[index].attention
+                raise PrefixCaptured()
+        elif self.mode == "serve":
+            assert self.kv is not None
+            keys, values = self.kv.layer_tensors(index)
+            batch = q.shape[0]
+            pk = _like(keys.transpose(1, 2).to(_local(k).dtype), k)
+            pv = _like(values.transpose(1, 2).to(_local(v).dtype), v)
+            k = torch.cat([pk.expand(batch, -1, -1, -1), k], dim=1)
+            v = torch.cat([pv.expand(batch, -1, -1, -1), v], dim=1)
+        return original(q, k, v, **kwargs)

@@ -1,0 +1,301 @@
+"""The ``prefix_torchtitan`` engine backend: verl's TorchTitan engine with the A/B/C schedule per uid group.
+
+verl builds the model (torchtitan's parallelisms over DTensor), loads the HF checkpoint, owns the loss, the
+optimizer step (torchtitan's grad clipping across TP/EP meshes) and checkpoints; only
+``forward_backward_batch`` changes. Per group: phase A runs ``prompt[:-1]`` once through the model with every
+layer's K/V captured at ``inner_attention`` (``titan_attention``); phase B runs the suffix rows as micro-batches
+whose attention sees the prefix leaves, each micro-batch's verl loss backpropagated at once; phase C
+backpropagates the prefix once, seeded with the leaves' dK/dV. Grouping, the prefix K/V container, suffix
+batches and phase C's seeded backward are the schedule layer's (``verl_prefix.schedule``); only the
+torchtitan-specific calls live here.
+
+Rows that cannot reuse (short prefix, a group of one) run through verl's own ``forward_step`` and are counted
+under ``prefix/fallback_<reason>`` with one log line. Data-parallel ranks keep FSDP's collectives matched with
+the FSDP engine's lockstep (``backend.lockstep``: agreed shape, zero-loss fillers). What this slice does not
+serve is refused when the engine is built (``titan_config.refusal``), and so is a torchtitan flavor that does
+not match the checkpoint (``titan_flavor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.torch_functional import logprobs_from_logits
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func
+
+from verl_prefix.backend import fallbacks, platform_titan
+from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.backend.inputs import per_row_temperature
+from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
+from verl_prefix.backend.outputs import as_micro_batch_lists, fallback_metrics, full_length, static_bsz, token_counts
+from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
+from verl_prefix.backend.titan_config import refusal
+from verl_prefix.backend.titan_flavor import check_flavor
+from verl_prefix.backend.titan_moe import ExpertCounts
+from verl_prefix.backend.validation import agree_on_validity, check_batch
+from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
+from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.options import ScheduleOptions
+from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.telemetry import PhaseMeter
+
+logger = logging.getLogger(__name__)
+
+_impl = platform_titan.ensure_titan_platform()
+
+
+class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
+    """Drop-in for verl's ``TorchTitanEngineWithLMHead`` selected by ``actor.strategy=prefix_torchtitan``."""
+
+    def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
+        reason = refusal(engine_config)
+        if reason is not None:
+            raise ValueError(reason)
+        reuse = getattr(engine_config, "prefix_reuse", None)
+        if isinstance(reuse, Mapping):  # from YAML without a _target_
+            reuse = PrefixReuseConfig(**reuse)
+        self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
+        backend = getattr(engine_config, "spmd_backend", None)
+        engine_config = platform_titan.replace_config(
+            engine_config,
+            strategy="torchtitan",
+            spmd_backend=platform_titan.SPMD_BACKEND_RENAMES.get(backend, backend),
+        )
+        super().__init__(model_config, engine_config, *args, **kwargs)
+        check_flavor(self.config.model_spec, model_config.hf_config)
+        self.hooks: InnerAttentionHooks | None = None
+        self.expert_counts: ExpertCounts | None = None
+
+    def initialize(self) -> None:
+        super().initialize()
+        if len(self.module) != 1:
+            raise ValueError("prefix_torchtitan: one model part expected (pipeline parallelism is refused)")
+        self.expert_counts = ExpertCounts(self.module[0])
+        if self.reuse_config.enable and self.expert_counts and self.engine_config.tensor_parallel_size > 1:
+            # TP shards the MoE's tokens (sequence parallel): the weighted counts would need the same sharding
+            raise ValueError(
+                "prefix_torchtitan: MoE flavors with tensor_parallel_size > 1 are not served yet (the router's "
+                "token counts are sharded on the sequence under TP); use expert_parallel_size / FSDP, or "
+                "prefix_reuse.enable=false"
+            )
+        self.hooks = InnerAttentionHooks(self.module[0])
+
+    # -- the mini-batch -----------------------------------------------------------------------------
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        output = self._forward_backward(data, loss_function, forward_only)
+        output["metrics"] = as_micro_batch_lists(output["metrics"])
+        return output
+
+    def _local_reason(self, data: TensorDict, forward_only: bool) -> tuple[str | None, RowLayout | None]:
+        def check() -> tuple[str | None, RowLayout | None]:
+            if not self.reuse_config.enable:
+                return "disabled", None
+            if forward_only and not self.reuse_config.forward_only_reuse:
+                return "forward_only_disabled", None
+            reason = fallbacks.batch_fallback_reason(data)
+            return reason, check_batch(data, forward_only=forward_only, reuse=reason is None)
+
+        return agree_on_validity(check, self.get_data_parallel_group())
+
+    def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        local_reason, layout = self._local_reason(data, forward_only)
+        reason = fallbacks.agree_on_fallback(local_reason, self.get_data_parallel_group())
+        if reason is not None:
+            meter = PhaseMeter(self._device())
+            with meter.phase("dense"):
+                output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            tokens = int(data["input_ids"].offsets()[-1])
+            output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
+            if reason != "disabled":
+                fallbacks.log_fallbacks([reason])
+            output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
+            return output
+        assert layout is not None
+        return self._reuse_batch(data, layout, loss_function, forward_only)
+
+    def _attach_global_normalisation(self, data: TensorDict) -> None:
+        """What verl's ``forward_backward_batch`` attaches before splitting: losses are shares of the mini-batch."""
+        tu.assign_non_tensor(data, sp_size=self.engine_config.tensor_parallel_size)
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        group = self.get_data_parallel_group()
+        if group is not None:
+            dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+    def _plan(self, data: TensorDict, layout: RowLayout) -> BatchPlan:
+        max_rows = self.reuse_config.suffix_micro_batch_size or int(
+            tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1)
+        )
+        return plan_batch(
+            layout,
+            max_rows=max_rows,
+            max_tokens=self.reuse_config.suffix_token_budget,
+            min_prefix_len=self.reuse_config.min_prefix_len,
+            min_group_size=self.reuse_config.min_group_size,
+        )
+
+    def _reuse_batch(self, data: TensorDict, layout: RowLayout, loss_function: Callable, forward_only: bool) -> Any:
+        self._attach_global_normalisation(data)
+        layout = RowLayout(**{**layout.__dict__, "temperature": per_row_temperature(data)})
+        plan = self._plan(data, layout)
+        dense_chunks = self._dense_chunks(data, plan.all_dense_rows)
+        # data-parallel ranks hold different groups: every rank runs as many group slots, suffix micro-batches
+        # and dense chunks as the busiest one (zero-loss fillers), or their FSDP collectives would not match
+        lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
+        device = self._device()
+        meter = PhaseMeter(device)
+        options = ScheduleOptions(device=device, meter=meter)
+        calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        output_lst: list[dict] = []
+        order: list[list[int]] = []
+
+        def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
+            keep = forward_only or return_model_output
+            output_lst.append(
+                {"model_output": detach_tree(model_output) if keep else {}, "loss": loss, "metrics": metrics}
+            )
+            order.append(rows)
+
+        grad = torch.no_grad() if forward_only else nullcontext()
+        autocast = platform_titan.engine_autocast(self.engine_config, get_device_name())
+        with self.trainer.train_context(), grad, autocast:
+            for slot in range(lockstep.num_groups):
+                num_micro = lockstep.micro_batches[slot]
+                if slot < len(plan.groups):
+                    group = plan.groups[slot]
+                    group = dataclasses.replace(group, filler_micro_batches=num_micro - len(group.micro_batches))
+                    self._group(data, layout, group, options, loss_function, forward_only, calculate_entropy, record)
+                else:
+                    filler_layout, slot_plan = filler_group(num_micro)
+                    with meter.phase("lockstep"):
+                        args = (data, filler_layout, slot_plan, options, None, forward_only, False, record)
+                        self._group(*args, filler=True)
+            for k in range(lockstep.num_dense_chunks):
+                if k >= len(dense_chunks):
+                    with meter.phase("lockstep"):
+                        self._filler_dense(device, forward_only)
+                    continue
+                rows = dense_chunks[k]
+                micro = tu.index_select_tensor_dict(data, rows)
+                with meter.phase("dense"):
+                    loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
+                    if not forward_only:
+                        loss.backward()
+                record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
+
+        output = postprocess_batch_func(output_lst=output_lst, indices=order, data=static_bsz(data))
+        if output["model_output"]:
+            from verl.utils.seqlen_balancing import restore_dynamic_batch
+
+            output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
+        output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
+        fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
+        logical, physical = token_counts(layout, plan)
+        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
+        output["metrics"].update(meter.metrics(logical, physical, phases=phases))
+        return output
+
+    def _group(
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        group: GroupPlan,
+        options: ScheduleOptions,
+        loss_function: Callable | None,
+        forward_only: bool,
+        calculate_entropy: bool,
+        record: Callable,
+        filler: bool = False,
+    ) -> None:
+        """Phases A, B and C of one uid group on torchtitan's model (``filler``: a lockstep slot, uncounted)."""
+        assert self.hooks is not None
+        model, meter, device = self.module[0], options.meter, options.device
+        first = group.rows[0]
+        ids = layout.input_ids[first][: group.prefix_len].to(device)[None]
+        pos = layout.position_ids[first][..., : group.prefix_len].to(device)[None]
+        prefix = PrefixKV(self.hooks.num_layers)
+        counts = self.expert_counts
+        # the prefix's tokens count once per row of the group (zero for a lockstep filler); with MoE layers
+        # phase A runs to the end so that the last layer routes the prefix too
+        copies = 0.0 if filler else float(len(group.rows))
+        early_exit = self.reuse_config.early_exit and not counts
+        with meter.phase("A"), self.hooks.capturing(prefix, early_exit), self._counted(copies):
+            model(ids, positions=pos, attention_masks=causal_mask(group.prefix_len, device))
+        leaves = prefix.as_leaves(requires_grad=not forward_only)
+        meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
+        for rows in group.micro_batches:
+            with meter.phase("B"):
+                # with MoE layers each row's last response token is routed too, as dense routes it
+                batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=bool(counts))
+                width = batch.input_ids.shape[1]
+                mask = suffix_mask(len(rows), group.prefix_len, width, device)
+                real = 0.0 if filler else batch.tokens.float()
+                with self.hooks.serving(leaves), self._counted(real):
+                    logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
+                if isinstance(logits, DTensor):
+                    logits = logits.full_tensor()
+                log_probs, entropy = [], []
+                for k, length in enumerate(batch.lengths):
+                    row_logits = logits[k, :length] / batch.temperature[k].to(logits.dtype)
+                    log_probs.append(logprobs_from_logits(row_logits, batch.labels[k, :length]))
+                    if calculate_entropy:
+                        entropy.append(self.compute_entropy_from_logits(row_logits))
+                model_output = {"log_probs": full_length(log_probs, layout, rows)}
+                if calculate_entropy:
+                    model_output["entropy"] = full_length(entropy, layout, rows)
+                metrics: dict = {}
+                loss_value = 1.0
+                if loss_function is not None:
+                    micro = tu.index_select_tensor_dict(data, rows)
+                    loss, metrics = loss_function(
+                        model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
+                    )
+                    if not forward_only:
+                        loss.backward()
+                    loss_value = loss.detach().item()
+                record(rows, model_output, loss_value, metrics)
+        for _ in range(group.filler_micro_batches):  # lockstep: the same collectives, zero loss
+            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
+            mask = suffix_mask(1, group.prefix_len, batch.input_ids.shape[1], device)
+            with meter.phase("lockstep"), self.hooks.serving(leaves), self._counted(0.0):
+                logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
+                if not forward_only:
+                    (logits.sum() * 0.0).backward()
+        if not forward_only:
+            with meter.phase("C"):
+                prefix_backward(prefix, leaves, model)
+
+    def _filler_dense(self, device: torch.device, forward_only: bool) -> None:
+        """A zero-loss dense micro-batch that matches a peer's dense chunk collective for collective."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        pos = torch.arange(2, device=device)[None]
+        with self._counted(0.0):
+            logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(2, device))
+        if not forward_only:
+            (logits.sum() * 0.0).backward()
+
+    def _counted(self, weights: torch.Tensor | float) -> Any:
+        """MoE routing counted with ``weights`` per token (``titan_moe``); nothing to do for a dense model."""
+        counts = self.expert_counts
+        return counts.weighted(weights) if counts else nullcontext()
+
+    def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
+        size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def _device(self) -> torch.device:
+        name = get_device_name()
+        return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())

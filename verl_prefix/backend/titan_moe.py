@@ -1,0 +1,98 @@
+"""torchtitan's MoE load-balancing counts under reuse, with logical prefix-token accounting.
+
+torchtitan 0.3.0 balances experts without an aux loss (its ``MoE.load_balance_coeff``): every training forward
+adds the tokens routed to each expert to the ``tokens_per_expert_E`` buffer, and an optimizer step pre-hook
+moves ``expert_bias_E`` by ``coeff * sign(mean - count)`` (summed over the loss mesh, and over TP under EP), then
+zeroes the counts. verl's TorchTitan engine keeps that mechanism as it is. A dense row routes its whole prompt;
+reuse routes the prefix once per group, pads suffix rows and runs lockstep fillers, so the module's own count
+would differ from dense. ``ExpertCounts`` replaces each MoE forward's increment with a weighted one: phase A's
+tokens count once per row of the group (as the FSDP engine's ``schedule.moe.logical_stats`` counts router
+statistics), phase B's real suffix tokens (the last response token included, which dense also routes) once,
+padding and fillers not at all. Outside ``weighted`` (verl's dense chunks) the module counts for itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from verl_prefix.backend.titan_attention import decoder_layers
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The ``moe`` modules of torchtitan's MoE decoder blocks, in order (empty for a dense model)."""
+    return [layer.moe for layer in decoder_layers(model) if getattr(layer, "moe_enabled", False)]
+
+
+class ExpertCounts:
+    """Hooks on every MoE layer that count routed tokens with per-position weights while ``weighted`` is active."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.moes = moe_layers(model)
+        self.weights: torch.Tensor | None = None
+        self._saved: dict[int, torch.Tensor] = {}
+        self._ids: dict[int, torch.Tensor] = {}
+        for index, moe in enumerate(self.moes):
+            moe.register_forward_pre_hook(self._pre_hook(index))
+            moe.router.register_forward_hook(self._router_hook(index))
+            moe.register_forward_hook(self._post_hook(index))
+
+    def __bool__(self) -> bool:
+        return bool(self.moes)
+
+    @contextmanager
+    def weighted(self, weights: torch.Tensor | float) -> Iterator[None]:
+        """Count each routed token with ``weights`` (``[B, L]``, broadcast from a scalar): the group size for
+        phase A's prefix, 1 for real suffix tokens, 0 for padding and lockstep fillers."""
+        self.weights = torch.as_tensor(weights, dtype=torch.float32)
+        try:
+            yield
+        finally:
+            self.weights = None
+            self._saved.clear()
+            self._ids.clear()
+
+    def _pre_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.weights is not None and module.training:
+                self._saved[index] = _local(module.tokens_per_expert_E).detach().clone()
+
+        return hook
+
+    def _router_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.weights is not None and index in self._saved:
+                ids = output[1]
+                if _local(ids).shape != ids.shape:
+                    raise ValueError(
+                        "prefix_torchtitan: router outputs sharded on the token dimension (TP with MoE) are not "
+                        "counted under reuse yet"
+                    )
+                self._ids[index] = _local(ids).detach()
+
+        return hook
+
+    def _post_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            saved = self._saved.pop(index, None)
+            if saved is None:
+                return
+            ids = self._ids.pop(index)  # [B, L, K]
+            weights = self.weights.to(ids.device).expand(ids.shape[:2])
+            chosen = torch.zeros(*ids.shape[:2], saved.numel(), dtype=torch.float32, device=ids.device)
+            chosen.scatter_(-1, ids, 1.0)  # one hot per token over its top-k experts (as torchtitan's map)
+            counts = (chosen * weights[..., None]).sum(dim=(0, 1))
+            with torch.no_grad():
+                _local(module.tokens_per_expert_E).copy_(saved + counts.to(saved.dtype))
+
+        return hook
