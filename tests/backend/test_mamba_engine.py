@@ -14,6 +14,7 @@ from test_engine_exactness import engines, grpo_batch, worst_relative
 from transformers import AutoModelForCausalLM, NemotronHConfig
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.backend import fallbacks
 from verl_prefix.tools import testing as T
 
 VOCAB = 128
@@ -75,3 +76,15 @@ def test_update_and_infer_match_stock_engine(nemotron_dir, dtype, tol):
     d_after, p_after = T.params_of(d_engine), T.params_of(p_engine)
     update = worst_relative({n: p_after[n] - before[n] for n in before}, {n: d_after[n] - before[n] for n in before})
     assert update < 10 * tol
+
+
+def test_sequences_past_the_mixers_chunk_run_dense_with_their_reason(nemotron_dir):
+    """Past one ``chunk_size`` transformers' torch scan (what the stock engine runs) is not the recurrence reuse
+    computes: such a mini-batch runs dense (``mamba_multichunk``), one that fits a chunk reuses."""
+    batch = grpo_batch()
+    longest = int(batch["input_ids"].offsets().diff().max())
+    fits = AutoModelForCausalLM.from_pretrained(nemotron_dir)
+    assert fits.config.chunk_size >= longest
+    assert fallbacks.length_fallback_reason(fits, batch) is None
+    short = AutoModelForCausalLM.from_pretrained(nemotron_dir, chunk_size=longest - 1)
+    assert fallbacks.length_fallback_reason(short, batch) == "mamba_multichunk"

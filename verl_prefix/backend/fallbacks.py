@@ -23,7 +23,7 @@ from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.schedule import moe, recurrent
+from verl_prefix.schedule import mamba, moe, recurrent
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
@@ -268,8 +268,10 @@ def undeclared_windows(model: nn.Module) -> list[int]:
 def length_fallback_reason(model: nn.Module, data: TensorDict) -> str | None:
     """A reason from the model and this mini-batch's longest sequence (tokens or largest position + 1):
     a window the config declares but no attention module carries, shorter than it (``undeclared_windows``;
-    the windows the modules carry are served by reuse, ``schedule.windows``), or RoPE whose frequencies
-    would differ between phase A, phase B and the dense call (``rope_length_limit``)."""
+    the windows the modules carry are served by reuse, ``schedule.windows``), RoPE whose frequencies
+    would differ between phase A, phase B and the dense call (``rope_length_limit``), or a sequence longer than
+    a served Mamba-2 mixer's ``chunk_size``, where transformers' torch scan (the stock engine's) is not the
+    recurrence reuse computes (``mamba.single_chunk_limit``)."""
     positions = data["position_ids"]
     positions = positions.values() if positions.is_nested else positions
     longest = max(int(data["input_ids"].offsets().diff().max()), int(positions.max()) + 1)
@@ -279,6 +281,9 @@ def length_fallback_reason(model: nn.Module, data: TensorDict) -> str | None:
     limit = rope_length_limit(model)
     if limit is not None and longest >= limit:
         return "dynamic_rope"
+    chunk = mamba.single_chunk_limit(model)
+    if chunk is not None and longest > chunk:
+        return "mamba_multichunk"
     return None
 
 

@@ -62,6 +62,15 @@ def served_mamba_layer(module: nn.Module) -> bool:
     return not getattr(sys.modules[cls.__module__], "is_fast_path_available", False)
 
 
+def single_chunk_limit(model: nn.Module) -> int | None:
+    """The longest sequence on which a served Mamba-2 mixer's torch path is the recurrence: its smallest
+    ``chunk_size`` (None without served Mamba-2 mixers). Past it transformers' multi-chunk scan, which the stock
+    engine runs, differs from the recurrence the schedule computes (``continue_forward``), so such a mini-batch
+    runs dense to stay equal to the stock engine (``fallbacks.length_fallback_reason``)."""
+    sizes = [int(m.chunk_size) for m in model.modules() if served_mamba_layer(m) and not isinstance(m, SHORT_CONVS)]
+    return min(sizes) if sizes else None
+
+
 class Continuation:
     """One Mamba-2 mixer call's ``cache_params`` inside the schedule: where it starts and where its end goes.
 
