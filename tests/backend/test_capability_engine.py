@@ -1,6 +1,6 @@
 """The capability check at engine initialisation (issue 21, item 5): a hybrid model whose conv layers the schedule
-cannot serve (a tiny ``lfm2``: one short-conv layer, one attention layer) runs dense from the first step, counted
-as ``prefix/fallback_convolution_layers`` with one log line at initialisation naming the module, and its
+cannot serve (a tiny ``falcon_h1``: Mamba-2 mixers running beside attention in each layer) runs dense from the
+first step, counted as ``prefix/fallback_recurrent_layers`` with one log line at initialisation naming the module, and its
 gradients are the stock engine's; under ``unsupported_model=raise`` the engine refuses it naming the module,
 instead of stopping mid-step ("phase A did not capture K/V for every layer")."""
 
@@ -22,8 +22,8 @@ TARGET = "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.Prefix
 
 
 @pytest.fixture(scope="module")
-def lfm2_dir(tmp_path_factory):
-    return Z.write_model(tmp_path_factory.mktemp("lfm2"), "lfm2", torch.float64)
+def hybrid_dir(tmp_path_factory):
+    return Z.write_model(tmp_path_factory.mktemp("falcon_h1"), "falcon_h1", torch.float64)
 
 
 def batch():
@@ -32,31 +32,31 @@ def batch():
     )
 
 
-def test_hybrid_runs_dense_with_the_reason_from_step_one(lfm2_dir, caplog):
+def test_hybrid_runs_dense_with_the_reason_from_step_one(hybrid_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.agreement"):
-        prefix, p_loss, _ = T.build_verl_engine(lfm2_dir, backend="prefix_fsdp2", dtype="float64")
+        prefix, p_loss, _ = T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", dtype="float64")
     said = [r.getMessage() for r in caplog.records if "cannot serve this model" in r.getMessage()]
-    assert len(said) == 1 and "model.layers.0.conv (Lfm2ShortConv)" in said[0], said  # at init, before any step
+    assert len(said) == 1 and "model.layers.0.mamba (FalconH1Mixer)" in said[0], said  # at init, before any step
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)  # every group would reuse if it could
-    dense, d_loss, _ = T.build_verl_engine(lfm2_dir, backend="fsdp2", dtype="float64")
+    dense, d_loss, _ = T.build_verl_engine(hybrid_dir, backend="fsdp2", dtype="float64")
     want = T.run_train_step(dense, d_loss, batch(), capture_grads=True)  # the same stock path: no promotion needed
     got = T.run_train_step(prefix, p_loss, batch(), capture_grads=True)
     metrics = got["reduced_metrics"]
-    assert metrics["prefix/fallback_convolution_layers"] == 8.0
+    assert metrics["prefix/fallback_recurrent_layers"] == 8.0
     assert_no_reuse(metrics)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     assert worst < 1e-10
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.agreement"):
         again = T.run_train_step(prefix, p_loss, batch())  # the decision stands: no new log line
-    assert again["reduced_metrics"]["prefix/fallback_convolution_layers"] == 8.0
+    assert again["reduced_metrics"]["prefix/fallback_recurrent_layers"] == 8.0
     assert not [r for r in caplog.records if "cannot serve this model" in r.getMessage()]
 
 
-def test_raise_refuses_at_initialisation_naming_the_module(lfm2_dir):
-    with pytest.raises(UnsupportedModel, match=r"model\.layers\.0\.conv \(Lfm2ShortConv\).*convolution_layers"):
+def test_raise_refuses_at_initialisation_naming_the_module(hybrid_dir):
+    with pytest.raises(UnsupportedModel, match=r"model\.layers\.0\.mamba \(FalconH1Mixer\).*recurrent_layers"):
         T.build_verl_engine(
-            lfm2_dir,
+            hybrid_dir,
             backend="prefix_fsdp2",
             overrides=[TARGET, "+actor_rollout_ref.actor.fsdp_config.prefix_reuse.unsupported_model=raise"],
         )
@@ -92,12 +92,12 @@ def test_a_dropout_rate_applied_without_a_module_runs_dense():
 
 
 def _structure_body(rank: int) -> dict:
-    """Rank 1 holds a hybrid (lfm2), rank 0 a served model (llama): the ranks agree before any step."""
+    """Rank 1 holds a hybrid it cannot serve (falcon_h1), rank 0 a served model (llama): the ranks agree before any step."""
     import torch.distributed as dist
 
     from verl_prefix.backend.agreement import UnsupportedModel, agree_on_structure
 
-    model = Z.build("lfm2" if rank == 1 else "llama")
+    model = Z.build("falcon_h1" if rank == 1 else "llama")
     out = {"dense": agree_on_structure(model, "dense")}
     try:
         agree_on_structure(model, "raise")
@@ -113,6 +113,6 @@ def test_ranks_agree_on_the_structure_before_any_step():
 
     results = run_two_ranks(_structure_body, timeout=300)
     for rank in range(2):
-        assert results[rank]["dense"] == "convolution_layers", results[rank]
-        assert "rank 1: model.layers.0.conv (Lfm2ShortConv)" in results[rank]["raised"], results[rank]
+        assert results[rank]["dense"] == "recurrent_layers", results[rank]
+        assert "rank 1: model.layers.0.mamba (FalconH1Mixer)" in results[rank]["raised"], results[rank]
     assert results[0]["raised"] == results[1]["raised"]
