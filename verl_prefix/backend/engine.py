@@ -52,6 +52,7 @@ from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.multimodal import model_positions, text_only_call, visual_token_ids
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.telemetry import PhaseMeter
@@ -94,6 +95,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         with the reason, or raise), and a knob this model cannot run with (``merged_varlen`` with sliding
         windows) is an error here."""
         super().initialize()
+        error = fallbacks.multimodal_ulysses_error(self.module, self.reuse_config, self.use_ulysses_sp)
+        if error is not None:
+            raise ValueError(error)
         if self._structure_reason() is not None:
             return
         error = fallbacks.windowed_varlen_error(self.module, self.reuse_config)
@@ -223,6 +227,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             reason = (
                 self._model_fallback_reason(forward_only)
                 or fallbacks.batch_fallback_reason(data)
+                or fallbacks.multimodal_fallback_reason(self.module, self.reuse_config, data)
                 or fallbacks.length_fallback_reason(self.module, data)
             )
             if reason == "disabled":  # reuse off: the stock engine, which checks nothing
@@ -283,6 +288,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             min_prefix_len=self.reuse_config.min_prefix_len,
             min_group_size=self.reuse_config.min_group_size,
             extra_tokens_per_row=1 if self._moe_aux_on(forward_only) else 0,  # the routed last token
+            visual_token_ids=visual_token_ids(self.module),
         )
 
     def _autocast(self) -> Callable[[], AbstractContextManager]:
@@ -542,9 +548,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         ctx = torch.no_grad() if forward_only else nullcontext()
-        with ctx, self._autocast()():
+        with ctx, self._autocast()(), text_only_call(self.module):
             logits = self.module(
-                input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False
+                input_ids=ids,
+                position_ids=model_positions(self.module, torch.arange(2, device=device)[None]),
+                use_cache=False,
             ).logits
             if not forward_only:
                 self._backward(logits.sum() * 0.0)
