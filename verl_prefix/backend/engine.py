@@ -156,7 +156,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         loss function (called by verl right after the model) adds the weighted aux term.
         """
         if not self._moe_aux_on(forward_only) or loss_function is None:
-            return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+            with text_only_call(self.module):  # a vision-language micro-batch of text rows (schedule.multimodal)
+                return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
         routers = self._moe_routers()
         with routers.capture() as logits:
 

@@ -1,0 +1,191 @@
+"""Visual tokens in the shared prefix: prefix_fsdp2 against verl's stock fsdp2 engine on a tiny Qwen2.5-VL with
+real pixel inputs (two image sizes, a group with two images, a text group with verl's empty entries), fp64 and
+fp32, suffix micro-batches of 1, 2 and G rows, vision tower trainable and frozen, updates and forward-only
+passes; each comparison asserts reuse ran and the vision encoder ran once per group. Negative controls: suffix
+rotary positions computed as if the image were text, and a row whose image was swapped (detected by content:
+the group runs dense, and without the check reuse would be wrong)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+from helpers.precision import fp64_throughout
+from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+
+from verl_prefix import PrefixReuseConfig
+from verl_prefix.backend import fallbacks
+from verl_prefix.schedule import executor, grouping
+from verl_prefix.schedule.multimodal import text_only_call
+from verl_prefix.tools import testing as T
+from verl_prefix.tools import testing_vl as V
+
+G = 4
+GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
+# group 0: a 4 x 4 patch image (4 tokens); group 1: 4 x 8 (8 tokens); group 2: two images; group 3: text only
+IMAGES = [[(4, 4)], [(4, 8)], [(4, 4), (8, 4)], []]
+VISUAL_GROUPS = 3
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    return V.write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+
+
+def vl_batch(**kwargs):
+    return V.make_vl_grpo_batch(images=IMAGES, group_size=G, seed=5, use_kl=True, calculate_entropy=True, **kwargs)
+
+
+def build(model_dir, dtype):
+    """The stock engine and prefix_fsdp2 on the same model; lr 0 keeps the weights for every later comparison."""
+    args = dict(dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
+    dense = T.build_verl_engine(model_dir, backend="fsdp2", **args)
+    prefix = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **args)
+    prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    return dense, prefix
+
+
+@pytest.fixture(scope="module")
+def fp64(vl_model):
+    return build(vl_model, "float64")
+
+
+@pytest.fixture(scope="module")
+def fp32(vl_model):
+    return build(vl_model, "float32")
+
+
+def step(engine_and_loss, batch, precision):
+    """One update on the stock engine's terms. ``text_only_call`` lets verl's placeholder vision pass of a
+    text-only micro-batch run under transformers 5 (the stock engine needs it as much as ours)."""
+    engine, loss_fn, _ = engine_and_loss
+    with precision(), text_only_call(engine.module):
+        return T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+
+
+def worst(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return max(((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want)
+
+
+def compare(engines, batch, dtype, reuse=None):
+    (dense, prefix) = engines
+    if reuse is not None:
+        prefix[0].reuse_config = reuse
+    precision = fp64_throughout if dtype == "float64" else nullcontext
+    want = step(dense, batch, precision)
+    got = step(prefix, batch, precision)
+    return worst(got["grads"], want["grads"]), want, got
+
+
+def assert_encoder_once_per_group(metrics, groups=VISUAL_GROUPS):
+    assert reduced(metrics)["prefix/vision_encoder_calls"] == groups
+
+
+@pytest.mark.parametrize("rows", [1, 2, G])
+def test_update_matches_stock_engine_fp64(fp64, rows):
+    grads, dense, prefix = compare(
+        fp64, vl_batch(), "float64", PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=rows)
+    )
+    assert grads < GRAD_TOL["float64"]
+    assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-10)
+    assert any("visual" in n for n in prefix["grads"]), "the vision tower trains: phase C must reach it"
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_once_per_group(prefix["metrics"])
+
+
+def test_update_matches_stock_engine_fp32_dynamic_batch_size(fp32):
+    batch = vl_batch(worker_settings={"use_dynamic_bsz": True, "max_token_len_per_gpu": 64})
+    grads, _, prefix = compare(fp32, batch, "float32", PrefixReuseConfig(min_prefix_len=2))
+    assert grads < GRAD_TOL["float32"]
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_once_per_group(prefix["metrics"])
+
+
+def test_frozen_vision_tower(fp64):
+    """verl 0.9.1 declares ``freeze_vision_tower`` but its engine never reads it: a frozen tower is one whose
+    parameters do not require grad, in both engines alike; reuse then leaves the tower without gradients."""
+    towers = [engine.module.model.visual for (engine, _, _) in fp64]
+    for tower in towers:
+        tower.requires_grad_(False)
+    try:
+        grads, _, prefix = compare(fp64, vl_batch(), "float64", PrefixReuseConfig(min_prefix_len=2))
+    finally:
+        for tower in towers:
+            tower.requires_grad_(True)
+    assert grads < GRAD_TOL["float64"]
+    assert not any("visual" in n for n in prefix["grads"])
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_once_per_group(prefix["metrics"])
+
+
+def test_forward_only_matches_stock_engine(fp64):
+    (dense, _, _), (prefix, _, _) = fp64
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    with fp64_throughout():
+        with text_only_call(dense.module):
+            want = T.run_infer(dense, vl_batch())
+        got = T.run_infer(prefix, vl_batch())
+    assert_infer_matches(want, got, 1e-10, groups=len(IMAGES))
+    assert_encoder_once_per_group(got["metrics"])
+
+
+def test_suffix_positions_as_if_the_image_were_text_fail(fp64, monkeypatch):
+    """Negative control: suffix rows rotated at text positions (the dense row's first position row on every
+    rotary axis) instead of the multimodal positions that continue after the image."""
+
+    def text_positions(positions, prompt_len, response_len):
+        cut = positions[..., prompt_len - 1 : prompt_len - 1 + response_len]
+        return cut[..., :1, :].expand_as(cut) if cut.dim() == 2 else cut
+
+    monkeypatch.setattr(executor, "suffix_positions", text_positions)
+    grads, _, prefix = compare(fp64, vl_batch(), "float64", PrefixReuseConfig(min_prefix_len=2))
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert grads > 1e-4
+
+
+def swapped(batch, row):
+    """The batch with one row's image replaced by another image of the same size (same tokens, positions)."""
+    entries = list(batch["multi_modal_inputs"])
+    other = V.image_inputs([tuple(entries[row]["image_grid_thw"][0, 1:].tolist())], seed=999)
+    entries[row] = other
+    batch = batch.copy()
+    from tensordict import NonTensorStack
+
+    batch["multi_modal_inputs"] = NonTensorStack(*entries)
+    return batch
+
+
+def test_swapped_image_is_detected_by_content(fp64, monkeypatch):
+    batch = swapped(vl_batch(), row=1)
+    grads, _, prefix = compare(fp64, batch, "float64", PrefixReuseConfig(min_prefix_len=2))
+    assert grads < GRAD_TOL["float64"]
+    metrics = reduced(prefix["metrics"])
+    assert metrics["prefix/fallback_multimodal_mismatch"] == G
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES) - 1)
+    # negative control: without the content check, the group reuses row 0's image for row 1
+    monkeypatch.setattr(grouping, "same_visual_inputs", lambda a, b: True)
+    grads, _, prefix = compare(fp64, batch, "float64")
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert grads > 1e-4
+
+
+def test_chunked_prefix_with_images_runs_dense_with_its_reason(fp64):
+    grads, _, prefix = compare(fp64, vl_batch(), "float64", PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=4))
+    assert grads < GRAD_TOL["float64"]
+    assert reduced(prefix["metrics"])["prefix/fallback_multimodal_chunked"] == len(IMAGES) * G
+
+
+def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(fp64, monkeypatch):
+    """Ulysses refuses at engine initialisation; verl's remove-padding attention (flash attention called
+    directly, no HF interface to capture K/V through) runs dense as ``multimodal_remove_padding``."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+    from verl.models.transformers.qwen2_vl import qwen2_vl_attn_forward
+
+    module = fp64[1][0].module
+    reuse = PrefixReuseConfig()
+    assert "Ulysses" in fallbacks.multimodal_ulysses_error(module, reuse, ulysses=True)
+    assert fallbacks.multimodal_ulysses_error(module, reuse, ulysses=False) is None
+    assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None
+    monkeypatch.setattr(modeling_qwen2_5_vl.Qwen2_5_VLAttention, "forward", qwen2_vl_attn_forward)
+    assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) == "multimodal_remove_padding"
