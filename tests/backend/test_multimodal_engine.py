@@ -189,3 +189,20 @@ def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(fp64, monkeypatc
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None
     monkeypatch.setattr(modeling_qwen2_5_vl.Qwen2_5_VLAttention, "forward", qwen2_vl_attn_forward)
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) == "multimodal_remove_padding"
+
+
+def test_coverage_page_lists_the_vision_language_families():
+    """``docs/models.md`` ends with the vision-language families and their status, as ``model_zoo`` renders them:
+    exact under reuse exactly where ``schedule.multimodal`` serves the family (this file's tests)."""
+    from pathlib import Path
+
+    from verl_prefix.schedule.multimodal import SERVED_VISUAL_MODELS
+    from verl_prefix.tools import model_zoo as Z
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    rows = Z.vision_language_rows()
+    assert {r.family for r in rows} >= {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"}
+    for row in rows:
+        assert f"| {row.family} | {row.status} | {row.reason} |" in page, "run verl-prefix models --write"
+        assert (row.status == Z.EXACT) == (row.family in SERVED_VISUAL_MODELS)
+    assert {r.family for r in Z.parse(page)} == set(Z.decoder_families()), "the section is not a matrix column"

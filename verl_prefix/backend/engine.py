@@ -155,9 +155,12 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         The routers' logits are captured by forward hooks during verl's own model call; the wrapped
         loss function (called by verl right after the model) adds the weighted aux term.
         """
+        with text_only_call(self.module):  # a vision-language micro-batch of text rows (schedule.multimodal)
+            return self._forward_step(micro_batch, loss_function, forward_only)
+
+    def _forward_step(self, micro_batch: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
         if not self._moe_aux_on(forward_only) or loss_function is None:
-            with text_only_call(self.module):  # a vision-language micro-batch of text rows (schedule.multimodal)
-                return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+            return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
         routers = self._moe_routers()
         with routers.capture() as logits:
 

@@ -25,8 +25,13 @@ from verl.utils.transformers_compat import unpack_visual_output
 # a row's multimodal model inputs (verl's ``multi_modal_inputs`` entry: pixel values, grids...)
 VisualInputs = Mapping[str, torch.Tensor]
 
-# model types whose verl forward takes ``[4, B, L]`` positions and visual inputs the way this module feeds them
-SERVED_VISUAL_MODELS = ("qwen2_vl", "qwen2_5_vl")
+# model types whose verl forward takes ``[4, B, L]`` positions and visual inputs the way this module feeds them,
+# tested against the stock engine (Qwen2-VL shares verl's forward but is not tested under reuse yet)
+SERVED_VISUAL_MODELS = ("qwen2_5_vl",)
+# model types verl feeds through ``verl.models.transformers.qwen2_vl`` (its zero placeholder image for text calls)
+QWEN2_VL_FORWARD = ("qwen2_vl", "qwen2_5_vl")
+# model types whose verl forward takes ``[4, B, L]`` position ids
+MULTIMODAL_ROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 # config fields naming the placeholder tokens the vision encoder's outputs replace
 _VISUAL_TOKEN_FIELDS = ("image_token_id", "video_token_id")
@@ -62,7 +67,7 @@ def attention_bypassed(model: nn.Module) -> bool:
 
 def uses_multimodal_rope(model: nn.Module) -> bool:
     """Whether the model's forward takes verl's ``[4, B, L]`` position ids (text + 3 rotary axes)."""
-    return getattr(_config(model), "model_type", None) in SERVED_VISUAL_MODELS
+    return getattr(_config(model), "model_type", None) in MULTIMODAL_ROPE_MODELS
 
 
 def visual_token_ids(model: nn.Module) -> tuple[int, ...]:
@@ -150,14 +155,18 @@ def text_only_call(model: nn.Module) -> Iterator[None]:
     times its mean to the embeddings, so that the encoder's parameters join every call's graph and every rank's
     FSDP collectives match; with transformers 5 the encoder returns an output object, which has no ``mean``.
     Inside this block the encoder's output is its embeddings tensor (verl's ``unpack_visual_output``), as it
-    was under transformers 4: the call stays exactly verl's (the embeddings plus an exact zero)."""
+    was under transformers 4: the call stays exactly verl's (the embeddings plus an exact zero). Only for the
+    families verl feeds that way (``QWEN2_VL_FORWARD``); a call with real images gets the same tensor, which is
+    what verl's ``unpack_visual_output`` takes from the output object anyway."""
     tower = vision_encoder(model)
-    if tower is None:
+    if tower is None or getattr(_config(model), "model_type", None) not in QWEN2_VL_FORWARD:
         yield
         return
 
     def hook(module: nn.Module, args: tuple, output: object) -> object:
-        return unpack_visual_output(output)[0] if hasattr(output, "pooler_output") else output
+        if hasattr(output, "pooler_output") and getattr(output, "deepstack_features", None) is None:
+            return unpack_visual_output(output)[0]
+        return output
 
     handle = tower.register_forward_hook(hook)
     try:
