@@ -15,7 +15,7 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
-from verl_prefix.schedule import executor, grouping
+from verl_prefix.schedule import executor, grouping, multimodal
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.tools import testing as T
 from verl_prefix.tools import testing_vl as V
@@ -178,7 +178,8 @@ def test_chunked_prefix_with_images_runs_dense_with_its_reason(fp64):
 
 def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(fp64, monkeypatch):
     """Ulysses refuses at engine initialisation; verl's remove-padding attention (flash attention called
-    directly, no HF interface to capture K/V through) runs dense as ``multimodal_remove_padding``."""
+    directly, no HF interface to capture K/V through) runs dense as ``multimodal_remove_padding`` where HF's own
+    forward was not remembered before verl patched it (an engine built before this one patched the class)."""
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
     from verl.models.transformers.qwen2_vl import qwen2_vl_attn_forward
 
@@ -188,7 +189,31 @@ def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(fp64, monkeypatc
     assert fallbacks.multimodal_ulysses_error(module, reuse, ulysses=False) is None
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None
     monkeypatch.setattr(modeling_qwen2_5_vl.Qwen2_5_VLAttention, "forward", qwen2_vl_attn_forward)
+    assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None  # remembered: served
+    monkeypatch.setattr(multimodal, "hf_attention_forward", lambda cls: None)
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) == "multimodal_remove_padding"
+
+
+def test_remove_padding_path_reuses_with_hf_attention(vl_model, fp64, monkeypatch):
+    """verl's remove-padding path patches Qwen2-VL attention to call flash attention on packed rows (no CPU
+    kernel here, so the stock reference runs padded: the same maths). The prefix engine remembers HF's own
+    attention forward before verl's patch and serves the schedule's padded rows with it."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    for cls in (modeling_qwen2_5_vl.Qwen2_5_VLAttention, modeling_qwen2_vl.Qwen2VLAttention):
+        monkeypatch.setattr(cls, "forward", cls.forward)  # verl's patch is undone after the test
+    batch = vl_batch()
+    want = step(fp64[0], batch, fp64_throughout)
+    args = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
+    prefix = T.build_verl_engine(vl_model, backend="prefix_fsdp2", use_remove_padding=True, **args)
+    assert multimodal.attention_bypassed(prefix[0].module) is False
+    assert modeling_qwen2_5_vl.Qwen2_5_VLAttention.forward.__module__.startswith("verl."), "verl patched it"
+    prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    got = step(prefix, batch, fp64_throughout)
+    assert worst(got["grads"], want["grads"]) < GRAD_TOL["float64"]
+    assert_reuse_ran(got["metrics"], groups=len(IMAGES))
+    assert_encoder_once_per_group(got["metrics"])
 
 
 def test_coverage_page_lists_the_vision_language_families():

@@ -52,7 +52,12 @@ from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
-from verl_prefix.schedule.multimodal import model_positions, text_only_call, visual_token_ids
+from verl_prefix.schedule.multimodal import (
+    model_positions,
+    remember_attention_forwards,
+    text_only_call,
+    visual_token_ids,
+)
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.telemetry import PhaseMeter
@@ -88,6 +93,12 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._kernel_agreements: dict[tuple, str | None] = {}
         # ((the module's id, unsupported_model), the reason every rank runs it dense) once decided
         self._structure_decision: tuple[tuple[int, str], str | None] | None = None
+
+    def _build_module(self) -> Any:
+        """verl's build; HF's attention forward of a vision-language family is remembered first, since verl's
+        remove-padding patch replaces it (``schedule.multimodal.hf_attention`` serves the schedule with it)."""
+        remember_attention_forwards(getattr(self.model_config.hf_config, "model_type", None))
+        return super()._build_module()
 
     def initialize(self) -> None:
         """verl's build, then what the model's structure decides once, before any step, on every rank alike:
