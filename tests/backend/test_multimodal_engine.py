@@ -29,7 +29,7 @@ VISUAL_GROUPS = 3
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory):
-    return V.write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+    return V.write_tiny_vl_model(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
 
 
 def vl_batch(**kwargs):
@@ -231,3 +231,19 @@ def test_coverage_page_lists_the_vision_language_families():
         assert f"| {row.family} | {row.status} | {row.reason} |" in page, "run verl-prefix models --write"
         assert (row.status == Z.EXACT) == (row.family in SERVED_VISUAL_MODELS)
     assert {r.family for r in Z.parse(page)} == set(Z.decoder_families()), "the section is not a matrix column"
+
+
+def test_qwen3_vl_deepstack_matches_stock_engine(tmp_path):
+    """Qwen3-VL adds the vision encoder's deepstack features to the first decoder layers' hidden states at the
+    visual positions: all of them prefix positions, so phase A applies them and phase B's text rows have none,
+    as in the dense rows."""
+    model_dir = V.write_tiny_vl_model(tmp_path / "tiny_qwen3_vl", "qwen3_vl")
+    batch = V.make_vl_grpo_batch(
+        images=IMAGES, group_size=G, seed=5, use_kl=True, calculate_entropy=True, family="qwen3_vl"
+    )
+    reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2)
+    grads, dense, prefix = compare(build(model_dir, "float64"), batch, "float64", reuse)
+    assert grads < GRAD_TOL["float64"]
+    assert any("deepstack" in n for n in prefix["grads"]), "the deepstack mergers train through phase C"
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_once_per_group(prefix["metrics"])

@@ -1,12 +1,13 @@
 """Visual tokens in the shared prefix: a group's images run through the vision encoder once, in phase A.
 
-A vision-language prompt (Qwen2-VL / Qwen2.5-VL, as verl's FSDP engine feeds them) holds its images as
+A vision-language prompt (Qwen2.5-VL, Qwen3-VL, as verl's FSDP engine feeds them) holds its images as
 placeholder tokens whose embeddings the vision encoder computes from the row's pixel values. Every row of a
 GRPO group carries the same prompt and the same pixel values, so phase A runs the encoder and the language
 model over the prefix once, with the group's visual inputs; phase B's suffix rows are text only. Their
 multimodal rotary positions (rows 1-3 of verl's ``[4, L]`` position ids: text, then temporal/height/width)
 continue after the image exactly as in the dense row: they are sliced from the row's own position ids,
-never recomputed. Phase C backpropagates into the encoder through the image embeddings, where it trains.
+never recomputed. Qwen3-VL's deepstack features go to visual positions only, all in the prefix. Phase C
+backpropagates into the encoder through the image embeddings, where it trains.
 
 What stays with the caller: which rows share identical visual inputs (``same_visual_inputs``, by content) and
 whether every visual token lies in the prefix (``visual_tokens_outside``); a group that fails either runs
@@ -26,8 +27,8 @@ from verl.utils.transformers_compat import unpack_visual_output
 VisualInputs = Mapping[str, torch.Tensor]
 
 # model types whose verl forward takes ``[4, B, L]`` positions and visual inputs the way this module feeds them,
-# tested against the stock engine (Qwen2-VL shares verl's forward but is not tested under reuse yet)
-SERVED_VISUAL_MODELS = ("qwen2_5_vl",)
+# tested against the stock engine (Qwen2-VL and Qwen3-VL-MoE share verl's forwards, not tested under reuse yet)
+SERVED_VISUAL_MODELS = ("qwen2_5_vl", "qwen3_vl")
 # model types verl feeds through ``verl.models.transformers.qwen2_vl`` (its zero placeholder image for text calls)
 QWEN2_VL_FORWARD = ("qwen2_vl", "qwen2_5_vl")
 # model types whose verl forward takes ``[4, B, L]`` position ids

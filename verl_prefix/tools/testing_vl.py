@@ -1,10 +1,12 @@
-"""Tiny vision-language models and image-prompt GRPO batches for tests: Qwen2.5-VL through verl's own paths.
+"""Tiny vision-language models and image-prompt GRPO batches for tests: Qwen2.5-VL and Qwen3-VL through verl's
+own paths.
 
-The model is random-init from a config (a vision tower of a couple of blocks, hidden 32, 14-pixel patches merged
-2 x 2, and a tiny text decoder) with a local word-level tokenizer whose last ids are Qwen's vision tokens. A
-batch's images are real pixel tensors in the layout Qwen's image processor produces (``[patches, 3 * 2 * 14 *
-14]`` per image, with ``image_grid_thw``), and every row's ``[4, L]`` position ids are computed by verl's own
-``get_rope_index`` exactly as verl's data set does (text positions, then the three rotary axes).
+The model is random-init from a config (a vision tower of a couple of blocks, hidden 32, 14-pixel patches, 16
+for Qwen3-VL, merged 2 x 2, and a tiny text decoder) with a local word-level tokenizer whose last ids are Qwen's
+vision tokens. A batch's images are real pixel tensors in the layout Qwen's image processor produces
+(``[patches, 3 * 2 * patch * patch]`` per image, with ``image_grid_thw``), and every row's ``[4, L]`` position ids
+are computed by verl's own ``get_rope_index`` exactly as verl's data set does (text positions, then the three
+rotary axes).
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ from verl_prefix.tools.testing import BOS_ID, EOS_ID, PAD_ID, make_grpo_batch, w
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 124, 125, 126, 127
 VL_VOCAB = 128
 TEXT_VOCAB = VISION_START  # ordinary text tokens lie below the vision tokens
-PATCH, MERGE, TEMPORAL, CHANNELS = 14, 2, 2, 3
-PATCH_DIM = CHANNELS * TEMPORAL * PATCH * PATCH
+MERGE, TEMPORAL, CHANNELS = 2, 2, 3
+# the patch size of each family (Qwen2.5-VL: 14 pixels; Qwen3-VL: 16)
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
 
 
-def write_tiny_qwen2_5_vl(
+def patch_dim(family: str) -> int:
+    """One patch's pixel values, flattened as the image processor does: channels x frames x patch x patch."""
+    return CHANNELS * TEMPORAL * PATCH[family] ** 2
+
+
+def write_tiny_vl_model(
     dir: str | os.PathLike,
+    family: str = "qwen2_5_vl",
     *,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -37,13 +46,17 @@ def write_tiny_qwen2_5_vl(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Path:
-    """A random-init Qwen2.5-VL (vision tower + text decoder) and its tokenizer in ``dir``; returns ``dir``."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    """A random-init vision-language model of ``family`` (``qwen2_5_vl`` or ``qwen3_vl``, whose deepstack
+    features feed the first decoder layer) and its tokenizer in ``dir``; returns ``dir``."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
+    if family not in PATCH:
+        raise ValueError(f"family must be one of {sorted(PATCH)}, got {family!r}")
     out = write_tokenizer(dir, VL_VOCAB)
     heads = 4
     half = hidden_size // heads // 2  # the rotary half-dimension, split over the temporal/height/width axes
     section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
+    rope = {"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0}
     text = dict(
         vocab_size=VL_VOCAB,
         hidden_size=hidden_size,
@@ -54,7 +67,7 @@ def write_tiny_qwen2_5_vl(
         max_position_embeddings=4096,
         attention_dropout=0.0,
         initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0},
+        rope_parameters=rope,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
@@ -65,17 +78,21 @@ def write_tiny_qwen2_5_vl(
         hidden_size=vision_hidden,
         intermediate_size=2 * vision_hidden,
         num_heads=2,
-        patch_size=PATCH,
+        patch_size=PATCH[family],
         spatial_merge_size=MERGE,
         temporal_patch_size=TEMPORAL,
         in_channels=CHANNELS,
         out_hidden_size=hidden_size,
-        window_size=2 * MERGE * PATCH,
-        fullatt_block_indexes=[vision_depth - 1],
         initializer_range=0.1,
     )
+    if family == "qwen2_5_vl":
+        vision.update(window_size=2 * MERGE * PATCH[family], fullatt_block_indexes=[vision_depth - 1])
+    else:
+        text.update(head_dim=hidden_size // heads)
+        rope["mrope_interleaved"] = True
+        vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
     config = AutoConfig.for_model(
-        "qwen2_5_vl",
+        family,
         text_config=text,
         vision_config=vision,
         image_token_id=IMAGE_PAD,
@@ -87,32 +104,38 @@ def write_tiny_qwen2_5_vl(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).to(dtype).save_pretrained(out)
+    AutoModelForImageTextToText.from_config(config).to(dtype).save_pretrained(out)
     return out
 
 
-def image_inputs(sizes: list[tuple[int, int]], seed: int) -> dict[str, torch.Tensor]:
+def image_inputs(sizes: list[tuple[int, int]], seed: int, family: str = "qwen2_5_vl") -> dict[str, torch.Tensor]:
     """Random pixel patches for images of ``sizes`` (patch grid height x width, each a multiple of the merge),
-    concatenated as Qwen's image processor does: ``pixel_values [patches, 1176]`` and ``image_grid_thw``."""
+    concatenated as Qwen's image processor does: ``pixel_values [patches, patch_dim]`` and ``image_grid_thw``."""
     g = torch.Generator().manual_seed(seed)
     grids = torch.tensor([[1, h, w] for h, w in sizes], dtype=torch.long)
-    pixels = torch.randn(int(grids.prod(dim=1).sum()), PATCH_DIM, generator=g)
+    pixels = torch.randn(int(grids.prod(dim=1).sum()), patch_dim(family), generator=g)
     return {"pixel_values": pixels, "image_grid_thw": grids}
 
 
 def _processor_view() -> Any:
-    """What verl's ``get_rope_index`` reads from a processor: the merge size and the vision token ids."""
+    """What verl's ``get_rope_index`` functions read from a processor: the merge size and the vision token ids."""
     ids = {"<|image_pad|>": IMAGE_PAD, "<|video_pad|>": VIDEO_PAD, "<|vision_start|>": VISION_START}
     return types.SimpleNamespace(
         image_processor=types.SimpleNamespace(merge_size=MERGE),
         tokenizer=types.SimpleNamespace(convert_tokens_to_ids=ids.__getitem__),
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
     )
 
 
-def vl_positions(ids: torch.Tensor, inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
+def vl_positions(ids: torch.Tensor, inputs: dict[str, torch.Tensor] | None, family: str = "qwen2_5_vl") -> torch.Tensor:
     """A row's ``[4, L]`` position ids as verl's data set builds them: text positions, then verl's
-    ``get_rope_index`` (temporal, height, width); a text row's rotary axes are its text positions."""
-    from verl.models.transformers.qwen2_vl import get_rope_index
+    ``get_rope_index`` of the family (temporal, height, width); a text row's rotary axes are its text positions."""
+    if family == "qwen3_vl":
+        from verl.models.transformers.qwen3_vl import get_rope_index
+    else:
+        from verl.models.transformers.qwen2_vl import get_rope_index
 
     grid = inputs.get("image_grid_thw") if inputs else None
     rotary = get_rope_index(_processor_view(), ids, image_grid_thw=grid, attention_mask=torch.ones_like(ids))
@@ -127,6 +150,7 @@ def make_vl_grpo_batch(
     text_after: int = 4,
     response_len_range: tuple[int, int] = (2, 7),
     seed: int = 0,
+    family: str = "qwen2_5_vl",
     **kwargs: Any,
 ) -> TensorDict:
     """A GRPO mini-batch whose prompts hold images: group ``g`` has ``images[g]`` (patch grids; an empty list
@@ -146,7 +170,7 @@ def make_vl_grpo_batch(
     ids, positions, prompts, entries = [], [], [], []
     for i, (row, prompt) in enumerate(zip(base["input_ids"].unbind(), base["prompts"].unbind())):
         sizes = images[i // group_size]
-        inputs = image_inputs(sizes, seed=1000 * seed + i // group_size) if sizes else None
+        inputs = image_inputs(sizes, seed=1000 * seed + i // group_size, family=family) if sizes else None
         vision = [
             torch.tensor([VISION_START] + [IMAGE_PAD] * (h * w // MERGE**2) + [VISION_END], dtype=torch.long)
             for h, w in sizes
@@ -155,7 +179,7 @@ def make_vl_grpo_batch(
         full = torch.cat([new_prompt, row[len(prompt) :]])
         prompts.append(new_prompt)
         ids.append(full)
-        positions.append(vl_positions(full, inputs))
+        positions.append(vl_positions(full, inputs, family))
         entries.append({k: v.clone() for k, v in inputs.items()} if inputs else {})
     batch = base.copy()
     batch["prompts"] = torch.nested.as_nested_tensor(prompts, layout=torch.jagged)
