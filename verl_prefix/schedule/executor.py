@@ -389,9 +389,8 @@ def train_group(
     def run_prefix() -> PrefixKV:
         return prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
 
-    chunked = _chunked(
-        model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=True, visual=visual
-    )
+    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=True)
+    _refuse_chunks_with_images(chunked, visual)
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, device):
             if chunked is None:
@@ -464,7 +463,6 @@ def _chunked(
     options: ScheduleOptions,
     *,
     requires_grad: bool,
-    visual: VisualInputs | None = None,
 ) -> ChunkedPrefix | None:
     """The group's prefix in chunks of ``options.prefix_chunk_tokens``, or None where it runs whole
     (chunking off, or one chunk and no lockstep fillers to run). Forward-only leaves (``requires_grad``
@@ -472,11 +470,6 @@ def _chunked(
     chunk_tokens = options.prefix_chunk_tokens
     if num_chunks(len(prefix_ids), chunk_tokens) == 1 and min_chunks <= 1:
         return None
-    if visual:
-        raise ValueError(
-            "prefix reuse: a chunked prefix (prefix_chunk_tokens) with visual inputs is not served yet (a chunk "
-            "boundary may cut an image's tokens); the engine runs such mini-batches dense (multimodal_chunked)"
-        )
 
     def run_chunk(start: int, end: int, earlier: PrefixKV | None) -> PrefixKV:
         return prefix_forward(model, prefix_ids[start:end], prefix_pos[..., start:end], options, earlier)
@@ -489,6 +482,16 @@ def _chunked(
         min_dtype=options.prefix_grad_dtype if requires_grad else None,
         min_chunks=min_chunks,
     )
+
+
+def _refuse_chunks_with_images(chunked: ChunkedPrefix | None, visual: VisualInputs | None) -> None:
+    """A chunked prefix with visual inputs is not served yet: a chunk boundary may cut an image's tokens (the
+    engine runs such mini-batches dense first, as ``multimodal_chunked``)."""
+    if chunked is not None and visual:
+        raise ValueError(
+            "prefix reuse: a chunked prefix (prefix_chunk_tokens) with visual inputs is not served yet (a chunk "
+            "boundary may cut an image's tokens); the engine runs such mini-batches dense (multimodal_chunked)"
+        )
 
 
 def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
@@ -512,9 +515,8 @@ def infer_group(
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     visual = layout.visual_of(group.rows[0])
-    chunked = _chunked(
-        model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=False, visual=visual
-    )
+    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=False)
+    _refuse_chunks_with_images(chunked, visual)
     with prefix_attention_mode(model), options.autocast():
         with meter.phase("A"):
             if chunked is None:
