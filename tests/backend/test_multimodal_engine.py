@@ -247,3 +247,15 @@ def test_qwen3_vl_deepstack_matches_stock_engine(tmp_path):
     assert any("deepstack" in n for n in prefix["grads"]), "the deepstack mergers train through phase C"
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_once_per_group(prefix["metrics"])
+
+
+def test_video_group_matches_stock_engine(fp64):
+    """A group whose prompt holds a video (2 temporal patches of 4 x 4, with Qwen2.5-VL's ``second_per_grid_ts``,
+    which verl hands on to attention) next to an image group: the encoder runs once per group."""
+    batch = V.make_vl_grpo_batch(images=[[(2, 4, 4)], [(4, 4), (2, 4, 8)]], group_size=G, seed=7, use_kl=True)
+    assert "pixel_values_videos" in batch["multi_modal_inputs"][0]
+    grads, _, prefix = compare(fp64, batch, "float64", PrefixReuseConfig(min_prefix_len=2))
+    assert grads < GRAD_TOL["float64"]
+    assert_reuse_ran(prefix["metrics"], groups=2)
+    # the video and the image of group 1 run through the encoder in separate calls, as verl's forward makes them
+    assert reduced(prefix["metrics"])["prefix/vision_encoder_calls"] == 3

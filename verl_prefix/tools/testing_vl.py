@@ -111,10 +111,29 @@ def write_tiny_vl_model(
 def image_inputs(sizes: list[tuple[int, int]], seed: int, family: str = "qwen2_5_vl") -> dict[str, torch.Tensor]:
     """Random pixel patches for images of ``sizes`` (patch grid height x width, each a multiple of the merge),
     concatenated as Qwen's image processor does: ``pixel_values [patches, patch_dim]`` and ``image_grid_thw``."""
+    return visual_inputs([(1, h, w) for h, w in sizes], [], seed, family)
+
+
+def visual_inputs(
+    images: list[tuple[int, int, int]], videos: list[tuple[int, int, int]], seed: int, family: str = "qwen2_5_vl"
+) -> dict[str, torch.Tensor]:
+    """Random pixel patches for images and videos of patch grids ``(t, h, w)``, in the processor's layout:
+    ``pixel_values``/``image_grid_thw`` and ``pixel_values_videos``/``video_grid_thw`` (and, as Qwen2.5-VL's
+    processor gives them, ``second_per_grid_ts``)."""
     g = torch.Generator().manual_seed(seed)
-    grids = torch.tensor([[1, h, w] for h, w in sizes], dtype=torch.long)
-    pixels = torch.randn(int(grids.prod(dim=1).sum()), patch_dim(family), generator=g)
-    return {"pixel_values": pixels, "image_grid_thw": grids}
+    out: dict[str, torch.Tensor] = {}
+    for items, pixels, grid in (
+        (images, "pixel_values", "image_grid_thw"),
+        (videos, "pixel_values_videos", "video_grid_thw"),
+    ):
+        if not items:
+            continue
+        grids = torch.tensor(items, dtype=torch.long)
+        out[pixels] = torch.randn(int(grids.prod(dim=1).sum()), patch_dim(family), generator=g)
+        out[grid] = grids
+    if videos and family == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.ones(len(videos))
+    return out
 
 
 def _processor_view() -> Any:
@@ -137,14 +156,21 @@ def vl_positions(ids: torch.Tensor, inputs: dict[str, torch.Tensor] | None, fami
     else:
         from verl.models.transformers.qwen2_vl import get_rope_index
 
-    grid = inputs.get("image_grid_thw") if inputs else None
-    rotary = get_rope_index(_processor_view(), ids, image_grid_thw=grid, attention_mask=torch.ones_like(ids))
+    inputs = inputs or {}
+    rotary = get_rope_index(
+        _processor_view(),
+        ids,
+        image_grid_thw=inputs.get("image_grid_thw"),
+        video_grid_thw=inputs.get("video_grid_thw"),
+        second_per_grid_ts=inputs.get("second_per_grid_ts"),
+        attention_mask=torch.ones_like(ids),
+    )
     return torch.cat([torch.arange(len(ids))[None], rotary])
 
 
 def make_vl_grpo_batch(
     *,
-    images: list[list[tuple[int, int]]],
+    images: list[list[tuple[int, ...]]],
     group_size: int,
     text_before: int = 3,
     text_after: int = 4,
@@ -153,9 +179,10 @@ def make_vl_grpo_batch(
     family: str = "qwen2_5_vl",
     **kwargs: Any,
 ) -> TensorDict:
-    """A GRPO mini-batch whose prompts hold images: group ``g`` has ``images[g]`` (patch grids; an empty list
-    is a text group, its rows carrying verl's empty ``multi_modal_inputs``). A prompt is ``text_before`` text
-    tokens, each image as ``<|vision_start|>`` + its merged patches' ``<|image_pad|>`` tokens + ``<|vision_end|>``,
+    """A GRPO mini-batch whose prompts hold images: group ``g`` has ``images[g]`` (patch grids ``(h, w)`` of
+    images, ``(t, h, w)`` of videos; an empty list is a text group, its rows carrying verl's empty
+    ``multi_modal_inputs``). A prompt is ``text_before`` text tokens, each image (then each video) as
+    ``<|vision_start|>`` + its merged patches' ``<|image_pad|>`` (``<|video_pad|>``) tokens + ``<|vision_end|>``,
     then ``text_after`` text tokens. Every row carries its group's pixel values (the same tensors' contents);
     ``kwargs`` go to ``make_grpo_batch`` (losses, temperature...), which draws responses and advantages."""
     base = make_grpo_batch(
@@ -169,11 +196,14 @@ def make_vl_grpo_batch(
     )
     ids, positions, prompts, entries = [], [], [], []
     for i, (row, prompt) in enumerate(zip(base["input_ids"].unbind(), base["prompts"].unbind())):
-        sizes = images[i // group_size]
-        inputs = image_inputs(sizes, seed=1000 * seed + i // group_size, family=family) if sizes else None
+        items = images[i // group_size]
+        stills = [(1, *size) for size in items if len(size) == 2]
+        videos = [size for size in items if len(size) == 3]
+        inputs = visual_inputs(stills, videos, 1000 * seed + i // group_size, family) if items else None
         vision = [
-            torch.tensor([VISION_START] + [IMAGE_PAD] * (h * w // MERGE**2) + [VISION_END], dtype=torch.long)
-            for h, w in sizes
+            torch.tensor([VISION_START] + [pad] * (t * h * w // MERGE**2) + [VISION_END], dtype=torch.long)
+            for pad, grids in ((IMAGE_PAD, stills), (VIDEO_PAD, videos))
+            for t, h, w in grids
         ]
         new_prompt = torch.cat([prompt[:text_before], *vision, prompt[text_before:]])
         full = torch.cat([new_prompt, row[len(prompt) :]])
