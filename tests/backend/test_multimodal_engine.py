@@ -274,3 +274,27 @@ def test_recompute_dormant_policy_encodes_the_images_again(fp64):
     assert grads < GRAD_TOL["float64"]
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_calls(prefix["metrics"], calls=2 * VISUAL_GROUPS)
+
+
+def _two_rank_body(rank: int, model_dir: str) -> dict:
+    """Rank 0: two groups of 4 (an image; two images); rank 1: one group of 8 (another image). Lockstep gives
+    rank 0 filler micro-batches in the first slot and rank 1 a filler group (a text prefix: verl's placeholder
+    image) in the second; FSDP2 shards every parameter, the vision tower's too, over both ranks."""
+    images, group_size = ([[(4, 4)], [(4, 4), (4, 8)]], 4) if rank == 0 else ([[(4, 8)]], 8)
+    batch = V.make_vl_grpo_batch(
+        images=images, group_size=group_size, seed=11 + rank, use_kl=True, global_batch_size=16
+    )
+    (dense, prefix) = build(model_dir, "float64")
+    got = step(prefix, batch, fp64_throughout)
+    want = step(dense, batch, fp64_throughout)
+    return {"worst": worst(got["grads"], want["grads"]), "metrics": got["reduced_metrics"]}
+
+
+def test_two_data_parallel_ranks_with_different_groups(vl_model):
+    from helpers.ranks import run_two_ranks
+
+    results = run_two_ranks(_two_rank_body, str(vl_model))
+    for rank, groups in ((0, 2), (1, 1)):
+        assert results[rank]["worst"] < GRAD_TOL["float64"], (rank, results[rank]["worst"])
+        assert_reuse_ran(results[rank]["metrics"], groups=groups)
+        assert_encoder_calls(results[rank]["metrics"], calls=groups)
