@@ -120,6 +120,26 @@ def test_frozen_vision_tower(fp64):
     assert_encoder_calls(prefix["metrics"])
 
 
+def test_freeze_vision_tower_flag_is_honoured(vl_model, fp64):
+    """``actor.freeze_vision_tower=true`` through ``PrefixFSDPActorConfig`` freezes the prefix engine's tower
+    (verl 0.9.1's engine ignores the flag): the same update as the stock engine with its tower frozen by hand."""
+    a = "actor_rollout_ref.actor"
+    overrides = [f"{a}._target_=verl_prefix.PrefixFSDPActorConfig", f"{a}.freeze_vision_tower=true"]
+    args = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
+    prefix = T.build_verl_engine(vl_model, backend="prefix_fsdp2", overrides=overrides, **args)
+    assert not any(p.requires_grad for p in prefix[0].module.model.visual.parameters())
+    prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    dense_tower = fp64[0][0].module.model.visual
+    dense_tower.requires_grad_(False)
+    try:
+        grads, _, got = compare((fp64[0], prefix), vl_batch(), "float64")
+    finally:
+        dense_tower.requires_grad_(True)
+    assert grads < GRAD_TOL["float64"]
+    assert not any("visual" in n for n in got["grads"])
+    assert_reuse_ran(got["metrics"], groups=len(IMAGES))
+
+
 def test_forward_only_matches_stock_engine(fp64):
     (dense, _, _), (prefix, _, _) = fp64
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)

@@ -56,6 +56,7 @@ from verl_prefix.schedule.multimodal import (
     model_positions,
     remember_attention_forwards,
     text_only_call,
+    vision_encoder,
     visual_token_ids,
 )
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
@@ -86,6 +87,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             getattr(engine_config, "dormant_prefix_budget_bytes", None),
         )
         self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
+        self.freeze_vision_tower = bool(getattr(engine_config, "freeze_vision_tower", False))
         if self.dormant_prefix == "offload":
             refuse_offload_on(self._device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
@@ -106,6 +108,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         with the reason, or raise), and a knob this model cannot run with (``merged_varlen`` with sliding
         windows) is an error here."""
         super().initialize()
+        if self.freeze_vision_tower:
+            self._freeze_vision_tower()
         error = fallbacks.multimodal_ulysses_error(self.module, self.reuse_config, self.use_ulysses_sp)
         if error is not None:
             raise ValueError(error)
@@ -114,6 +118,17 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         error = fallbacks.windowed_varlen_error(self.module, self.reuse_config)
         if error is not None:
             raise ValueError(error)
+
+    def _freeze_vision_tower(self) -> None:
+        """``actor.freeze_vision_tower``: the vision encoder's parameters stop requiring grad, so neither phase C
+        nor a dense micro-batch trains them and the optimizer skips them. verl 0.9.1 declares the flag but its
+        engine never reads it (the stock engine trains the tower whatever it says)."""
+        tower = vision_encoder(self.module)
+        if tower is None:
+            logger.warning("actor.freeze_vision_tower=true, but %s has no vision encoder", type(self.module).__name__)
+            return
+        tower.requires_grad_(False)
+        logger.warning("actor.freeze_vision_tower=true: the vision encoder's parameters are frozen")
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
