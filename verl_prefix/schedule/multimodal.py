@@ -4,8 +4,8 @@ A vision-language prompt (Qwen2.5-VL, Qwen3-VL, as verl's FSDP engine feeds them
 placeholder tokens whose embeddings the vision encoder computes from the row's pixel values. Every row of a
 GRPO group carries the same prompt and the same pixel values, so phase A runs the encoder and the language
 model over the prefix once, with the group's visual inputs; phase B's suffix rows are text only. Their
-multimodal rotary positions (rows 1-3 of verl's ``[4, L]`` position ids: text, then temporal/height/width)
-continue after the image exactly as in the dense row: they are sliced from the row's own position ids,
+multimodal rotary positions (verl's ``[4, L]`` position ids: the text positions, then the temporal, height and
+width axes) continue after the image exactly as in the dense row: they are sliced from the row's own position ids,
 never recomputed. Qwen3-VL's deepstack features go to visual positions only, all in the prefix. Phase C
 backpropagates into the encoder through the image embeddings, where it trains.
 
