@@ -15,7 +15,7 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
-from verl_prefix.schedule import executor, grouping, multimodal
+from verl_prefix.schedule import executor, grouping, moe, multimodal
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.tools import testing as T
 from verl_prefix.tools import testing_vl as V
@@ -318,3 +318,22 @@ def test_two_data_parallel_ranks_with_different_groups(vl_model):
         assert results[rank]["worst"] < GRAD_TOL["float64"], (rank, results[rank]["worst"])
         assert_reuse_ran(results[rank]["metrics"], groups=groups)
         assert_encoder_calls(results[rank]["metrics"], calls=groups)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl_moe"])
+def test_shared_forward_families_match_stock_engine(tmp_path, family):
+    """Qwen2-VL (verl feeds it through its Qwen2.5-VL forward; a tower without windows) and Qwen3-VL-MoE (its
+    Qwen3-VL forward; experts in every decoder layer, deepstack at the first): fp64 against the stock engine."""
+    model_dir = V.write_tiny_vl_model(tmp_path / family, family)
+    batch = V.make_vl_grpo_batch(images=IMAGES, group_size=G, seed=5, use_kl=True, family=family)
+    reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2)
+    engines = build(model_dir, "float64")
+    grads, dense, prefix = compare(engines, batch, "float64", reuse)
+    assert grads < GRAD_TOL["float64"]
+    assert any("visual" in n for n in prefix["grads"])
+    if family == "qwen3_vl_moe":  # its router aux (layer-named recorder) is not HF's Switch path we serve: refused
+        assert any("experts" in n for n in prefix["grads"])
+        with pytest.raises(ValueError, match="moe_aux_loss_coef > 0"):
+            moe.MoeRouters(engines[1][0].module)
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_calls(prefix["metrics"])

@@ -27,8 +27,8 @@ from verl.utils.transformers_compat import unpack_visual_output
 VisualInputs = Mapping[str, torch.Tensor]
 
 # model types whose verl forward takes ``[4, B, L]`` positions and visual inputs the way this module feeds them,
-# tested against the stock engine (Qwen2-VL and Qwen3-VL-MoE share verl's forwards, not tested under reuse yet)
-SERVED_VISUAL_MODELS = ("qwen2_5_vl", "qwen3_vl")
+# each tested against the stock engine (Qwen2-VL shares verl's Qwen2.5-VL forward, Qwen3-VL-MoE its Qwen3-VL one)
+SERVED_VISUAL_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # model types verl feeds through ``verl.models.transformers.qwen2_vl`` (its zero placeholder image for text calls)
 QWEN2_VL_FORWARD = ("qwen2_vl", "qwen2_5_vl")
 # model types whose verl forward takes ``[4, B, L]`` position ids

@@ -166,10 +166,12 @@ COLUMNS = (EXACT, DENSE, REFUSED, SKIP)
 VISION_LANGUAGE_NOTES: dict[str, str] = {
     "qwen2_5_vl": "the vision encoder runs once per group in phase A; against verl's stock fsdp2 engine in fp64 and "
     "fp32 (`tests/backend/test_multimodal_engine.py`)",
-    "qwen2_vl": "`multimodal`: verl's forward is Qwen2.5-VL's, not yet tested under reuse",
+    "qwen2_vl": "verl's Qwen2.5-VL forward, a tower without windows; against the stock engine in fp64 "
+    "(`tests/backend/test_multimodal_engine.py`)",
     "qwen3_vl": "deepstack features reach only prefix positions, added in phase A; against the stock engine in fp64 "
     "(`tests/backend/test_multimodal_engine.py`)",
-    "qwen3_vl_moe": "`multimodal`: verl's forward is Qwen3-VL's, not yet tested under reuse",
+    "qwen3_vl_moe": "verl's Qwen3-VL forward, experts in every layer; against the stock engine in fp64 "
+    "(`tests/backend/test_multimodal_engine.py`); `moe_aux_loss_coef > 0` refused at initialisation",
     "qwen3_5": "`multimodal`: its vision inputs not served yet (its text decoder, `qwen3_5_text`, is)",
     "qwen3_5_moe": "`multimodal`: its vision inputs not served yet",
 }

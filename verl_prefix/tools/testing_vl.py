@@ -11,6 +11,7 @@ rotary axes).
 
 from __future__ import annotations
 
+import json
 import os
 import types
 from pathlib import Path
@@ -26,8 +27,10 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 124, 125, 126, 127
 VL_VOCAB = 128
 TEXT_VOCAB = VISION_START  # ordinary text tokens lie below the vision tokens
 MERGE, TEMPORAL, CHANNELS = 2, 2, 3
-# the patch size of each family (Qwen2.5-VL: 14 pixels; Qwen3-VL: 16)
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+# the patch size of each family (Qwen2-VL, Qwen2.5-VL: 14 pixels; Qwen3-VL and its MoE: 16)
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+# the families whose rotary index is verl's Qwen3-VL one (the others use its Qwen2-VL one)
+QWEN3_VL_ROPE = ("qwen3_vl", "qwen3_vl_moe")
 
 
 def patch_dim(family: str) -> int:
@@ -45,9 +48,11 @@ def write_tiny_vl_model(
     vision_hidden: int = 32,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    num_experts: int = 4,
 ) -> Path:
-    """A random-init vision-language model of ``family`` (``qwen2_5_vl`` or ``qwen3_vl``, whose deepstack
-    features feed the first decoder layer) and its tokenizer in ``dir``; returns ``dir``."""
+    """A random-init vision-language model of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` or
+    ``qwen3_vl_moe``, the Qwen3 ones with deepstack features feeding the first decoder layer; the MoE one with
+    ``num_experts`` experts, two per token, in every layer) and its tokenizer in ``dir``; returns ``dir``."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     if family not in PATCH:
@@ -87,10 +92,21 @@ def write_tiny_vl_model(
     )
     if family == "qwen2_5_vl":
         vision.update(window_size=2 * MERGE * PATCH[family], fullatt_block_indexes=[vision_depth - 1])
+    elif family == "qwen2_vl":  # Qwen2-VL names the tower's width embed_dim and its output width hidden_size
+        del vision["intermediate_size"], vision["out_hidden_size"]
+        vision.update(embed_dim=vision_hidden, hidden_size=hidden_size, mlp_ratio=2)
     else:
         text.update(head_dim=hidden_size // heads)
         rope["mrope_interleaved"] = True
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
+    if family == "qwen3_vl_moe":
+        text.update(
+            num_experts=num_experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size,
+            decoder_sparse_step=1,
+            router_aux_loss_coef=0.001,
+        )
     config = AutoConfig.for_model(
         family,
         text_config=text,
@@ -105,6 +121,10 @@ def write_tiny_vl_model(
     )
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).to(dtype).save_pretrained(out)
+    if family == "qwen3_vl_moe":  # the default grouped-matmul experts take no fp64: the per-expert loop does
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["experts_implementation"] = "eager"
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
@@ -151,7 +171,7 @@ def _processor_view() -> Any:
 def vl_positions(ids: torch.Tensor, inputs: dict[str, torch.Tensor] | None, family: str = "qwen2_5_vl") -> torch.Tensor:
     """A row's ``[4, L]`` position ids as verl's data set builds them: text positions, then verl's
     ``get_rope_index`` of the family (temporal, height, width); a text row's rotary axes are its text positions."""
-    if family == "qwen3_vl":
+    if family in QWEN3_VL_ROPE:
         from verl.models.transformers.qwen3_vl import get_rope_index
     else:
         from verl.models.transformers.qwen2_vl import get_rope_index
