@@ -15,7 +15,7 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
-from verl_prefix.schedule import executor, grouping, moe, multimodal
+from verl_prefix.schedule import executor, grouping, multimodal
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.tools import testing as T
 from verl_prefix.tools import testing_vl as V
@@ -257,15 +257,29 @@ def test_coverage_page_lists_the_vision_language_families():
 def test_qwen3_vl_deepstack_matches_stock_engine(tmp_path):
     """Qwen3-VL adds the vision encoder's deepstack features to the first decoder layers' hidden states at the
     visual positions: all of them prefix positions, so phase A applies them and phase B's text rows have none,
-    as in the dense rows."""
+    as in the dense rows. fp64 with the tower trainable and frozen, and fp32."""
     model_dir = V.write_tiny_vl_model(tmp_path / "tiny_qwen3_vl", "qwen3_vl")
     batch = V.make_vl_grpo_batch(
         images=IMAGES, group_size=G, seed=5, use_kl=True, calculate_entropy=True, family="qwen3_vl"
     )
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2)
-    grads, dense, prefix = compare(build(model_dir, "float64"), batch, "float64", reuse)
+    engines = build(model_dir, "float64")
+    grads, dense, prefix = compare(engines, batch, "float64", reuse)
     assert grads < GRAD_TOL["float64"]
     assert any("deepstack" in n for n in prefix["grads"]), "the deepstack mergers train through phase C"
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_calls(prefix["metrics"])
+    # the tower (deepstack mergers included) frozen by hand in both engines: no gradient reaches it
+    for engine, _, _ in engines:
+        engine.module.model.visual.requires_grad_(False)
+    grads, _, prefix = compare(engines, batch, "float64", reuse)
+    assert grads < GRAD_TOL["float64"]
+    assert not any("visual" in n for n in prefix["grads"])
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    # fp32, the tower trainable
+    grads, _, prefix = compare(build(model_dir, "float32"), batch, "float32", reuse)
+    assert grads < GRAD_TOL["float32"]
+    assert any("deepstack" in n for n in prefix["grads"])
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_calls(prefix["metrics"])
 
@@ -323,7 +337,8 @@ def test_two_data_parallel_ranks_with_different_groups(vl_model):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl_moe"])
 def test_shared_forward_families_match_stock_engine(tmp_path, family):
     """Qwen2-VL (verl feeds it through its Qwen2.5-VL forward; a tower without windows) and Qwen3-VL-MoE (its
-    Qwen3-VL forward; experts in every decoder layer, deepstack at the first): fp64 against the stock engine."""
+    Qwen3-VL forward; experts in every decoder layer, deepstack at the first): fp64 against the stock engine, and
+    Qwen3-VL-MoE's router aux loss against prefix_fsdp2's dense mode."""
     model_dir = V.write_tiny_vl_model(tmp_path / family, family)
     batch = V.make_vl_grpo_batch(images=IMAGES, group_size=G, seed=5, use_kl=True, family=family)
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2)
@@ -331,9 +346,26 @@ def test_shared_forward_families_match_stock_engine(tmp_path, family):
     grads, dense, prefix = compare(engines, batch, "float64", reuse)
     assert grads < GRAD_TOL["float64"]
     assert any("visual" in n for n in prefix["grads"])
-    if family == "qwen3_vl_moe":  # its router aux (layer-named recorder) is not HF's Switch path we serve: refused
+    if family == "qwen3_vl_moe":
         assert any("experts" in n for n in prefix["grads"])
-        with pytest.raises(ValueError, match="moe_aux_loss_coef > 0"):
-            moe.MoeRouters(engines[1][0].module)
+        # the router aux loss (the stock engine has none): reuse against prefix_fsdp2's dense mode on the same
+        # partition (the aux is a per-micro-batch mean: one row each), visual tokens counted alike
+        one_row = V.make_vl_grpo_batch(
+            images=IMAGES,
+            group_size=G,
+            seed=5,
+            use_kl=True,
+            family=family,
+            worker_settings={"micro_batch_size_per_gpu": 1},
+        )
+        engines[1][0].moe_aux_loss_coef = 0.5
+        engines[1][0].reuse_config = PrefixReuseConfig(enable=False)
+        want = step(engines[1], one_row, fp64_throughout)
+        engines[1][0].reuse_config = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=1)
+        got = step(engines[1], one_row, fp64_throughout)
+        assert worst(got["grads"], want["grads"]) < GRAD_TOL["float64"]
+        assert reduced(got["metrics"])["moe_aux_loss"] > 0
+        assert got["loss"] != pytest.approx(prefix["loss"], rel=1e-6), "the aux term joined the loss"
+        assert_reuse_ran(got["metrics"], groups=len(IMAGES))
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_calls(prefix["metrics"])

@@ -171,7 +171,7 @@ VISION_LANGUAGE_NOTES: dict[str, str] = {
     "qwen3_vl": "deepstack features reach only prefix positions, added in phase A; against the stock engine in fp64 "
     "(`tests/backend/test_multimodal_engine.py`)",
     "qwen3_vl_moe": "verl's Qwen3-VL forward, experts in every layer; against the stock engine in fp64 "
-    "(`tests/backend/test_multimodal_engine.py`); `moe_aux_loss_coef > 0` refused at initialisation",
+    "(`tests/backend/test_multimodal_engine.py`), router aux loss included",
     "qwen3_5": "`multimodal`: its vision inputs not served yet (its text decoder, `qwen3_5_text`, is)",
     "qwen3_5_moe": "`multimodal`: its vision inputs not served yet",
 }
