@@ -17,6 +17,7 @@ from verl.utils import activation_offload
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
+from verl_prefix.backend.inputs import row_layout
 from verl_prefix.schedule.executor import prefix_backward, prefix_forward
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
@@ -331,9 +332,13 @@ def test_empty_multimodal_inputs_of_text_samples_still_reuse():
     sent every real main_ppo batch dense. Only non-empty inputs are multimodal."""
     from tensordict import NonTensorStack
 
+    text_model, reuse = torch.nn.Module(), PrefixReuseConfig()  # no vision encoder: visual inputs run dense
     batch = grpo_batch()
     batch["multi_modal_inputs"] = NonTensorStack(*[{} for _ in range(len(batch))])
-    assert fallbacks.batch_fallback_reason(batch) is None
+    assert fallbacks.multimodal_fallback_reason(text_model, reuse, batch) is None
+    assert row_layout(batch).visual is None
     pixels = {"pixel_values": torch.zeros(1, 3), "image_grid_thw": torch.ones(1, 3, dtype=torch.long)}
     batch["multi_modal_inputs"] = NonTensorStack(*[pixels if i == 0 else {} for i in range(len(batch))])
-    assert fallbacks.batch_fallback_reason(batch) == "multimodal"
+    assert fallbacks.multimodal_fallback_reason(text_model, reuse, batch) == "multimodal"
+    visual = row_layout(batch).visual
+    assert visual[0].keys() == pixels.keys() and visual[1:] == [None] * (len(batch) - 1)

@@ -60,3 +60,5 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
         object.__setattr__(self.engine, "record_trace_dir", self.record_trace_dir)
         object.__setattr__(self.engine, "dormant_prefix", self.dormant_prefix)
         object.__setattr__(self.engine, "dormant_prefix_budget_bytes", self.dormant_prefix_budget_bytes)
+        # verl 0.9.1 declares freeze_vision_tower but its engine never reads it: prefix_fsdp2 honours it
+        object.__setattr__(self.engine, "freeze_vision_tower", self.freeze_vision_tower)

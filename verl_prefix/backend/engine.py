@@ -53,6 +53,13 @@ from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.multimodal import (
+    model_positions,
+    remember_attention_forwards,
+    text_only_call,
+    vision_encoder,
+    visual_token_ids,
+)
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
@@ -85,6 +92,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             getattr(engine_config, "dormant_prefix_budget_bytes", None),
         )
         self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
+        self.freeze_vision_tower = bool(getattr(engine_config, "freeze_vision_tower", False))
         if self.dormant_prefix == "offload":
             refuse_offload_on(self._device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
@@ -93,17 +101,39 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         # ((the module's id, unsupported_model), the reason every rank runs it dense) once decided
         self._structure_decision: tuple[tuple[int, str], str | None] | None = None
 
+    def _build_module(self) -> Any:
+        """verl's build; HF's attention forward of a vision-language family is remembered first, since verl's
+        remove-padding patch replaces it (``schedule.multimodal.hf_attention`` serves the schedule with it)."""
+        remember_attention_forwards(getattr(self.model_config.hf_config, "model_type", None))
+        return super()._build_module()
+
     def initialize(self) -> None:
         """verl's build, then what the model's structure decides once, before any step, on every rank alike:
         whether the schedule can serve it at all, agreed by every rank (``prefix_reuse.unsupported_model``: dense
         with the reason, or raise), and a knob this model cannot run with (``merged_varlen`` with sliding
         windows) is an error here."""
         super().initialize()
+        if self.freeze_vision_tower:
+            self._freeze_vision_tower()
+        error = fallbacks.multimodal_ulysses_error(self.module, self.reuse_config, self.use_ulysses_sp)
+        if error is not None:
+            raise ValueError(error)
         if self._structure_reason() is not None:
             return
         error = fallbacks.windowed_varlen_error(self.module, self.reuse_config)
         if error is not None:
             raise ValueError(error)
+
+    def _freeze_vision_tower(self) -> None:
+        """``actor.freeze_vision_tower``: the vision encoder's parameters stop requiring grad, so neither phase C
+        nor a dense micro-batch trains them and the optimizer skips them. verl 0.9.1 declares the flag but its
+        engine never reads it (the stock engine trains the tower whatever it says)."""
+        tower = vision_encoder(self.module)
+        if tower is None:
+            logger.warning("actor.freeze_vision_tower=true, but %s has no vision encoder", type(self.module).__name__)
+            return
+        tower.requires_grad_(False)
+        logger.warning("actor.freeze_vision_tower=true: the vision encoder's parameters are frozen")
 
     # -- MoE router aux loss ------------------------------------------------------------------------
 
@@ -156,6 +186,10 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         The routers' logits are captured by forward hooks during verl's own model call; the wrapped
         loss function (called by verl right after the model) adds the weighted aux term.
         """
+        with text_only_call(self.module):  # a vision-language micro-batch of text rows (schedule.multimodal)
+            return self._forward_step(micro_batch, loss_function, forward_only)
+
+    def _forward_step(self, micro_batch: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
         if not self._moe_aux_on(forward_only) or loss_function is None:
             return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
         routers = self._moe_routers()
@@ -228,6 +262,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             reason = (
                 self._model_fallback_reason(forward_only)
                 or fallbacks.batch_fallback_reason(data)
+                or fallbacks.multimodal_fallback_reason(self.module, self.reuse_config, data)
                 or fallbacks.length_fallback_reason(self.module, data)
             )
             if reason == "disabled":  # reuse off: the stock engine, which checks nothing
@@ -288,6 +323,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             min_prefix_len=self.reuse_config.min_prefix_len,
             min_group_size=self.reuse_config.min_group_size,
             extra_tokens_per_row=1 if self._moe_aux_on(forward_only) else 0,  # the routed last token
+            visual_token_ids=visual_token_ids(self.module),
         )
 
     def _autocast(self) -> Callable[[], AbstractContextManager]:
@@ -612,9 +648,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         ctx = torch.no_grad() if forward_only else nullcontext()
-        with ctx, self._autocast()():
+        with ctx, self._autocast()(), text_only_call(self.module):
             logits = self.module(
-                input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False
+                input_ids=ids,
+                position_ids=model_positions(self.module, torch.arange(2, device=device)[None]),
+                use_cache=False,
             ).logits
             if not forward_only:
                 self._backward(logits.sum() * 0.0)

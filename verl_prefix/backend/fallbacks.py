@@ -23,7 +23,7 @@ from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.schedule import mamba, moe, recurrent
+from verl_prefix.schedule import mamba, moe, multimodal, recurrent
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ def model_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, *, forwar
         return "forward_only_disabled"
     if base_attention_implementation(module) not in PREFIX_ATTENTION_NAMES:
         return "attn_implementation"
+    if multimodal.attention_bypassed(module):
+        return "multimodal_remove_padding"
     if not forward_only and has_active_dropout(module):
         return "dropout"
     if not forward_only and uses_activation_offload(module):
@@ -318,14 +320,40 @@ def log_fallbacks(reasons: Iterable[str]) -> None:
 
 
 def batch_fallback_reason(data: TensorDict) -> str | None:
-    """A reason from the batch itself: a verl feature the schedule does not serve, or multimodal inputs."""
+    """A reason from the batch itself: a verl feature the schedule does not serve."""
     for reason, key in _BATCH_FLAGS.items():
         if tu.get_non_tensor_data(data=data, key=key, default=False):
             return reason
-    # verl's agent loop writes multi_modal_inputs={} for every text sample: only real inputs count
-    if data["position_ids"].dim() == 3 or ("multi_modal_inputs" in data.keys() and _has_mm_inputs(data)):
-        return "multimodal"
     return None
+
+
+def multimodal_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, data: TensorDict) -> str | None:
+    """A reason a batch with visual inputs (or multimodal position ids) runs dense, or None where phase A serves
+    them (``schedule.multimodal``): ``multimodal`` for a model whose visual inputs reuse does not feed yet (a
+    family other than Qwen2.5-VL / Qwen3-VL, or multimodal positions on a text model), ``multimodal_chunked``
+    with ``prefix_chunk_tokens`` (a chunk boundary may cut an image's tokens). Per-group reasons (rows of a uid
+    with different images, visual tokens past the prefix) are ``grouping.plan_batch``'s."""
+    # verl's agent loop writes multi_modal_inputs={} for every text sample: only real inputs count
+    visual = "multi_modal_inputs" in data.keys() and _has_mm_inputs(data)
+    if not visual and data["position_ids"].dim() != 3:
+        return None
+    if multimodal.visual_model_refusal(module) is not None or not multimodal.uses_multimodal_rope(module):
+        return "multimodal"
+    if visual and reuse.prefix_chunk_tokens:
+        return "multimodal_chunked"
+    return None
+
+
+def multimodal_ulysses_error(module: nn.Module, reuse: PrefixReuseConfig, ulysses: bool) -> str | None:
+    """Why this vision-language model cannot reuse under Ulysses (decided at engine initialisation), or None:
+    phase A would have to slice the prefix after the image embeddings are scattered in, as verl's own
+    Ulysses input slicing does, and the multimodal positions across the slices; not served yet."""
+    if not (ulysses and reuse.enable and multimodal.is_visual_model(module)):
+        return None
+    return (
+        "prefix reuse does not serve vision-language models under Ulysses sequence parallelism yet: set "
+        "ulysses_sequence_parallel_size=1, or prefix_reuse.enable=false to train this model with the stock engine"
+    )
 
 
 def agree_on_fallback(reason: str | None, group: Any) -> str | None:

@@ -68,6 +68,10 @@ NO_EFFECT: dict[str, str] = {
     "output_router_logits": "read by the model, not by attention (the MoE aux loss has its own hooks)",
     "num_items_in_batch": "a loss normaliser the model reads, not attention",
     "deterministic": "flash-attn's reduction order, not its result",
+    "second_per_grid_ts": (
+        "Qwen2.5-VL's video frame timing, which verl's data set already turned into the rows' rotary positions; "
+        "verl's forward hands it on to every layer, and attention reads it nowhere"
+    ),
 }
 
 # keyword -> why reuse cannot serve a value (None or False is accepted: the feature is off)

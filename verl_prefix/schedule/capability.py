@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import modeling_utils
 
+from verl_prefix.schedule.multimodal import vision_encoder
 from verl_prefix.schedule.recurrent import served_recurrent_layer
 from verl_prefix.schedule.structure import attention_modules, kv_sources
 
@@ -125,9 +126,12 @@ def structure_refusal(model: nn.Module) -> StructureRefusal | None:
 
 
 def decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList] | None:
-    """The model's decoder layers: the first ``ModuleList`` of ``num_layers`` modules (``model.layers``...)."""
+    """The model's decoder layers: the first ``ModuleList`` of ``num_layers`` modules (``model.layers``...)
+    outside a vision encoder (whose blocks may be as many)."""
+    tower = vision_encoder(model)
+    inside = {id(m) for m in tower.modules()} if tower is not None else set()
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers > 0:
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers > 0 and id(module) not in inside:
             return path, module
     return None
 

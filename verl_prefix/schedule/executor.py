@@ -34,6 +34,14 @@ from verl_prefix.schedule import moe, recurrent
 from verl_prefix.schedule.chunked import ChunkedPrefix, num_chunks
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
+from verl_prefix.schedule.multimodal import (
+    VisualInputs,
+    counting_encoder_calls,
+    is_visual_model,
+    model_positions,
+    text_only_call,
+    visual_kwargs,
+)
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import (
     CaptureContext,
@@ -57,7 +65,7 @@ class SuffixBatch:
 
     rows: list[int]
     input_ids: torch.Tensor  # [B, S_max]: prompt[-1] + response[:-1]
-    position_ids: torch.Tensor  # [B, S_max]
+    position_ids: torch.Tensor  # [B, S_max], or [B, 4, S_max] for multimodal rows (verl's text + 3 rotary axes)
     labels: torch.Tensor  # [B, S_max]: the response tokens each position predicts
     valid: torch.Tensor  # [B, S_max] bool: positions that predict a response token
     lengths: list[int]
@@ -80,7 +88,8 @@ def build_suffix_batch(
     extra = 1 if include_last else 0
     width = max(lengths) + extra
     ids = torch.zeros(len(rows), width, dtype=torch.long)
-    pos = torch.zeros(len(rows), width, dtype=torch.long)
+    axes = layout.position_ids[rows[0]].shape[:-1]  # () or (4,): multimodal rows carry one row per axis
+    pos = torch.zeros(len(rows), *axes, width, dtype=torch.long)
     labels = torch.zeros(len(rows), width, dtype=torch.long)
     valid = torch.zeros(len(rows), width, dtype=torch.bool)
     real = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -89,8 +98,8 @@ def build_suffix_batch(
         n = s + extra
         ids[k, :n] = tokens[prompt_len - 1 : prompt_len - 1 + n]
         labels[k, :s] = tokens[prompt_len : prompt_len + s]
-        pos[k, :n] = suffix_positions(layout.position_ids[i], prompt_len, n)
-        pos[k, n:] = pos[k, n - 1] + torch.arange(1, width - n + 1)
+        pos[k, ..., :n] = suffix_positions(layout.position_ids[i], prompt_len, n)
+        pos[k, ..., n:] = pos[k, ..., n - 1 : n] + torch.arange(1, width - n + 1)
         valid[k, :s] = True
         real[k, :n] = True
     temperature = layout.temperature[rows] if layout.temperature is not None else torch.ones(len(rows))
@@ -111,6 +120,7 @@ def prefix_forward(
     prefix_positions: torch.Tensor,
     options: ScheduleOptions,
     earlier: PrefixKV | None = None,
+    visual: VisualInputs | None = None,
 ) -> PrefixKV:
     """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
     ``options.routers``, the prefix's router statistics). Early exit (``options.early_exit``) comes after
@@ -118,7 +128,8 @@ def prefix_forward(
     ``verl_prefix.schedule.chunked``) the tokens are a later chunk that attends to the earlier chunks' K/V
     the way phase B's rows do (``options.phase_b_attention``). With ``options.ulysses`` this rank runs its
     slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
-    over the slices."""
+    over the slices. ``visual``: the group's visual inputs (``schedule.multimodal``), encoded here once; the
+    encoder's calls are counted as ``prefix/vision_encoder_calls``."""
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
@@ -157,16 +168,23 @@ def prefix_forward(
             )
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
-        try:
-            model(
-                input_ids=prefix_ids[None],
-                position_ids=prefix_positions[None],
-                use_cache=False,
-                logits_to_keep=1,
-                prefix_ctx=ctx,
-            )
-        except PrefixCaptured:
-            pass
+        # verl's vision-language forwards hand unknown keywords on to attention: no logits_to_keep there
+        keep = {} if is_visual_model(model) else {"logits_to_keep": 1}
+        encoder = counting_encoder_calls(model) if visual else text_only_call(model)
+        with encoder as encoder_calls:
+            try:
+                model(
+                    input_ids=prefix_ids[None],
+                    position_ids=model_positions(model, prefix_positions[None]),
+                    use_cache=False,
+                    prefix_ctx=ctx,
+                    **keep,
+                    **visual_kwargs(visual, prefix_ids.device),
+                )
+            except PrefixCaptured:
+                pass
+        if visual and options.meter is not None and encoder_calls is not None:
+            options.meter.count("prefix/vision_encoder_calls", encoder_calls[0])
     ctx.kv.share(sources)
     if not ctx.kv.complete:
         missing = [layer for layer in range(len(ctx.kv.keys)) if not ctx.kv.captured(layer)]
@@ -227,7 +245,9 @@ def suffix_forward(
         row_lengths=row_lengths,
         refusal=options.phase_b_refusal,
     )
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
+    position_ids = model_positions(model, position_ids)
+    with text_only_call(model):
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(options.meter, ctx)
     width = input_ids.shape[1]
     logits = out.logits.reshape(rows * width, -1)  # a view: lm_head's output is contiguous
@@ -333,6 +353,7 @@ def seeded_backward(prefix: PrefixKV, seeds: list[torch.Tensor | None], model: n
 
 
 def _prefix_of(layout: RowLayout, group: GroupPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's prefix tokens and positions (``[P-1]``, or ``[4, P-1]`` for multimodal rows)."""
     first = group.rows[0]
     ids = layout.input_ids[first][: group.prefix_len].to(device)
     pos = layout.position_ids[first][..., : group.prefix_len].to(device)
@@ -364,10 +385,13 @@ def train_group(
     prefix_ids, prefix_pos = _prefix_of(layout, group, device)
     losses = []
 
+    visual = layout.visual_of(group.rows[0])
+
     def run_prefix() -> PrefixKV:
-        return prefix_forward(model, prefix_ids, prefix_pos, options)
+        return prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
 
     chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=True)
+    _refuse_chunks_with_images(chunked, visual)
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, device):
             if chunked is None:
@@ -464,6 +488,16 @@ def _chunked(
     )
 
 
+def _refuse_chunks_with_images(chunked: ChunkedPrefix | None, visual: VisualInputs | None) -> None:
+    """A chunked prefix with visual inputs is not served yet: a chunk boundary may cut an image's tokens (the
+    engine runs such mini-batches dense first, as ``multimodal_chunked``)."""
+    if chunked is not None and visual:
+        raise ValueError(
+            "prefix reuse: a chunked prefix (prefix_chunk_tokens) with visual inputs is not served yet (a chunk "
+            "boundary may cut an image's tokens); the engine runs such mini-batches dense (multimodal_chunked)"
+        )
+
+
 def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
     """Bytes held for backward during a suffix micro-batch: phase A's graph (as the policy left it)
     plus the micro-batch's own, from the meter's per-phase counts (none without a meter)."""
@@ -484,11 +518,13 @@ def infer_group(
     fillers = options.for_fillers()
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    visual = layout.visual_of(group.rows[0])
     chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=False)
+    _refuse_chunks_with_images(chunked, visual)
     with prefix_attention_mode(model), options.autocast():
         with meter.phase("A"):
             if chunked is None:
-                prefix = prefix_forward(model, prefix_ids, prefix_pos, options)
+                prefix = prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
             else:
                 prefix = chunked.forward(keep_graphs=False)
         meter.note_prefix_kv(prefix.tensors())

@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verl_prefix.schedule.multimodal import VisualInputs, same_visual_inputs, visual_tokens_outside
+
 
 @dataclass(frozen=True)
 class RowLayout:
     """The rows of one mini-batch, unpadded: ``input_ids[i]`` is prompt followed by response.
-    ``temperature[i]`` divides row ``i``'s logits (the sampling temperature; ``None``: 1 for every row)."""
+    ``temperature[i]`` divides row ``i``'s logits (the sampling temperature; ``None``: 1 for every row).
+    ``visual[i]`` are row ``i``'s multimodal model inputs (pixel values, grids), ``None`` for a text row
+    (``None``: a text batch)."""
 
     input_ids: list[torch.Tensor]
     position_ids: list[torch.Tensor]
@@ -23,12 +27,15 @@ class RowLayout:
     response_lens: list[int]
     uids: list[str]
     temperature: torch.Tensor | None = None
+    visual: list[VisualInputs | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         sizes = {len(self.position_ids), len(self.prompt_lens), len(self.response_lens), len(self.uids)}
         if self.temperature is not None:
             sizes.add(len(self.temperature))
+        if self.visual is not None:
+            sizes.add(len(self.visual))
         if sizes != {n}:
             raise ValueError(f"row layout fields disagree on the number of samples: {sizes | {n}}")
         for i, (ids, p, s) in enumerate(zip(self.input_ids, self.prompt_lens, self.response_lens)):
@@ -37,6 +44,10 @@ class RowLayout:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def visual_of(self, row: int) -> VisualInputs | None:
+        """Row ``row``'s visual inputs (``None`` for a text row)."""
+        return self.visual[row] if self.visual is not None else None
 
 
 @dataclass
@@ -182,12 +193,17 @@ def plan_batch(
     min_group_size: int,
     extra_tokens_per_row: int = 0,
     count_prefix_tokens: bool = True,
+    visual_token_ids: tuple[int, ...] = (),
 ) -> BatchPlan:
     """Decide per uid group whether it reuses its prefix, and plan its suffix micro-batches.
 
     ``count_prefix_tokens``: the token budget charges each suffix row the prefix it attends to, so a
     budget means what it means for dense micro-batches (short suffixes do not pack a whole group into one
-    micro-batch whose attention covers G x P prefix keys); off counts padded suffix tokens only."""
+    micro-batch whose attention covers G x P prefix keys); off counts padded suffix tokens only.
+
+    A group whose rows do not share identical visual inputs (by content: a uid with different images) runs
+    dense as ``multimodal_mismatch``; one with a visual token (``visual_token_ids``) past the prefix, as
+    ``multimodal_layout``: phase A encodes the group's images once, over the prefix."""
     groups: list[GroupPlan] = []
     dense: dict[str, list[int]] = {}
     for uid, rows in group_rows_by_uid(layout.uids).items():
@@ -197,6 +213,10 @@ def plan_batch(
             continue
         if len(rows) < min_group_size:
             dense.setdefault("small_group", []).extend(rows)
+            continue
+        visual_reason = _visual_reason(layout, rows, visual_token_ids)
+        if visual_reason is not None:
+            dense.setdefault(visual_reason, []).extend(rows)
             continue
         plan = GroupPlan(uid=uid, rows=rows, prompt_len=prompt_len)
         plan.micro_batches = plan_suffix_micro_batches(
@@ -209,3 +229,14 @@ def plan_batch(
         )
         groups.append(plan)
     return BatchPlan(groups=groups, dense_rows=dense)
+
+
+def _visual_reason(layout: RowLayout, rows: list[int], visual_token_ids: tuple[int, ...]) -> str | None:
+    """Why a group's visual inputs cannot run once in phase A, or None (always None for text groups)."""
+    first = layout.visual_of(rows[0])
+    if any(not same_visual_inputs(first, layout.visual_of(i)) for i in rows[1:]):
+        return "multimodal_mismatch"
+    prefix_len = layout.prompt_lens[rows[0]] - 1
+    if any(visual_tokens_outside(layout.input_ids[i], prefix_len, visual_token_ids) for i in rows):
+        return "multimodal_layout"
+    return None

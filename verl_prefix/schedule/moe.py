@@ -36,7 +36,15 @@ from torch import nn
 # Families whose causal LM adds transformers' Switch-style ``load_balancing_loss_func`` over the
 # logits their ``*TopKRouter`` returns first, with ``num_experts`` / ``num_experts_per_tok``
 # (checked against transformers 5.10.4 source).
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_5_moe_text", "qwen3_next")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "qwen3_vl_moe_text",
+)
 
 # Router statistics other than per-micro-batch ones. No transformers 5.10.4 family computes them (HF's
 # DeepSeek-V2/V3 define no aux loss at all); remote-code DeepSeek models declare them in the config.
@@ -157,9 +165,15 @@ class MoeRouters:
                 else "it is not a mixture-of-experts model (no MoE router)"
             )
             raise ValueError(f"moe_aux_loss_coef > 0 with {name}: {what}. Set moe_aux_loss_coef=0.")
-        if getattr(recorder, "layer_name", None) is not None or getattr(recorder, "index", 0) != 0:
+        if getattr(recorder, "index", 0) != 0:
             raise ValueError(f"moe_aux_loss_coef > 0 with {name}: unexpected router-logit recorder {recorder!r}")
-        self.modules: list[nn.Module] = [m for m in model.modules() if isinstance(m, recorder.target_class)]
+        # a recorder may name its layers too (Qwen3-VL-MoE's ``mlp.gate``): HF records only modules of that name
+        layer = getattr(recorder, "layer_name", None)
+        self.modules: list[nn.Module] = [
+            m
+            for path, m in model.named_modules()
+            if isinstance(m, recorder.target_class) and (layer is None or path.endswith(layer))
+        ]
         if not self.modules:
             raise ValueError(f"moe_aux_loss_coef > 0 with {name}: no {recorder.target_class.__name__} modules found")
         self.num_experts = int(getattr(config, "num_experts", None) or config.num_local_experts)

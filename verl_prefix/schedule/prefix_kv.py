@@ -30,6 +30,7 @@ from verl_prefix.schedule.attention_keywords import (
     scored_keywords,
 )
 from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
+from verl_prefix.schedule.multimodal import hf_attention, vision_encoder
 from verl_prefix.schedule.recurrent import (
     BoundaryCache,
     RecurrentState,
@@ -612,10 +613,16 @@ AttentionInterface.register("verl_prefix_flash", _make_prefix_attention("flash")
 
 
 def _configs_of(model: nn.Module) -> list:
-    """Every distinct config object whose ``_attn_implementation`` the attention modules read."""
+    """Every distinct config object whose ``_attn_implementation`` the decoder's attention modules read. A vision
+    encoder's config is not one (its attention is bidirectional and runs dense, in phase A), nor a composite
+    vision-language config: setting its attention implementation switches every sub-config's."""
+    tower = vision_encoder(model)
+    inside = {id(m) for m in tower.modules()} if tower is not None else set()
     seen: dict[int, object] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
+        if id(module) in inside or getattr(config, "vision_config", None) is not None:
+            continue
         if config is not None and hasattr(config, "_attn_implementation"):
             seen.setdefault(id(config), config)
     return list(seen.values())
@@ -644,7 +651,7 @@ def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
             if name is None:
                 raise ValueError(f"prefix reuse does not support attn_implementation={original!r}")
             config._attn_implementation = name
-        with recurrent_state_mode(model):
+        with recurrent_state_mode(model), hf_attention(model):  # HF's attention where verl patched it
             yield
     finally:
         for config, original in zip(configs, originals):

@@ -179,6 +179,21 @@ SKIPPED: dict[str, str] = {
 EXACT, DENSE, REFUSED, SKIP = "exact under reuse", "dense with a reason", "refused at initialisation", "not built"
 COLUMNS = (EXACT, DENSE, REFUSED, SKIP)
 
+# the vision-language families verl's FSDP engine trains (image-text-to-text, not in the causal-LM mapping): what
+# reuse does with a batch of their visual inputs, and why (``schedule.multimodal``, ``docs/multimodal.md``)
+VISION_LANGUAGE_NOTES: dict[str, str] = {
+    "qwen2_5_vl": "the vision encoder runs once per group in phase A; against verl's stock fsdp2 engine in fp64 and "
+    "fp32 (`tests/backend/test_multimodal_engine.py`)",
+    "qwen2_vl": "verl's Qwen2.5-VL forward, a tower without windows; against the stock engine in fp64 "
+    "(`tests/backend/test_multimodal_engine.py`)",
+    "qwen3_vl": "deepstack features reach only prefix positions, added in phase A; against the stock engine in fp64 "
+    "(`tests/backend/test_multimodal_engine.py`)",
+    "qwen3_vl_moe": "verl's Qwen3-VL forward, experts in every layer; against the stock engine in fp64 "
+    "(`tests/backend/test_multimodal_engine.py`), router aux loss included",
+    "qwen3_5": "`multimodal`: its vision inputs not served yet (its text decoder, `qwen3_5_text`, is)",
+    "qwen3_5_moe": "`multimodal`: its vision inputs not served yet",
+}
+
 
 @dataclass(frozen=True)
 class MatrixRow:
@@ -310,6 +325,17 @@ def parse(page: str) -> list[MatrixRow]:
     return rows
 
 
+def vision_language_rows() -> list[MatrixRow]:
+    """The vision-language families' rows: exact under reuse where ``schedule.multimodal`` serves their visual
+    inputs, dense with the reason otherwise."""
+    from verl_prefix.schedule.multimodal import SERVED_VISUAL_MODELS
+
+    return [
+        MatrixRow(family, EXACT if family in SERVED_VISUAL_MODELS else DENSE, note)
+        for family, note in sorted(VISION_LANGUAGE_NOTES.items())
+    ]
+
+
 def render(rows: list[MatrixRow]) -> str:
     """``docs/models.md``: the counts per column, then one table per column."""
     import transformers
@@ -345,4 +371,16 @@ def render(rows: list[MatrixRow]) -> str:
             continue
         lines += ["", f"## {status[0].upper()}{status[1:]}", "", "| family | note |", "|---|---|"]
         lines += [f"| `{r.family}` | {r.reason} |" for r in chosen]
+    lines += [
+        "",
+        "## Vision-language families",
+        "",
+        "The image-text-to-text families verl's FSDP engine trains, with their visual inputs in the shared prefix "
+        "([multimodal.md](multimodal.md)); a batch of theirs that reuse does not serve runs dense, counted as "
+        "`prefix/fallback_<reason>`.",
+        "",
+        "| family | status | note |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {r.family} | {r.status} | {r.reason} |" for r in vision_language_rows()]
     return "\n".join(lines) + "\n"
