@@ -1,7 +1,7 @@
-"""The capability check at engine initialisation (issue 21, item 5): a hybrid model whose conv layers the schedule
-cannot serve (a tiny ``falcon_h1``: Mamba-2 mixers running beside attention in each layer) runs dense from the
-first step, counted as ``prefix/fallback_recurrent_layers`` with one log line at initialisation naming the module, and its
-gradients are the stock engine's; under ``unsupported_model=raise`` the engine refuses it naming the module,
+"""The capability check at engine initialisation (issue 21, item 5): a hybrid model whose recurrent layers the
+schedule cannot serve (a tiny ``falcon_h1``: Mamba-2 mixers beside attention in each layer) runs dense from the
+first step, counted as ``prefix/fallback_recurrent_layers`` with one log line at initialisation naming the
+module, and its gradients are the stock engine's; under ``unsupported_model=raise`` the engine refuses it naming the module,
 instead of stopping mid-step ("phase A did not capture K/V for every layer")."""
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def test_a_dropout_rate_applied_without_a_module_runs_dense():
 
 
 def _structure_body(rank: int) -> dict:
-    """Rank 1 holds a hybrid it cannot serve (falcon_h1), rank 0 a served model (llama): the ranks agree before any step."""
+    """Rank 1 holds a hybrid it cannot serve (falcon_h1), rank 0 a served model (llama): the ranks agree before
+    any step."""
     import torch.distributed as dist
 
     from verl_prefix.backend.agreement import UnsupportedModel, agree_on_structure
