@@ -1,8 +1,8 @@
 """The capability check at engine initialisation (issue 21, item 5): a hybrid model whose recurrent layers the
 schedule cannot serve (a tiny ``falcon_h1``: Mamba-2 mixers beside attention in each layer) runs dense from the
 first step, counted as ``prefix/fallback_recurrent_layers`` with one log line at initialisation naming the
-module, and its gradients are the stock engine's; under ``unsupported_model=raise`` the engine refuses it naming the module,
-instead of stopping mid-step ("phase A did not capture K/V for every layer")."""
+module, and its gradients are the stock engine's; under ``unsupported_model=raise`` the engine refuses it naming
+the module, instead of stopping mid-step ("phase A did not capture K/V for every layer")."""
 
 from __future__ import annotations
 
