@@ -1,9 +1,10 @@
 """Visual tokens in the shared prefix: prefix_fsdp2 against verl's stock fsdp2 engine on a tiny Qwen2.5-VL with
 real pixel inputs (two image sizes, a group with two images, a text group with verl's empty entries), fp64 and
 fp32, suffix micro-batches of 1, 2 and G rows, vision tower trainable and frozen, updates and forward-only
-passes; each comparison asserts reuse ran and the vision encoder ran once per group. Negative controls: suffix
-rotary positions computed as if the image were text, and a row whose image was swapped (detected by content:
-the group runs dense, and without the check reuse would be wrong)."""
+passes; Qwen3-VL (fp64 trainable and frozen tower, fp32), Qwen2-VL and Qwen3-VL-MoE (router aux loss too) on the
+same batch layout; each comparison asserts reuse ran and the vision encoder ran once per group. Negative
+controls: suffix rotary positions computed as if the image were text, and a row whose image was swapped
+(detected by content: the group runs dense, and without the check reuse would be wrong)."""
 
 from __future__ import annotations
 
