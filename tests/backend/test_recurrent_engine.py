@@ -4,7 +4,8 @@ gradients, the update and forward-only log-probs/entropy in fp64 (``helpers.delt
 engines' models); ragged suffixes in micro-batches of 1, 2 and G rows; prefix chunks of 2 tokens (every chunk
 boundary inside the 3-token convolution window); the MoE router aux loss on (against the engine's own dense path)
 and off (against stock); two data-parallel ranks; an fp32 and a bf16 run judged against the stock engine's own
-rounding. Each asserts reuse ran; settings the schedule does not serve for recurrent layers run dense, counted."""
+rounding; verl's patched delta-net/decoder-layer forwards in the stock engine against HF's, remembered, in the
+schedule. Each asserts reuse ran; settings the schedule does not serve for recurrent layers run dense, counted."""
 
 from __future__ import annotations
 
