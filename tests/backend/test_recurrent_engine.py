@@ -4,11 +4,13 @@ gradients, the update and forward-only log-probs/entropy in fp64 (``helpers.delt
 engines' models); ragged suffixes in micro-batches of 1, 2 and G rows; prefix chunks of 2 tokens (every chunk
 boundary inside the 3-token convolution window); the MoE router aux loss on (against the engine's own dense path)
 and off (against stock); two data-parallel ranks; an fp32 and a bf16 run judged against the stock engine's own
-rounding. Each asserts reuse ran; settings the schedule does not serve for recurrent layers run dense, counted."""
+rounding; verl's patched delta-net/decoder-layer forwards in the stock engine against HF's, remembered, in the
+schedule. Each asserts reuse ran; settings the schedule does not serve for recurrent layers run dense, counted."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import pytest
@@ -210,3 +212,57 @@ def test_fp32_and_bf16_within_the_stock_engines_own_rounding(hybrid_dir):
     assert dense_err[0] > 0 and dense_err[1] > 0  # bf16 really ran
     assert reuse_err[0] <= 1.5 * dense_err[0] and reuse_err[1] <= 1.5 * dense_err[1], (reuse_err, dense_err)
     assert_reuse_ran(reuse[2], groups=1)
+
+
+def _counted(calls: list, forward):
+    """``forward`` (verl's, by its name and module), recording each call."""
+
+    @functools.wraps(forward)
+    def counted(*args, **kwargs):
+        calls.append(forward.__name__)
+        return forward(*args, **kwargs)
+
+    return counted
+
+
+def test_verl_patched_forward_serves_with_hf_forwards(hybrid_dir, monkeypatch):
+    """verl's patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints replaces the delta-net's and the decoder layer's
+    forward class-wide (so a ``qwen3_5_text`` model in the process runs it too). The stock engine runs verl's
+    forwards; the schedule runs HF's own, remembered before the patch (``schedule.hf_forwards``): same log-probs
+    and gradients in fp64. Without the remembered forwards the model runs dense with the reason."""
+    from verl.models.transformers import qwen3_5 as verl_qwen3_5
+
+    from verl_prefix.schedule import hf_forwards, recurrent
+
+    for cls in hf_forwards.PATCHED_CLASSES:
+        monkeypatch.setattr(cls, "forward", cls.forward)  # verl's patch is undone after the test
+    hf_forwards.remember_hf_forwards()
+    calls = []
+    for cls in hf_forwards.PATCHED_CLASSES:
+        patch = "qwen3_5_decoder_layer_forward" if "DecoderLayer" in cls.__name__ else "qwen3_5_gated_delta_net_forward"
+        verl_forward = getattr(verl_qwen3_5, patch)
+        cls.forward = _counted(calls, verl_forward)
+    args = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
+    (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(hybrid_dir, **args)
+    assert all(hf_forwards.patched_by_verl(cls) for cls in hf_forwards.PATCHED_CLASSES), "verl's patch is in"
+    batch = grpo_batch(num_groups=2, prompt_lens=[9, 12])
+    with _fp64(d_engine, p_engine):
+        dense = T.run_infer(d_engine, batch, calculate_entropy=True)
+        assert calls, "the stock engine did not run verl's forwards"
+        calls.clear()
+        prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
+        assert not calls, "the schedule ran verl's forwards"
+        assert_infer_matches(dense, prefix, 1e-10, groups=2)
+        dense = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+        prefix = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+    assert_reuse_ran(prefix["metrics"], groups=2)
+    assert worst_relative(prefix["grads"], dense["grads"]) < 1e-10
+    assert all(hf_forwards.patched_by_verl(cls) for cls in hf_forwards.PATCHED_CLASSES), "verl's patch is back"
+
+    # negative control: verl's forward with nothing remembered is not served (dense, with the reason)
+    reuse = PrefixReuseConfig()
+    assert fallbacks.recurrent_fallback_reason(p_engine.module, reuse, ulysses=False, dormant_policy="keep") is None
+    monkeypatch.setattr(recurrent, "hf_forward", lambda cls: None if hf_forwards.patched_by_verl(cls) else cls.forward)
+    fallbacks.LOGGED_REASONS.clear()
+    reason = fallbacks.recurrent_fallback_reason(p_engine.module, reuse, ulysses=False, dormant_policy="keep")
+    assert reason == "recurrent_layers"

@@ -407,8 +407,8 @@ def _foreign_forward(self, hidden_states, cache_params=None, attention_mask=None
 
 
 def test_a_patched_forward_is_not_served(monkeypatch):
-    """verl's monkey patch for ``qwen3_5`` checkpoints replaces the layer's forward class-wide with one that
-    reads another cache interface: a model whose layers run a forward other than transformers' is refused."""
+    """A model whose layers run a forward other than transformers' is refused (verl's own patch is served from
+    HF's forward remembered before it: ``schedule.hf_forwards``, tests/backend/test_recurrent_engine.py)."""
     model = qwen3_5(torch.float32)
     monkeypatch.setattr(modeling_qwen3_5.Qwen3_5GatedDeltaNet, "forward", _foreign_forward)
     assert not any(recurrent.served_recurrent_layer(m) for m in model.modules())

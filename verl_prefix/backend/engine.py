@@ -53,6 +53,7 @@ from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.hf_forwards import remember_hf_forwards
 from verl_prefix.schedule.multimodal import (
     model_positions,
     remember_attention_forwards,
@@ -105,6 +106,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """verl's build; HF's attention forward of a vision-language family is remembered first, since verl's
         remove-padding patch replaces it (``schedule.multimodal.hf_attention`` serves the schedule with it)."""
         remember_attention_forwards(getattr(self.model_config.hf_config, "model_type", None))
+        remember_hf_forwards()  # Qwen3.5's delta-net and decoder layer (``schedule.hf_forwards``)
         return super()._build_module()
 
     def initialize(self) -> None:

@@ -29,6 +29,7 @@ from verl_prefix.schedule.attention_keywords import (
     dense_keywords,
     scored_keywords,
 )
+from verl_prefix.schedule.hf_forwards import hf_recurrent
 from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
 from verl_prefix.schedule.multimodal import hf_attention, vision_encoder
 from verl_prefix.schedule.recurrent import (
@@ -651,7 +652,8 @@ def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
             if name is None:
                 raise ValueError(f"prefix reuse does not support attn_implementation={original!r}")
             config._attn_implementation = name
-        with recurrent_state_mode(model), hf_attention(model):  # HF's attention where verl patched it
+        # HF's delta-net/decoder-layer and attention forwards where verl patched them
+        with hf_recurrent(model), recurrent_state_mode(model), hf_attention(model):
             yield
     finally:
         for config, original in zip(configs, originals):

@@ -29,6 +29,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 from verl_prefix.schedule import mamba
+from verl_prefix.schedule.hf_forwards import hf_forward
 
 # The recurrent token mixers the schedule serves: HF's Qwen3.5 (dense and MoE) and Qwen3-Next gated delta-nets
 # with their torch kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as
@@ -83,15 +84,15 @@ def served_recurrent_layer(module: nn.Module) -> bool:
     True for the Qwen3.5 (dense or MoE) and Qwen3-Next gated delta-nets running transformers' own forward with its
     torch kernels or fla's chunked rule (``fla_chunk_kernel``); False for any other recurrent mixer, for
     ``causal_conv1d``'s fused convolution (its one-token update has no autograd) and under verl's patched
-    forward. Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid) and LFM2's short convs:
-    ``mamba.served_mamba_layer``."""
+    forward unless HF's was remembered before the patch (``hf_forwards``; the schedule runs it). Mamba-2 mixers
+    (Nemotron-H, Bamba, Granite-4 hybrid) and LFM2's short convs: ``mamba.served_mamba_layer``."""
     if mamba.served_mamba_layer(module) or mamba.is_stateless_block(module):
         return True
     if not isinstance(module, SERVED_CLASSES):
         return False
-    # verl's monkey patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints swaps in its own forward, which reads
-    # another cache interface and continues no multi-token forward from a state: only transformers' own serves
-    forward = type(module).forward
+    # verl's monkey patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints swaps in its own forward, which continues no
+    # multi-token forward from a state: transformers' own serves, remembered before the patch (``hf_forwards``)
+    forward = hf_forward(type(module))
     if getattr(forward, "__module__", None) != next(c for c in SERVED_CLASSES if isinstance(module, c)).__module__:
         return False
     kernel = getattr(module, "chunk_gated_delta_rule", None)

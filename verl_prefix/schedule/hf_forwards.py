@@ -1,0 +1,69 @@
+"""HF's own Qwen3.5 gated delta-net and decoder-layer forwards, remembered before verl's monkey patch.
+
+When a ``qwen3_5``/``qwen3_5_moe`` checkpoint loads, verl's ``apply_monkey_patch`` replaces, class-wide, the
+forward of ``Qwen3_5GatedDeltaNet`` (and the MoE twin) with ``qwen3_5_gated_delta_net_forward`` (packed rows split
+by ``cu_seqlens``; it always starts from ``initial_state=None``) and of the decoder layers with one that calls the
+mixer without the forward keywords. The schedule's rows are padded, one sequence each, so HF's own forwards
+compute what verl's padded path computes and continue from a boundary state: they are put back while the
+schedule runs (``hf_recurrent``) and verl's are back after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+# the classes whose forward verl's patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints replaces
+PATCHED_CLASSES: tuple[type[nn.Module], ...] = (
+    modeling_qwen3_5.Qwen3_5GatedDeltaNet,
+    modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet,
+    modeling_qwen3_5.Qwen3_5DecoderLayer,
+    modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer,
+)
+
+# HF's own forward of each class above, by class (``remember_hf_forwards``)
+_HF_FORWARDS: dict[type, Callable] = {}
+
+
+def patched_by_verl(cls: type) -> bool:
+    """Whether ``cls.forward`` is a verl monkey patch rather than the forward its family defines."""
+    return getattr(cls.forward, "__module__", "").startswith("verl.")
+
+
+def remember_hf_forwards() -> None:
+    """Remember HF's forward of every class verl's Qwen3.5 patch replaces, where it is not patched yet. Runs at
+    import and again before an engine builds its model (``backend.engine``)."""
+    for cls in PATCHED_CLASSES:
+        if not patched_by_verl(cls):
+            _HF_FORWARDS.setdefault(cls, cls.forward)
+
+
+def hf_forward(cls: type) -> Callable | None:
+    """HF's own forward of ``cls``: the current one when verl has not patched it, the remembered one when it has
+    (None when it was patched before it could be remembered)."""
+    if not patched_by_verl(cls):
+        return cls.forward
+    return _HF_FORWARDS.get(cls)
+
+
+@contextmanager
+def hf_recurrent(model: nn.Module) -> Iterator[None]:
+    """HF's own forward for every class of ``model`` verl's Qwen3.5 patch replaced, for the block. Matched by
+    ``isinstance``: FSDP2 wraps decoder layers in a subclass that inherits the patched class's forward."""
+    modules = list(model.modules())
+    classes = [c for c in PATCHED_CLASSES if patched_by_verl(c) and any(isinstance(m, c) for m in modules)]
+    swapped = [(cls, cls.forward, _HF_FORWARDS[cls]) for cls in classes if cls in _HF_FORWARDS]
+    try:
+        for cls, _, original in swapped:
+            cls.forward = original
+        yield
+    finally:
+        for cls, patched, _ in swapped:
+            cls.forward = patched
+
+
+remember_hf_forwards()
