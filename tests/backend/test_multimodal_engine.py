@@ -1,9 +1,10 @@
 """Visual tokens in the shared prefix: prefix_fsdp2 against verl's stock fsdp2 engine on a tiny Qwen2.5-VL with
 real pixel inputs (two image sizes, a group with two images, a text group with verl's empty entries), fp64 and
 fp32, suffix micro-batches of 1, 2 and G rows, vision tower trainable and frozen, updates and forward-only
-passes; each comparison asserts reuse ran and the vision encoder ran once per group. Negative controls: suffix
-rotary positions computed as if the image were text, and a row whose image was swapped (detected by content:
-the group runs dense, and without the check reuse would be wrong)."""
+passes; Qwen3-VL (fp64 trainable and frozen tower, fp32), Qwen2-VL and Qwen3-VL-MoE (router aux loss too) on the
+same batch layout; each comparison asserts reuse ran and the vision encoder ran once per group. Negative
+controls: suffix rotary positions computed as if the image were text, and a row whose image was swapped
+(detected by content: the group runs dense, and without the check reuse would be wrong)."""
 
 from __future__ import annotations
 
@@ -351,7 +352,7 @@ def test_shared_forward_families_match_stock_engine(tmp_path, family):
         # the router aux loss (the stock engine has none): reuse against prefix_fsdp2's dense mode on the same
         # partition (the aux is a per-micro-batch mean: one row each), visual tokens counted alike
         one_row = V.make_vl_grpo_batch(
-            images=IMAGES,
+            images=IMAGES[1:3],
             group_size=G,
             seed=5,
             use_kl=True,
@@ -365,7 +366,6 @@ def test_shared_forward_families_match_stock_engine(tmp_path, family):
         got = step(engines[1], one_row, fp64_throughout)
         assert worst(got["grads"], want["grads"]) < GRAD_TOL["float64"]
         assert reduced(got["metrics"])["moe_aux_loss"] > 0
-        assert got["loss"] != pytest.approx(prefix["loss"], rel=1e-6), "the aux term joined the loss"
-        assert_reuse_ran(got["metrics"], groups=len(IMAGES))
+        assert_reuse_ran(got["metrics"], groups=2)
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_calls(prefix["metrics"])

@@ -330,7 +330,7 @@ def batch_fallback_reason(data: TensorDict) -> str | None:
 def multimodal_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, data: TensorDict) -> str | None:
     """A reason a batch with visual inputs (or multimodal position ids) runs dense, or None where phase A serves
     them (``schedule.multimodal``): ``multimodal`` for a model whose visual inputs reuse does not feed yet (a
-    family other than Qwen2.5-VL / Qwen3-VL, or multimodal positions on a text model), ``multimodal_chunked``
+    family outside ``SERVED_VISUAL_MODELS``, or multimodal positions on a text model), ``multimodal_chunked``
     with ``prefix_chunk_tokens`` (a chunk boundary may cut an image's tokens). Per-group reasons (rows of a uid
     with different images, visual tokens past the prefix) are ``grouping.plan_batch``'s."""
     # verl's agent loop writes multi_modal_inputs={} for every text sample: only real inputs count

@@ -1,8 +1,8 @@
 """Visual tokens in the shared prefix: a group's images run through the vision encoder once, in phase A.
 
-A vision-language prompt (Qwen2.5-VL, Qwen3-VL, as verl's FSDP engine feeds them) holds its images as
-placeholder tokens whose embeddings the vision encoder computes from the row's pixel values. Every row of a
-GRPO group carries the same prompt and the same pixel values, so phase A runs the encoder and the language
+A vision-language prompt (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, as verl's FSDP engine feeds them) holds
+its images as placeholder tokens whose embeddings the vision encoder computes from the row's pixel values. Every
+row of a GRPO group carries the same prompt and the same pixel values, so phase A runs the encoder and the language
 model over the prefix once, with the group's visual inputs; phase B's suffix rows are text only. Their
 multimodal rotary positions (verl's ``[4, L]`` position ids: the text positions, then the temporal, height and
 width axes) continue after the image exactly as in the dense row: they are sliced from the row's own position ids,

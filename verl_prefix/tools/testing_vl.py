@@ -1,5 +1,5 @@
-"""Tiny vision-language models and image-prompt GRPO batches for tests: Qwen2.5-VL and Qwen3-VL through verl's
-own paths.
+"""Tiny vision-language models and image-prompt GRPO batches for tests: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
+Qwen3-VL-MoE through verl's own paths.
 
 The model is random-init from a config (a vision tower of a couple of blocks, hidden 32, 14-pixel patches, 16
 for Qwen3-VL, merged 2 x 2, and a tiny text decoder) with a local word-level tokenizer whose last ids are Qwen's
