@@ -196,7 +196,8 @@ def test_swapped_image_is_detected_by_content(fp64, monkeypatch):
 def test_chunk_boundary_inside_an_image_matches_stock_engine(fp64, monkeypatch):
     """``prefix_chunk_tokens=5`` over 12-token prefixes cuts every image group's image tokens (group 0's at 5,
     group 1's at 5 and 10, group 2's second image at 10): the images are encoded once per group and each chunk
-    takes its slice of the embeddings; update (tower gradients compared) and forward-only within 1e-10.
+    takes its slice of the embeddings; update (tower gradients compared; ``dormant_prefix=recompute`` too; a
+    video group and an image-and-video group) and forward-only within 1e-10.
     Qwen3-VL (deepstack features not sliced per chunk) keeps running such batches dense with its reason."""
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2, prefix_chunk_tokens=5)
     grads, dense, prefix = compare(fp64, vl_batch(), "float64", reuse)
@@ -214,6 +215,23 @@ def test_chunk_boundary_inside_an_image_matches_stock_engine(fp64, monkeypatch):
         got = T.run_infer(prefix_engine, vl_batch())
     assert_infer_matches(want, got, 1e-10, groups=len(IMAGES))
     assert_encoder_calls(got["metrics"])
+    # recompute: phase A keeps no graph; the later chunks rebuilt in phase C leave their gradient on the leaf
+    # before the first chunk's rebuild (which encodes again, and is counted) backpropagates it into the tower
+    prefix_engine.dormant_prefix = "recompute"
+    try:
+        grads, _, prefix = compare(fp64, vl_batch(), "float64", reuse)
+    finally:
+        prefix_engine.dormant_prefix = "keep"
+    assert grads < GRAD_TOL["float64"]
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_calls(prefix["metrics"], calls=2 * VISUAL_GROUPS)
+    # a video group and an image-and-video group: verl encodes each kind in its own call, each sliced apart
+    batch = V.make_vl_grpo_batch(images=[[(2, 4, 4)], [(4, 4), (2, 4, 8)]], group_size=G, seed=7, use_kl=True)
+    grads, _, prefix = compare(fp64, batch, "float64", reuse)
+    assert grads < GRAD_TOL["float64"]
+    assert_reuse_ran(prefix["metrics"], groups=2)
+    assert reduced(prefix["metrics"])["prefix/chunked_groups"] == 2
+    assert_encoder_calls(prefix["metrics"], calls=3)
     # negative control: each chunk given the image's first embeddings (its slice not offset past earlier chunks')
     bounds = visual_chunks.EncodedVisuals.token_range
 

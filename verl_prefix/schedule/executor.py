@@ -397,7 +397,7 @@ def train_group(
     def run_prefix() -> PrefixKV:
         return prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
 
-    encoded = EncodedVisuals(model, visual, prefix_ids) if visual else None
+    encoded = EncodedVisuals(model, visual, prefix_ids, True) if visual else None
     chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, True, encoded)
     _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model):
@@ -543,7 +543,7 @@ def infer_group(
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     visual = layout.visual_of(group.rows[0])
-    encoded = EncodedVisuals(model, visual, prefix_ids) if visual else None
+    encoded = EncodedVisuals(model, visual, prefix_ids, False) if visual else None
     chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, False, encoded)
     _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model), options.autocast():

@@ -73,7 +73,7 @@ class EncodedVisuals:
     """A group's visual inputs for a chunked prefix: encoded in the first chunk's call, handed to every chunk by
     slice (``chunk_call``); ``calls`` counts the encoder's runs over the group's pixels."""
 
-    def __init__(self, model: nn.Module, visual: VisualInputs, prefix_ids: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, visual: VisualInputs, prefix_ids: torch.Tensor, requires_grad: bool) -> None:
         self.model = model
         self.owner = _encoder_owner(model)
         self.tower = vision_encoder(model)
@@ -82,6 +82,9 @@ class EncodedVisuals:
         self.kinds = [(pixels, grid, field) for pixels, grid, field in _KINDS if visual.get(pixels) is not None]
         self.leaves: list[torch.Tensor] = []
         self.calls = 0
+        # a leaf needs grad whenever the tower trains, even where phase A ran without a graph (``recompute``):
+        # the later chunks rebuilt in phase C leave their gradient on it before the first chunk's backward
+        self.leaf_grad = requires_grad and any(p.requires_grad for p in self.tower.parameters())
 
     def token_range(self, kind: int, start: int, end: int) -> tuple[int, int]:
         """Which rows of ``kind``'s embeddings the prefix tokens ``[start, end)`` hold."""
@@ -94,12 +97,12 @@ class EncodedVisuals:
         """The first chunk's encoder output for ``kind``: the real encoder, its leaf kept for later chunks."""
         root = unpack_visual_output(self.tower(pixel_values, grid_thw=grid_thw))[0]
         self.calls += 1
-        leaf = root.detach().requires_grad_(root.requires_grad)
+        leaf = root.detach().requires_grad_(self.leaf_grad)
         if len(self.leaves) == kind:
             self.leaves.append(leaf)
         else:  # recompute: phase C rebuilds the first chunk; the leaf (and its gradient) stays
             leaf = self.leaves[kind]
-        joined = JoinLeafGrad.apply(root, leaf) if root.requires_grad else root
+        joined = JoinLeafGrad.apply(root, leaf) if root.requires_grad and self.leaf_grad else root
         first, last = self.token_range(kind, start, end)
         return joined[first:last]
 
