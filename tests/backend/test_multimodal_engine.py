@@ -1,7 +1,8 @@
 """Visual tokens in the shared prefix: prefix_fsdp2 against verl's stock fsdp2 engine on a tiny Qwen2.5-VL with
 real pixel inputs (two image sizes, a group with two images, a text group with verl's empty entries), fp64 and
 fp32, suffix micro-batches of 1, 2 and G rows, vision tower trainable and frozen, updates and forward-only
-passes; Qwen3-VL (fp64 trainable and frozen tower, fp32), Qwen2-VL and Qwen3-VL-MoE (router aux loss too) on the
+passes, a chunked prefix cutting the images; Qwen3-VL (fp64 trainable and frozen tower, fp32), Qwen2-VL and
+Qwen3-VL-MoE (router aux loss too) on the
 same batch layout; each comparison asserts reuse ran and the vision encoder ran once per group. Negative
 controls: suffix rotary positions computed as if the image were text, and a row whose image was swapped
 (detected by content: the group runs dense, and without the check reuse would be wrong)."""
@@ -16,7 +17,7 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
-from verl_prefix.schedule import executor, grouping, multimodal
+from verl_prefix.schedule import executor, grouping, multimodal, visual_chunks
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.tools import testing as T
 from verl_prefix.tools import testing_vl as V
@@ -192,10 +193,61 @@ def test_swapped_image_is_detected_by_content(fp64, monkeypatch):
     assert grads > 1e-4
 
 
-def test_chunked_prefix_with_images_runs_dense_with_its_reason(fp64):
-    grads, _, prefix = compare(fp64, vl_batch(), "float64", PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=4))
+def test_chunk_boundary_inside_an_image_matches_stock_engine(fp64, monkeypatch):
+    """``prefix_chunk_tokens=5`` over 12-token prefixes cuts every image group's image tokens (group 0's at 5,
+    group 1's at 5 and 10, group 2's second image at 10): the images are encoded once per group and each chunk
+    takes its slice of the embeddings; update (tower gradients compared; ``dormant_prefix=recompute`` too; a
+    video group and an image-and-video group) and forward-only within 1e-10.
+    Qwen3-VL (deepstack features not sliced per chunk) keeps running such batches dense with its reason."""
+    reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2, prefix_chunk_tokens=5)
+    grads, dense, prefix = compare(fp64, vl_batch(), "float64", reuse)
     assert grads < GRAD_TOL["float64"]
-    assert reduced(prefix["metrics"])["prefix/fallback_multimodal_chunked"] == len(IMAGES) * G
+    assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-10)
+    assert any("visual" in n for n in prefix["grads"]), "phase C reaches the tower through the encoded leaf"
+    metrics = reduced(prefix["metrics"])
+    assert metrics["prefix/chunked_groups"] == len(IMAGES) and "prefix/fallback_multimodal_chunked" not in metrics
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_calls(prefix["metrics"])
+    (dense_engine, _, _), (prefix_engine, _, _) = fp64
+    with fp64_throughout():
+        with text_only_call(dense_engine.module):
+            want = T.run_infer(dense_engine, vl_batch())
+        got = T.run_infer(prefix_engine, vl_batch())
+    assert_infer_matches(want, got, 1e-10, groups=len(IMAGES))
+    assert_encoder_calls(got["metrics"])
+    # recompute: phase A keeps no graph; the later chunks rebuilt in phase C leave their gradient on the leaf
+    # before the first chunk's rebuild (which encodes again, and is counted) backpropagates it into the tower
+    prefix_engine.dormant_prefix = "recompute"
+    try:
+        grads, _, prefix = compare(fp64, vl_batch(), "float64", reuse)
+    finally:
+        prefix_engine.dormant_prefix = "keep"
+    assert grads < GRAD_TOL["float64"]
+    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+    assert_encoder_calls(prefix["metrics"], calls=2 * VISUAL_GROUPS)
+    # a video group and an image-and-video group: verl encodes each kind in its own call, each sliced apart
+    batch = V.make_vl_grpo_batch(images=[[(2, 4, 4)], [(4, 4), (2, 4, 8)]], group_size=G, seed=7, use_kl=True)
+    grads, _, prefix = compare(fp64, batch, "float64", reuse)
+    assert grads < GRAD_TOL["float64"]
+    assert_reuse_ran(prefix["metrics"], groups=2)
+    assert reduced(prefix["metrics"])["prefix/chunked_groups"] == 2
+    assert_encoder_calls(prefix["metrics"], calls=3)
+    # negative control: each chunk given the image's first embeddings (its slice not offset past earlier chunks')
+    bounds = visual_chunks.EncodedVisuals.token_range
+
+    def unshifted(self, kind, start, end):
+        first, last = bounds(self, kind, start, end)
+        return 0, last - first
+
+    monkeypatch.setattr(visual_chunks.EncodedVisuals, "token_range", unshifted)
+    with fp64_throughout():
+        wrong = T.run_infer(prefix_engine, vl_batch())
+    off = wrong["response_log_probs"].values() - want["response_log_probs"].values()
+    assert off.abs().max().item() > 1e-4
+    assert_reuse_ran(wrong["metrics"], groups=len(IMAGES))
+    monkeypatch.undo()
+    monkeypatch.setattr(prefix_engine.module.config, "model_type", "qwen3_vl")
+    assert fallbacks.multimodal_fallback_reason(prefix_engine.module, reuse, vl_batch()) == "multimodal_chunked"
 
 
 def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(fp64, monkeypatch):

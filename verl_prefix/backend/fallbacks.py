@@ -23,7 +23,7 @@ from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.schedule import mamba, moe, multimodal, recurrent
+from verl_prefix.schedule import mamba, moe, multimodal, recurrent, visual_chunks
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
@@ -331,7 +331,8 @@ def multimodal_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, data
     """A reason a batch with visual inputs (or multimodal position ids) runs dense, or None where phase A serves
     them (``schedule.multimodal``): ``multimodal`` for a model whose visual inputs reuse does not feed yet (a
     family outside ``SERVED_VISUAL_MODELS``, or multimodal positions on a text model), ``multimodal_chunked``
-    with ``prefix_chunk_tokens`` (a chunk boundary may cut an image's tokens). Per-group reasons (rows of a uid
+    with ``prefix_chunk_tokens`` on a family whose chunks ``schedule.visual_chunks`` does not feed (Qwen3-VL's
+    deepstack features). Per-group reasons (rows of a uid
     with different images, visual tokens past the prefix) are ``grouping.plan_batch``'s."""
     # verl's agent loop writes multi_modal_inputs={} for every text sample: only real inputs count
     visual = "multi_modal_inputs" in data.keys() and _has_mm_inputs(data)
@@ -339,7 +340,7 @@ def multimodal_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, data
         return None
     if multimodal.visual_model_refusal(module) is not None or not multimodal.uses_multimodal_rope(module):
         return "multimodal"
-    if visual and reuse.prefix_chunk_tokens:
+    if visual and reuse.prefix_chunk_tokens and not visual_chunks.chunks_served(module):
         return "multimodal_chunked"
     return None
 

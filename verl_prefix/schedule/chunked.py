@@ -41,7 +41,7 @@ from verl_prefix.schedule.prefix_kv import PrefixKV
 from verl_prefix.schedule.recurrent import RecurrentState
 
 # run_chunk(start, end, earlier) -> the chunk's captured K/V (graph-attached under grad). ``earlier`` is
-# None for the first chunk; a filler chunk is run as ``run_chunk(0, 1, None)`` (see ``ChunkedPrefix``).
+# None for the first chunk; a filler chunk is run by ``ChunkedPrefix``'s ``run_filler``.
 RunChunk = Callable[[int, int, PrefixKV | None], PrefixKV]
 # seeded_backward(prefix, seeds, model): one backward through ``prefix`` seeded per boundary tensor
 SeededBackward = Callable[[PrefixKV, list[torch.Tensor | None], nn.Module | None], None]
@@ -114,7 +114,8 @@ class ChunkedPrefix:
     ``requires_grad=False`` (forward-only passes): the chunks run under the caller's no_grad and
     ``leaves`` are plain tensors. ``min_chunks``: lockstep across data-parallel ranks; every forward
     and backward issues FSDP collectives, so a group with fewer chunks than a peer's group in the same
-    slot runs one-token filler chunks (zero-seeded in phase C) up to the agreed count.
+    slot runs one-token filler chunks (zero-seeded in phase C) up to the agreed count: ``run_filler``, by
+    default ``run_chunk(0, 1, None)`` (a prefix with images runs its fillers as text calls).
     """
 
     def __init__(
@@ -126,10 +127,12 @@ class ChunkedPrefix:
         requires_grad: bool,
         min_dtype: torch.dtype | None = torch.float32,
         min_chunks: int = 0,
+        run_filler: Callable[[], PrefixKV] | None = None,
     ) -> None:
         self.bounds = chunk_bounds(prefix_len, chunk_tokens)
         self.prefix_len = prefix_len
         self.run_chunk = run_chunk
+        self.run_filler = run_filler or (lambda: run_chunk(0, 1, None))
         self.requires_grad = requires_grad
         self.min_dtype = min_dtype
         self.fillers = max(0, min_chunks - len(self.bounds))
@@ -188,7 +191,7 @@ class ChunkedPrefix:
                 record.router_stats = kv.router_stats.detached_leaf(False)
             self.chunks.append(_Chunk(start, end, record))
         for _ in range(self.fillers):
-            kv = self.run_chunk(0, 1, None)
+            kv = self.run_filler()
             self.chunks.append(_Chunk(0, 1, kv, filler=True))
         self.leaves.recurrent = self.states[-1]  # phase B continues from the last chunk's state
         if stats:
@@ -215,7 +218,8 @@ class ChunkedPrefix:
                 if chunk.start and not chunk.filler
                 else None
             )
-            roots = dormant.phase_c_prefix(chunk.record, lambda c=chunk, e=earlier: self.run_chunk(c.start, c.end, e))
+            rerun = self.run_filler if chunk.filler else lambda c=chunk, e=earlier: self.run_chunk(c.start, c.end, e)
+            roots = dormant.phase_c_prefix(chunk.record, rerun)
             chunk.record = None
             if chunk.filler:
                 seeds: list[torch.Tensor | None] = [None] * len(roots.tensors())

@@ -53,6 +53,7 @@ from verl_prefix.schedule.prefix_kv import (
 )
 from verl_prefix.schedule.structure import layer_roles
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
+from verl_prefix.schedule.visual_chunks import EncodedVisuals, chunks_served
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
 # log-probs of rows[k] (length = its response), entropy likewise or None.
@@ -121,6 +122,8 @@ def prefix_forward(
     options: ScheduleOptions,
     earlier: PrefixKV | None = None,
     visual: VisualInputs | None = None,
+    *,
+    count_encoder: bool = True,
 ) -> PrefixKV:
     """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
     ``options.routers``, the prefix's router statistics). Early exit (``options.early_exit``) comes after
@@ -129,7 +132,8 @@ def prefix_forward(
     the way phase B's rows do (``options.phase_b_attention``). With ``options.ulysses`` this rank runs its
     slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
     over the slices. ``visual``: the group's visual inputs (``schedule.multimodal``), encoded here once; the
-    encoder's calls are counted as ``prefix/vision_encoder_calls``."""
+    encoder's calls are counted as ``prefix/vision_encoder_calls`` (not ``count_encoder``: a chunk of a
+    prefix whose images were encoded once, ``schedule.visual_chunks``, which counts them)."""
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
@@ -170,7 +174,10 @@ def prefix_forward(
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
         # verl's vision-language forwards hand unknown keywords on to attention: no logits_to_keep there
         keep = {} if is_visual_model(model) else {"logits_to_keep": 1}
-        encoder = counting_encoder_calls(model) if visual else text_only_call(model)
+        if visual and not count_encoder:
+            encoder = nullcontext(None)
+        else:
+            encoder = counting_encoder_calls(model) if visual else text_only_call(model)
         with encoder as encoder_calls:
             try:
                 model(
@@ -390,8 +397,9 @@ def train_group(
     def run_prefix() -> PrefixKV:
         return prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
 
-    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=True)
-    _refuse_chunks_with_images(chunked, visual)
+    encoded = EncodedVisuals(model, visual, prefix_ids, True) if visual else None
+    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, True, encoded)
+    _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, device):
             if chunked is None:
@@ -435,6 +443,7 @@ def train_group(
                     # a chunk's graph is freed by its own backward: the meter counts the largest one
                     done = saved_c.segment if saved_c is not None else None
                     chunked.backward(dormant, seeded_backward, model, on_chunk_done=done)
+                _count_encodes(encoded, meter)
             else:
                 with autocast():
                     prefix = dormant.phase_c_prefix(prefix, run_prefix)
@@ -465,18 +474,24 @@ def _chunked(
     prefix_pos: torch.Tensor,
     min_chunks: int,
     options: ScheduleOptions,
-    *,
     requires_grad: bool,
+    encoded: EncodedVisuals | None,
 ) -> ChunkedPrefix | None:
     """The group's prefix in chunks of ``options.prefix_chunk_tokens``, or None where it runs whole
     (chunking off, or one chunk and no lockstep fillers to run). Forward-only leaves (``requires_grad``
-    off) keep K/V's dtype; training ones hold at least ``options.prefix_grad_dtype``."""
+    off) keep K/V's dtype; training ones hold at least ``options.prefix_grad_dtype``. ``encoded``: the
+    group's visual inputs, encoded once; each chunk takes its slice of their embeddings."""
     chunk_tokens = options.prefix_chunk_tokens
     if num_chunks(len(prefix_ids), chunk_tokens) == 1 and min_chunks <= 1:
         return None
 
     def run_chunk(start: int, end: int, earlier: PrefixKV | None) -> PrefixKV:
-        return prefix_forward(model, prefix_ids[start:end], prefix_pos[..., start:end], options, earlier)
+        ids, pos = prefix_ids[start:end], prefix_pos[..., start:end]
+        if encoded is None:
+            return prefix_forward(model, ids, pos, options, earlier)
+        with encoded.chunk_call(start, end):
+            visual = encoded.chunk_kwargs(ids.device)
+            return prefix_forward(model, ids, pos, options, earlier, visual, count_encoder=False)
 
     return ChunkedPrefix(
         len(prefix_ids),
@@ -485,17 +500,26 @@ def _chunked(
         requires_grad=requires_grad,
         min_dtype=options.prefix_grad_dtype if requires_grad else None,
         min_chunks=min_chunks,
+        run_filler=lambda: prefix_forward(model, prefix_ids[:1], prefix_pos[..., :1], options),
     )
 
 
-def _refuse_chunks_with_images(chunked: ChunkedPrefix | None, visual: VisualInputs | None) -> None:
-    """A chunked prefix with visual inputs is not served yet: a chunk boundary may cut an image's tokens (the
-    engine runs such mini-batches dense first, as ``multimodal_chunked``)."""
-    if chunked is not None and visual:
+def _refuse_chunks_with_images(model: nn.Module, chunked: ChunkedPrefix | None, visual: VisualInputs | None) -> None:
+    """A chunked prefix with visual inputs is served for verl's Qwen2-VL forward only (``visual_chunks``):
+    Qwen3-VL's deepstack features are not sliced per chunk (the engine runs such mini-batches dense first, as
+    ``multimodal_chunked``)."""
+    if chunked is not None and visual and not chunks_served(model):
         raise ValueError(
-            "prefix reuse: a chunked prefix (prefix_chunk_tokens) with visual inputs is not served yet (a chunk "
-            "boundary may cut an image's tokens); the engine runs such mini-batches dense (multimodal_chunked)"
+            "prefix reuse: a chunked prefix (prefix_chunk_tokens) with visual inputs is served for Qwen2-VL and "
+            "Qwen2.5-VL only; the engine runs other families' such mini-batches dense (multimodal_chunked)"
         )
+
+
+def _count_encodes(encoded: EncodedVisuals | None, meter: PhaseMeter) -> None:
+    """A chunked prefix with images: the encoder's runs over the group's pixels (the first chunk's; again under
+    ``recompute``), counted as ``prefix/vision_encoder_calls`` like an unchunked prefix's."""
+    if encoded is not None:
+        meter.count("prefix/vision_encoder_calls", encoded.calls)
 
 
 def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
@@ -519,14 +543,16 @@ def infer_group(
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     visual = layout.visual_of(group.rows[0])
-    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, requires_grad=False)
-    _refuse_chunks_with_images(chunked, visual)
+    encoded = EncodedVisuals(model, visual, prefix_ids, False) if visual else None
+    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, False, encoded)
+    _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model), options.autocast():
         with meter.phase("A"):
             if chunked is None:
                 prefix = prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
             else:
                 prefix = chunked.forward(keep_graphs=False)
+                _count_encodes(encoded, meter)
         meter.note_prefix_kv(prefix.tensors())
         for rows in group.micro_batches:
             batch = build_suffix_batch(layout, rows, group.prompt_len, options)

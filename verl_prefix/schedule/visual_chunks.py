@@ -1,0 +1,133 @@
+"""Images in a chunked prefix (``prefix_chunk_tokens``): the group's images are encoded once, each chunk
+takes its slice of the visual embeddings.
+
+A chunk boundary may fall inside an image's placeholder tokens. The first chunk's model call runs the vision
+encoder over the group's images (and over its videos: verl encodes them in a call of their own) from inside the
+model's forward, where FSDP2 has the encoder's parameters gathered, and keeps the embeddings as a leaf. Each
+chunk's call gets, in place of the encoder's output, the rows of that leaf for the visual tokens it holds (verl's
+forward scatters an encoder's output into the placeholder tokens in order, so a chunk's visual tokens are a
+contiguous slice of the group's). Phase C runs the first chunk's backward last: its graph holds the encoder, and
+``JoinLeafGrad`` adds there what every later chunk left on the leaf, so the encoder's backward runs once, inside
+that chunk's. The multimodal positions are the dense row's, as without chunks.
+
+Every chunk after the first also runs the encoder on verl's zero placeholder image and adds ``0`` times its
+mean, as verl's forward does for a text call: a text group's chunks do, so data-parallel ranks issue the same
+encoder collectives per chunk. Only verl's Qwen2-VL forward (``multimodal.QWEN2_VL_FORWARD``) is fed this way;
+Qwen3-VL's deepstack features are not sliced yet (its chunked groups run dense as ``multimodal_chunked``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from verl.utils.transformers_compat import unpack_visual_output
+
+from verl_prefix.schedule.multimodal import QWEN2_VL_FORWARD, VisualInputs, vision_encoder
+
+# verl's forward keywords: (pixel key, grid key, config field of the placeholder token), in the order it encodes
+_KINDS = (
+    ("pixel_values", "image_grid_thw", "image_token_id"),
+    ("pixel_values_videos", "video_grid_thw", "video_token_id"),
+)
+
+
+def chunks_served(model: nn.Module) -> bool:
+    """Whether a chunked prefix with images is served for this model (verl's Qwen2-VL forward)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in QWEN2_VL_FORWARD
+
+
+def _encoder_owner(model: nn.Module) -> nn.Module:
+    """The module whose ``visual`` attribute verl's forward calls (the inner model, or the model itself)."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None and isinstance(getattr(inner, "visual", None), nn.Module) else model
+
+
+class JoinLeafGrad(torch.autograd.Function):
+    """Identity on the encoder's output whose backward adds the leaf's gradient, read when it runs (the later
+    chunks' backward already left it there)."""
+
+    @staticmethod
+    def forward(ctx: object, root: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        ctx.leaf = leaf
+        return root.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        later = ctx.leaf.grad
+        return (grad if later is None else grad + later.to(grad.dtype)), None
+
+
+def placeholder_embeddings(tower: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """The encoder on verl's zero placeholder image (16 patches, grid 1 x 4 x 4), as verl's text call runs it."""
+    config = tower.config
+    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    pixels = torch.zeros((16, patch_dim), dtype=tower.dtype, device=like.device)
+    grid = torch.tensor([[1, 4, 4]], dtype=torch.long, device=like.device)
+    return unpack_visual_output(tower(pixels, grid_thw=grid))[0]
+
+
+class EncodedVisuals:
+    """A group's visual inputs for a chunked prefix: encoded in the first chunk's call, handed to every chunk by
+    slice (``chunk_call``); ``calls`` counts the encoder's runs over the group's pixels."""
+
+    def __init__(self, model: nn.Module, visual: VisualInputs, prefix_ids: torch.Tensor, requires_grad: bool) -> None:
+        self.model = model
+        self.owner = _encoder_owner(model)
+        self.tower = vision_encoder(model)
+        self.visual = visual
+        self.prefix_ids = prefix_ids
+        self.kinds = [(pixels, grid, field) for pixels, grid, field in _KINDS if visual.get(pixels) is not None]
+        self.leaves: list[torch.Tensor] = []
+        self.calls = 0
+        # a leaf needs grad whenever the tower trains, even where phase A ran without a graph (``recompute``):
+        # the later chunks rebuilt in phase C leave their gradient on it before the first chunk's backward
+        self.leaf_grad = requires_grad and any(p.requires_grad for p in self.tower.parameters())
+
+    def token_range(self, kind: int, start: int, end: int) -> tuple[int, int]:
+        """Which rows of ``kind``'s embeddings the prefix tokens ``[start, end)`` hold."""
+        is_token = self.prefix_ids == getattr(self.model.config, self.kinds[kind][2])
+        return int(is_token[:start].sum()), int(is_token[:end].sum())
+
+    def _encoded(
+        self, kind: int, pixel_values: torch.Tensor, grid_thw: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        """The first chunk's encoder output for ``kind``: the real encoder, its leaf kept for later chunks."""
+        root = unpack_visual_output(self.tower(pixel_values, grid_thw=grid_thw))[0]
+        self.calls += 1
+        leaf = root.detach().requires_grad_(self.leaf_grad)
+        if len(self.leaves) == kind:
+            self.leaves.append(leaf)
+        else:  # recompute: phase C rebuilds the first chunk; the leaf (and its gradient) stays
+            leaf = self.leaves[kind]
+        joined = JoinLeafGrad.apply(root, leaf) if root.requires_grad and self.leaf_grad else root
+        first, last = self.token_range(kind, start, end)
+        return joined[first:last]
+
+    def chunk_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The visual keywords every chunk's call takes (the pixels select verl's encode branch)."""
+        return {key: self.visual[key].to(device) for kind in self.kinds for key in kind[:2]}
+
+    @contextmanager
+    def chunk_call(self, start: int, end: int) -> Iterator[None]:
+        """Inside the block verl's forward gets the embeddings of tokens ``[start, end)`` from the encoder."""
+        calls = iter(range(len(self.kinds)))
+
+        def stand_in(pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+            kind = next(calls)
+            if start == 0:
+                return self._encoded(kind, pixel_values, grid_thw, start, end)
+            first, last = self.token_range(kind, start, end)
+            out = self.leaves[kind][first:last]
+            if kind == 0:  # once per chunk, as verl's text call
+                out = out + 0.0 * placeholder_embeddings(self.tower, out).mean()
+            return out
+
+        stand_in.dtype = self.tower.dtype
+        object.__setattr__(self.owner, "visual", stand_in)  # an instance attribute shadows the submodule
+        try:
+            yield
+        finally:
+            del self.owner.__dict__["visual"]
