@@ -22,6 +22,7 @@ response token (dense routes it too), and each micro-batch's aux sees the prefix
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -122,8 +123,6 @@ def prefix_forward(
     options: ScheduleOptions,
     earlier: PrefixKV | None = None,
     visual: VisualInputs | None = None,
-    *,
-    count_encoder: bool = True,
 ) -> PrefixKV:
     """Phase A. Runs under whatever grad mode the caller set; returns graph-attached K/V (and, with
     ``options.routers``, the prefix's router statistics). Early exit (``options.early_exit``) comes after
@@ -132,8 +131,8 @@ def prefix_forward(
     the way phase B's rows do (``options.phase_b_attention``). With ``options.ulysses`` this rank runs its
     slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
     over the slices. ``visual``: the group's visual inputs (``schedule.multimodal``), encoded here once; the
-    encoder's calls are counted as ``prefix/vision_encoder_calls`` (not ``count_encoder``: a chunk of a
-    prefix whose images were encoded once, ``schedule.visual_chunks``, which counts them)."""
+    encoder's calls are counted as ``prefix/vision_encoder_calls`` on ``options.meter`` (a chunk of a prefix
+    whose images were encoded once, ``schedule.visual_chunks``, runs without a meter: the encoding counts)."""
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
@@ -174,10 +173,7 @@ def prefix_forward(
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
         # verl's vision-language forwards hand unknown keywords on to attention: no logits_to_keep there
         keep = {} if is_visual_model(model) else {"logits_to_keep": 1}
-        if visual and not count_encoder:
-            encoder = nullcontext(None)
-        else:
-            encoder = counting_encoder_calls(model) if visual else text_only_call(model)
+        encoder = counting_encoder_calls(model) if visual else text_only_call(model)
         with encoder as encoder_calls:
             try:
                 model(
@@ -398,7 +394,7 @@ def train_group(
         return prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
 
     encoded = EncodedVisuals(model, visual, prefix_ids, True) if visual else None
-    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, True, encoded)
+    chunked = _chunked(model, (prefix_ids, prefix_pos), group.min_prefix_chunks, options, True, encoded)
     _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, device):
@@ -470,8 +466,7 @@ def _refuse_recurrent(model: nn.Module, options: ScheduleOptions, dormant_policy
 
 def _chunked(
     model: nn.Module,
-    prefix_ids: torch.Tensor,
-    prefix_pos: torch.Tensor,
+    prefix: tuple[torch.Tensor, torch.Tensor],
     min_chunks: int,
     options: ScheduleOptions,
     requires_grad: bool,
@@ -480,7 +475,9 @@ def _chunked(
     """The group's prefix in chunks of ``options.prefix_chunk_tokens``, or None where it runs whole
     (chunking off, or one chunk and no lockstep fillers to run). Forward-only leaves (``requires_grad``
     off) keep K/V's dtype; training ones hold at least ``options.prefix_grad_dtype``. ``encoded``: the
-    group's visual inputs, encoded once; each chunk takes its slice of their embeddings."""
+    group's visual inputs, encoded once; each chunk takes its slice of their embeddings. ``prefix``: its
+    token ids and positions."""
+    prefix_ids, prefix_pos = prefix
     chunk_tokens = options.prefix_chunk_tokens
     if num_chunks(len(prefix_ids), chunk_tokens) == 1 and min_chunks <= 1:
         return None
@@ -491,7 +488,8 @@ def _chunked(
             return prefix_forward(model, ids, pos, options, earlier)
         with encoded.chunk_call(start, end):
             visual = encoded.chunk_kwargs(ids.device)
-            return prefix_forward(model, ids, pos, options, earlier, visual, count_encoder=False)
+            # the encoder ran once for the group (``encoded``, counted there): no meter for the chunk's call
+            return prefix_forward(model, ids, pos, dataclasses.replace(options, meter=None), earlier, visual)
 
     return ChunkedPrefix(
         len(prefix_ids),
@@ -544,7 +542,7 @@ def infer_group(
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     visual = layout.visual_of(group.rows[0])
     encoded = EncodedVisuals(model, visual, prefix_ids, False) if visual else None
-    chunked = _chunked(model, prefix_ids, prefix_pos, group.min_prefix_chunks, options, False, encoded)
+    chunked = _chunked(model, (prefix_ids, prefix_pos), group.min_prefix_chunks, options, False, encoded)
     _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model), options.autocast():
         with meter.phase("A"):
