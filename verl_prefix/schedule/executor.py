@@ -537,7 +537,6 @@ def infer_group(
     options = options.forward_only()
     _refuse_recurrent(model, options, "keep")
     meter = options.meter or NullMeter()
-    fillers = options.for_fillers()
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     visual = layout.visual_of(group.rows[0])
@@ -552,14 +551,29 @@ def infer_group(
                 prefix = chunked.forward(keep_graphs=False)
                 _count_encodes(encoded, meter)
         meter.note_prefix_kv(prefix.tensors())
-        for rows in group.micro_batches:
-            batch = build_suffix_batch(layout, rows, group.prompt_len, options)
-            with meter.phase("B"):
-                log_probs, entropy = suffix_forward(model, prefix, batch, options)
-            for k, i in enumerate(rows):
-                results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
-        for _ in range(group.filler_micro_batches):
-            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-            with meter.phase("B"):
-                suffix_forward(model, prefix, batch, fillers)
+        infer_suffixes(model, layout, group, prefix, results, options)
     return results
+
+
+def infer_suffixes(
+    model: nn.Module,
+    layout: RowLayout,
+    group: GroupPlan,
+    prefix: PrefixKV,
+    results: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+    options: ScheduleOptions,
+) -> None:
+    """Phase B of a forward-only pass: the group's suffix micro-batches over ``prefix``, each row's response
+    log-probs and entropy (or None) into ``results``, then the group's lockstep filler micro-batches."""
+    meter = options.meter or NullMeter()
+    for rows in group.micro_batches:
+        batch = build_suffix_batch(layout, rows, group.prompt_len, options)
+        with meter.phase("B"):
+            log_probs, entropy = suffix_forward(model, prefix, batch, options)
+        for k, i in enumerate(rows):
+            results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
+    fillers = options.for_fillers()
+    for _ in range(group.filler_micro_batches):
+        batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
+        with meter.phase("B"):
+            suffix_forward(model, prefix, batch, fillers)

@@ -56,10 +56,18 @@ def hf_recurrent(model: nn.Module) -> Iterator[None]:
     ``isinstance``: FSDP2 wraps decoder layers in a subclass that inherits the patched class's forward."""
     modules = list(model.modules())
     classes = [c for c in PATCHED_CLASSES if patched_by_verl(c) and any(isinstance(m, c) for m in modules)]
-    swapped = [(cls, cls.forward, _HF_FORWARDS[cls]) for cls in classes if cls in _HF_FORWARDS]
+    with class_forwards([(cls, _HF_FORWARDS[cls]) for cls in classes if cls in _HF_FORWARDS]):
+        yield
+
+
+@contextmanager
+def class_forwards(swaps: list[tuple[type, Callable]]) -> Iterator[None]:
+    """Each ``(class, forward)`` installed class-wide for the block, the class's own forward put back after
+    (even on an exception): how a patch verl applied class-wide is lifted for the schedule alone."""
+    swapped = [(cls, cls.forward, forward) for cls, forward in swaps]
     try:
-        for cls, _, original in swapped:
-            cls.forward = original
+        for cls, _, forward in swapped:
+            cls.forward = forward
         yield
     finally:
         for cls, patched, _ in swapped:

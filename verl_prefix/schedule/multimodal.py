@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from verl.utils.transformers_compat import unpack_visual_output
 
+from verl_prefix.schedule.hf_forwards import class_forwards
+
 # a row's multimodal model inputs (verl's ``multi_modal_inputs`` entry: pixel values, grids...)
 VisualInputs = Mapping[str, torch.Tensor]
 
@@ -107,15 +109,9 @@ def hf_attention(model: nn.Module) -> Iterator[None]:
     """HF's own attention forward for the block, where verl patched it and it was remembered: the schedule's
     rows are padded, one sequence each, and attend through HF's attention interface (the prefix attention),
     exactly as verl's padded path (no patch) does. verl's forward is back after the block."""
-    swapped = [(cls, cls.forward, hf_attention_forward(cls)) for cls in _bypassing_classes(model)]
-    swapped = [(cls, patched, original) for cls, patched, original in swapped if original is not None]
-    try:
-        for cls, _, original in swapped:
-            cls.forward = original
+    originals = [(cls, hf_attention_forward(cls)) for cls in _bypassing_classes(model)]
+    with class_forwards([(cls, original) for cls, original in originals if original is not None]):
         yield
-    finally:
-        for cls, patched, _ in swapped:
-            cls.forward = patched
 
 
 def uses_multimodal_rope(model: nn.Module) -> bool:

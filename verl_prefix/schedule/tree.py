@@ -28,6 +28,7 @@ from verl_prefix.schedule import moe
 from verl_prefix.schedule.executor import (
     LossFn,
     build_suffix_batch,
+    infer_suffixes,
     prefix_backward,
     prefix_forward,
     suffix_forward,
@@ -126,7 +127,6 @@ def infer_tree(
     """Forward-only tree schedule (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
     options = options.forward_only()
     meter = options.meter or NullMeter()
-    fillers = options.for_fillers()
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def visit(node: TrieNode, path: list[PrefixKV]) -> None:
@@ -137,17 +137,7 @@ def infer_tree(
         for child in node.children:
             visit(child, below)
         for group in node.groups:
-            prefix = join_path(below)
-            for rows in group.micro_batches:
-                batch = build_suffix_batch(layout, rows, group.prompt_len, options)
-                with meter.phase("B"):
-                    log_probs, entropy = suffix_forward(model, prefix, batch, options)
-                for k, i in enumerate(rows):
-                    results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
-            for _ in range(group.filler_micro_batches):
-                batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-                with meter.phase("B"):
-                    suffix_forward(model, prefix, batch, fillers)
+            infer_suffixes(model, layout, group, join_path(below), results, options)
 
     with prefix_attention_mode(model), options.autocast():
         for root in roots:
