@@ -12,7 +12,9 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
+from verl_prefix.backend.roots import shared_roots
 from verl_prefix.backend.trees import plan_tree, tree_refusal
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.tools import testing as T
@@ -88,7 +90,7 @@ def test_tree_knob_refuses_what_it_does_not_serve():
         PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute")
 
 
-def _two_rank_body(rank: int, model_dir: str) -> dict:
+def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     from helpers.precision import promote_fp32_upcasts
 
     from verl_prefix.tools import testing as T
@@ -98,10 +100,10 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = tree_reuse()
     out = {}
-    # same trie shape on both ranks (other tokens): the tree runs; then rank 1's prompts share no system block:
-    # its trie's passes differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same.
-    # Two groups per rank: the same paths as four at less CPU
-    same = system_batch(seed=3 + rank, prompt_lens=(5, 9))
+    # the rows the balancer placed on this rank (one system prompt's two groups): the same trie shape on both
+    # ranks (other tokens), so the tree runs; then rank 1's prompts share no system block: its trie's passes
+    # differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same.
+    same = system_batch(seed=seeds[rank], prompt_lens=(5, 9))
     differ = system_batch(seed=5, prompt_lens=(5, 9))
     if rank == 1:
         differ = T.make_grpo_batch(
@@ -124,10 +126,33 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
     return out
 
 
+def placed_family_seeds() -> list[int]:
+    """Two system prompts (batches of seeds 3 and 4, two groups each), their groups interleaved as one
+    global batch: the balancer with ``shared_roots`` puts each system prompt's groups on one rank (by length
+    alone each rank would hold both). The seed of the family each rank received."""
+    families = {seed: system_batch(seed=seed, prompt_lens=(5, 9)) for seed in (3, 4)}
+    samples = []  # (family seed, prompt, response length, uid), groups interleaved A0 B0 A1 B1
+    for g in range(2):
+        for seed, batch in families.items():
+            rows = range(3 * g, 3 * g + 3)
+            prompts, responses = batch["prompts"].unbind(), batch["responses"].unbind()
+            samples += [(seed, prompts[i], len(responses[i]), batch["uid"][i]) for i in rows]
+    prompts, uids = [s[1] for s in samples], [s[3] for s in samples]
+    args = ([len(p) for p in prompts], [s[2] for s in samples], uids)
+    plan = balance_groups(*args, dp_size=2, roots=shared_roots(prompts, uids, tree_reuse().min_shared_tokens))
+    placed = [{samples[i][0] for i in plan.order[r * 6 : (r + 1) * 6]} for r in range(2)]
+    assert sorted(map(sorted, placed)) == [[3], [4]], placed
+    plain = balance_groups(*args, dp_size=2)
+    assert [{samples[i][0] for i in plain.order[r * 6 : (r + 1) * 6]} for r in range(2)] == [{3, 4}, {3, 4}]
+    return [next(iter(p)) for p in placed]
+
+
 def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
+    """Placement and lockstep: each rank gets one system prompt's groups (the balancer), computes that block
+    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine."""
     from helpers.ranks import run_two_ranks
 
-    results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")))
+    results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")), placed_family_seeds())
     for rank in range(2):
         assert results[rank]["worst"] < 1e-10
         assert_tree_ran(results[rank]["same"], groups=2)
