@@ -194,6 +194,10 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--micro-batch-size", type=_positive_int, default=4, help="ppo_micro_batch_size_per_gpu")
     syn.add_argument("--lr", type=_positive_float, default=1e-5, help="actor learning rate for replay")
     syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument(
+        "--system-len", type=int, default=0, help="a system block of N tokens in front of every prompt of a step"
+    )
+    syn.add_argument("--tree", action="store_true", help="record prefix_reuse.tree=true: replay runs the tree")
     model = syn.add_mutually_exclusive_group()
     model.add_argument(
         "--write-model",
@@ -383,6 +387,8 @@ def _trace(args: argparse.Namespace) -> int:
             lr=args.lr,
             model_ref=model_ref,
             overwrite=args.force,
+            system_len=args.system_len,
+            prefix_reuse={"tree": True} if args.tree else None,
         )
         if spec is not None:
             spec.write(out / "model")
