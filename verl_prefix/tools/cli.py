@@ -241,6 +241,13 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         "unless WANDB_MODE says otherwise or a wandb login is configured; WANDB_DIR is honoured). Prints "
         "per-step update times, the speedup, per-phase time and memory, tokens and parameter agreement.",
     )
+    demo.add_argument(
+        "--task",
+        choices=("echo", "agentic"),
+        default="echo",
+        help="echo (default): the GRPO loop, stock then prefix reuse; agentic: stock, one-level reuse and the "
+        "tree updating side by side on batches whose groups share a system block (no Ray, no wandb)",
+    )
     demo.add_argument("--steps", type=_positive_int, default=3, help="GRPO steps per run (default 3)")
     demo.add_argument("--prompts", type=_positive_int, default=4, help="prompts per step (default 4)")
     demo.add_argument("--n", type=_positive_int, default=8, help="samples per prompt, rollout.n (default 8)")
@@ -483,16 +490,28 @@ def _demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if not args.verbose:
         quiet_libraries()
+
+    def progress(message: str) -> None:
+        print(f"[demo {time.perf_counter() - start:5.1f}s] {message}", flush=True)
+
+    if args.task == "agentic":
+        from verl_prefix.tools.demo_agentic import agentic_report, run_agentic_demo
+
+        try:
+            summary = run_agentic_demo(
+                args.out_dir, steps=args.steps, prompts=args.prompts, n=args.n, seed=args.seed, progress=progress
+            )
+        except DemoError as exc:
+            return _fail(exc)
+        print()
+        print(agentic_report(summary))
+        return 0
     try:
         check_options(args.out_dir, steps=args.steps, prompts=args.prompts, n=args.n)
         if not args.no_wandb:
             wandb_mode()  # an invalid WANDB_MODE fails here, before any slow work
     except DemoError as exc:
         return _fail(exc)
-
-    def progress(message: str) -> None:
-        print(f"[demo {time.perf_counter() - start:5.1f}s] {message}", flush=True)
-
     try:
         result = run_demo(
             args.out_dir,
