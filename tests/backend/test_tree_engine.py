@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
-from transformers import AutoModelForCausalLM, MistralConfig
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen3_5TextConfig
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.balance import balance_groups
@@ -187,3 +187,57 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
     assert plan_tree(windowed, layout, plan, 1, ulysses=False, group=None) == (None, "sliding_window")
     roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
     assert reason is None and len(roots) == 1 and len(roots[0].groups) == 2  # two uids, one prompt: one node
+    # recurrent layers (a Qwen3.5-style hybrid): their state at a node boundary is not carried yet
+    hybrid = Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid), ulysses=False) == "recurrent"
+    # images: a node's forward takes token ids only and every image's placeholder tokens are the same
+    visual = RowLayout(
+        rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=[{"pixel_values": rows[0]}, None]
+    )
+    assert plan_tree(plain, visual, plan, 1, ulysses=False, group=None) == (None, "multimodal")
+
+
+def _images_on_one_rank(rank: int) -> tuple:
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from verl_prefix.backend.trees import plan_tree
+    from verl_prefix.schedule.grouping import RowLayout, plan_batch
+
+    model = AutoModelForCausalLM.from_config(
+        MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=None,
+        )
+    )
+    rows = [torch.arange(6), torch.arange(6)]
+    visual = [{"pixel_values": rows[0]}, None] if rank == 0 else None
+    layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=visual)
+    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    return plan_tree(model, layout, plan, 1, ulysses=False, group=None)
+
+
+def test_images_on_one_rank_run_one_level_on_both_without_a_hang():
+    """The multimodal reason is rank-local: the rank with images still takes part in the signature agreement,
+    so neither rank waits on a collective the other skipped."""
+    from helpers.ranks import run_two_ranks
+
+    results = run_two_ranks(_images_on_one_rank, timeout=120)
+    assert results[0] == (None, "multimodal") and results[1] == (None, "lockstep")
