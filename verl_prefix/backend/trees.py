@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "lockstep")
+TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "multimodal", "lockstep")
 
 
 def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
@@ -36,6 +36,15 @@ def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
         return "sliding_window"
     if recurrent.recurrent_layers(model):
         return "recurrent"
+    return None
+
+
+def batch_refusal(layout: RowLayout, plan: BatchPlan) -> str | None:
+    """What the tree does not serve in this rank's mini-batch (may differ between ranks): reuse groups with
+    visual inputs. A node's forward takes token ids only, and image placeholder tokens are the same for every
+    image, so a trie over them would share the prompts of groups whose images differ."""
+    if any(layout.visual_of(group.rows[0]) for group in plan.groups):
+        return "multimodal"
     return None
 
 
@@ -63,13 +72,17 @@ def plan_tree(
     group: dist.ProcessGroup | None,
 ) -> tuple[list[TrieNode] | None, str | None]:
     """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
-    (the lockstep agreement) on every rank that reaches it, whatever its own trie."""
+    (the lockstep agreement) on every rank that reaches it, whatever its own trie: a rank whose own batch the
+    tree does not serve (``batch_refusal``) still takes part, with a signature no trie has, so every rank runs
+    one-level reuse (its own reason there, ``lockstep`` on the others)."""
     reason = tree_refusal(model, ulysses)
     if reason is None:
-        roots = build_trie(layout, plan.groups, min_shared_tokens)
-        if agree_on_signature(execution_signature(roots), group):
+        local = batch_refusal(layout, plan)
+        roots = build_trie(layout, plan.groups, min_shared_tokens) if local is None else None
+        signature = execution_signature(roots) if roots is not None else f"refused:{local}"
+        if agree_on_signature(signature, group) and roots is not None:
             return roots, None
-        reason = "lockstep"
+        reason = local or "lockstep"
     if reason not in _LOGGED:
         _LOGGED.add(reason)
         logger.warning(
