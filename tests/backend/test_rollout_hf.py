@@ -82,3 +82,66 @@ def test_registered_in_verl():
     assert rollout_hf.is_registered()
     assert get_rollout_replica_class("hf") is rollout_hf.HFReplica
     assert get_rollout_class("hf", "async") is rollout_hf.HFServerAdapter
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory):
+    """The server on the CPU smoke recipe's tiny Qwen2.5-VL (image-only processor, remote code)."""
+    from verl.workers.config import RolloutConfig
+
+    from verl_prefix.tools.smoke_vl import write_smoke_vl_model
+
+    model_dir = write_smoke_vl_model(tmp_path_factory.mktemp("vl") / "model")
+    config = RolloutConfig(name="hf", dtype="float32", prompt_length=96, response_length=8, calculate_log_probs=True)
+    model_config = OmegaConf.create({"path": str(model_dir), "trust_remote_code": True})
+    return rollout_hf.HFRolloutServer(config=config, model_config=model_config, replica_rank=0)
+
+
+def _image_prompt(srv, size, seed):
+    """An image prompt as verl's agent loop builds it: the processor renders and expands the placeholders."""
+    import numpy as np
+    from PIL import Image
+
+    from verl_prefix.tools.smoke_vl import synthetic_image
+
+    image = Image.open(__import__("io").BytesIO(synthetic_image(*size, np.random.default_rng(seed)))).convert("RGB")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t9 t10 t11"}]}]
+    text = srv.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = srv.processor(text=[text], images=[image], return_tensors="pt")["input_ids"][0].tolist()
+    return ids, image
+
+
+def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
+    from verl_prefix.tools.testing_vl import IMAGE_PAD
+
+    srv = vl_server
+    ids, image = _image_prompt(srv, (112, 168), seed=0)
+    assert ids.count(IMAGE_PAD) == 24  # 8 x 12 patches merged 2 x 2
+    visual = srv.image_inputs(ids, [image])
+    out = srv._generate(ids, {"logprobs": True, "temperature": 0.8, "ignore_eos": True}, 3, visual)
+    assert len(out.token_ids) == 8 == len(out.log_probs)
+    # the log-probs are those of a forward over prompt + response with the image: the actor's recompute
+    full = torch.tensor([ids + out.token_ids])
+    with torch.no_grad():
+        logits = srv.model(input_ids=full, **visual).logits[0, len(ids) - 1 : -1] / 0.8
+    want = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.log_probs), want, rtol=1e-5, atol=1e-5)
+    # the image reaches the model: another image of the same size changes the prefill's distribution
+    other = srv.image_inputs(ids, [_image_prompt(srv, (112, 168), seed=1)[1]])
+    with torch.no_grad():
+        moved = srv.model(input_ids=full, **other).logits[0, len(ids) - 1 : -1] / 0.8
+    assert (moved - logits).abs().max() > 1e-4
+    # seeds: the same prompt and image have the same seed key; another image another one
+    assert srv.prompt_digest(ids, visual) == srv.prompt_digest(ids, srv.image_inputs(ids, [image]))
+    assert srv.prompt_digest(ids, visual) != srv.prompt_digest(ids, other) != srv.prompt_digest(ids)
+    # placeholders that do not match the images, and videos, are refused
+    with pytest.raises(ValueError, match="image tokens"):
+        srv.image_inputs(ids[:-30] + ids[-5:], [image])
+    with pytest.raises(NotImplementedError, match="video"):
+        asyncio.run(srv.generate("r", ids, {}, video_data=[image]))
+
+
+def test_text_model_refuses_images(server):
+    srv, _ = server
+    with pytest.raises(NotImplementedError, match="vision-language"):
+        srv.image_inputs(PROMPT, ["an image"])
