@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.recipe_runs import finish_recipe, metrics, ray_tmpdir, start_recipe, stop
 
 # Measured 2026-12-01 on this VM (recipe runs by hand): identical rollouts (score, lengths equal), grad norm equal
