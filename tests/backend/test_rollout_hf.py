@@ -120,6 +120,8 @@ def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
     visual = srv.image_inputs(ids, [image])
     out = srv._generate(ids, {"logprobs": True, "temperature": 0.8, "ignore_eos": True}, 3, visual)
     assert len(out.token_ids) == 8 == len(out.log_probs)
+    # the smoke model never samples Qwen's vision tokens (verl would read one in a response as a placeholder)
+    assert srv.model.generation_config.suppress_tokens == [124, 125, 126, 127]
     # the log-probs are those of a forward over prompt + response with the image: the actor's recompute
     full = torch.tensor([ids + out.token_ids])
     with torch.no_grad():

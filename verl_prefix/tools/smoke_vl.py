@@ -81,7 +81,7 @@ def write_smoke_vl_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
     """The tiny Qwen2.5-VL, its tokenizer, chat template and image-only processor in ``out``."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from verl_prefix.tools.testing_vl import write_tiny_vl_model
+    from verl_prefix.tools.testing_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, write_tiny_vl_model
     from verl_prefix.tools.vl_processor import Qwen2_5_VLProcessor
 
     path = write_tiny_vl_model(out, "qwen2_5_vl", seed=seed)
@@ -103,6 +103,13 @@ def write_smoke_vl_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
     config["processor_class"] = "Qwen2_5_VLProcessor"
     config["auto_map"] = {"AutoProcessor": f"{_PROCESSOR_FILE[:-3]}.Qwen2_5_VLProcessor"}
     config_path.write_text(json.dumps(config, indent=2))
+    # A random model samples Qwen's vision tokens as often as any word (a trained one never does), and verl
+    # reads one in a response as an image placeholder (its rotary index, the engine's layout check): the
+    # rollout never samples them. Its log-probs stay those of the unprocessed logits, what the actor computes.
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen["suppress_tokens"] = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+    gen_path.write_text(json.dumps(gen, indent=2))
     tok_config_path = path / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["chat_template"] = CHAT_TEMPLATE
