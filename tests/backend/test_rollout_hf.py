@@ -112,7 +112,7 @@ def _image_prompt(srv, size, seed):
 
 
 def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
-    from verl_prefix.tools.testing_vl import IMAGE_PAD
+    from verl_prefix.tools.testing_vl import IMAGE_PAD, vl_positions
 
     srv = vl_server
     ids, image = _image_prompt(srv, (112, 168), seed=0)
@@ -122,17 +122,25 @@ def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
     assert len(out.token_ids) == 8 == len(out.log_probs)
     # the smoke model never samples Qwen's vision tokens (verl would read one in a response as a placeholder)
     assert srv.model.generation_config.suppress_tokens == [124, 125, 126, 127]
-    # the log-probs are those of a forward over prompt + response with the image: the actor's recompute
+    # the log-probs are the actor's recompute: a forward over prompt + response with the image, at the
+    # [4, L] positions verl's get_rope_index gives the row (text, then temporal/height/width after the image)
     full = torch.tensor([ids + out.token_ids])
-    with torch.no_grad():
-        logits = srv.model(input_ids=full, **visual).logits[0, len(ids) - 1 : -1] / 0.8
-    want = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    positions = vl_positions(full[0], {"image_grid_thw": visual["image_grid_thw"]})[:, None]
+    pixels = {k: visual[k] for k in ("pixel_values", "image_grid_thw")}
+
+    def log_probs(**inputs):
+        with torch.no_grad():
+            logits = srv.model(input_ids=full, **inputs).logits[0, len(ids) - 1 : -1] / 0.8
+        return logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+
+    want = log_probs(position_ids=positions, **pixels)
     torch.testing.assert_close(torch.tensor(out.log_probs), want, rtol=1e-5, atol=1e-5)
-    # the image reaches the model: another image of the same size changes the prefill's distribution
+    # negative control: without the token types transformers runs the image at text positions
+    assert (log_probs(**pixels) - want).abs().max() > 1e-4
+    # the image reaches the model: another image of the same size changes the distribution
     other = srv.image_inputs(ids, [_image_prompt(srv, (112, 168), seed=1)[1]])
-    with torch.no_grad():
-        moved = srv.model(input_ids=full, **other).logits[0, len(ids) - 1 : -1] / 0.8
-    assert (moved - logits).abs().max() > 1e-4
+    moved = log_probs(position_ids=positions, **{k: other[k] for k in ("pixel_values", "image_grid_thw")})
+    assert (moved - want).abs().max() > 1e-4
     # seeds: the same prompt and image have the same seed key; another image another one
     assert srv.prompt_digest(ids, visual) == srv.prompt_digest(ids, srv.image_inputs(ids, [image]))
     assert srv.prompt_digest(ids, visual) != srv.prompt_digest(ids, other) != srv.prompt_digest(ids)

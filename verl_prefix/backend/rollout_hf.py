@@ -28,9 +28,11 @@ meant to be correct, not fast:
 Vision-language models (a ``config.json`` with a ``vision_config``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) load as
 ``AutoModelForImageTextToText`` with their processor (verl's ``hf_processor``). A request's ``image_data``
 (the PIL images verl's agent loop hands every server) goes through the processor's image processor into
-``pixel_values``/``image_grid_thw`` for ``generate``; the prompt's image placeholders must number what the
-images fill. The images' pixels join the seed's key, so two groups with the same text and different images
-draw differently, and a dense and a reuse run with the same data draw the same. Videos and audio are refused.
+``pixel_values``/``image_grid_thw`` for ``generate``, with ``mm_token_type_ids`` marking the image tokens
+(transformers 5 computes the multimodal rotary positions from them); the prompt's image placeholders must
+number what the images fill. The images' pixels join the seed's key, so two groups with the same text and
+different images draw differently, and a dense and a reuse run with the same data draw the same. Videos and
+audio are refused.
 """
 
 from __future__ import annotations
@@ -283,7 +285,14 @@ class HFRolloutServer:
         got = sum(1 for t in prompt_ids if t == self.processor.image_token_id)
         if got != want:
             raise ValueError(f"hf rollout: the prompt holds {got} image tokens, its {len(grid)} images fill {want}")
-        return {"pixel_values": out["pixel_values"].to(self.model.dtype), "image_grid_thw": grid}
+        # transformers 5 places the multimodal rotary positions by these types; without them generate would
+        # run the image's tokens at text positions, not where verl's actor (its get_rope_index) puts them
+        types = torch.tensor([[int(t == self.processor.image_token_id) for t in prompt_ids]], dtype=torch.int32)
+        return {
+            "pixel_values": out["pixel_values"].to(self.model.dtype),
+            "image_grid_thw": grid,
+            "mm_token_type_ids": types,
+        }
 
     # --- lifecycle verl's replica and checkpoint manager call; the model stays in host memory ----------------------
     async def wake_up(self, tags: list[str] | None = None) -> None:
