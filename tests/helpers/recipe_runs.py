@@ -10,13 +10,16 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_cpu_smoke.sh"
 
 
-def start_recipe(out: Path, *, mode: str, steps: int, save_at: int, env: dict | None = None, args: list[str] = ()):
+def start_recipe(
+    out: Path, *, mode: str, steps: int, save_at: int, env: dict | None = None, args: Sequence[str] = ()
+) -> subprocess.Popen:
     """The recipe in the background (its own process group), its output to ``out/recipe.log``; ``args`` go
     to both of its ``main_ppo`` launches."""
     full_env = {

@@ -24,6 +24,7 @@ SMALL = [
     "actor_rollout_ref.rollout.n=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
     "data.filter_overlong_prompts=false",  # prompts of 60-100 tokens: the processor pass over the set is waste
+    "trainer.save_freq=-1",  # no checkpoint: the metrics are the comparison (the last value of a key wins)
 ]
 
 
