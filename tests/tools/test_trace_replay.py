@@ -138,6 +138,23 @@ def test_unplain_values_are_refused(tmp_path):
         TR.TraceWriter(tmp_path).record(batch)
 
 
+def test_chat_messages_with_images_round_trip(tmp_path):
+    """A vision-language batch's ``raw_prompt`` holds the decoded PIL images (verl's data set puts them in the
+    messages): recorded as PNG, read back as the same pixels (a ``record_trace_dir`` VL run failed on them)."""
+    from PIL import Image
+    from verl.utils import tensordict_utils as tu
+
+    batch = T.make_grpo_batch(num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64)
+    image = Image.fromarray(np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3))
+    message = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "t9"}]}]
+    tu.assign_non_tensor(batch, raw_prompt=[message, message])
+    TR.TraceWriter(tmp_path / "t").record(batch, step=1)
+    got = TR.load_trace(tmp_path / "t").batch(0)["raw_prompt"]
+    for row in got:
+        back = row[0]["content"][0]["image"]
+        assert np.array_equal(np.asarray(back), np.asarray(image)) and row[0]["content"][1]["text"] == "t9"
+
+
 def test_synthetic_trace_shapes(tmp_path):
     root = synthetic_trace(
         tmp_path,

@@ -95,11 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--family", action="append", default=None, help="only this family (repeatable)")
     smoke = sub.add_parser(
         "smoke-data",
-        help="write the tiny model and GSM8K-shaped parquet files the CPU recipe trains on",
+        help="write the tiny model and GSM8K-shaped (or geo3k-shaped image) parquet files the CPU recipe trains on",
         description="Write DIR/model (a tiny random-init model with its tokenizer) and DIR/data/{train,test}.parquet "
-        "(verl's RL dataset format) for recipes/grpo_cpu_smoke.sh.",
+        "(verl's RL dataset format) for recipes/grpo_cpu_smoke.sh. --task vl: a tiny Qwen2.5-VL with its "
+        "processor and image prompts in the layout of verl's geo3k example.",
     )
     smoke.add_argument("--out", type=Path, required=True, help="directory to write model/ and data/ into")
+    smoke.add_argument(
+        "--task", choices=("text", "vl"), default="text", help="text (GSM8K-shaped, default) or vl (image prompts)"
+    )
     smoke.add_argument("--train", type=_positive_int, default=64, help="training prompts (default 64)")
     smoke.add_argument("--test", type=_positive_int, default=8, help="validation prompts (default 8)")
     smoke.add_argument("--seed", type=int, default=0)
@@ -263,7 +267,10 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _smoke_data(args: argparse.Namespace) -> int:
-    from verl_prefix.tools.smoke import write_smoke
+    if args.task == "vl":
+        from verl_prefix.tools.smoke_vl import write_smoke_vl as write_smoke
+    else:
+        from verl_prefix.tools.smoke import write_smoke
 
     paths = write_smoke(args.out, train=args.train, test=args.test, seed=args.seed)
     print(f"model: {paths['model']}\ndata: {paths['data']}")
