@@ -42,6 +42,7 @@ from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask
 from verl_prefix.backend.titan_config import refusal
 from verl_prefix.backend.titan_flavor import check_flavor
 from verl_prefix.backend.titan_moe import ExpertCounts
+from verl_prefix.backend.titan_sequence import pad_tokens, padded_length, sequence_multiple
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
@@ -81,11 +82,13 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         if len(self.module) != 1:
             raise ValueError("prefix_torchtitan: one model part expected (pipeline parallelism is refused)")
         self.expert_counts = ExpertCounts(self.module[0])
-        if self.reuse_config.enable and self.expert_counts and self.engine_config.tensor_parallel_size > 1:
-            # TP shards the MoE's tokens (sequence parallel): the weighted counts would need the same sharding
+        # TP x EP: the MoE splits every sequence over the TP ranks, which must divide its length
+        dims = self.parallel_dims
+        self.sequence_multiple = sequence_multiple(dims.tp, dims.ep, bool(self.expert_counts))
+        if self.reuse_config.enable and self.expert_counts and dims.tp > 1 and dims.ep == 1:
             raise ValueError(
-                "prefix_torchtitan: MoE flavors with tensor_parallel_size > 1 are not served yet (the router's "
-                "token counts are sharded on the sequence under TP); use expert_parallel_size / FSDP, or "
+                "prefix_torchtitan: MoE flavors with tensor_parallel_size > 1 and expert_parallel_size 1 (the experts "
+                "sharded by TP) are not tested under reuse; set expert_parallel_size > 1 (TP x EP is served), or "
                 "prefix_reuse.enable=false"
             )
         self.hooks = InnerAttentionHooks(self.module[0])
@@ -190,6 +193,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                     continue
                 rows = dense_chunks[k]
                 micro = tu.index_select_tensor_dict(data, rows)
+                self._check_dense_length(micro)
                 with meter.phase("dense"):
                     loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
                     if not forward_only:
@@ -232,19 +236,21 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         # phase A runs to the end so that the last layer routes the prefix too
         copies = 0.0 if filler else float(len(group.rows))
         early_exit = self.reuse_config.early_exit and not counts
-        with meter.phase("A"), self.hooks.capturing(prefix, early_exit), self._counted(copies):
-            model(ids, positions=pos, attention_masks=causal_mask(group.prefix_len, device))
+        ids, pos, copies = pad_tokens(ids, pos, copies, self.sequence_multiple)  # TP x EP (titan_sequence)
+        mask = causal_mask(ids.shape[1], device)
+        with meter.phase("A"), self.hooks.capturing(prefix, early_exit, keep=group.prefix_len), self._counted(copies):
+            model(ids, positions=pos, attention_masks=mask)
         leaves = prefix.as_leaves(requires_grad=not forward_only)
         meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
         for rows in group.micro_batches:
             with meter.phase("B"):
                 # with MoE layers each row's last response token is routed too, as dense routes it
                 batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=bool(counts))
-                width = batch.input_ids.shape[1]
-                mask = suffix_mask(len(rows), group.prefix_len, width, device)
                 real = 0.0 if filler else batch.tokens.float()
+                ids, pos, real = pad_tokens(batch.input_ids, batch.position_ids, real, self.sequence_multiple)
+                mask = suffix_mask(len(rows), group.prefix_len, ids.shape[1], device)
                 with self.hooks.serving(leaves), self._counted(real):
-                    logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
+                    logits = model(ids, positions=pos, attention_masks=mask)
                 if isinstance(logits, DTensor):
                     logits = logits.full_tensor()
                 log_probs, entropy = [], []
@@ -269,9 +275,10 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                 record(rows, model_output, loss_value, metrics)
         for _ in range(group.filler_micro_batches):  # lockstep: the same collectives, zero loss
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-            mask = suffix_mask(1, group.prefix_len, batch.input_ids.shape[1], device)
+            ids, pos, _ = pad_tokens(batch.input_ids, batch.position_ids, 0.0, self.sequence_multiple)
+            mask = suffix_mask(1, group.prefix_len, ids.shape[1], device)
             with meter.phase("lockstep"), self.hooks.serving(leaves), self._counted(0.0):
-                logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
+                logits = model(ids, positions=pos, attention_masks=mask)
                 if not forward_only:
                     (logits.sum() * 0.0).backward()
         if not forward_only:
@@ -280,12 +287,25 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
 
     def _filler_dense(self, device: torch.device, forward_only: bool) -> None:
         """A zero-loss dense micro-batch that matches a peer's dense chunk collective for collective."""
-        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        pos = torch.arange(2, device=device)[None]
+        length = padded_length(2, self.sequence_multiple)
+        ids = torch.zeros(1, length, dtype=torch.long, device=device)
+        pos = torch.arange(length, device=device)[None]
         with self._counted(0.0):
-            logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(2, device))
+            logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(length, device))
         if not forward_only:
             (logits.sum() * 0.0).backward()
+
+    def _check_dense_length(self, micro: TensorDict) -> None:
+        """verl's ``forward_step`` packs a dense chunk into one sequence; under TP x EP torchtitan's MoE needs
+        its length divisible by TP (verl's own engine fails deep in DTensor otherwise): say so plainly."""
+        tokens = int(micro["input_ids"].offsets()[-1])
+        if tokens % self.sequence_multiple:
+            raise ValueError(
+                f"prefix_torchtitan: a dense chunk of {tokens} packed tokens under tensor x expert parallelism; "
+                f"torchtitan's MoE splits the sequence over the {self.sequence_multiple} TP ranks and needs a "
+                "multiple of that (verl's TorchTitan engine has the same limit); the rows fell back to dense "
+                "(see prefix/fallback_*): lower prefix_reuse.min_prefix_len / min_group_size, or pad the batch"
+            )
 
     def _counted(self, weights: torch.Tensor | float) -> Any:
         """MoE routing counted with ``weights`` per token (``titan_moe``); nothing to do for a dense model."""
