@@ -19,6 +19,7 @@ not match the checkpoint (``titan_flavor``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -31,13 +32,18 @@ from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.torch_functional import logprobs_from_logits
-from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks, platform_titan
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
-from verl_prefix.backend.outputs import as_micro_batch_lists, fallback_metrics, full_length, static_bsz, token_counts
+from verl_prefix.backend.outputs import (
+    MiniBatchOutputs,
+    as_micro_batch_lists,
+    dense_batch_output,
+    dense_chunk,
+    full_length,
+)
 from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
 from verl_prefix.backend.titan_config import refusal
 from verl_prefix.backend.titan_flavor import check_flavor
@@ -115,15 +121,8 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         local_reason, layout = self._local_reason(data, forward_only)
         reason = fallbacks.agree_on_fallback(local_reason, self.get_data_parallel_group())
         if reason is not None:
-            meter = PhaseMeter(self._device())
-            with meter.phase("dense"):
-                output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            tokens = int(data["input_ids"].offsets()[-1])
-            output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
-            if reason != "disabled":
-                fallbacks.log_fallbacks([reason])
-            output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
-            return output
+            stock = functools.partial(super().forward_backward_batch, data, loss_function, forward_only=forward_only)
+            return dense_batch_output(stock, data, reason, PhaseMeter(self._device()))
         assert layout is not None
         return self._reuse_batch(data, layout, loss_function, forward_only)
 
@@ -162,16 +161,8 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         options = ScheduleOptions(device=device, meter=meter)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
-        output_lst: list[dict] = []
-        order: list[list[int]] = []
-
-        def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
-            keep = forward_only or return_model_output
-            output_lst.append(
-                {"model_output": detach_tree(model_output) if keep else {}, "loss": loss, "metrics": metrics}
-            )
-            order.append(rows)
-
+        outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
+        record = outputs.record
         grad = torch.no_grad() if forward_only else nullcontext()
         autocast = platform_titan.engine_autocast(self.engine_config, get_device_name())
         with self.trainer.train_context(), grad, autocast:
@@ -195,22 +186,9 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                 micro = tu.index_select_tensor_dict(data, rows)
                 self._check_dense_length(micro)
                 with meter.phase("dense"):
-                    loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
-                    if not forward_only:
-                        loss.backward()
+                    _, meta = dense_chunk(self.forward_step, micro, loss_function, forward_only, torch.Tensor.backward)
                 record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
-
-        output = postprocess_batch_func(output_lst=output_lst, indices=order, data=static_bsz(data))
-        if output["model_output"]:
-            from verl.utils.seqlen_balancing import restore_dynamic_batch
-
-            output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
-        output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
-        fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
-        logical, physical = token_counts(layout, plan)
-        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
-        output["metrics"].update(meter.metrics(logical, physical, phases=phases))
-        return output
+        return outputs.finish(data, layout, plan, meter, forward_only=forward_only)
 
     def _group(
         self,
