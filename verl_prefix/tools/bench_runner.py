@@ -223,7 +223,8 @@ def _titan_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tuple[A
         engine = TT.build_titan_engine(
             model_dir, backend=backend, micro_batch_size_per_gpu=cell.micro_batch_size, lr=0.0,
             prefix_reuse=reuse if backend == "prefix_torchtitan" else None,
-            engine_overrides={"mixed_precision_param": param},
+            # torchtitan sizes its RoPE table by its training seq_len (2048 unless set)
+            engine_overrides={"mixed_precision_param": param, "max_seq_len": cell.model.max_position_embeddings},
         )  # fmt: skip
         engines[key] = (engine, loss_fn)
     return engines
