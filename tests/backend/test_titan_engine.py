@@ -133,6 +133,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
             out["unsliced_weights"] = _counted_step(prefix, loss_fn, batch)
         finally:
             titan_moe.shard_like = shard_like
+        out["odd_dense_refused"] = _odd_dense_refusal(prefix, loss_fn, batch, stock.get_data_parallel_rank())
     if negative:
         skip_c = titan_engine.prefix_backward
         titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
@@ -143,6 +144,26 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     for key in ("want_infer", "got_infer"):
         out[key] = {k: out[key][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     return out
+
+
+def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
+    """Data-parallel rank 0 adds a singleton row of 9 tokens (a dense chunk torchtitan's MoE cannot split over
+    TP=2): every rank refuses together, before a collective, instead of hanging or failing in DTensor."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.tools import testing as T
+
+    if dp_rank == 0:
+        single = T.make_grpo_batch(
+            num_groups=1, group_size=1, prompt_lens=6, response_len_range=(3, 3), vocab_size=VOCAB, seed=5,
+            use_kl=True, global_batch_size=16,
+        )  # fmt: skip
+        batch = tu.concat_tensordict([batch, single])
+    try:
+        T.run_train_step(prefix, loss_fn, batch)
+    except ValueError as error:
+        return str(error)
+    return "ran"
 
 
 def _counted_step(prefix, loss_fn, batch) -> list:
@@ -333,6 +354,14 @@ def test_tp2_x_ep2_negative_controls(ranks_tp_ep):
         assert _worst(r["want"]["grads"], r["no_phase_c"]["grads"])[0] > 1e-2
         want = r["want"]["routed"]
         assert any(not torch.equal(w, g) for w, g in zip(want, r["unsliced_weights"])), rank
+
+
+def test_tp2_x_ep2_odd_dense_chunk_is_refused_on_every_rank(ranks_tp_ep):
+    """A dense chunk torchtitan's MoE cannot split over TP: all four ranks refuse together (no hang)."""
+    for rank in range(4):
+        message = ranks_tp_ep[rank]["aux_on"]["odd_dense_refused"]
+        words = "a dense chunk of 9 packed tokens" if rank < 2 else "another data-parallel rank's dense chunk"
+        assert words in message and "tensor x expert parallelism" in message, (rank, message)
 
 
 def test_moe_with_tp_only_is_refused_at_build(ranks):

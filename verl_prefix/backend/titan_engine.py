@@ -153,6 +153,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         layout = RowLayout(**{**layout.__dict__, "temperature": per_row_temperature(data)})
         plan = self._plan(data, layout)
         dense_chunks = self._dense_chunks(data, plan.all_dense_rows)
+        self._check_dense_lengths(data, dense_chunks)
         # data-parallel ranks hold different groups: every rank runs as many group slots, suffix micro-batches
         # and dense chunks as the busiest one (zero-loss fillers), or their FSDP collectives would not match
         lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
@@ -184,7 +185,6 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                     continue
                 rows = dense_chunks[k]
                 micro = tu.index_select_tensor_dict(data, rows)
-                self._check_dense_length(micro)
                 with meter.phase("dense"):
                     _, meta = dense_chunk(self.forward_step, micro, loss_function, forward_only, torch.Tensor.backward)
                 record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
@@ -273,16 +273,22 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         if not forward_only:
             (logits.sum() * 0.0).backward()
 
-    def _check_dense_length(self, micro: TensorDict) -> None:
+    def _check_dense_lengths(self, data: TensorDict, chunks: list[list[int]]) -> None:
         """verl's ``forward_step`` packs a dense chunk into one sequence; under TP x EP torchtitan's MoE needs
-        its length divisible by TP (verl's own engine fails deep in DTensor otherwise): say so plainly."""
-        tokens = int(micro["input_ids"].offsets()[-1])
-        if tokens % self.sequence_multiple:
+        its length divisible by TP (verl's own engine fails deep in DTensor otherwise): say so plainly, on every
+        data-parallel rank at once, before any of them enters a collective the others would not."""
+        if self.sequence_multiple == 1:
+            return
+        lengths = data["input_ids"].offsets().diff()
+        odd = [int(lengths[rows].sum()) for rows in chunks if int(lengths[rows].sum()) % self.sequence_multiple]
+        reason = fallbacks.agree_on_fallback("odd_dense_chunk" if odd else None, self.get_data_parallel_group())
+        if reason is not None:
+            where = f"a dense chunk of {odd[0]} packed tokens" if odd else "another data-parallel rank's dense chunk"
             raise ValueError(
-                f"prefix_torchtitan: a dense chunk of {tokens} packed tokens under tensor x expert parallelism; "
-                f"torchtitan's MoE splits the sequence over the {self.sequence_multiple} TP ranks and needs a "
-                "multiple of that (verl's TorchTitan engine has the same limit); the rows fell back to dense "
-                "(see prefix/fallback_*): lower prefix_reuse.min_prefix_len / min_group_size, or pad the batch"
+                f"prefix_torchtitan: {where} under tensor x expert parallelism; torchtitan's MoE splits the "
+                f"sequence over the {self.sequence_multiple} TP ranks and needs a multiple of that (verl's "
+                "TorchTitan engine has the same limit); the rows fell back to dense (prefix/fallback_*): lower "
+                "prefix_reuse.min_prefix_len / min_group_size, or pad the batch"
             )
 
     def _counted(self, weights: torch.Tensor | float) -> Any:
