@@ -24,6 +24,9 @@
 # (torch >= 2.10: the device's torch 2.11 has it) or else flash-attn >= 2.7; where neither serves the cell logs
 # the skip (gpu.json: skipped_variants). Every variant's gradients are checked against the stock engine
 # (gpu.json: grad_check, bf16 tolerance 0.5, a gross-error bound); the bench exits 1 when one fails.
+# The preset's last cell, P2048/S128/G8/torchtitan, times verl's TorchTitan engine against prefix_torchtitan on
+# the same model (bf16 parameters, torchtitan's flex attention kernel, no activation checkpointing; never run
+# on a GPU yet): CELLS="P2048/S128/G8/torchtitan" runs it alone (the kit carries torchtitan 0.3.0).
 #
 # Time (one run may last 600 s; the session has 15 min of device time, machine start included).
 # FLOPs from verl_prefix.tools.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,

@@ -66,6 +66,10 @@ WHEELS=(
 # are not checked against it). With them transformers runs Qwen3.5/Qwen3-Next's gated delta-nets on fla, and
 # the schedule serves fla's chunked rule (docs/design.md, tests/schedule/test_recurrent_cuda.py).
 GPU_ONLY=(fla-core==0.5.2 flash-linear-attention==0.5.2 einops==0.8.2)
+# prefix_torchtitan (the gpu preset's torchtitan cell): torchtitan 0.3.0 and what it imports, the versions
+# scripts/setup.sh pins (triton comes with the device's CUDA torch)
+TITAN=(torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0
+  typeguard==4.6.1)
 SDISTS=(antlr4-python3-runtime==4.9.3) # hydra/omegaconf pin 4.9.*, published as an sdist only: built here
 RAY=ray==2.60.0
 
@@ -108,6 +112,8 @@ echo "gpu_kit: downloading ${#WHEELS[@]} wheels for CPython $PYVER into $DEST"
 pip_download "$DEST" "${WHEELS[@]}"
 echo "gpu_kit: downloading the GPU-only kernels: ${GPU_ONLY[*]}"
 pip_download "$DEST" "${GPU_ONLY[@]}"
+echo "gpu_kit: downloading torchtitan for prefix_torchtitan: ${TITAN[*]}"
+pip_download "$DEST" "${TITAN[@]}"
 echo "gpu_kit: building ${SDISTS[*]} (pure Python)"
 "$PY" -m pip wheel --quiet --no-deps --no-cache-dir -w "$DEST" "${SDISTS[@]}"
 

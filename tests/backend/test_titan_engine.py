@@ -1,17 +1,19 @@
-"""prefix_torchtitan against verl's own TorchTitan engine (no reuse) on two gloo ranks, TP=2, FSDP=2 and EP=2 (a
-tiny qwen3_moe), fp32: log-probs, entropies, per-parameter gradients, loss and grad norm, and under EP the expert
-load counts and bias torchtitan's load balancing uses; reuse ran; skipping phase C, or counting the prefix's
-routing once per group, fails. Plus what the
-engine refuses before it builds anything: a flavor that is not the checkpoint's, PP, CP and other settings.
+"""prefix_torchtitan against verl's own TorchTitan engine (no reuse), fp32: on two gloo ranks TP=2, FSDP=2 and
+EP=2 (a tiny qwen3_moe), on four TP=2 x FSDP=2 with EP=2: log-probs, entropies, per-parameter gradients, loss
+and grad norm, and with MoE the expert load counts and bias torchtitan's load balancing uses; reuse ran;
+skipping phase C, counting the prefix's routing once per group, or weighing a TP rank's tokens as another's,
+fails. Plus what the engine refuses before it builds anything: a flavor that is not the checkpoint's, PP, CP
+and other settings.
 
-One set of ranks for every engine-level fact (two engines per rank, lr 0 so every step sees the same weights).
+One set of ranks per world size for every engine-level fact (two engines per case, lr 0 so every step sees the
+same weights).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.ranks import run_two_ranks
+from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is an optional dependency (scripts/setup.sh installs it)")
@@ -46,31 +48,66 @@ def _rank_batch(rank: int, fsdp: bool):
 
 
 def _expert_counts(engine) -> list:
+    """Each MoE layer's routed-token counts as torchtitan's bias pre-hook reads them: under TP x EP each TP
+    rank counted its slice of the sequence, and the hook sums them over TP first (as here)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
     from verl_prefix.backend.titan_moe import moe_layers
 
-    return [m.tokens_per_expert_E.detach().clone() for m in moe_layers(engine.module[0])]
+    local = [m.tokens_per_expert_E.detach() for m in moe_layers(engine.module[0])]
+    counts = [(c.to_local() if isinstance(c, DTensor) else c).clone() for c in local]
+    dims = engine.parallel_dims
+    if dims.tp > 1 and dims.ep > 1:
+        for c in counts:
+            dist.all_reduce(c, group=dims.get_mesh("tp").get_group())
+    return counts
 
 
 def _expert_bias(engine) -> list:
+    from torch.distributed.tensor import DTensor
+
     from verl_prefix.backend.titan_moe import moe_layers
 
-    return [m.expert_bias_E.detach().clone() for m in moe_layers(engine.module[0]) if m.expert_bias_E is not None]
+    bias = [m.expert_bias_E.detach() for m in moe_layers(engine.module[0]) if m.expert_bias_E is not None]
+    return [(b.to_local() if isinstance(b, DTensor) else b).clone() for b in bias]
 
 
-def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep: bool = False) -> dict:
-    """Stock and prefix engines on this layout (lr 0: every step sees the same weights)."""
+def _tp_ep_batch(dp_rank: int):
+    """Two groups of four per data-parallel rank. verl's own engine packs a micro-batch (four rows) into one
+    sequence, which under TP x EP torchtitan's MoE splits over the TP ranks: the reference needs an even
+    packed length, so the first seed whose micro-batches have one is taken (prefix_torchtitan pads its own)."""
+    from verl_prefix.tools import testing as T
+
+    for seed in range(100 * dp_rank, 100 * dp_rank + 100):
+        batch = T.make_grpo_batch(
+            num_groups=2, group_size=4, prompt_lens=[12 - dp_rank, 9], response_len_range=(2, 7), vocab_size=VOCAB,
+            seed=seed, use_kl=True, global_batch_size=16,
+        )  # fmt: skip
+        lengths = batch["input_ids"].offsets().diff()
+        if all(int(lengths[i : i + 4].sum()) % 2 == 0 for i in range(0, len(batch), 4)):
+            return batch
+    raise AssertionError("no batch with even micro-batches")
+
+
+def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep: bool = False, tp_ep: int = 0) -> dict:
+    """Stock and prefix engines on this layout (lr 0: every step sees the same weights). ``tp_ep``: TP=2 with
+    EP=2 and FSDP=``tp_ep`` (the MoE's tokens split over the TP ranks, its experts over EP, which torchtitan
+    takes from FSDP x TP)."""
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend import titan_engine
+    from verl_prefix.backend import titan_engine, titan_moe
     from verl_prefix.tools import testing as T
     from verl_prefix.tools import titan_testing as TT
 
-    batch = _rank_batch(rank, fsdp)
     layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
-    if ep:  # the experts split over the two data-parallel ranks (all-to-all dispatch)
+    if tp_ep:
+        layout = dict(data_parallel_shard_size=tp_ep, tensor_parallel_size=2)
+    if ep or tp_ep:  # the experts split over two ranks (all-to-all dispatch)
         layout["engine_overrides"] = dict(expert_parallel_size=2)
     # two suffix micro-batches per group: the prefix leaves accumulate dK/dV across them
     reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
     stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
+    batch = _tp_ep_batch(stock.get_data_parallel_rank()) if tp_ep else _rank_batch(rank, fsdp)
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, **layout)
     out = {"want_infer": T.run_infer(stock, batch), "got_infer": T.run_infer(prefix, batch)}
     for key, engine in (("want", stock), ("got", prefix)):
@@ -83,21 +120,20 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         bias = _expert_bias(engine)
         out[key].update(counts, bias=bias)
     if ep and negative:  # negative control: the prefix's routing counted once per group instead of once per row
-        from verl_prefix.backend.titan_moe import ExpertCounts, moe_layers
-
-        for m in moe_layers(prefix.module[0]):
-            m.expert_bias_E.zero_()  # as before the step above (torchtitan's pre-hook moved it): the same routing
-        weighted = ExpertCounts.weighted
-        ExpertCounts.weighted = lambda self, w: weighted(self, torch.as_tensor(w).clamp(max=1.0))
-        counts = {}
-        step = prefix.optimizer_step
-        prefix.optimizer_step = lambda: counts.update(routed=_expert_counts(prefix)) or step()
+        weighted = titan_moe.ExpertCounts.weighted
+        titan_moe.ExpertCounts.weighted = lambda self, w: weighted(self, torch.as_tensor(w).clamp(max=1.0))
         try:
-            T.run_train_step(prefix, loss_fn, batch)
+            out["once_per_group"] = _counted_step(prefix, loss_fn, batch)
         finally:
-            ExpertCounts.weighted = weighted
-            prefix.__dict__.pop("optimizer_step", None)
-        out["once_per_group"] = counts["routed"]
+            titan_moe.ExpertCounts.weighted = weighted
+    if tp_ep and negative:  # negative control: every TP rank weighs its slice of the tokens as if the first
+        shard_like = titan_moe.shard_like
+        titan_moe.shard_like = lambda weights, ids: weights[:, : ids.to_local().shape[1]]
+        try:
+            out["unsliced_weights"] = _counted_step(prefix, loss_fn, batch)
+        finally:
+            titan_moe.shard_like = shard_like
+        out["odd_dense_refused"] = _odd_dense_refusal(prefix, loss_fn, batch, stock.get_data_parallel_rank())
     if negative:
         skip_c = titan_engine.prefix_backward
         titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
@@ -108,6 +144,44 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     for key in ("want_infer", "got_infer"):
         out[key] = {k: out[key][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     return out
+
+
+def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
+    """Data-parallel rank 0 adds a singleton row of 9 tokens (a dense chunk torchtitan's MoE cannot split over
+    TP=2): every rank refuses together, before a collective, instead of hanging or failing in DTensor."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.tools import testing as T
+
+    if dp_rank == 0:
+        single = T.make_grpo_batch(
+            num_groups=1, group_size=1, prompt_lens=6, response_len_range=(3, 3), vocab_size=VOCAB, seed=5,
+            use_kl=True, global_batch_size=16,
+        )  # fmt: skip
+        batch = tu.concat_tensordict([batch, single])
+    try:
+        T.run_train_step(prefix, loss_fn, batch)
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+def _counted_step(prefix, loss_fn, batch) -> list:
+    """One more step of ``prefix`` from the same expert bias; the routing counts its bias pre-hook reads."""
+    from verl_prefix.backend.titan_moe import moe_layers
+    from verl_prefix.tools import testing as T
+
+    for m in moe_layers(prefix.module[0]):
+        if m.expert_bias_E is not None:
+            m.expert_bias_E.zero_()  # as before the step above (torchtitan's pre-hook moved it): the same routing
+    counts = {}
+    step = prefix.optimizer_step
+    prefix.optimizer_step = lambda: counts.update(routed=_expert_counts(prefix)) or step()
+    try:
+        T.run_train_step(prefix, loss_fn, batch)
+    finally:
+        prefix.__dict__.pop("optimizer_step", None)
+    return counts["routed"]
 
 
 def _refused_moe_tp(moe_dir: str) -> str:
@@ -122,7 +196,8 @@ def _refused_moe_tp(moe_dir: str) -> str:
     return "built"
 
 
-def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
+def _loss_fn():
+    """verl's PPO loss with the KL loss and the entropy bonus on."""
     import functools
 
     from verl.utils.config import omega_conf_to_dataclass
@@ -133,14 +208,24 @@ def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
     a = "actor_rollout_ref.actor"
     knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
     actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
-    loss_fn = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
+    return functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
+
+
+def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
+    loss_fn = _loss_fn()
     return {
+        # TP=2 x EP=2 on two ranks (EP over the TP ranks), torchtitan's load balancing off; on at four ranks
+        "tp2_ep2_aux_off": _compare(rank, moe_off_dir, loss_fn, fsdp=True, negative=False, tp_ep=1),
+        "moe_tp2_refused": _refused_moe_tp(moe_dir),
         "ep2": _compare(rank, moe_dir, loss_fn, fsdp=True, negative=True, ep=True),
         "ep2_aux_off": _compare(rank, moe_off_dir, loss_fn, fsdp=True, negative=False, ep=True),
-        "moe_tp2_refused": _refused_moe_tp(moe_dir),
         "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
         "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
     }
+
+
+def _body_tp_ep(rank: int, moe_dir: str) -> dict:
+    return {"aux_on": _compare(rank, moe_dir, _loss_fn(), fsdp=True, negative=True, tp_ep=2)}
 
 
 def _worst(want: dict, got: dict) -> tuple[float, str]:
@@ -150,15 +235,26 @@ def _worst(want: dict, got: dict) -> tuple[float, str]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tiny_model, tmp_path_factory) -> dict:
+def moe_dirs(tmp_path_factory) -> tuple[str, str]:
+    """A tiny qwen3_moe with torchtitan's load balancing on, and one without (torchtitan counts, moves no bias);
+    their flavors share a name and each replaces the other when its engines are built."""
     from verl_prefix.tools.testing import write_tiny_model
 
     extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (tools.titan_testing)
     moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe"), "qwen3_moe", **MOE, extra_config=extra)
-    # the same shapes without load balancing (torchtitan counts, moves no bias); its flavor replaces the one above
-    # under the same name when its engines are built
     moe_off = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe_off"), "qwen3_moe", **MOE, seed=1)
-    return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe), str(moe_off))
+    return str(moe), str(moe_off)
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model, moe_dirs) -> dict:
+    return run_two_ranks(_body, str(tiny_model("qwen3")), *moe_dirs)
+
+
+@pytest.fixture(scope="module")
+def ranks_tp_ep(moe_dirs) -> dict:
+    """Four gloo ranks: TP=2 x FSDP=2, EP=2."""
+    return run_ranks(_body_tp_ep, moe_dirs[0], world=4, timeout=600)
 
 
 def _assert_matches(r: dict, rank: int, groups: int, grad_norm: bool) -> None:
@@ -223,10 +319,55 @@ def test_ep2_without_load_balancing(ranks):
         assert all(w.sum() > 0 and torch.equal(w, g) for w, g in zip(r["want"]["routed"], r["got"]["routed"]))
 
 
-def test_moe_with_tp_is_refused_at_build(ranks):
-    """TP shards the MoE's tokens on the sequence: the weighted expert counts do not map that yet."""
+def _assert_counts_match(r: dict, rank: int) -> None:
+    """The tokens per expert torchtitan's load balancing reads, and the bias it moved, equal dense's exactly."""
+    want, got = r["want"]["routed"], r["got"]["routed"]
+    assert len(want) == 2 and all(w.sum() > 0 for w in want)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g), (rank, w, g)
+    for w, g in zip(r["want"]["bias"], r["got"]["bias"]):
+        assert torch.equal(w, g), (rank, w, g)
+
+
+def test_tp2_x_ep2_matches_verl_torchtitan_engine(ranks_tp_ep, ranks):
+    """TP=2 x FSDP=2 with EP=2 (four ranks), torchtitan's load balancing on: its MoE splits every sequence over
+    the TP ranks, so phase A's prefix and phase B's suffixes are padded to even lengths and each rank weighs its
+    slice of the tokens; gradients, loss, grad norm, log-probs, and the expert counts and bias exactly, as verl's
+    engine without reuse. Load balancing off: TP=2 x EP=2 on two ranks (EP over the TP ranks), the same."""
+    for rank in range(4):
+        r = ranks_tp_ep[rank]["aux_on"]
+        _assert_matches(r, rank, groups=2, grad_norm=rank % 2 == 0)  # verl reports it on TP rank 0
+        _assert_counts_match(r, rank)
+        assert len(r["want"]["bias"]) == 2 and all(b.abs().sum() > 0 for b in r["want"]["bias"])
     for rank in range(2):
-        assert "tensor_parallel_size > 1" in ranks[rank]["moe_tp2_refused"], ranks[rank]["moe_tp2_refused"]
+        r = ranks[rank]["tp2_ep2_aux_off"]
+        _assert_matches(r, rank, groups=2, grad_norm=rank == 0)
+        _assert_counts_match(r, rank)
+        assert r["want"]["bias"] == [] and r["got"]["bias"] == []
+
+
+def test_tp2_x_ep2_negative_controls(ranks_tp_ep):
+    """Skipping phase C breaks the gradients; weighing every TP rank's slice as the first slice breaks the
+    expert counts (on the ranks holding the second slice, whose padding it counts)."""
+    for rank in range(4):
+        r = ranks_tp_ep[rank]["aux_on"]
+        assert _worst(r["want"]["grads"], r["no_phase_c"]["grads"])[0] > 1e-2
+        want = r["want"]["routed"]
+        assert any(not torch.equal(w, g) for w, g in zip(want, r["unsliced_weights"])), rank
+
+
+def test_tp2_x_ep2_odd_dense_chunk_is_refused_on_every_rank(ranks_tp_ep):
+    """A dense chunk torchtitan's MoE cannot split over TP: all four ranks refuse together (no hang)."""
+    for rank in range(4):
+        message = ranks_tp_ep[rank]["aux_on"]["odd_dense_refused"]
+        words = "a dense chunk of 9 packed tokens" if rank < 2 else "another data-parallel rank's dense chunk"
+        assert words in message and "tensor x expert parallelism" in message, (rank, message)
+
+
+def test_moe_with_tp_only_is_refused_at_build(ranks):
+    """TP without EP shards the experts themselves: not tested under reuse, refused (TP x EP is served)."""
+    for rank in range(2):
+        assert "expert_parallel_size > 1" in ranks[rank]["moe_tp2_refused"], ranks[rank]["moe_tp2_refused"]
 
 
 def test_refusals_at_config_time():

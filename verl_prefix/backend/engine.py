@@ -29,10 +29,8 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.metric import AggregationType, Metric
-from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.agreement import AgreedDormant, agree_on_kernels, agree_on_structure, model_head_dim
@@ -41,11 +39,11 @@ from verl_prefix.backend.dormant import agree_on_policies
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import (
+    MiniBatchOutputs,
     as_micro_batch_lists,
-    fallback_metrics,
+    dense_batch_output,
+    dense_chunk,
     full_length,
-    static_bsz,
-    token_counts,
 )
 from verl_prefix.backend.trees import TREE_FALLBACKS, plan_tree
 from verl_prefix.backend.validation import agree_on_validity, check_batch
@@ -292,13 +290,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if reason != "disabled":  # reuse switched off is the stock engine, as the user asked
                 self._refuse_dense_under_ulysses(reason, len(data))
             meter = PhaseMeter(self._device(), model=self.module)
-            with meter.phase("dense"):
-                output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            tokens = int(data["input_ids"].offsets()[-1])
-            output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
-            fallbacks.log_fallbacks([reason])
-            output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
-            return output
+            stock = functools.partial(super().forward_backward_batch, data, loss_function, forward_only=forward_only)
+            return dense_batch_output(stock, data, reason, meter)
         assert layout is not None, "a rank that reuses has checked its layout"
         return self._reuse_batch(data, layout, loss_function, forward_only)
 
@@ -428,20 +421,13 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         layout = dataclasses.replace(layout, temperature=per_row_temperature(data))
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
-        output_lst: list[dict] = []
-        order: list[list[int]] = []
+        outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
+        record = outputs.record
         micro_data = data.to(device) if device.type != "cpu" else data
         pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
         loss_fn, aux_fn = self._group_losses(micro_data, layout, loss_function, pending)
         options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only)
         filler_options = options.for_fillers()
-
-        def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
-            keep = forward_only or return_model_output
-            output_lst.append(
-                {"model_output": detach_tree(model_output) if keep else {}, "loss": loss, "metrics": metrics}
-            )
-            order.append(rows)
 
         roots, tree_reason = None, None
         if self.reuse_config.tree and not forward_only and self.dormant_prefix != "keep":
@@ -488,24 +474,21 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                     self._dummy_dense(forward_only, device)
                 continue
             micro = tu.index_select_tensor_dict(micro_data, rows)
-            ctx = torch.no_grad() if forward_only else nullcontext()
-            with ctx, meter.phase("dense"):
-                loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
-                if not forward_only:
-                    self._backward(loss)
+            with meter.phase("dense"):
+                _, meta = dense_chunk(self.forward_step, micro, loss_function, forward_only, self._backward)
             record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
 
-        output = postprocess_batch_func(output_lst=output_lst, indices=order, data=static_bsz(data))
-        if output["model_output"]:
-            output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
-        output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
-        fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
-        logical, physical = token_counts(layout, plan, routed_last_token=self._moe_aux_on(forward_only))
-        if self.reuse_config.tree:
-            output["metrics"].update(self._tree_metrics(roots, tree_reason))
-            physical -= int(output["metrics"]["prefix/tree_saved_tokens"])
-        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
-        output["metrics"].update(meter.metrics(logical, physical, phases=phases))
+        tree = self._tree_metrics(roots, tree_reason) if self.reuse_config.tree else {}
+        output = outputs.finish(
+            data,
+            layout,
+            plan,
+            meter,
+            forward_only=forward_only,
+            routed_last_token=self._moe_aux_on(forward_only),
+            extra_metrics=tree,
+            saved_tokens=int(tree.get("prefix/tree_saved_tokens", 0)),
+        )
         output["metrics"].update(dormant_stats.metrics())
         if options.ulysses is not None:
             output["metrics"].update(options.ulysses.metrics())

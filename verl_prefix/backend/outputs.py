@@ -1,15 +1,23 @@
 """Assemble what the schedule computed into what verl's worker expects back: full-sequence nested
-log-probs, the micro-batch order, metrics as per-micro-batch lists, token counts and fallback counts."""
+log-probs, the micro-batch order, metrics as per-micro-batch lists, token counts and fallback counts. Both
+engines (``prefix_fsdp2`` and ``prefix_torchtitan``) end a mini-batch here (``MiniBatchOutputs``,
+``dense_batch_output``, ``dense_chunk``), so they return the same thing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
+from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
+from verl_prefix.backend import fallbacks
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
+from verl_prefix.schedule.telemetry import PhaseMeter
 
 
 def full_length(values: list[torch.Tensor], layout: RowLayout, rows: list[int]) -> torch.Tensor:
@@ -59,3 +67,76 @@ def token_counts(layout: RowLayout, plan: BatchPlan, routed_last_token: bool = F
         logical += layout.prompt_lens[i] + layout.response_lens[i]
         physical += layout.prompt_lens[i] + layout.response_lens[i]
     return logical, physical
+
+
+class MiniBatchOutputs:
+    """What a mini-batch's micro-batches returned, in the order they ran, and the output verl's worker expects
+    from them. Both engines (``prefix_fsdp2``, ``prefix_torchtitan``) record and finish here, so they return the
+    same thing: verl's postprocessing, the rows put back in order, fallback counts with their log line, and the
+    token and phase metrics."""
+
+    def __init__(self, keep_outputs: bool) -> None:
+        self.keep_outputs = keep_outputs  # forward-only passes, or verl's return_model_output
+        self.outputs: list[dict] = []
+        self.order: list[list[int]] = []
+
+    def record(self, rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
+        model_output = detach_tree(model_output) if self.keep_outputs else {}
+        self.outputs.append({"model_output": model_output, "loss": loss, "metrics": metrics})
+        self.order.append(rows)
+
+    def finish(
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        plan: BatchPlan,
+        meter: PhaseMeter,
+        *,
+        forward_only: bool,
+        routed_last_token: bool = False,
+        extra_metrics: dict[str, float] | None = None,
+        saved_tokens: int = 0,
+    ) -> dict:
+        """The mini-batch's output. ``extra_metrics`` go in before the phase metrics; ``saved_tokens`` are
+        physical tokens a shared-prefix tree did not recompute (``prefix/tree_saved_tokens``)."""
+        output = postprocess_batch_func(output_lst=self.outputs, indices=self.order, data=static_bsz(data))
+        if output["model_output"]:
+            output["model_output"] = {
+                k: restore_dynamic_batch(v, self.order) for k, v in output["model_output"].items()
+            }
+        output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
+        fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
+        logical, physical = token_counts(layout, plan, routed_last_token=routed_last_token)
+        output["metrics"].update(extra_metrics or {})
+        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
+        output["metrics"].update(meter.metrics(logical, physical - saved_tokens, phases=phases))
+        return output
+
+
+def dense_batch_output(run: Callable[[], dict], data: TensorDict, reason: str, meter: PhaseMeter) -> dict:
+    """A whole mini-batch through the stock engine (``run``), counted as ``prefix/fallback_<reason>`` with one
+    log line (none for ``disabled``: the user asked for the stock engine), every token logical and physical."""
+    with meter.phase("dense"):
+        output = run()
+    tokens = int(data["input_ids"].offsets()[-1])
+    output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
+    if reason != "disabled":
+        fallbacks.log_fallbacks([reason])
+    output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
+    return output
+
+
+def dense_chunk(
+    step: Callable[..., tuple[torch.Tensor, dict]],
+    micro: TensorDict,
+    loss_function: Callable | None,
+    forward_only: bool,
+    backward: Callable[[torch.Tensor], None],
+) -> tuple[torch.Tensor, dict]:
+    """One chunk of dense rows through the stock engine's ``forward_step``: under ``torch.no_grad()`` when
+    forward-only (no graph kept for log-probs nobody differentiates), else backpropagated with ``backward``."""
+    with torch.no_grad() if forward_only else nullcontext():
+        loss, meta = step(micro, loss_function=loss_function, forward_only=forward_only)
+        if not forward_only:
+            backward(loss)
+    return loss, meta

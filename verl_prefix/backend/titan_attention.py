@@ -71,6 +71,7 @@ class InnerAttentionHooks:
         self.layers = decoder_layers(model)
         self.mode: str | None = None
         self.early_exit = False
+        self.keep: int | None = None
         self.kv: PrefixKV | None = None
         for index, layer in enumerate(self.layers):
             inner = layer.attention.inner_attention
@@ -85,17 +86,18 @@ class InnerAttentionHooks:
         return len(self.layers)
 
     @contextmanager
-    def capturing(self, prefix: PrefixKV, early_exit: bool) -> Iterator[PrefixKV]:
+    def capturing(self, prefix: PrefixKV, early_exit: bool, keep: int | None = None) -> Iterator[PrefixKV]:
         """Phase A: record every layer's K/V (graph-attached, ``[1, kv_heads, P-1, head_dim]`` local shards);
-        with ``early_exit`` the forward stops right after the last layer's K/V."""
-        self.early_exit = early_exit
+        with ``early_exit`` the forward stops right after the last layer's K/V. ``keep``: the first positions
+        to record when the prefix was padded at the end (``titan_sequence``)."""
+        self.early_exit, self.keep = early_exit, keep
         try:
             with self._mode("capture", prefix):
                 yield prefix
         except PrefixCaptured:
             pass
         finally:
-            self.early_exit = False
+            self.early_exit, self.keep = False, None
         if not prefix.complete:
             missing = [i for i in range(self.num_layers) if not prefix.captured(i)]
             raise RuntimeError(f"prefix_torchtitan: phase A did not capture K/V of layers {missing}")
@@ -121,8 +123,8 @@ class InnerAttentionHooks:
     ) -> torch.Tensor:
         if self.mode == "capture":
             assert self.kv is not None
-            self.kv.keys[index] = _local(k).transpose(1, 2)
-            self.kv.values[index] = _local(v).transpose(1, 2)
+            self.kv.keys[index] = _local(k)[:, : self.keep].transpose(1, 2)
+            self.kv.values[index] = _local(v)[:, : self.keep].transpose(1, 2)
             self.kv.captured_with_grad[index] = torch.is_grad_enabled()
             # phase C starts inside this layer: its FSDP unit must be unsharded then (executor.unshard_cut_short)
             self.kv.last_source = self.layers[index].attention

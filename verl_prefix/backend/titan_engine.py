@@ -19,6 +19,7 @@ not match the checkpoint (``titan_flavor``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -31,17 +32,23 @@ from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.torch_functional import logprobs_from_logits
-from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks, platform_titan
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
-from verl_prefix.backend.outputs import as_micro_batch_lists, fallback_metrics, full_length, static_bsz, token_counts
+from verl_prefix.backend.outputs import (
+    MiniBatchOutputs,
+    as_micro_batch_lists,
+    dense_batch_output,
+    dense_chunk,
+    full_length,
+)
 from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
 from verl_prefix.backend.titan_config import refusal
 from verl_prefix.backend.titan_flavor import check_flavor
 from verl_prefix.backend.titan_moe import ExpertCounts
+from verl_prefix.backend.titan_sequence import pad_tokens, padded_length, sequence_multiple
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
@@ -81,11 +88,13 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         if len(self.module) != 1:
             raise ValueError("prefix_torchtitan: one model part expected (pipeline parallelism is refused)")
         self.expert_counts = ExpertCounts(self.module[0])
-        if self.reuse_config.enable and self.expert_counts and self.engine_config.tensor_parallel_size > 1:
-            # TP shards the MoE's tokens (sequence parallel): the weighted counts would need the same sharding
+        # TP x EP: the MoE splits every sequence over the TP ranks, which must divide its length
+        dims = self.parallel_dims
+        self.sequence_multiple = sequence_multiple(dims.tp, dims.ep, bool(self.expert_counts))
+        if self.reuse_config.enable and self.expert_counts and dims.tp > 1 and dims.ep == 1:
             raise ValueError(
-                "prefix_torchtitan: MoE flavors with tensor_parallel_size > 1 are not served yet (the router's "
-                "token counts are sharded on the sequence under TP); use expert_parallel_size / FSDP, or "
+                "prefix_torchtitan: MoE flavors with tensor_parallel_size > 1 and expert_parallel_size 1 (the experts "
+                "sharded by TP) are not tested under reuse; set expert_parallel_size > 1 (TP x EP is served), or "
                 "prefix_reuse.enable=false"
             )
         self.hooks = InnerAttentionHooks(self.module[0])
@@ -112,15 +121,8 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         local_reason, layout = self._local_reason(data, forward_only)
         reason = fallbacks.agree_on_fallback(local_reason, self.get_data_parallel_group())
         if reason is not None:
-            meter = PhaseMeter(self._device())
-            with meter.phase("dense"):
-                output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            tokens = int(data["input_ids"].offsets()[-1])
-            output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
-            if reason != "disabled":
-                fallbacks.log_fallbacks([reason])
-            output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
-            return output
+            stock = functools.partial(super().forward_backward_batch, data, loss_function, forward_only=forward_only)
+            return dense_batch_output(stock, data, reason, PhaseMeter(self._device()))
         assert layout is not None
         return self._reuse_batch(data, layout, loss_function, forward_only)
 
@@ -151,6 +153,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         layout = RowLayout(**{**layout.__dict__, "temperature": per_row_temperature(data)})
         plan = self._plan(data, layout)
         dense_chunks = self._dense_chunks(data, plan.all_dense_rows)
+        self._check_dense_lengths(data, dense_chunks)
         # data-parallel ranks hold different groups: every rank runs as many group slots, suffix micro-batches
         # and dense chunks as the busiest one (zero-loss fillers), or their FSDP collectives would not match
         lockstep = agree_on_schedule(plan, len(dense_chunks), self.get_data_parallel_group())
@@ -159,16 +162,8 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         options = ScheduleOptions(device=device, meter=meter)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
-        output_lst: list[dict] = []
-        order: list[list[int]] = []
-
-        def record(rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
-            keep = forward_only or return_model_output
-            output_lst.append(
-                {"model_output": detach_tree(model_output) if keep else {}, "loss": loss, "metrics": metrics}
-            )
-            order.append(rows)
-
+        outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
+        record = outputs.record
         grad = torch.no_grad() if forward_only else nullcontext()
         autocast = platform_titan.engine_autocast(self.engine_config, get_device_name())
         with self.trainer.train_context(), grad, autocast:
@@ -191,22 +186,9 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                 rows = dense_chunks[k]
                 micro = tu.index_select_tensor_dict(data, rows)
                 with meter.phase("dense"):
-                    loss, meta = self.forward_step(micro, loss_function=loss_function, forward_only=forward_only)
-                    if not forward_only:
-                        loss.backward()
+                    _, meta = dense_chunk(self.forward_step, micro, loss_function, forward_only, torch.Tensor.backward)
                 record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
-
-        output = postprocess_batch_func(output_lst=output_lst, indices=order, data=static_bsz(data))
-        if output["model_output"]:
-            from verl.utils.seqlen_balancing import restore_dynamic_batch
-
-            output["model_output"] = {k: restore_dynamic_batch(v, order) for k, v in output["model_output"].items()}
-        output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
-        fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
-        logical, physical = token_counts(layout, plan)
-        phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
-        output["metrics"].update(meter.metrics(logical, physical, phases=phases))
-        return output
+        return outputs.finish(data, layout, plan, meter, forward_only=forward_only)
 
     def _group(
         self,
@@ -232,19 +214,21 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         # phase A runs to the end so that the last layer routes the prefix too
         copies = 0.0 if filler else float(len(group.rows))
         early_exit = self.reuse_config.early_exit and not counts
-        with meter.phase("A"), self.hooks.capturing(prefix, early_exit), self._counted(copies):
-            model(ids, positions=pos, attention_masks=causal_mask(group.prefix_len, device))
+        ids, pos, copies = pad_tokens(ids, pos, copies, self.sequence_multiple)  # TP x EP (titan_sequence)
+        mask = causal_mask(ids.shape[1], device)
+        with meter.phase("A"), self.hooks.capturing(prefix, early_exit, keep=group.prefix_len), self._counted(copies):
+            model(ids, positions=pos, attention_masks=mask)
         leaves = prefix.as_leaves(requires_grad=not forward_only)
         meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
         for rows in group.micro_batches:
             with meter.phase("B"):
                 # with MoE layers each row's last response token is routed too, as dense routes it
                 batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=bool(counts))
-                width = batch.input_ids.shape[1]
-                mask = suffix_mask(len(rows), group.prefix_len, width, device)
                 real = 0.0 if filler else batch.tokens.float()
+                ids, pos, real = pad_tokens(batch.input_ids, batch.position_ids, real, self.sequence_multiple)
+                mask = suffix_mask(len(rows), group.prefix_len, ids.shape[1], device)
                 with self.hooks.serving(leaves), self._counted(real):
-                    logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
+                    logits = model(ids, positions=pos, attention_masks=mask)
                 if isinstance(logits, DTensor):
                     logits = logits.full_tensor()
                 log_probs, entropy = [], []
@@ -269,9 +253,10 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                 record(rows, model_output, loss_value, metrics)
         for _ in range(group.filler_micro_batches):  # lockstep: the same collectives, zero loss
             batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-            mask = suffix_mask(1, group.prefix_len, batch.input_ids.shape[1], device)
+            ids, pos, _ = pad_tokens(batch.input_ids, batch.position_ids, 0.0, self.sequence_multiple)
+            mask = suffix_mask(1, group.prefix_len, ids.shape[1], device)
             with meter.phase("lockstep"), self.hooks.serving(leaves), self._counted(0.0):
-                logits = model(batch.input_ids, positions=batch.position_ids, attention_masks=mask)
+                logits = model(ids, positions=pos, attention_masks=mask)
                 if not forward_only:
                     (logits.sum() * 0.0).backward()
         if not forward_only:
@@ -280,12 +265,31 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
 
     def _filler_dense(self, device: torch.device, forward_only: bool) -> None:
         """A zero-loss dense micro-batch that matches a peer's dense chunk collective for collective."""
-        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        pos = torch.arange(2, device=device)[None]
+        length = padded_length(2, self.sequence_multiple)
+        ids = torch.zeros(1, length, dtype=torch.long, device=device)
+        pos = torch.arange(length, device=device)[None]
         with self._counted(0.0):
-            logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(2, device))
+            logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(length, device))
         if not forward_only:
             (logits.sum() * 0.0).backward()
+
+    def _check_dense_lengths(self, data: TensorDict, chunks: list[list[int]]) -> None:
+        """verl's ``forward_step`` packs a dense chunk into one sequence; under TP x EP torchtitan's MoE needs
+        its length divisible by TP (verl's own engine fails deep in DTensor otherwise): say so plainly, on every
+        data-parallel rank at once, before any of them enters a collective the others would not."""
+        if self.sequence_multiple == 1:
+            return
+        lengths = data["input_ids"].offsets().diff()
+        odd = [int(lengths[rows].sum()) for rows in chunks if int(lengths[rows].sum()) % self.sequence_multiple]
+        reason = fallbacks.agree_on_fallback("odd_dense_chunk" if odd else None, self.get_data_parallel_group())
+        if reason is not None:
+            where = f"a dense chunk of {odd[0]} packed tokens" if odd else "another data-parallel rank's dense chunk"
+            raise ValueError(
+                f"prefix_torchtitan: {where} under tensor x expert parallelism; torchtitan's MoE splits the "
+                f"sequence over the {self.sequence_multiple} TP ranks and needs a multiple of that (verl's "
+                "TorchTitan engine has the same limit); the rows fell back to dense (prefix/fallback_*): lower "
+                "prefix_reuse.min_prefix_len / min_group_size, or pad the batch"
+            )
 
     def _counted(self, weights: torch.Tensor | float) -> Any:
         """MoE routing counted with ``weights`` per token (``titan_moe``); nothing to do for a dense model."""

@@ -9,6 +9,10 @@ would differ from dense. ``ExpertCounts`` replaces each MoE forward's increment 
 tokens count once per row of the group (as the FSDP engine's ``schedule.moe.logical_stats`` counts router
 statistics), phase B's real suffix tokens (the last response token included, which dense also routes) once,
 padding and fillers not at all. Outside ``weighted`` (verl's dense chunks) the module counts for itself.
+
+Under TP x EP the MoE shards its tokens on the sequence over the TP ranks: the router's outputs are DTensors
+``Shard(1)`` and each rank counts its own slice (torchtitan's pre-hook then sums the counts over TP). The
+weights, given for the whole sequence, are sliced the same way (``shard_like``) before they weigh that slice.
 """
 
 from __future__ import annotations
@@ -29,6 +33,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def shard_like(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-token ``weights`` (``[B, L]``, the whole sequence) for the tokens this rank routes: ``ids``'s local
+    slice when the router's output is a DTensor sharded on the sequence (TP x EP), else all of them."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(ids, DTensor) or ids.to_local().shape == ids.shape:
+        return weights
+    mesh = ids.device_mesh
+    whole = DTensor.from_local(weights.contiguous(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, ids.placements).to_local()  # Replicate -> Shard: a local slice, no traffic
+
+
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The ``moe`` modules of torchtitan's MoE decoder blocks, in order (empty for a dense model)."""
     return [layer.moe for layer in decoder_layers(model) if getattr(layer, "moe_enabled", False)]
@@ -41,7 +57,7 @@ class ExpertCounts:
         self.moes = moe_layers(model)
         self.weights: torch.Tensor | None = None
         self._saved: dict[int, torch.Tensor] = {}
-        self._ids: dict[int, torch.Tensor] = {}
+        self._routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, moe in enumerate(self.moes):
             moe.register_forward_pre_hook(self._pre_hook(index))
             moe.router.register_forward_hook(self._router_hook(index))
@@ -60,7 +76,7 @@ class ExpertCounts:
         finally:
             self.weights = None
             self._saved.clear()
-            self._ids.clear()
+            self._routed.clear()
 
     def _pre_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -72,13 +88,9 @@ class ExpertCounts:
     def _router_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.weights is not None and index in self._saved:
-                ids = output[1]
-                if _local(ids).shape != ids.shape:
-                    raise ValueError(
-                        "prefix_torchtitan: router outputs sharded on the token dimension (TP with MoE) are not "
-                        "counted under reuse yet"
-                    )
-                self._ids[index] = _local(ids).detach()
+                ids = output[1]  # [B, L, K]
+                weights = self.weights.to(_local(ids).device).expand(ids.shape[:2])
+                self._routed[index] = (_local(ids).detach(), shard_like(weights, ids))
 
         return hook
 
@@ -87,8 +99,7 @@ class ExpertCounts:
             saved = self._saved.pop(index, None)
             if saved is None:
                 return
-            ids = self._ids.pop(index)  # [B, L, K]
-            weights = self.weights.to(ids.device).expand(ids.shape[:2])
+            ids, weights = self._routed.pop(index)  # [B, L, K] and [B, L], this rank's tokens
             chosen = torch.zeros(*ids.shape[:2], saved.numel(), dtype=torch.float32, device=ids.device)
             chosen.scatter_(-1, ids, 1.0)  # one hot per token over its top-k experts (as torchtitan's map)
             counts = (chosen * weights[..., None]).sum(dim=(0, 1))

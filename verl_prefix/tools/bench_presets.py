@@ -8,6 +8,7 @@ here; nothing here times or measures anything (``bench_runner`` does).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,9 @@ class Cell:
     # each group's own question, of ``question_len_range`` tokens drawn per group (else ``prompt_len``)
     system_len: int = 0
     question_len_range: tuple[int, int] | None = None
+    # "fsdp2": stock fsdp2 vs prefix_fsdp2; "torchtitan": verl's TorchTitan engine vs prefix_torchtitan (one rank,
+    # a qwen3 model: ``titan_testing`` registers the flavor of its shapes; classic cells only)
+    engine: str = "fsdp2"
 
 
 @dataclass(frozen=True)
@@ -339,6 +343,18 @@ PRESETS: dict[str, Preset] = {
         threads=1,
         description="the hybrid preset's model at prefix 8192, suffix 128, G=8; slow on a CPU",
     ),
+    "titan": Preset(
+        cells=(
+            # one row per micro-batch: on CPU the attention materialises each packed sequence's L x L scores
+            Cell(
+                "P2048/S128/G8/torchtitan", SMOKE_MODEL, 1, 8, 2048, (128, 128), micro_batch_size=1, engine="torchtitan"
+            ),
+        ),
+        reps=3,
+        threads=1,
+        description="1M-param Qwen3-style model, fp32, one G=8 group at prefix 2048, suffix 128: verl's TorchTitan "
+        "engine vs prefix_torchtitan on one rank (needs torchtitan, scripts/setup.sh)",
+    ),
     "phase_b_smoke": Preset(
         cells=(Cell("P512/S32/G8/mb4", SMOKE_MODEL, 1, 8, 512, (32, 32), variants=VARIANTS),),
         reps=3,
@@ -378,6 +394,21 @@ PRESETS: dict[str, Preset] = {
                 time_forward_only=True,
             )
             for p, s in ((10240, 2048), (2048, 10240))
+        )
+        # verl's TorchTitan engine vs prefix_torchtitan on the same model, bf16 parameters, no activation
+        # checkpointing (prefix_torchtitan refuses it): a shorter cell, 2 rows per micro-batch
+        + (
+            Cell(
+                "P2048/S128/G8/torchtitan",
+                MODEL_GPU,
+                1,
+                8,
+                2048,
+                (128, 128),
+                micro_batch_size=2,
+                dtype="bfloat16",
+                engine="torchtitan",
+            ),
         ),
         reps=5,
         needs_cuda=True,
@@ -525,6 +556,9 @@ def resolve_preset(
         preset = dataclasses.replace(preset, cells=tuple(c for c in preset.cells if c.name in cells))
     if preset.needs_cuda and not torch.cuda.is_available():
         raise BenchError(f"preset {name!r} needs a CUDA GPU (torch.cuda.is_available() is False)")
+    titan = [c.name for c in preset.cells if c.engine == "torchtitan"]
+    if titan and importlib.util.find_spec("torchtitan") is None:
+        raise BenchError(f"cell {titan[0]!r} needs torchtitan 0.3.0 (scripts/setup.sh installs it)")
     return preset, reps
 
 

@@ -84,6 +84,7 @@ def _cell_header(cell: Cell, params: int, response_lens: list[int]) -> dict[str,
         "prompt_len": cell.prompt_len,
         "response_lens": response_lens,
         "micro_batch_size": cell.micro_batch_size,
+        "engine": cell.engine,
     }
 
 
@@ -133,21 +134,13 @@ def measure_cell(
     import verl_prefix
 
     batch = cell_batch(cell)
-    dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
-    engines = {}
-    for backend in ("fsdp2", "prefix_fsdp2"):
-        engines[backend] = T.build_verl_engine(
-            model_dir,
-            backend=backend,
-            dtype=dtype,
-            micro_batch_size_per_gpu=cell.micro_batch_size,
-            overrides=cell.overrides,
-        )
-    dense, dense_loss, _ = engines["fsdp2"]
-    prefix, prefix_loss, _ = engines["prefix_fsdp2"]
-    prefix.reuse_config = verl_prefix.PrefixReuseConfig(
+    reuse = verl_prefix.PrefixReuseConfig(
         min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size
     )
+    engines = _titan_engines(cell, model_dir, reuse) if cell.engine == "torchtitan" else _fsdp_engines(cell, model_dir)
+    dense, dense_loss = engines["dense"]
+    prefix, prefix_loss = engines["prefix"]
+    prefix.reuse_config = reuse
 
     train, infer = _Timings(), _Timings()
     grad_diff, grad_param, reuse = math.nan, "", {}
@@ -204,6 +197,39 @@ def measure_cell(
         "prefix_metrics": reuse,
         "memory": memory,
     }
+
+
+def _fsdp_engines(cell: Cell, model_dir: Path) -> dict[str, tuple[Any, Callable]]:
+    """Stock ``fsdp2`` ("dense") and ``prefix_fsdp2`` ("prefix") from one model directory."""
+    dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
+    engines = {}
+    for key, backend in (("dense", "fsdp2"), ("prefix", "prefix_fsdp2")):
+        engine, loss_fn, _ = T.build_verl_engine(
+            model_dir, backend=backend, dtype=dtype, micro_batch_size_per_gpu=cell.micro_batch_size,
+            overrides=cell.overrides,
+        )  # fmt: skip
+        engines[key] = (engine, loss_fn)
+    return engines
+
+
+def _titan_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tuple[Any, Callable]]:
+    """verl's TorchTitan engine ("dense") and ``prefix_torchtitan`` ("prefix") on this one rank, with verl's PPO
+    loss; fp32 parameters (bf16 ones for a bfloat16 cell, torchtitan's default)."""
+    from verl_prefix.tools import titan_testing as TT
+
+    T.init_single_process_group()
+    param = "bfloat16" if cell.dtype == "bfloat16" else "float32"
+    loss_fn = TT.ppo_loss_fn()
+    engines = {}
+    for key, backend in (("dense", "torchtitan"), ("prefix", "prefix_torchtitan")):
+        engine = TT.build_titan_engine(
+            model_dir, backend=backend, micro_batch_size_per_gpu=cell.micro_batch_size, lr=0.0,
+            prefix_reuse=reuse if backend == "prefix_torchtitan" else None,
+            # torchtitan sizes its RoPE table by its training seq_len (2048 unless set)
+            engine_overrides={"mixed_precision_param": param, "max_seq_len": cell.model.max_position_embeddings},
+        )  # fmt: skip
+        engines[key] = (engine, loss_fn)
+    return engines
 
 
 def _median_ratio(num: list[float], den: list[float]) -> float:

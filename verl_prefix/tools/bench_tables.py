@@ -71,16 +71,23 @@ TABLE_HEADER = (
 
 
 def markdown_table(result: dict) -> str:
-    """The result as a markdown table, one row per cell (what the CLI prints and docs embed); a result of
-    variant cells gets ``variants_table``, a capacity result ``capacity.capacity_table``."""
+    """The result as a markdown table, one row per cell (what the CLI prints and docs embed); variant cells
+    get ``variants_table`` (then the other cells' table below it, as the gpu preset's torchtitan cell), a
+    capacity result ``capacity.capacity_table``."""
     if "capacity" in result:
         return capacity_table(result["capacity"])
     if any("measured_over_predicted" in c for c in result["cells"]):
         return tree_table(result)
-    if any("variants" in c for c in result["cells"]):
-        return variants_table(result)
+    classic = [c for c in result["cells"] if "variants" not in c]
+    tables = [variants_table(result)] if len(classic) < len(result["cells"]) else []
+    if classic:
+        tables.append(_classic_table(classic))
+    return "\n\n".join(tables)
+
+
+def _classic_table(cells: list[dict]) -> str:
     rows = [TABLE_HEADER]
-    for c in result["cells"]:
+    for c in cells:
         rows.append(
             f"| {c['cell']} | {c['model']['params'] / 1e6:.2f}M | {c['dense_median_s']:.3f} | "
             f"{c['prefix_median_s']:.3f} | {c['ratio_median']:.2f}x | {c['ratio_of_medians']:.2f}x | "

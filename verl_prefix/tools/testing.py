@@ -525,7 +525,7 @@ def grads_of(engine: Any) -> dict[str, torch.Tensor]:
 
 def params_of(engine: Any) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of every parameter, by name."""
-    return {n: _full(p) for n, p in engine.module.named_parameters()}
+    return {n: _full(p) for part in _model_parts(engine) for n, p in part.named_parameters()}
 
 
 def reduce_step_metrics(metrics: dict[str, Any]) -> dict[str, float]:

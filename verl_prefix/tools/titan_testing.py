@@ -105,6 +105,18 @@ def register_tiny_flavor(model_dir: str | os.PathLike) -> str:
     return name
 
 
+def ppo_loss_fn(overrides: list[str] | None = None) -> Any:
+    """verl's PPO loss as its actor config composes it (``overrides``: Hydra ``actor_rollout_ref.actor`` knobs)."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_prefix.tools.testing import compose_ppo_config
+
+    knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=1", *(overrides or [])]
+    actor = compose_ppo_config([f"actor_rollout_ref.actor.{k}" for k in knobs]).actor_rollout_ref.actor
+    return functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
+
+
 def build_titan_engine(
     model_dir: str | os.PathLike,
     *,
@@ -142,8 +154,8 @@ def build_titan_engine(
         use_dynamic_bsz=False,
         max_token_len_per_gpu=16384,
         infer_max_token_len_per_gpu=16384,
-        **(engine_overrides or {}),
     )
+    settings.update(engine_overrides or {})
     if prefix_reuse is not None:
         settings["prefix_reuse"] = prefix_reuse
     engine_config = PrefixTorchtitanEngineConfig(**settings)
