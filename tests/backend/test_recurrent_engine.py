@@ -5,15 +5,16 @@ engines' models); ragged suffixes in micro-batches of 1, 2 and G rows; prefix ch
 boundary inside the 3-token convolution window); the MoE router aux loss on (against the engine's own dense path)
 and off (against stock); two data-parallel ranks; an fp32 and a bf16 run judged against the stock engine's own
 rounding; verl's patched delta-net/decoder-layer forwards in the stock engine against HF's, remembered, in the
-schedule. Each asserts reuse ran; settings the schedule does not serve for recurrent layers run dense, counted."""
+schedule. Each asserts reuse ran; settings the schedule does not serve for recurrent layers are refused at
+initialisation."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import pytest
+import torch
 from helpers.delta_rule import fp64_delta_net
 from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
@@ -26,6 +27,7 @@ from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import engine as engine_module
 from verl_prefix.backend import fallbacks
 from verl_prefix.schedule import executor, structure
+from verl_prefix.tools import model_zoo
 from verl_prefix.tools import testing as T
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
@@ -81,33 +83,31 @@ def test_update_and_infer_match_stock_engine_fp64(hybrid_dir, monkeypatch):
     assert walks == [p_engine.module], "layer roles found more than once (or not by the engine)"
 
 
-def test_unserved_settings_run_dense_with_a_reason(hybrid_dir, tmp_path, caplog):
-    """What the schedule does not serve for recurrent layers runs dense before the mini-batch's schedule:
-    ``prefix/fallback_recurrent_layers`` (the engine's ``_model_fallback_reason``), the detail logged once."""
+def test_unserved_settings_are_refused_at_initialisation(hybrid_dir, tmp_path):
+    """Ulysses and ``merged_varlen`` do not serve recurrent layers: the engine refuses them at initialisation
+    with the reason (``fallbacks.recurrent_settings_error``), not a dense run each step. The served settings
+    (every dormant policy, chunked prefixes) pass; models without recurrent layers are never refused."""
     model = AutoModelForCausalLM.from_pretrained(hybrid_dir)
-    fallbacks.LOGGED_REASONS.clear()
     served = PrefixReuseConfig()
-    assert fallbacks.recurrent_fallback_reason(model, served, ulysses=False, dormant_policy="keep") is None
-    assert (
-        fallbacks.recurrent_fallback_reason(
-            model, PrefixReuseConfig(prefix_chunk_tokens=64), ulysses=False, dormant_policy="recompute"
+    for reuse in (served, PrefixReuseConfig(prefix_chunk_tokens=64), PrefixReuseConfig(phase_b_attention="concat")):
+        assert fallbacks.recurrent_settings_error(model, reuse, ulysses=False) is None
+    assert fallbacks.recurrent_fallback_reason(model) is None
+    assert "Ulysses sequence parallelism" in fallbacks.recurrent_settings_error(model, served, ulysses=True)
+    varlen = PrefixReuseConfig(phase_b_attention="merged_varlen")
+    assert "merged_varlen" in fallbacks.recurrent_settings_error(model, varlen, ulysses=False)
+    assert fallbacks.recurrent_settings_error(model, PrefixReuseConfig(enable=False), ulysses=True) is None
+    plain = AutoModelForCausalLM.from_pretrained(T.write_tiny_model(tmp_path / "qwen3", "qwen3"))
+    assert fallbacks.recurrent_settings_error(plain, varlen, ulysses=True) is None
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    with pytest.raises(ValueError, match=r"merged_varlen \(its packed suffix row.*not served"):
+        T.build_verl_engine(
+            hybrid_dir,
+            backend="prefix_fsdp2",
+            overrides=[
+                f"{fsdp}._target_=verl_prefix.config.PrefixFSDPEngineConfig",
+                f"+{fsdp}.prefix_reuse.phase_b_attention=merged_varlen",
+            ],
         )
-        is None
-    )
-    for policy in ("offload", "auto"):  # every dormant policy carries the recurrent states (test_recurrent.py)
-        assert fallbacks.recurrent_fallback_reason(model, served, ulysses=False, dormant_policy=policy) is None
-    cases = [
-        (served, True, "keep", "Ulysses"),
-        (PrefixReuseConfig(phase_b_attention="merged_varlen"), False, "keep", "merged_varlen"),
-    ]
-    with caplog.at_level(logging.WARNING, logger=fallbacks.__name__):
-        for reuse, ulysses, policy, what in cases:
-            reason = fallbacks.recurrent_fallback_reason(model, reuse, ulysses=ulysses, dormant_policy=policy)
-            assert reason == "recurrent_layers", what
-            assert what in caplog.text
-    plain = T.write_tiny_model(tmp_path / "qwen3", "qwen3")
-    plain_model = AutoModelForCausalLM.from_pretrained(plain)
-    assert fallbacks.recurrent_fallback_reason(plain_model, cases[0][0], ulysses=True, dormant_policy="auto") is None
 
 
 def batch_of(rows: int):
@@ -260,9 +260,38 @@ def test_verl_patched_forward_serves_with_hf_forwards(hybrid_dir, monkeypatch):
     assert all(hf_forwards.patched_by_verl(cls) for cls in hf_forwards.PATCHED_CLASSES), "verl's patch is back"
 
     # negative control: verl's forward with nothing remembered is not served (dense, with the reason)
-    reuse = PrefixReuseConfig()
-    assert fallbacks.recurrent_fallback_reason(p_engine.module, reuse, ulysses=False, dormant_policy="keep") is None
+    assert fallbacks.recurrent_fallback_reason(p_engine.module) is None
     monkeypatch.setattr(recurrent, "hf_forward", lambda cls: None if hf_forwards.patched_by_verl(cls) else cls.forward)
     fallbacks.LOGGED_REASONS.clear()
-    reason = fallbacks.recurrent_fallback_reason(p_engine.module, reuse, ulysses=False, dormant_policy="keep")
+    reason = fallbacks.recurrent_fallback_reason(p_engine.module)
     assert reason == "recurrent_layers"
+
+
+def _packed_vs_alone(model, lengths: list[int]) -> float:
+    """Largest |log-prob| gap between sequences run one a row and the same sequences packed into one row with
+    their position ids restarting (verl's remove-padding layout)."""
+    torch.manual_seed(5)
+    seqs = [torch.randint(3, 100, (n,)) for n in lengths]
+    with torch.no_grad():
+        alone = torch.cat([model(s[None]).logits[0].log_softmax(-1) for s in seqs])
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        packed = model(torch.cat(seqs)[None], position_ids=positions).logits[0].log_softmax(-1)
+    return (packed - alone).abs().max().item()
+
+
+def test_remove_padding_is_refused_at_initialisation(hybrid_dir):
+    """verl's packed layout runs a micro-batch's sequences as one row; transformers' delta-net and Mamba-2
+    forwards take no sequence boundaries, so the stock engine starts each sequence from the previous one's
+    state (shown on the HF models: packed differs from one sequence a row). Reuse runs a sequence a row, so the
+    engine refuses remove-padding with these layers at initialisation; padded (what both engines compute alike,
+    the tests above), or verl's own Qwen3.5 patch (which splits the packed row per sequence), passes."""
+    qwen = AutoModelForCausalLM.from_pretrained(hybrid_dir, dtype=torch.float64)
+    nemotron = model_zoo.build("nemotron_h", torch.float64)
+    served = PrefixReuseConfig()
+    for model in (qwen, nemotron):
+        assert _packed_vs_alone(model, [7, 9]) > 1e-3, type(model).__name__
+        assert fallbacks.recurrent_packed_error(model, served, use_remove_padding=False) is None
+        assert "use_remove_padding=true" in fallbacks.recurrent_packed_error(model, served, use_remove_padding=True)
+        assert fallbacks.recurrent_packed_error(model, PrefixReuseConfig(enable=False), use_remove_padding=True) is None
+    with pytest.raises(ValueError, match=r"use_remove_padding=true with recurrent layers \['Qwen3_5GatedDeltaNet'\]"):
+        T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", use_remove_padding=True)

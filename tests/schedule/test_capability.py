@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from verl_prefix.schedule.capability import FAMILY_REFUSALS, structure_refusal
+from verl_prefix.schedule.capability import FAMILY_REFUSALS, UNSERVED_RECURRENT_FAMILIES, structure_refusal
 from verl_prefix.tools import model_zoo as Z
 
 
@@ -141,3 +141,15 @@ def test_real_families():
     for family, (reason, module) in cases.items():
         refusal = structure_refusal(Z.build(family))
         assert refusal is not None and (refusal.reason, refusal.module) == (reason, module), (family, refusal)
+        assert (family in UNSERVED_RECURRENT_FAMILIES) == (
+            UNSERVED_RECURRENT_FAMILIES.get(family, "?") in refusal.detail
+        )
+
+
+def test_unserved_hybrid_families_name_what_is_missing():
+    """Falcon-H1, Zamba2, Jamba, plain Mamba-2 and MiniMax run dense, decided at initialisation, the refusal
+    saying what their recurrent layers lack (the coverage matrix shows it)."""
+    for family in ("zamba2", "jamba", "minimax"):
+        refusal = structure_refusal(Z.build(family))
+        assert refusal is not None and refusal.reason == "recurrent_layers", (family, refusal)
+        assert refusal.detail.endswith(f"{family}: {UNSERVED_RECURRENT_FAMILIES[family]}"), refusal.detail

@@ -17,7 +17,7 @@ from helpers.layouts import VOCAB, make_layout, token_weights
 from helpers.precision import fp64_throughout
 from helpers.schedule_runs import infer_reuse, reused_grads
 from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weighted_loss, worst_relative
-from transformers import AutoModelForCausalLM, BambaConfig, GraniteMoeHybridConfig, NemotronHConfig
+from transformers import AutoModelForCausalLM
 from transformers.models.nemotron_h import modeling_nemotron_h
 
 from verl_prefix.schedule import dormant as D
@@ -30,7 +30,8 @@ MAMBA = {"initializer_range": 0.2, "use_mamba_kernels": False, "vocab_size": VOC
 def nemotron_h(dtype: torch.dtype, chunk_size: int = 32):
     """Mamba, MLP, attention, MoE and Mamba blocks (the last layer recurrent); 4 heads of 8, d_state 8, 2 groups."""
     torch.manual_seed(0)
-    config = NemotronHConfig(
+    config = model_zoo.tiny_config(
+        "nemotron_h",
         **MAMBA,
         layers_block_type=["mamba", "mlp", "attention", "moe", "mamba"],
         num_attention_heads=4,
@@ -40,9 +41,10 @@ def nemotron_h(dtype: torch.dtype, chunk_size: int = 32):
         mamba_num_heads=4,
         mamba_head_dim=8,
         ssm_state_size=8,
-        n_groups=2,
+        mamba_n_groups=2,  # the family's own alias, which the zoo's overrides use
         conv_kernel=4,
-        chunk_size=chunk_size,
+        mamba_chunk_size=chunk_size,
+        sliding_window=None,
         n_routed_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
@@ -55,7 +57,8 @@ def nemotron_h(dtype: torch.dtype, chunk_size: int = 32):
 
 def bamba(dtype: torch.dtype):
     torch.manual_seed(0)
-    config = BambaConfig(
+    config = model_zoo.tiny_config(
+        "bamba",
         **MAMBA,
         num_hidden_layers=3,
         attn_layer_indices=[1],
@@ -75,7 +78,8 @@ def bamba(dtype: torch.dtype):
 
 def granite(dtype: torch.dtype):
     torch.manual_seed(0)
-    config = GraniteMoeHybridConfig(
+    config = model_zoo.tiny_config(
+        "granitemoehybrid",
         **MAMBA,
         layer_types=["mamba", "attention", "mamba"],
         num_hidden_layers=3,

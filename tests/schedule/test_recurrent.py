@@ -19,13 +19,14 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.schedule_runs import infer_reuse, reused_grads, train_reuse
 from test_moe import compare
 from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weighted_loss, worst_relative
-from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from verl_prefix.schedule import executor, prefix_kv, recurrent
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
+from verl_prefix.tools import model_zoo
 
 CPU = torch.device("cpu")
 # layer 3, the last, is recurrent: phase A's early exit comes after a recurrent layer's state
@@ -36,7 +37,8 @@ ENDS_ATTENTION = ["linear_attention", "linear_attention", "linear_attention", "f
 def qwen3_5(dtype: torch.dtype, layer_types: list[str] = ENDS_RECURRENT, checkpointing: bool = False):
     """A tiny random Qwen3.5 text model: 4 layers, gated delta-nets with 2 key / 4 value heads, kernel 4."""
     torch.manual_seed(0)
-    config = Qwen3_5TextConfig(
+    config = model_zoo.tiny_config(
+        "qwen3_5_text",
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
@@ -202,7 +204,8 @@ def test_fp64_recompute_policy_and_filler_chunks(model64, policy, chunk, prefix_
 def qwen3_5_moe(dtype: torch.dtype):
     """A tiny random Qwen3.5-MoE text model: linear, full, linear layers; 4 experts (top 2) and a shared one."""
     torch.manual_seed(0)
-    config = Qwen3_5MoeTextConfig(
+    config = model_zoo.tiny_config(
+        "qwen3_5_moe_text",
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=3,
@@ -245,7 +248,8 @@ def qwen3_next(dtype: torch.dtype):
     """A tiny random Qwen3-Next: linear, full, linear layers (fused ``in_proj_qkvz``/``in_proj_ba``, 2 key / 4 value
     heads, kernel 4), every layer sparse (4 experts, top 2, a gated shared expert)."""
     torch.manual_seed(0)
-    config = Qwen3NextConfig(
+    config = model_zoo.tiny_config(
+        "qwen3_next",
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=3,

@@ -111,7 +111,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """verl's build, then what the model's structure decides once, before any step, on every rank alike:
         whether the schedule can serve it at all, agreed by every rank (``prefix_reuse.unsupported_model``: dense
         with the reason, or raise), and a knob this model cannot run with (``merged_varlen`` with sliding
-        windows) is an error here."""
+        windows; Ulysses, ``merged_varlen`` or remove-padding with recurrent layers) is an error here."""
         super().initialize()
         if self.freeze_vision_tower:
             self._freeze_vision_tower()
@@ -120,7 +120,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             raise ValueError(error)
         if self._structure_reason() is not None:
             return
-        error = fallbacks.windowed_varlen_error(self.module, self.reuse_config)
+        error = (
+            fallbacks.windowed_varlen_error(self.module, self.reuse_config)
+            or fallbacks.recurrent_settings_error(self.module, self.reuse_config, self.use_ulysses_sp)
+            or fallbacks.recurrent_packed_error(self.module, self.reuse_config, self.use_remove_padding)
+        )
         if error is not None:
             raise ValueError(error)
 
@@ -211,12 +215,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return self._structure_reason()
         return fallbacks.model_fallback_reason(
             self.module, self.reuse_config, forward_only=forward_only
-        ) or fallbacks.recurrent_fallback_reason(
-            self.module,
-            self.reuse_config,
-            ulysses=self.use_ulysses_sp,
-            dormant_policy="keep" if forward_only else self.dormant_prefix,
-        )
+        ) or fallbacks.recurrent_fallback_reason(self.module)
 
     def _structure_reason(self) -> str | None:
         """Why the schedule cannot serve this model's structure (``schedule.capability``), agreed by every

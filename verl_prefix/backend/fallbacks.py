@@ -23,7 +23,7 @@ from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.schedule import mamba, moe, multimodal, recurrent, visual_chunks
+from verl_prefix.schedule import hf_forwards, mamba, moe, multimodal, recurrent, visual_chunks
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
@@ -61,24 +61,64 @@ def model_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, *, forwar
     return None
 
 
-def recurrent_fallback_reason(
-    module: nn.Module, reuse: PrefixReuseConfig, *, ulysses: bool, dormant_policy: str
-) -> str | None:
-    """``recurrent_layers`` when the model's recurrent (linear-attention) layers are not served with these
-    settings (``schedule.recurrent.recurrent_refusal``: the mini-batch runs dense, the detail logged once),
-    else None. Models without recurrent layers: always None."""
-    detail = recurrent.recurrent_refusal(
-        module,
-        ulysses=ulysses,
-        phase_b_attention=reuse.phase_b_attention,
-        dormant_policy=dormant_policy,
-    )
+def recurrent_fallback_reason(module: nn.Module) -> str | None:
+    """``recurrent_layers`` when the model's recurrent (linear-attention) layers are not served
+    (``schedule.recurrent.recurrent_refusal``: the mini-batch runs dense, the detail logged once), else None.
+    Models without recurrent layers: always None. Settings that cannot serve served recurrent layers are
+    refused at initialisation instead (``recurrent_settings_error``)."""
+    detail = recurrent.recurrent_refusal(module)
     if detail is None:
         return None
     if detail not in LOGGED_REASONS:
         LOGGED_REASONS.add(detail)
         logger.warning("prefix reuse: %s; the model runs dense (prefix/fallback_recurrent_layers)", detail)
     return "recurrent_layers"
+
+
+def recurrent_settings_error(module: nn.Module, reuse: PrefixReuseConfig, ulysses: bool) -> str | None:
+    """Why these settings cannot reuse this model's served recurrent layers, decided once at engine
+    initialisation (never a per-step dense run), or None. Ulysses: every rank would run each recurrent layer
+    over its own slice of the sequence from a zero state (verl's own Ulysses path passes the conv tails and
+    the delta-rule state between slices only for Qwen3.5 on a GPU, through fla's context-parallel kernels over
+    packed rows); ``merged_varlen``: the packed suffix row would carry one row's state into the next."""
+    if not reuse.enable or not recurrent.recurrent_layers(module) or recurrent.recurrent_refusal(module):
+        return None
+    detail = recurrent.recurrent_refusal(module, ulysses=ulysses, phase_b_attention=reuse.phase_b_attention)
+    if detail is None:
+        return None
+    return (
+        f"prefix reuse: {detail}: set ulysses_sequence_parallel_size=1 and phase_b_attention to auto, merged or "
+        "concat, or prefix_reuse.enable=false to train this model with the stock engine"
+    )
+
+
+def recurrent_packed_error(module: nn.Module, reuse: PrefixReuseConfig, use_remove_padding: bool) -> str | None:
+    """Why verl's remove-padding (packed) layout cannot train this model beside reuse, decided at engine
+    initialisation, or None. Packed, a micro-batch's sequences are one row, and transformers' forwards of
+    recurrent layers take no sequence boundaries: each sequence starts from the previous one's recurrent and
+    conv state (the stock engine computes that; measured on tiny ``qwen3_5_text`` / ``nemotron_h``: log-probs
+    0.86 / 1.5 from the padded layout's). Reuse's groups run padded, one sequence a row, so its dense rows and
+    its groups would train two different models. Layers running verl's own Qwen3.5 patch, which splits the
+    packed row per sequence, are no reason."""
+    if not (use_remove_padding and reuse.enable):
+        return None
+    layers = recurrent.recurrent_layers(module).values()
+    packed = sorted(
+        {
+            type(m).__name__
+            for m in layers
+            if not mamba.is_stateless_block(m) and not hf_forwards.patched_by_verl(type(m))
+        }
+    )
+    if not packed:
+        return None
+    return (
+        f"use_remove_padding=true with recurrent layers {packed}: verl's packed layout runs a micro-batch's "
+        "sequences as one row, and these layers' forwards take no sequence boundaries, so each sequence would "
+        "start from the previous one's state (the stock engine computes that; reuse runs one sequence a row). "
+        "Set actor_rollout_ref.model.use_remove_padding=false (the padded layout, which both engines compute "
+        "alike), or prefix_reuse.enable=false"
+    )
 
 
 # attention implementations verl's Ulysses patch wraps with its all-to-alls (``_flash_attention_forward``)

@@ -142,23 +142,27 @@ def recurrent_refusal(
 ) -> str | None:
     """Why the schedule cannot run ``model`` with these settings because of its recurrent layers, or None.
 
-    Asked before a mini-batch (and again before each group's phase A): what is not served yet is refused
-    here rather than found inside a layer. Models without recurrent layers are never refused. Every dormant
-    policy serves recurrent layers (``dormant_policy`` is kept for callers): ``recompute`` re-derives and
-    checks the states like K/V, ``offload`` moves phase A's saved activations and leaves the boundary states
-    (small copies, ``schedule.mamba``/HF's own) where they are, as it leaves the K/V."""
+    The engine asks it at initialisation (unserved layers: dense with the reason; unserved settings: an
+    error, ``backend.fallbacks.recurrent_settings_error``) and the schedule again before each group's phase A
+    (a ``ValueError``): what is not served is refused here rather than found inside a layer. Models without
+    recurrent layers are never refused. Every dormant policy serves recurrent layers (``dormant_policy`` is
+    kept for callers): ``recompute`` re-derives and checks the states like K/V, ``offload`` moves phase A's
+    saved activations and leaves the boundary states (small copies, ``schedule.mamba``/HF's own) where they
+    are, as it leaves the K/V."""
     if not recurrent_layers(model):
         return None
     reason = unserved_recurrent_reason(model)
     if reason is not None:
         return reason
     unserved = {
-        "Ulysses sequence parallelism": ulysses,
-        "phase_b_attention=merged_varlen": phase_b_attention == "merged_varlen",
+        "Ulysses sequence parallelism (each rank would run a recurrent layer over its own slice of the "
+        "sequence, from a zero state)": ulysses,
+        "phase_b_attention=merged_varlen (its packed suffix row would carry one row's recurrent state into the "
+        "next)": phase_b_attention == "merged_varlen",
     }
     refused = [what for what, on in unserved.items() if on]
     if refused:
-        return f"{', '.join(refused)} with recurrent (linear-attention) layers are not served yet (issue 22)"
+        return f"{', '.join(refused)} with recurrent (linear-attention) layers: not served"
     return None
 
 

@@ -235,8 +235,9 @@ def skip_reason(family: str) -> str | None:
     return None
 
 
-def tiny_config(family: str, attn_implementation: str = "sdpa") -> Any:
-    """The family's config class with the generic small sizes and its overrides."""
+def tiny_config(family: str, attn_implementation: str = "sdpa", **overrides: Any) -> Any:
+    """The family's config class with the generic small sizes, its overrides, then ``overrides`` (a test's own
+    shapes: one builder for every tiny config, so the families' quirks are handled in one place)."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[family]
@@ -245,6 +246,7 @@ def tiny_config(family: str, attn_implementation: str = "sdpa") -> Any:
     settable = lambda k: not isinstance(getattr(config_class, k, None), property)  # noqa: E731 - derived sizes
     kwargs = {k: v for k, v in GENERIC.items() if (k in known or hasattr(defaults, k)) and settable(k)}
     kwargs.update(FAMILY_OVERRIDES.get(family, {}))
+    kwargs.update(overrides)
     config = config_class(**kwargs)
     config._attn_implementation = attn_implementation
     return config
