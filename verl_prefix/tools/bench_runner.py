@@ -47,7 +47,7 @@ from verl_prefix.tools.bench_presets import (
 )
 from verl_prefix.tools.bench_tables import grad_check
 from verl_prefix.tools.capacity import run_capacity
-from verl_prefix.tools.flops import ModelShape, predicted_speedup
+from verl_prefix.tools.flops import ModelShape, predicted_speedup, vision_encoder_flops
 from verl_prefix.tools.measure import machine_info, measure_update_memory, time_infer, time_update, timestamp
 
 WARMUP = 1
@@ -195,13 +195,22 @@ def measure_cell(
         "warmup": WARMUP,
         **train.summary(""),
         **infer.summary("infer_"),
-        "predicted_speedup": predicted_speedup(ModelShape.from_config(hf_config), groups),
+        "predicted_speedup": predicted_speedup(
+            ModelShape.from_config(hf_config), groups, encoder_flops(cell, hf_config)
+        ),
         "max_rel_grad_diff": grad_diff,
         "max_rel_grad_diff_param": grad_param,
         **grad_check(grad_diff, cell.dtype),
         "prefix_metrics": reuse,
         "memory": memory,
     }
+
+
+def encoder_flops(cell: Cell, hf_config: Any) -> list[float] | None:
+    """A vision-language cell's vision encoder FLOPs per group (its one image), for the FLOP model; else None."""
+    if cell.image is None:
+        return None
+    return [vision_encoder_flops(hf_config.vision_config, [(1, *cell.image)])] * cell.num_groups
 
 
 def _median_ratio(num: list[float], den: list[float]) -> float:
@@ -343,7 +352,9 @@ def measure_variants(
             (prompt_lens[g * cell.group_size], response_lens[g * cell.group_size : (g + 1) * cell.group_size])
             for g in range(cell.num_groups)
         ]
-        result["predicted_speedup"] = predicted_speedup(ModelShape.from_config(hf_config), groups)
+        result["predicted_speedup"] = predicted_speedup(
+            ModelShape.from_config(hf_config), groups, encoder_flops(cell, hf_config)
+        )
     return result
 
 
