@@ -274,6 +274,9 @@ def make_vl_grpo_batch(
     batch = base.copy()
     batch["prompts"] = torch.nested.as_nested_tensor(prompts, layout=torch.jagged)
     batch["input_ids"] = torch.nested.as_nested_tensor(ids, layout=torch.jagged)
-    batch["position_ids"] = torch.nested.as_nested_tensor(positions, layout=torch.jagged)
+    # ragged along the last dim ([B, 4, j]) even when every row has the same length, where ``as_nested_tensor``
+    # would make the 4 rotary axes the ragged dim (what verl's ``maybe_fix_3d_position_ids`` then breaks)
+    offsets = torch.tensor([0, *torch.tensor([p.shape[1] for p in positions]).cumsum(0).tolist()])
+    batch["position_ids"] = torch.nested.nested_tensor_from_jagged(torch.cat(positions, dim=1), offsets, jagged_dim=2)
     batch["multi_modal_inputs"] = NonTensorStack(*entries)
     return batch
