@@ -463,11 +463,12 @@ def test_shared_forward_families_match_stock_engine(tmp_path, family):
 def test_qwen3_5_vision_language_matches_stock_engine(tmp_path, monkeypatch):
     """Qwen3.5's multimodal model (verl's Qwen3.5 forward: the encoder's ``pooler_output``, no deepstack; a
     hybrid decoder whose gated delta-net layers carry their recurrent state, not K/V, across the prefix boundary):
-    fp64 update (tower gradients compared) and forward-only within 1e-10 against the stock engine, a chunk
-    boundary inside every image (encoded once per group, each chunk its slice); Qwen3.5-MoE within 1e-10 too.
-    fp32 is not compared at 1e-5 here: transformers' chunked delta rule rounds an fp32 row split at the prefix
-    differently (about 1e-4 on the decay gate's parameters), which ``test_recurrent_engine`` judges against an
-    fp64 reference. Negative control: suffix rotary positions as if the image were text."""
+    fp64 update (tower gradients compared) and forward-only within 1e-10 against the stock engine, a video
+    group, a chunk boundary inside every image (encoded once per group, each chunk its slice); Qwen3.5-MoE
+    within 1e-10 too. fp32 is not compared at 1e-5 here: transformers' chunked delta rule rounds an fp32 row
+    split at the prefix differently (about 1e-4 on the decay gate's parameters), which
+    ``test_recurrent_engine`` judges against an fp64 reference. Negative control: suffix rotary positions as
+    if the image were text."""
     family = "qwen3_5"
     batch = V.make_vl_grpo_batch(
         images=IMAGES, group_size=G, seed=5, use_kl=True, calculate_entropy=True, family=family
@@ -490,6 +491,14 @@ def test_qwen3_5_vision_language_matches_stock_engine(tmp_path, monkeypatch):
         infer_got = T.run_infer(prefix[0], batch)
     assert_infer_matches(infer_want, infer_got, 1e-10, groups=len(IMAGES))
     assert_encoder_calls(infer_got["metrics"])
+    # a video (each frame marked on its own) next to an image-and-video group
+    video = V.make_vl_grpo_batch(
+        images=[[(2, 4, 4)], [(4, 4), (2, 4, 8)]], group_size=G, seed=7, use_kl=True, family=family
+    )
+    grads, _, got = compare((dense, prefix), video, "float64", PrefixReuseConfig(min_prefix_len=2))
+    assert grads < GRAD_TOL["float64"]
+    assert_reuse_ran(got["metrics"], groups=2)
+    assert_encoder_calls(got["metrics"], calls=3)
     # negative control: the suffix rows rotated at text positions
     prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2)
     monkeypatch.setattr(executor, "suffix_positions", text_positions)
