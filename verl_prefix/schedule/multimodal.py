@@ -34,8 +34,6 @@ VisualInputs = Mapping[str, torch.Tensor]
 SERVED_VISUAL_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # model types verl feeds through ``verl.models.transformers.qwen2_vl`` (its zero placeholder image for text calls)
 QWEN2_VL_FORWARD = ("qwen2_vl", "qwen2_5_vl")
-# model types verl feeds through ``verl.models.transformers.qwen3_5`` (it reads the encoder's ``pooler_output``)
-QWEN3_5_FORWARD = ("qwen3_5", "qwen3_5_moe")
 # model types whose verl forward takes ``[4, B, L]`` position ids
 MULTIMODAL_ROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
