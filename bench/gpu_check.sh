@@ -63,6 +63,10 @@ cd "$(dirname "$0")/.."
 
 REPS="${REPS:-3}"
 BUDGET="${BUDGET:-560}"
+# PRESET=gpu_vl runs the vision-language cell (issue 23: one image of 1,024 visual tokens + 200 text tokens, suffix
+# 128, G=8, Qwen2.5-VL's 32-block tower on the gpu preset's decoder shape, stock fsdp2 vs prefix_fsdp2, update and
+# forward-only; two engines of ~2.3B parameters, ~40 GB; the FLOP model counts the tower once per row dense, once
+# per group reused): `run(command="PRESET=gpu_vl CUDA_TESTS=0 OFFLOAD_TESTS=0 WINDOW_TESTS=0 bash bench/gpu_check.sh")`.
 # PRESET=gpu_offload runs the 10K/2K cell with dormant_prefix=offload; PRESET=gpu_capacity the capacity
 # search (stock fsdp2, keep, recompute with 4K-token chunks; a fresh process per probe, about 8 probes).
 PRESET="${PRESET:-gpu}"

@@ -1,9 +1,10 @@
 """Visual tokens in the shared prefix: prefix_fsdp2 against verl's stock fsdp2 engine on a tiny Qwen2.5-VL with
 real pixel inputs (two image sizes, a group with two images, a text group with verl's empty entries), fp64 and
 fp32, suffix micro-batches of 1, 2 and G rows, vision tower trainable and frozen, updates and forward-only
-passes, a chunked prefix cutting the images; Qwen3-VL (fp64 trainable and frozen tower, fp32), Qwen2-VL and
-Qwen3-VL-MoE (router aux loss too) on the
-same batch layout; each comparison asserts reuse ran and the vision encoder ran once per group. Negative
+passes, a chunked prefix cutting the images; Qwen3-VL (fp64 micro-batches of 1, 2 and G rows, chunked with its
+deepstack features sliced, a video, trainable and frozen tower, fp32), Qwen3.5 and Qwen3.5-MoE (hybrid decoders,
+chunked too), Qwen2-VL and Qwen3-VL-MoE (router aux loss too) on the same batch layout; Ulysses refused from the
+configs; each comparison asserts reuse ran and the vision encoder ran once per group. Negative
 controls: suffix rotary positions computed as if the image were text, and a row whose image was swapped
 (detected by content: the group runs dense, and without the check reuse would be wrong)."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import pytest
+from helpers.delta_rule import fp64_delta_net
 from helpers.precision import fp64_throughout
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
@@ -59,9 +61,12 @@ def fp32(vl_model):
 
 def step(engine_and_loss, batch, precision):
     """One update on the stock engine's terms. ``text_only_call`` lets verl's placeholder vision pass of a
-    text-only micro-batch run under transformers 5 (the stock engine needs it as much as ours)."""
+    text-only micro-batch run under transformers 5 (the stock engine needs it as much as ours). In fp64 Qwen3.5's
+    gated delta-nets run the delta rule token by token in fp64 (``fp64_delta_net``; transformers' chunked kernel
+    computes in fp32 whatever the dtype), a no-op for the other families."""
     engine, loss_fn, _ = engine_and_loss
-    with precision(), text_only_call(engine.module):
+    delta_rule = fp64_delta_net(engine.module) if precision is fp64_throughout else nullcontext()
+    with precision(), delta_rule, text_only_call(engine.module):
         return T.run_train_step(engine, loss_fn, batch, capture_grads=True)
 
 
@@ -156,15 +161,16 @@ def test_forward_only_matches_stock_engine(fp64):
 def test_suffix_positions_as_if_the_image_were_text_fail(fp64, monkeypatch):
     """Negative control: suffix rows rotated at text positions (the dense row's first position row on every
     rotary axis) instead of the multimodal positions that continue after the image."""
-
-    def text_positions(positions, prompt_len, response_len):
-        cut = positions[..., prompt_len - 1 : prompt_len - 1 + response_len]
-        return cut[..., :1, :].expand_as(cut) if cut.dim() == 2 else cut
-
     monkeypatch.setattr(executor, "suffix_positions", text_positions)
     grads, _, prefix = compare(fp64, vl_batch(), "float64", PrefixReuseConfig(min_prefix_len=2))
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert grads > 1e-4
+
+
+def text_positions(positions, prompt_len, response_len):
+    """A suffix's positions as if the image were text: the dense row's text positions on every rotary axis."""
+    cut = positions[..., prompt_len - 1 : prompt_len - 1 + response_len]
+    return cut[..., :1, :].expand_as(cut) if cut.dim() == 2 else cut
 
 
 def swapped(batch, row):
@@ -197,8 +203,8 @@ def test_chunk_boundary_inside_an_image_matches_stock_engine(fp64, monkeypatch):
     """``prefix_chunk_tokens=5`` over 12-token prefixes cuts every image group's image tokens (group 0's at 5,
     group 1's at 5 and 10, group 2's second image at 10): the images are encoded once per group and each chunk
     takes its slice of the embeddings; update (tower gradients compared; ``dormant_prefix=recompute`` too; a
-    video group and an image-and-video group) and forward-only within 1e-10.
-    Qwen3-VL (deepstack features not sliced per chunk) keeps running such batches dense with its reason."""
+    video group and an image-and-video group) and forward-only within 1e-10. Qwen3-VL's (deepstack features
+    sliced alike) and Qwen3.5's chunks: their own tests."""
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2, prefix_chunk_tokens=5)
     grads, dense, prefix = compare(fp64, vl_batch(), "float64", reuse)
     assert grads < GRAD_TOL["float64"]
@@ -245,13 +251,12 @@ def test_chunk_boundary_inside_an_image_matches_stock_engine(fp64, monkeypatch):
     off = wrong["response_log_probs"].values() - want["response_log_probs"].values()
     assert off.abs().max().item() > 1e-4
     assert_reuse_ran(wrong["metrics"], groups=len(IMAGES))
-    monkeypatch.undo()
-    monkeypatch.setattr(prefix_engine.module.config, "model_type", "qwen3_vl")
-    assert fallbacks.multimodal_fallback_reason(prefix_engine.module, reuse, vl_batch()) == "multimodal_chunked"
 
 
-def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(fp64, monkeypatch):
-    """Ulysses refuses at engine initialisation; verl's remove-padding attention (flash attention called
+def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(vl_model, fp64, monkeypatch):
+    """Ulysses is refused from the configs, before verl builds a device mesh or the model (verl's own Ulysses
+    path slices the embeddings after the images are scattered in; the schedule's slices token ids first);
+    verl's remove-padding attention (flash attention called
     directly, no HF interface to capture K/V through) runs dense as ``multimodal_remove_padding`` where HF's own
     forward was not remembered before verl patched it (an engine built before this one patched the class)."""
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
@@ -259,8 +264,11 @@ def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(fp64, monkeypatc
 
     module = fp64[1][0].module
     reuse = PrefixReuseConfig()
-    assert "Ulysses" in fallbacks.multimodal_ulysses_error(module, reuse, ulysses=True)
-    assert fallbacks.multimodal_ulysses_error(module, reuse, ulysses=False) is None
+    ulysses = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+    with pytest.raises(ValueError, match="vision-language models .'qwen2_5_vl'. under Ulysses"):
+        T.build_verl_engine(vl_model, backend="prefix_fsdp2", use_remove_padding=True, overrides=ulysses)
+    assert fallbacks.multimodal_ulysses_error(module.config, reuse, ulysses_size=1) is None
+    assert fallbacks.multimodal_ulysses_error(module.config, PrefixReuseConfig(enable=False), 2) is None
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None
     monkeypatch.setattr(modeling_qwen2_5_vl.Qwen2_5_VLAttention, "forward", qwen2_vl_attn_forward)
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None  # remembered: served
@@ -310,18 +318,33 @@ def test_coverage_page_lists_the_vision_language_families():
 def test_qwen3_vl_deepstack_matches_stock_engine(tmp_path):
     """Qwen3-VL adds the vision encoder's deepstack features to the first decoder layers' hidden states at the
     visual positions: all of them prefix positions, so phase A applies them and phase B's text rows have none,
-    as in the dense rows. fp64 with the tower trainable and frozen, and fp32."""
+    as in the dense rows. fp64 with the tower trainable (suffix micro-batches of 1, 2 and G rows; a chunk
+    boundary inside every image, the deepstack features sliced per chunk like the embeddings; a video, each
+    frame marked on its own, next to an image-and-video group, chunked too) and frozen, and fp32."""
     model_dir = V.write_tiny_vl_model(tmp_path / "tiny_qwen3_vl", "qwen3_vl")
     batch = V.make_vl_grpo_batch(
         images=IMAGES, group_size=G, seed=5, use_kl=True, calculate_entropy=True, family="qwen3_vl"
     )
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2)
+    chunked = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2, prefix_chunk_tokens=5)
     engines = build(model_dir, "float64")
-    grads, dense, prefix = compare(engines, batch, "float64", reuse)
-    assert grads < GRAD_TOL["float64"]
-    assert any("deepstack" in n for n in prefix["grads"]), "the deepstack mergers train through phase C"
-    assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
-    assert_encoder_calls(prefix["metrics"])
+    want = step(engines[0], batch, fp64_throughout)
+    for case in (reuse, *(PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=r) for r in (1, G)), chunked):
+        engines[1][0].reuse_config = case
+        prefix = step(engines[1], batch, fp64_throughout)
+        assert worst(prefix["grads"], want["grads"]) < GRAD_TOL["float64"], case
+        assert any("deepstack" in n for n in prefix["grads"]), "the deepstack mergers train through phase C"
+        assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
+        assert_encoder_calls(prefix["metrics"])
+    assert reduced(prefix["metrics"])["prefix/chunked_groups"] == len(IMAGES)
+    video = V.make_vl_grpo_batch(
+        images=[[(2, 4, 4)], [(4, 4), (2, 4, 8)]], group_size=G, seed=7, use_kl=True, family="qwen3_vl"
+    )
+    for case in (reuse, chunked):
+        grads, _, prefix = compare(engines, video, "float64", case)
+        assert grads < GRAD_TOL["float64"], case
+        assert_reuse_ran(prefix["metrics"], groups=2)
+        assert_encoder_calls(prefix["metrics"], calls=3)  # the image and the video in separate calls
     # the tower (deepstack mergers included) frozen by hand in both engines: no gradient reaches it
     for engine, _, _ in engines:
         engine.module.model.visual.requires_grad_(False)
@@ -363,28 +386,42 @@ def test_recompute_dormant_policy_encodes_the_images_again(fp64):
     assert_encoder_calls(prefix["metrics"], calls=2 * VISUAL_GROUPS)
 
 
-def _two_rank_body(rank: int, model_dir: str) -> dict:
+def _two_rank_body(rank: int, model_dir: str, qwen3_dir: str) -> dict:
     """Rank 0: two groups of 4 (an image; two images); rank 1: one group of 8 (another image). Lockstep gives
     rank 0 filler micro-batches in the first slot and rank 1 a filler group (a text prefix: verl's placeholder
-    image) in the second; FSDP2 shards every parameter, the vision tower's too, over both ranks."""
+    image) in the second; FSDP2 shards every parameter, the vision tower's too, over both ranks. Then the same
+    batch with ``prefix_chunk_tokens=5`` (every image cut; the ranks' chunk counts differ, lockstep filler
+    chunks run the placeholder image), and on a Qwen3-VL, chunked too (deepstack features sliced per chunk)."""
     images, group_size = ([[(4, 4)], [(4, 4), (4, 8)]], 4) if rank == 0 else ([[(4, 8)]], 8)
-    batch = V.make_vl_grpo_batch(
-        images=images, group_size=group_size, seed=11 + rank, use_kl=True, global_batch_size=16
-    )
-    (dense, prefix) = build(model_dir, "float64")
-    got = step(prefix, batch, fp64_throughout)
-    want = step(dense, batch, fp64_throughout)
-    return {"worst": worst(got["grads"], want["grads"]), "metrics": got["reduced_metrics"]}
+    chunked = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=5)
+    out = {}
+    for family, path in (("qwen2_5_vl", model_dir), ("qwen3_vl", qwen3_dir)):
+        batch = V.make_vl_grpo_batch(
+            images=images, group_size=group_size, seed=11 + rank, use_kl=True, global_batch_size=16, family=family
+        )
+        (dense, prefix) = build(path, "float64")
+        want = step(dense, batch, fp64_throughout)
+        for name, reuse in (("plain", PrefixReuseConfig(min_prefix_len=2)), ("chunked", chunked)):
+            if family == "qwen3_vl" and name == "plain":
+                continue  # the single-rank test covers it; here the chunks' lockstep across ranks
+            prefix[0].reuse_config = reuse
+            got = step(prefix, batch, fp64_throughout)
+            out[f"{family} {name}"] = {"worst": worst(got["grads"], want["grads"]), "metrics": got["reduced_metrics"]}
+    return out
 
 
-def test_two_data_parallel_ranks_with_different_groups(vl_model):
+def test_two_data_parallel_ranks_with_different_groups(vl_model, tmp_path):
     from helpers.ranks import run_two_ranks
 
-    results = run_two_ranks(_two_rank_body, str(vl_model))
+    qwen3 = V.write_tiny_vl_model(tmp_path / "qwen3_vl", "qwen3_vl")
+    results = run_two_ranks(_two_rank_body, str(vl_model), str(qwen3))
     for rank, groups in ((0, 2), (1, 1)):
-        assert results[rank]["worst"] < GRAD_TOL["float64"], (rank, results[rank]["worst"])
-        assert_reuse_ran(results[rank]["metrics"], groups=groups)
-        assert_encoder_calls(results[rank]["metrics"], calls=groups)
+        for case, result in results[rank].items():
+            assert result["worst"] < GRAD_TOL["float64"], (rank, case, result["worst"])
+            assert_reuse_ran(result["metrics"], groups=groups)
+            assert_encoder_calls(result["metrics"], calls=groups)
+            if "chunked" in case:
+                assert result["metrics"]["prefix/chunked_groups"] == groups, (rank, case)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl_moe"])
@@ -421,3 +458,64 @@ def test_shared_forward_families_match_stock_engine(tmp_path, family):
         assert_reuse_ran(got["metrics"], groups=2)
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_calls(prefix["metrics"])
+
+
+def test_qwen3_5_vision_language_matches_stock_engine(tmp_path, monkeypatch):
+    """Qwen3.5's multimodal model (verl's Qwen3.5 forward: the encoder's ``pooler_output``, no deepstack; a
+    hybrid decoder whose gated delta-net layers carry their recurrent state, not K/V, across the prefix boundary):
+    fp64 update (tower gradients compared) and forward-only within 1e-10 against the stock engine, a video
+    group, a chunk boundary inside every image (encoded once per group, each chunk its slice); Qwen3.5-MoE
+    within 1e-10 too. fp32 is not compared at 1e-5 here: transformers' chunked delta rule rounds an fp32 row
+    split at the prefix differently (about 1e-4 on the decay gate's parameters), which
+    ``test_recurrent_engine`` judges against an fp64 reference. Negative control: suffix rotary positions as
+    if the image were text."""
+    family = "qwen3_5"
+    batch = V.make_vl_grpo_batch(
+        images=IMAGES, group_size=G, seed=5, use_kl=True, calculate_entropy=True, family=family
+    )
+    (dense, prefix) = build(V.write_tiny_vl_model(tmp_path / family, family), "float64")
+    want = step(dense, batch, fp64_throughout)
+    for reuse in (
+        PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2),
+        PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2, prefix_chunk_tokens=5),
+    ):
+        prefix[0].reuse_config = reuse
+        got = step(prefix, batch, fp64_throughout)
+        assert worst(got["grads"], want["grads"]) < GRAD_TOL["float64"], reuse
+        assert any("visual" in n for n in got["grads"]) and any("linear_attn" in n for n in got["grads"])
+        assert_reuse_ran(got["metrics"], groups=len(IMAGES))
+        assert_encoder_calls(got["metrics"])
+    assert reduced(got["metrics"])["prefix/chunked_groups"] == len(IMAGES)
+    with fp64_throughout(), fp64_delta_net(dense[0].module), fp64_delta_net(prefix[0].module):
+        infer_want = T.run_infer(dense[0], batch)
+        infer_got = T.run_infer(prefix[0], batch)
+    assert_infer_matches(infer_want, infer_got, 1e-10, groups=len(IMAGES))
+    assert_encoder_calls(infer_got["metrics"])
+    # a video (each frame marked on its own) next to an image-and-video group
+    video = V.make_vl_grpo_batch(
+        images=[[(2, 4, 4)], [(4, 4), (2, 4, 8)]], group_size=G, seed=7, use_kl=True, family=family
+    )
+    grads, _, got = compare((dense, prefix), video, "float64", PrefixReuseConfig(min_prefix_len=2))
+    assert grads < GRAD_TOL["float64"]
+    assert_reuse_ran(got["metrics"], groups=2)
+    assert_encoder_calls(got["metrics"], calls=3)
+    # negative control: the suffix rows rotated at text positions
+    prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2)
+    monkeypatch.setattr(executor, "suffix_positions", text_positions)
+    wrong = step(prefix, batch, fp64_throughout)
+    assert_reuse_ran(wrong["metrics"], groups=len(IMAGES))
+    assert worst(wrong["grads"], want["grads"]) > 1e-4
+    monkeypatch.undo()
+    # Qwen3.5-MoE (experts and a shared expert in every layer)
+    family = "qwen3_5_moe"
+    batch = V.make_vl_grpo_batch(images=IMAGES, group_size=G, seed=5, use_kl=True, family=family)
+    grads, _, got = compare(
+        build(V.write_tiny_vl_model(tmp_path / family, family), "float64"),
+        batch,
+        "float64",
+        PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2),
+    )
+    assert grads < GRAD_TOL["float64"]
+    assert any("experts" in n for n in got["grads"]) and any("visual" in n for n in got["grads"])
+    assert_reuse_ran(got["metrics"], groups=len(IMAGES))
+    assert_encoder_calls(got["metrics"])

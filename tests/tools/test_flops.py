@@ -109,3 +109,51 @@ def test_hybrid_preset_counts_delta_net_layers_as_linear_in_length(tmp_path):
     assert shape.attention_flops(0, 100) == 5050 * 4 * 4 * 16  # one full-attention layer's pairs
     assert 1 < predicted_speedup(shape, [(2048, [128] * 8)]) < 8  # (P + S) G / (P + G S) = 6.2 caps it
     assert (PRESETS["hybrid_8192"].cells[0].prompt_len, cell.prompt_len, cell.group_size) == (8192, 2048, 8)
+
+
+def test_vision_encoder_count_against_torch_flop_counter(tmp_path):
+    """``vision_encoder_flops`` against torch's own FLOP counter on a tiny tower's forward over one image:
+    Qwen3-VL (every block full attention, deepstack mergers) to within 1%, Qwen2.5-VL at most the count (its
+    windowed blocks attend to fewer pairs than the model's full-attention bound)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForImageTextToText
+
+    from verl_prefix.tools import testing_vl as V
+    from verl_prefix.tools.flops import vision_encoder_flops
+
+    for family, exact in (("qwen3_vl", True), ("qwen2_5_vl", False)):
+        path = V.write_tiny_vl_model(tmp_path / family, family)
+        model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager")  # attention as matmuls
+        inputs = V.image_inputs([(8, 8)], seed=0, family=family)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        counted = counter.get_total_flops()
+        modelled = vision_encoder_flops(model.config.vision_config, [(1, 8, 8)])
+        if exact:
+            assert abs(counted - modelled) <= 0.01 * counted, (family, counted, modelled)
+        else:
+            assert 0.5 * modelled < counted <= modelled, (family, counted, modelled)
+
+
+def test_vl_preset_counts_the_encoder_once_per_row_dense_once_per_group_reused(tmp_path):
+    """The ``vl`` preset's cell (issue 23): one 64 x 64-patch image (1,024 visual tokens) among 200 text tokens,
+    responses of 128, G=8, on a Qwen2.5-VL; the FLOP model adds the encoder G times dense and once reused."""
+    from transformers import AutoConfig
+
+    from verl_prefix.tools.bench_presets import PRESETS, cell_batch
+    from verl_prefix.tools.flops import vision_encoder_flops
+
+    (cell,) = PRESETS["vl"].cells
+    config = AutoConfig.from_pretrained(cell.model.write(tmp_path / "model"))
+    assert config.model_type == "qwen2_5_vl" and cell.image == (64, 64)
+    batch = cell_batch(cell)
+    prompt = batch["prompts"][0]
+    assert int((prompt == config.image_token_id).sum()) == 1024 and len(prompt) == 200 + 1024 + 2
+    assert (cell.group_size, cell.response_len_range) == (8, (128, 128))
+    shape, groups = ModelShape.from_config(config), [(len(prompt), [128] * 8)]
+    encoder = vision_encoder_flops(config.vision_config, [(1, 64, 64)])
+    text_only = predicted_speedup(shape, groups)
+    with_encoder = predicted_speedup(shape, groups, [encoder])
+    dense = dense_flops(shape, *groups[0]) + 8 * encoder
+    assert with_encoder == dense / (reuse_flops(shape, *groups[0]) + encoder) and with_encoder > text_only

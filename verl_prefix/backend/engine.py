@@ -75,6 +75,13 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         reuse = getattr(engine_config, "prefix_reuse", None)
+        error = fallbacks.multimodal_ulysses_error(
+            getattr(model_config, "hf_config", None),
+            reuse if reuse is not None else PrefixReuseConfig(),
+            int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1),
+        )
+        if error is not None:  # from the configs, before verl builds a device mesh or the model
+            raise ValueError(error)
         if getattr(engine_config, "strategy", None) == PREFIX_BACKEND:
             # verl's FSDP code branches on strategy == "fsdp2"; keep the caller's object untouched.
             engine_config = copy.copy(engine_config)
@@ -115,9 +122,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         super().initialize()
         if self.freeze_vision_tower:
             self._freeze_vision_tower()
-        error = fallbacks.multimodal_ulysses_error(self.module, self.reuse_config, self.use_ulysses_sp)
-        if error is not None:
-            raise ValueError(error)
         if self._structure_reason() is not None:
             return
         error = (

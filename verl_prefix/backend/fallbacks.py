@@ -23,7 +23,7 @@ from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.schedule import hf_forwards, mamba, moe, multimodal, recurrent, visual_chunks
+from verl_prefix.schedule import hf_forwards, mamba, moe, multimodal, recurrent
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
@@ -370,29 +370,30 @@ def batch_fallback_reason(data: TensorDict) -> str | None:
 def multimodal_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, data: TensorDict) -> str | None:
     """A reason a batch with visual inputs (or multimodal position ids) runs dense, or None where phase A serves
     them (``schedule.multimodal``): ``multimodal`` for a model whose visual inputs reuse does not feed yet (a
-    family outside ``SERVED_VISUAL_MODELS``, or multimodal positions on a text model), ``multimodal_chunked``
-    with ``prefix_chunk_tokens`` on a family whose chunks ``schedule.visual_chunks`` does not feed (Qwen3-VL's
-    deepstack features). Per-group reasons (rows of a uid
-    with different images, visual tokens past the prefix) are ``grouping.plan_batch``'s."""
+    family outside ``SERVED_VISUAL_MODELS``, or multimodal positions on a text model); chunked prefixes are
+    served for every family served (``schedule.visual_chunks``). Per-group reasons (rows of a uid with different
+    images, visual tokens past the prefix) are ``grouping.plan_batch``'s."""
     # verl's agent loop writes multi_modal_inputs={} for every text sample: only real inputs count
     visual = "multi_modal_inputs" in data.keys() and _has_mm_inputs(data)
     if not visual and data["position_ids"].dim() != 3:
         return None
     if multimodal.visual_model_refusal(module) is not None or not multimodal.uses_multimodal_rope(module):
         return "multimodal"
-    if visual and reuse.prefix_chunk_tokens and not visual_chunks.chunks_served(module):
-        return "multimodal_chunked"
     return None
 
 
-def multimodal_ulysses_error(module: nn.Module, reuse: PrefixReuseConfig, ulysses: bool) -> str | None:
-    """Why this vision-language model cannot reuse under Ulysses (decided at engine initialisation), or None:
-    phase A would have to slice the prefix after the image embeddings are scattered in, as verl's own
-    Ulysses input slicing does, and the multimodal positions across the slices; not served yet."""
-    if not (ulysses and reuse.enable and multimodal.is_visual_model(module)):
+def multimodal_ulysses_error(hf_config: object, reuse: PrefixReuseConfig, ulysses_size: int) -> str | None:
+    """Why this vision-language model cannot reuse under Ulysses, decided from the configs before the model is
+    built (``hf_config``: the checkpoint's; ``ulysses_size``: the engine's), or None. verl's own Ulysses path for
+    these families scatters the image embeddings into the whole row first and slices the embeddings (and the
+    ``[4, L]`` positions, and Qwen3-VL's deepstack features by visual token) inside the text model's forward
+    (``patch_vlm_for_ulysses_input_slicing``); the schedule's Ulysses phase A slices token ids before the model
+    call, where no image has been encoded yet. Not served yet."""
+    if not (ulysses_size > 1 and reuse.enable and getattr(hf_config, "vision_config", None) is not None):
         return None
     return (
-        "prefix reuse does not serve vision-language models under Ulysses sequence parallelism yet: set "
+        f"prefix reuse does not serve vision-language models ({getattr(hf_config, 'model_type', None)!r}) under "
+        f"Ulysses sequence parallelism yet (ulysses_sequence_parallel_size={ulysses_size}): set "
         "ulysses_sequence_parallel_size=1, or prefix_reuse.enable=false to train this model with the stock engine"
     )
 

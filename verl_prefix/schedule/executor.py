@@ -54,7 +54,7 @@ from verl_prefix.schedule.prefix_kv import (
 )
 from verl_prefix.schedule.structure import layer_roles
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
-from verl_prefix.schedule.visual_chunks import EncodedVisuals, chunks_served
+from verl_prefix.schedule.visual_chunks import EncodedVisuals
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
 # log-probs of rows[k] (length = its response), entropy likewise or None.
@@ -395,7 +395,6 @@ def train_group(
 
     encoded = EncodedVisuals(model, visual, prefix_ids, True) if visual else None
     chunked = _chunked(model, (prefix_ids, prefix_pos), group.min_prefix_chunks, options, True, encoded)
-    _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model):
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, device):
             if chunked is None:
@@ -502,17 +501,6 @@ def _chunked(
     )
 
 
-def _refuse_chunks_with_images(model: nn.Module, chunked: ChunkedPrefix | None, visual: VisualInputs | None) -> None:
-    """A chunked prefix with visual inputs is served for verl's Qwen2-VL forward only (``visual_chunks``):
-    Qwen3-VL's deepstack features are not sliced per chunk (the engine runs such mini-batches dense first, as
-    ``multimodal_chunked``)."""
-    if chunked is not None and visual and not chunks_served(model):
-        raise ValueError(
-            "prefix reuse: a chunked prefix (prefix_chunk_tokens) with visual inputs is served for Qwen2-VL and "
-            "Qwen2.5-VL only; the engine runs other families' such mini-batches dense (multimodal_chunked)"
-        )
-
-
 def _count_encodes(encoded: EncodedVisuals | None, meter: PhaseMeter) -> None:
     """A chunked prefix with images: the encoder's runs over the group's pixels (the first chunk's; again under
     ``recompute``), counted as ``prefix/vision_encoder_calls`` like an unchunked prefix's."""
@@ -542,7 +530,6 @@ def infer_group(
     visual = layout.visual_of(group.rows[0])
     encoded = EncodedVisuals(model, visual, prefix_ids, False) if visual else None
     chunked = _chunked(model, (prefix_ids, prefix_pos), group.min_prefix_chunks, options, False, encoded)
-    _refuse_chunks_with_images(model, chunked, visual)
     with prefix_attention_mode(model), options.autocast():
         with meter.phase("A"):
             if chunked is None:

@@ -29,12 +29,13 @@ from verl_prefix.schedule.hf_forwards import class_forwards
 VisualInputs = Mapping[str, torch.Tensor]
 
 # model types whose verl forward takes ``[4, B, L]`` positions and visual inputs the way this module feeds them,
-# each tested against the stock engine (Qwen2-VL shares verl's Qwen2.5-VL forward, Qwen3-VL-MoE its Qwen3-VL one)
-SERVED_VISUAL_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# each tested against the stock engine (Qwen2-VL shares verl's Qwen2.5-VL forward, Qwen3-VL-MoE its Qwen3-VL one;
+# Qwen3.5 and its MoE have verl's Qwen3.5 forward, their gated delta-nets served by ``schedule.recurrent``)
+SERVED_VISUAL_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # model types verl feeds through ``verl.models.transformers.qwen2_vl`` (its zero placeholder image for text calls)
 QWEN2_VL_FORWARD = ("qwen2_vl", "qwen2_5_vl")
 # model types whose verl forward takes ``[4, B, L]`` position ids
-MULTIMODAL_ROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+MULTIMODAL_ROPE_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 # config fields naming the placeholder tokens the vision encoder's outputs replace
 _VISUAL_TOKEN_FIELDS = ("image_token_id", "video_token_id")

@@ -12,8 +12,10 @@ that chunk's. The multimodal positions are the dense row's, as without chunks.
 
 Every chunk after the first also runs the encoder on verl's zero placeholder image and adds ``0`` times its
 mean, as verl's forward does for a text call: a text group's chunks do, so data-parallel ranks issue the same
-encoder collectives per chunk. Only verl's Qwen2-VL forward (``multimodal.QWEN2_VL_FORWARD``) is fed this way;
-Qwen3-VL's deepstack features are not sliced yet (its chunked groups run dense as ``multimodal_chunked``).
+encoder collectives per chunk. Qwen3-VL's deepstack features (one row per visual token, added at the visual
+positions of the first decoder layers) are leaves too and sliced alike: verl's forward finds the chunk's visual
+positions from its own tokens. The slices reach verl's forwards as the encoder's output object (Qwen2-VL's and
+Qwen3-VL's unpack it, Qwen3.5's reads ``pooler_output``).
 """
 
 from __future__ import annotations
@@ -23,20 +25,16 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 from verl.utils.transformers_compat import unpack_visual_output
 
-from verl_prefix.schedule.multimodal import QWEN2_VL_FORWARD, VisualInputs, vision_encoder
+from verl_prefix.schedule.multimodal import VisualInputs, vision_encoder
 
 # verl's forward keywords: (pixel key, grid key, config field of the placeholder token), in the order it encodes
 _KINDS = (
     ("pixel_values", "image_grid_thw", "image_token_id"),
     ("pixel_values_videos", "video_grid_thw", "video_token_id"),
 )
-
-
-def chunks_served(model: nn.Module) -> bool:
-    """Whether a chunked prefix with images is served for this model (verl's Qwen2-VL forward)."""
-    return getattr(getattr(model, "config", None), "model_type", None) in QWEN2_VL_FORWARD
 
 
 def _encoder_owner(model: nn.Module) -> nn.Module:
@@ -60,13 +58,28 @@ class JoinLeafGrad(torch.autograd.Function):
         return (grad if later is None else grad + later.to(grad.dtype)), None
 
 
-def placeholder_embeddings(tower: nn.Module, like: torch.Tensor) -> torch.Tensor:
-    """The encoder on verl's zero placeholder image (16 patches, grid 1 x 4 x 4), as verl's text call runs it."""
+def placeholder_embeddings(tower: nn.Module, like: torch.Tensor) -> list[torch.Tensor]:
+    """The encoder on verl's zero placeholder image (16 patches, grid 1 x 4 x 4), as verl's text call runs it:
+    its embeddings, then its deepstack features (Qwen3-VL; none for the other families)."""
     config = tower.config
     patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
     pixels = torch.zeros((16, patch_dim), dtype=tower.dtype, device=like.device)
     grid = torch.tensor([[1, 4, 4]], dtype=torch.long, device=like.device)
-    return unpack_visual_output(tower(pixels, grid_thw=grid))[0]
+    return _parts(tower(pixels, grid_thw=grid))
+
+
+def _parts(output: object) -> list[torch.Tensor]:
+    """An encoder output as a list: the embeddings, then each deepstack feature (one row per visual token)."""
+    embeds, deepstack = unpack_visual_output(output)
+    return [embeds, *(deepstack or [])]
+
+
+def _output(parts: list[torch.Tensor], deepstack: bool) -> BaseModelOutputWithPooling:
+    """The encoder's output object again, from ``_parts`` (verl's forwards unpack it or read its fields)."""
+    out = BaseModelOutputWithPooling(pooler_output=parts[0])
+    if deepstack:
+        out.deepstack_features = list(parts[1:])
+    return out
 
 
 class EncodedVisuals:
@@ -80,7 +93,7 @@ class EncodedVisuals:
         self.visual = visual
         self.prefix_ids = prefix_ids
         self.kinds = [(pixels, grid, field) for pixels, grid, field in _KINDS if visual.get(pixels) is not None]
-        self.leaves: list[torch.Tensor] = []
+        self.leaves: list[list[torch.Tensor]] = []  # per kind: the embeddings, then each deepstack feature
         self.calls = 0
         # a leaf needs grad whenever the tower trains, even where phase A ran without a graph (``recompute``):
         # the later chunks rebuilt in phase C leave their gradient on it before the first chunk's backward
@@ -93,18 +106,21 @@ class EncodedVisuals:
 
     def _encoded(
         self, kind: int, pixel_values: torch.Tensor, grid_thw: torch.Tensor, start: int, end: int
-    ) -> torch.Tensor:
-        """The first chunk's encoder output for ``kind``: the real encoder, its leaf kept for later chunks."""
-        root = unpack_visual_output(self.tower(pixel_values, grid_thw=grid_thw))[0]
+    ) -> list[torch.Tensor]:
+        """The first chunk's encoder output for ``kind`` (embeddings and deepstack features, each row a visual
+        token): the real encoder, its leaves kept for later chunks."""
+        roots = _parts(self.tower(pixel_values, grid_thw=grid_thw))
         self.calls += 1
-        leaf = root.detach().requires_grad_(self.leaf_grad)
+        leaves = [root.detach().requires_grad_(self.leaf_grad) for root in roots]
         if len(self.leaves) == kind:
-            self.leaves.append(leaf)
-        else:  # recompute: phase C rebuilds the first chunk; the leaf (and its gradient) stays
-            leaf = self.leaves[kind]
-        joined = JoinLeafGrad.apply(root, leaf) if root.requires_grad and self.leaf_grad else root
+            self.leaves.append(leaves)
+        else:  # recompute: phase C rebuilds the first chunk; the leaves (and their gradients) stay
+            leaves = self.leaves[kind]
         first, last = self.token_range(kind, start, end)
-        return joined[first:last]
+        return [
+            (JoinLeafGrad.apply(root, leaf) if root.requires_grad and self.leaf_grad else root)[first:last]
+            for root, leaf in zip(roots, leaves)
+        ]
 
     def chunk_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The visual keywords every chunk's call takes (the pixels select verl's encode branch)."""
@@ -112,18 +128,23 @@ class EncodedVisuals:
 
     @contextmanager
     def chunk_call(self, start: int, end: int) -> Iterator[None]:
-        """Inside the block verl's forward gets the embeddings of tokens ``[start, end)`` from the encoder."""
+        """Inside the block verl's forward gets the embeddings (and deepstack features) of tokens ``[start, end)``
+        from the encoder."""
         calls = iter(range(len(self.kinds)))
 
-        def stand_in(pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        def stand_in(pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
             kind = next(calls)
             if start == 0:
-                return self._encoded(kind, pixel_values, grid_thw, start, end)
-            first, last = self.token_range(kind, start, end)
-            out = self.leaves[kind][first:last]
-            if kind == 0:  # once per chunk, as verl's text call
-                out = out + 0.0 * placeholder_embeddings(self.tower, out).mean()
-            return out
+                parts = self._encoded(kind, pixel_values, grid_thw, start, end)
+            else:
+                first, last = self.token_range(kind, start, end)
+                parts = [leaf[first:last] for leaf in self.leaves[kind]]
+                if kind == 0:  # once per chunk, as verl's text call: 0 times each placeholder output's mean
+                    zero = sum(0.0 * p.mean() for p in placeholder_embeddings(self.tower, parts[0]))
+                    parts = [parts[0] + zero, *parts[1:]]
+            # the encoder's output object: verl's Qwen2-VL and Qwen3-VL forwards unpack it, its Qwen3.5 one reads
+            # the field
+            return _output(parts, deepstack=len(parts) > 1)
 
         stand_in.dtype = self.tower.dtype
         object.__setattr__(self.owner, "visual", stand_in)  # an instance attribute shadows the submodule

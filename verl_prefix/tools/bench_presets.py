@@ -43,10 +43,18 @@ class ModelSpec:
     # a sliding window on the layers ``layer_types`` marks "sliding_attention" (every layer without them)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # > 0: a vision-language family of ``testing_vl`` (its vision tower's blocks, width and heads)
+    vision_depth: int = 0
+    vision_hidden: int = 0
+    vision_heads: int = 2
 
     def write(self, directory: Path) -> Path:
         """A random-init model of this shape, with a local tokenizer."""
+        if self.vision_depth:
+            return self._write_vl(directory)
         kwargs = dataclasses.asdict(self)
+        for key in ("vision_depth", "vision_hidden", "vision_heads"):
+            kwargs.pop(key)
         family = kwargs.pop("family")
         if not self.num_experts:
             kwargs.pop("num_experts")
@@ -54,6 +62,23 @@ class ModelSpec:
         extra = {"sliding_window": kwargs.pop("sliding_window"), "layer_types": kwargs.pop("layer_types")}
         extra = {k: (list(v) if isinstance(v, tuple) else v) for k, v in extra.items() if v is not None}
         return T.write_tiny_model(directory, family, extra_config=extra or None, **kwargs)
+
+    def _write_vl(self, directory: Path) -> Path:
+        from verl_prefix.tools import testing_vl as V
+
+        return V.write_tiny_vl_model(
+            directory,
+            self.family,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            vision_depth=self.vision_depth,
+            vision_hidden=self.vision_hidden,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            vision_heads=self.vision_heads,
+        )
 
 
 @dataclass(frozen=True)
@@ -84,6 +109,9 @@ class Cell:
     # "fsdp2": stock fsdp2 vs prefix_fsdp2; "torchtitan": verl's TorchTitan engine vs prefix_torchtitan (one rank,
     # a qwen3 model: ``titan_testing`` registers the flavor of its shapes; classic cells only)
     engine: str = "fsdp2"
+    # a vision-language cell: the patch grid (height, width) of the one image every prompt holds, placed
+    # among ``prompt_len`` text tokens (half before it); its visual tokens add to the prompt
+    image: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +189,24 @@ SMOKE_HYBRID_MODEL = dataclasses.replace(
 )
 
 
+# A tiny Qwen2.5-VL (issue 23's cell): the smoke model's decoder (hidden 128, 4 layers) behind a 2-block vision
+# tower of width 32 (one windowed block, one full), 14-pixel patches merged 2 x 2, random init; the ``vl`` preset.
+SMOKE_VL_MODEL = ModelSpec(
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=256,
+    vocab_size=128,
+    family="qwen2_5_vl",
+    vision_depth=2,
+    vision_hidden=32,
+)
+# One image of 64 x 64 patches (896 x 896 pixels: 1,024 visual tokens after the 2 x 2 merge) among 200 text tokens,
+# responses of 128, G=8: every row's prompt holds the same image, which the stock engine encodes once per row.
+_VL_CELL = dict(num_groups=1, group_size=8, prompt_len=200, response_len_range=(128, 128), image=(64, 64))
+
+
 # Qwen3-1.7B's shape (28 layers, GQA 16/8, vocab 151936): the largest Qwen3 whose full fine-tune (fp32
 # master weights and Adam states, about 27 GB) leaves one H200 room for 16 x 12K-token sequences.
 MODEL_GPU = ModelSpec(
@@ -192,6 +238,11 @@ def unavailable_variant(variant: str, cuda: bool | None = None) -> str | None:
     if variant == "merged_varlen" and cuda:
         return varlen_kernel_problem()  # neither torch's varlen attention nor flash-attn >= 2.7
     return None
+
+
+# Qwen2.5-VL's vision tower (32 blocks of width 1280, 16 heads) on the gpu preset's Qwen3-1.7B-shaped decoder,
+# random init: the ``gpu_vl`` preset's model (about 2.3B parameters).
+MODEL_GPU_VL = dataclasses.replace(MODEL_GPU, family="qwen2_5_vl", vision_depth=32, vision_hidden=1280, vision_heads=16)
 
 
 # The capacity presets' models: the 29M and smoke models' shapes with positions long enough for the grids.
@@ -355,6 +406,13 @@ PRESETS: dict[str, Preset] = {
         description="1M-param Qwen3-style model, fp32, one G=8 group at prefix 2048, suffix 128: verl's TorchTitan "
         "engine vs prefix_torchtitan on one rank (needs torchtitan, scripts/setup.sh)",
     ),
+    "vl": Preset(
+        cells=(Cell("VL 1024 + P200/S128/G8", SMOKE_VL_MODEL, **_VL_CELL),),
+        reps=3,
+        threads=1,
+        description="tiny Qwen2.5-VL (decoder hidden 128, 4 layers; 2-block tower), fp32: one G=8 group whose "
+        "prompt holds one image of 1,024 visual tokens and 200 text tokens, responses 128",
+    ),
     "phase_b_smoke": Preset(
         cells=(Cell("P512/S32/G8/mb4", SMOKE_MODEL, 1, 8, 512, (32, 32), variants=VARIANTS),),
         reps=3,
@@ -434,6 +492,22 @@ PRESETS: dict[str, Preset] = {
         needs_cuda=True,
         description="the gpu preset's 10K/2K cell with dormant_prefix=offload (saved tensors in pinned host memory)",
     ),
+    "gpu_vl": Preset(
+        cells=(
+            Cell(
+                "VL 1024 + P200/S128/G8",
+                MODEL_GPU_VL,
+                **_VL_CELL,
+                micro_batch_size=4,
+                dtype="bfloat16",
+                overrides=_GPU,
+            ),
+        ),
+        reps=3,
+        needs_cuda=True,
+        description="the vl preset's cell on Qwen2.5-VL's tower and a Qwen3-1.7B-shaped decoder, bf16 mixed "
+        "precision, gradient checkpointing: stock fsdp2 vs prefix_fsdp2, update and forward-only",
+    ),
     "capacity": Preset(
         cells=(),
         reps=1,
@@ -474,6 +548,18 @@ def cell_batch(cell: Cell) -> Any:
         lo, hi = cell.question_len_range
         draw = torch.randint(lo, hi + 1, (cell.num_groups,), generator=torch.Generator().manual_seed(0))
         prompt_lens = [int(x) for x in draw]
+    if cell.image is not None:
+        from verl_prefix.tools import testing_vl as V
+
+        return V.make_vl_grpo_batch(
+            images=[[cell.image]] * cell.num_groups,
+            group_size=cell.group_size,
+            text_before=cell.prompt_len // 2,
+            text_after=cell.prompt_len - cell.prompt_len // 2,
+            response_len_range=cell.response_len_range,
+            seed=0,
+            family=cell.model.family,
+        )
     return T.make_grpo_batch(
         num_groups=cell.num_groups,
         group_size=cell.group_size,
@@ -523,6 +609,7 @@ def cell_from_dict(raw: dict[str, Any]) -> Cell:
             "overrides": tuple(raw["overrides"]),
             "variants": tuple(raw["variants"]),
             "question_len_range": tuple(raw["question_len_range"]) if raw.get("question_len_range") else None,
+            "image": tuple(raw["image"]) if raw.get("image") else None,
         }
     )
 

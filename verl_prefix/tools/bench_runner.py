@@ -48,7 +48,7 @@ from verl_prefix.tools.bench_presets import (
 )
 from verl_prefix.tools.bench_tables import grad_check
 from verl_prefix.tools.capacity import run_capacity
-from verl_prefix.tools.flops import ModelShape, predicted_speedup
+from verl_prefix.tools.flops import ModelShape, predicted_speedup, vision_encoder_flops
 from verl_prefix.tools.measure import machine_info, measure_update_memory, time_infer, time_update, timestamp
 from verl_prefix.tools.tree_flops import tree_model
 
@@ -190,7 +190,9 @@ def measure_cell(
         "warmup": WARMUP,
         **train.summary(""),
         **infer.summary("infer_"),
-        "predicted_speedup": predicted_speedup(ModelShape.from_config(hf_config), groups),
+        "predicted_speedup": predicted_speedup(
+            ModelShape.from_config(hf_config), groups, encoder_flops(cell, hf_config)
+        ),
         "max_rel_grad_diff": grad_diff,
         "max_rel_grad_diff_param": grad_param,
         **grad_check(grad_diff, cell.dtype),
@@ -230,6 +232,13 @@ def _titan_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tuple[A
         )  # fmt: skip
         engines[key] = (engine, loss_fn)
     return engines
+
+
+def encoder_flops(cell: Cell, hf_config: Any) -> list[float] | None:
+    """A vision-language cell's vision encoder FLOPs per group (its one image), for the FLOP model; else None."""
+    if cell.image is None:
+        return None
+    return [vision_encoder_flops(hf_config.vision_config, [(1, *cell.image)])] * cell.num_groups
 
 
 def _median_ratio(num: list[float], den: list[float]) -> float:
@@ -373,7 +382,7 @@ def measure_variants(
             for g in range(cell.num_groups)
         ]
         shape = ModelShape.from_config(hf_config)
-        result["predicted_speedup"] = predicted_speedup(shape, groups)
+        result["predicted_speedup"] = predicted_speedup(shape, groups, encoder_flops(cell, hf_config))
         if set(TREE_VARIANTS) <= set(variants):
             result.update(_tree_figures(cell, batch, shape, times, summary))
     return result

@@ -186,12 +186,19 @@ VISION_LANGUAGE_NOTES: dict[str, str] = {
     "fp32 (`tests/backend/test_multimodal_engine.py`)",
     "qwen2_vl": "verl's Qwen2.5-VL forward, a tower without windows; against the stock engine in fp64 "
     "(`tests/backend/test_multimodal_engine.py`)",
-    "qwen3_vl": "deepstack features reach only prefix positions, added in phase A; against the stock engine in fp64 "
-    "(`tests/backend/test_multimodal_engine.py`)",
+    "qwen3_vl": "deepstack features reach only prefix positions, added in phase A (sliced per chunk in a chunked "
+    "prefix); against the stock engine in fp64 and fp32 (`tests/backend/test_multimodal_engine.py`)",
     "qwen3_vl_moe": "verl's Qwen3-VL forward, experts in every layer; against the stock engine in fp64 "
     "(`tests/backend/test_multimodal_engine.py`), router aux loss included",
-    "qwen3_5": "`multimodal`: its vision inputs not served yet (its text decoder, `qwen3_5_text`, is)",
-    "qwen3_5_moe": "`multimodal`: its vision inputs not served yet",
+    "qwen3_5": "verl's Qwen3.5 forward, no deepstack; its gated delta-net layers carry their state across the "
+    "prefix boundary (`schedule/recurrent.py`); against the stock engine in fp64 "
+    "(`tests/backend/test_multimodal_engine.py`)",
+    "qwen3_5_moe": "as `qwen3_5`, experts and a shared expert in every layer; against the stock engine in fp64 "
+    "(`tests/backend/test_multimodal_engine.py`)",
+    "glm4v": "`multimodal`: verl patches its forward (its own rotary index and encoder call), which "
+    "`schedule.multimodal` does not feed yet",
+    "kimi_vl": "`multimodal`: a remote-code model verl patches (DeepSeek-V3 decoder, MoonViT tower), not fed by "
+    "`schedule.multimodal` yet",
 }
 
 

@@ -27,10 +27,14 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 124, 125, 126, 127
 VL_VOCAB = 128
 TEXT_VOCAB = VISION_START  # ordinary text tokens lie below the vision tokens
 MERGE, TEMPORAL, CHANNELS = 2, 2, 3
-# the patch size of each family (Qwen2-VL, Qwen2.5-VL: 14 pixels; Qwen3-VL and its MoE: 16)
-PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
-# the families whose rotary index is verl's Qwen3-VL one (the others use its Qwen2-VL one)
-QWEN3_VL_ROPE = ("qwen3_vl", "qwen3_vl_moe")
+# the patch size of each family (Qwen2-VL, Qwen2.5-VL: 14 pixels; Qwen3-VL, Qwen3.5 and their MoEs: 16)
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
+# the families whose rotary index is verl's Qwen3-VL one (the others use its Qwen2-VL one); Qwen3.5's is the same
+# for images (verl's agent loop calls the model's own, which also splits videos into frames)
+QWEN3_VL_ROPE = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# Qwen3.5's hybrid decoders: gated delta-net (linear attention) layers around one full-attention layer
+QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
+QWEN3_5_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
 
 
 def patch_dim(family: str) -> int:
@@ -49,26 +53,41 @@ def write_tiny_vl_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     num_experts: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int = VL_VOCAB,
+    vision_heads: int = 2,
 ) -> Path:
     """A random-init vision-language model of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` or
-    ``qwen3_vl_moe``, the Qwen3 ones with deepstack features feeding the first decoder layer; the MoE one with
-    ``num_experts`` experts, two per token, in every layer) and its tokenizer in ``dir``; returns ``dir``."""
+    ``qwen3_vl_moe``, the Qwen3-VL ones with deepstack features feeding the first decoder layer; the MoE ones with
+    ``num_experts`` experts, two per token, in every layer; ``qwen3_5``/``qwen3_5_moe``: gated delta-net, full
+    attention, gated delta-net layers (``num_layers`` ignored), a quarter of each head rotary as in Qwen3.5's
+    checkpoints, no deepstack) and its tokenizer in ``dir``; returns ``dir``. The decoder has ``heads`` query and
+    ``kv_heads`` KV heads, an MLP of ``intermediate_size`` (twice the width by default) and ``vocab_size`` ids
+    (at least ``VL_VOCAB``; the vision tokens keep their ids), the tower ``vision_heads`` heads: the bench's
+    larger shapes; tests keep the defaults."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     if family not in PATCH:
         raise ValueError(f"family must be one of {sorted(PATCH)}, got {family!r}")
-    out = write_tokenizer(dir, VL_VOCAB)
-    heads = 4
-    half = hidden_size // heads // 2  # the rotary half-dimension, split over the temporal/height/width axes
+    if vocab_size < VL_VOCAB:
+        raise ValueError(f"vocab_size must be at least {VL_VOCAB} (the vision tokens' ids), got {vocab_size}")
+    out = write_tokenizer(dir, vocab_size)
+    rotary = 0.5 if family in QWEN3_5 else 1.0  # the rotated fraction of each head
+    half = int(hidden_size // heads * rotary) // 2  # the rotary half-dimension, over temporal/height/width
     section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
     rope = {"rope_type": "default", "mrope_section": section, "rope_theta": 10000.0}
+    if family in QWEN3_5:
+        rope["partial_rotary_factor"] = rotary
+        num_layers = len(QWEN3_5_LAYER_TYPES)
     text = dict(
-        vocab_size=VL_VOCAB,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         attention_dropout=0.0,
         initializer_range=0.1,
@@ -82,7 +101,7 @@ def write_tiny_vl_model(
         depth=vision_depth,
         hidden_size=vision_hidden,
         intermediate_size=2 * vision_hidden,
-        num_heads=2,
+        num_heads=vision_heads,
         patch_size=PATCH[family],
         spatial_merge_size=MERGE,
         temporal_patch_size=TEMPORAL,
@@ -98,7 +117,25 @@ def write_tiny_vl_model(
     else:
         text.update(head_dim=hidden_size // heads)
         rope["mrope_interleaved"] = True
-        vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
+        vision.update(num_position_embeddings=64)
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
+        vision.update(deepstack_visual_indexes=[0])
+    if family in QWEN3_5:
+        text.update(
+            layer_types=QWEN3_5_LAYER_TYPES,
+            linear_key_head_dim=hidden_size // heads,
+            linear_value_head_dim=hidden_size // heads,
+            linear_num_key_heads=kv_heads,
+            linear_num_value_heads=heads,
+        )
+    if family == "qwen3_5_moe":
+        text.update(
+            num_experts=num_experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size,
+            shared_expert_intermediate_size=hidden_size,
+            router_aux_loss_coef=0.001,
+        )
     if family == "qwen3_vl_moe":
         text.update(
             num_experts=num_experts,
@@ -121,7 +158,7 @@ def write_tiny_vl_model(
     )
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).to(dtype).save_pretrained(out)
-    if family == "qwen3_vl_moe":  # the default grouped-matmul experts take no fp64: the per-expert loop does
+    if family in ("qwen3_vl_moe", "qwen3_5_moe"):  # grouped-matmul experts take no fp64: the per-expert loop does
         cfg = json.loads((out / "config.json").read_text())
         cfg["experts_implementation"] = "eager"
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -202,7 +239,8 @@ def make_vl_grpo_batch(
     """A GRPO mini-batch whose prompts hold images: group ``g`` has ``images[g]`` (patch grids ``(h, w)`` of
     images, ``(t, h, w)`` of videos; an empty list is a text group, its rows carrying verl's empty
     ``multi_modal_inputs``). A prompt is ``text_before`` text tokens, each image (then each video) as
-    ``<|vision_start|>`` + its merged patches' ``<|image_pad|>`` (``<|video_pad|>``) tokens + ``<|vision_end|>``,
+    ``<|vision_start|>`` + its merged patches' ``<|image_pad|>`` (``<|video_pad|>``) tokens + ``<|vision_end|>``
+    (for Qwen3-VL and Qwen3.5 each video frame so),
     then ``text_after`` text tokens. Every row carries its group's pixel values (the same tensors' contents);
     ``kwargs`` go to ``make_grpo_batch`` (losses, temperature...), which draws responses and advantages."""
     base = make_grpo_batch(
@@ -220,9 +258,11 @@ def make_vl_grpo_batch(
         stills = [(1, *size) for size in items if len(size) == 2]
         videos = [size for size in items if len(size) == 3]
         inputs = visual_inputs(stills, videos, 1000 * seed + i // group_size, family) if items else None
+        # Qwen3-VL and Qwen3.5 mark each video frame on its own (their rotary index splits a video per frame)
+        frames = [(1, h, w) for t, h, w in videos for _ in range(t)] if family in QWEN3_VL_ROPE else videos
         vision = [
             torch.tensor([VISION_START] + [pad] * (t * h * w // MERGE**2) + [VISION_END], dtype=torch.long)
-            for pad, grids in ((IMAGE_PAD, stills), (VIDEO_PAD, videos))
+            for pad, grids in ((IMAGE_PAD, stills), (VIDEO_PAD, frames))
             for t, h, w in grids
         ]
         new_prompt = torch.cat([prompt[:text_before], *vision, prompt[text_before:]])
@@ -234,6 +274,9 @@ def make_vl_grpo_batch(
     batch = base.copy()
     batch["prompts"] = torch.nested.as_nested_tensor(prompts, layout=torch.jagged)
     batch["input_ids"] = torch.nested.as_nested_tensor(ids, layout=torch.jagged)
-    batch["position_ids"] = torch.nested.as_nested_tensor(positions, layout=torch.jagged)
+    # ragged along the last dim ([B, 4, j]) even when every row has the same length, where ``as_nested_tensor``
+    # would make the 4 rotary axes the ragged dim (what verl's ``maybe_fix_3d_position_ids`` then breaks)
+    offsets = torch.tensor([0, *torch.tensor([p.shape[1] for p in positions]).cumsum(0).tolist()])
+    batch["position_ids"] = torch.nested.nested_tensor_from_jagged(torch.cat(positions, dim=1), offsets, jagged_dim=2)
     batch["multi_modal_inputs"] = NonTensorStack(*entries)
     return batch
