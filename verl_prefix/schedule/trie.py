@@ -15,8 +15,9 @@ runs in each child or tail, as ``prompt[-1]`` runs in every suffix row under one
 log-prob then has one label for all rows below. With ``share_loss`` off (the MoE router aux loss) every row's
 key stops at ``prompt[:-1]``, the prompt-only trie, and each row's tail is its whole suffix.
 
-A node shorter than ``min_shared_tokens`` on which no row hangs is merged into its children (its tokens run
-once per child instead): a node is one more forward (and backward), a fixed cost the FLOP model does not price,
+A node shorter than ``min_shared_tokens`` is merged into its children and the tails of the rows that hang on
+it (its tokens run once per child and tail instead), unless a row's prompt ends inside or after it (a tail holds
+loss positions only): a node is one more forward (and backward), a fixed cost the FLOP model does not price,
 exactly as ``min_prefix_len`` decides for a whole prefix. What the tree schedule runs over this trie is
 ``schedule.tree``.
 """
@@ -186,21 +187,30 @@ def _build(layout: RowLayout, items: list[_Row], start: int) -> tuple[list[TrieN
     return nodes, alone
 
 
-def _merge_short(layout: RowLayout, nodes: list[TrieNode], min_shared_tokens: int) -> list[TrieNode]:
-    """Merge every node shorter than ``min_shared_tokens`` on which no row hangs into its children."""
-    out = []
+def _merge_short(
+    layout: RowLayout, nodes: list[TrieNode], min_shared_tokens: int
+) -> tuple[list[TrieNode], dict[int, RowSpan]]:
+    """Dissolve every node shorter than ``min_shared_tokens`` whose rows can do without it: its children take
+    its tokens, and the rows hanging on it move up to its parent (their tails start where it started), which
+    only rows whose loss starts at or before it can (a row's tail holds loss positions only). Returns the
+    nodes that stay and the rows that move up to the caller's node."""
+    out: list[TrieNode] = []
+    up: dict[int, RowSpan] = {}
     for node in nodes:
-        node.children = _merge_short(layout, node.children, min_shared_tokens)
-        if node.length >= min_shared_tokens or node.hanging or not node.children:
+        node.children, moved = _merge_short(layout, node.children, min_shared_tokens)
+        node.hanging.update(moved)
+        tails_can_start = all(node.start >= span.prompt_len - 1 for span in node.hanging.values())
+        if node.length >= min_shared_tokens or not tails_can_start:
             out.append(node)
             continue
+        up.update(node.hanging)
         for child in node.children:
             row = next(iter(child.rows_below()))
             child.start = node.start
             child.ids = layout.input_ids[row][child.start : child.end]
             child.positions = layout.position_ids[row][..., child.start : child.end].clone()
         out.extend(node.children)
-    return out
+    return out, up
 
 
 def _logits(layout: RowLayout, node: TrieNode) -> None:
@@ -252,7 +262,8 @@ def build_trie(
     items = [_row(layout, row, share_loss) for group in groups for row in group.rows]
     roots, alone = _build(layout, items, 0)
     assert not alone, "a row alone from position 0 is a node of its own prefix"
-    roots = _merge_short(layout, roots, min_shared_tokens)
+    roots, up = _merge_short(layout, roots, min_shared_tokens)
+    assert not up, "a root's rows start their loss after it"
     for root in roots:
         for node, _ in root.walk():
             _logits(layout, node)
