@@ -64,8 +64,7 @@ def temperature_conflict(roots: list[TrieNode], layout: RowLayout) -> bool:
         for node, _ in root.walk():
             if node.logits_from is None:
                 continue
-            rows = [row for row, span in node.rows_below().items() if span.prompt_len - 1 < node.end]
-            if len({float(layout.temperature[row]) for row in rows}) > 1:
+            if len({float(layout.temperature[row]) for row in node.loss_rows()}) > 1:
                 return True
     return False
 

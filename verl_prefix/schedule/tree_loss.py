@@ -63,7 +63,7 @@ def node_temperature(node: TrieNode, layout: RowLayout) -> float:
     (a row's logits are divided before the log-softmax), else a clear error."""
     if layout.temperature is None or node.logits_from is None:
         return 1.0
-    rows = [row for row, span in node.rows_below().items() if span.prompt_len - 1 < node.end]
+    rows = node.loss_rows()
     values = {float(layout.temperature[row]) for row in rows}
     if len(values) > 1:
         raise ValueError(

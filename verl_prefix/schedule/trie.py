@@ -83,6 +83,10 @@ class TrieNode:
         """Every row that hangs on this node or below it (each computes this node's positions)."""
         return {row: span for node, _ in self.walk() for row, span in node.hanging.items()}
 
+    def loss_rows(self) -> list[int]:
+        """The rows below that take log-probs from this node (their loss starts before its end)."""
+        return [row for row, span in self.rows_below().items() if span.prompt_len - 1 < self.end]
+
     def subtree_groups(self) -> list[GroupPlan]:
         """The suffix groups that hang anywhere below (and on) this node."""
         return [g for node, _ in self.walk() for g in node.groups]
