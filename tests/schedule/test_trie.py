@@ -144,3 +144,27 @@ def check_trie(layout, plan, roots, min_shared: int) -> None:
             assert node.length >= min_shared or short_ok
             for child in node.children:
                 assert child.start == node.end
+
+
+def test_shared_stems_and_turns_share_loss_unless_prompt_only():
+    """Two rows whose responses share a stem [20, 21, 22] (a loss node, one row ending on it) and a per-turn
+    sample that continues the first row; ``share_loss`` off (the MoE aux) keeps the prompt-only trie."""
+    prompt = [1, 2, 3, 4]
+    layout = layout_of([prompt, prompt + [20, 21, 22, 5]], responses=[[[20, 21, 22], [20, 21, 22, 23]], [[6, 7]]])
+    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    roots = build_trie(layout, plan.groups, 2)
+    stats = trie_stats(roots)
+    # the root runs prompt[-1] .. stem[-2] through the LM head for all three rows (row 0 ends there); its child,
+    # 22 at position 6, is row 1's last loss position and the turn sample's prompt, which goes on as a tail
+    assert stats.loss_nodes == 2 and stats.shared_loss_tokens == 3 + 1 and stats.saved_tokens > 0, stats
+    stem, (last,) = roots[0], roots[0].children
+    assert (stem.logits_from, stem.end, stem.labels.tolist(), stem.ended) == (3, 6, [20, 21, 22], [[0]])
+    assert (last.start, last.end, last.labels.tolist(), last.ended) == (6, 7, [23], [[1]])
+    assert execution_signature(roots) == "LLBECEC"
+    prompt_only = build_trie(layout, plan.groups, 2, share_loss=False)
+    stats = trie_stats(prompt_only)
+    assert (
+        stats.loss_nodes == 0
+        and stats.tail_tokens == stats.suffix_tokens
+        and not any(node.ended for root in prompt_only for node, _ in root.walk())
+    )
