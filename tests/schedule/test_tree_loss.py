@@ -94,3 +94,18 @@ def test_shared_loss_tokens_match_dense_training_and_forward_only(case):
     for i in range(len(layout)):
         torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-10, atol=1e-10)
+
+
+def test_a_temperature_divides_the_nodes_logits_as_the_tails(case):
+    """Forward-only at temperature 0.7 (every row, fp32 as verl holds it): the nodes' log-probs as plain HF's
+    logits divided by it give them."""
+    import dataclasses
+
+    model, layout, _, _ = case
+    hot = dataclasses.replace(layout, temperature=torch.full((len(layout),), 0.7))
+    with promote_fp32_upcasts(), torch.no_grad():
+        got = tree_schedule.infer_tree(model, hot, tree_plan(hot), ScheduleOptions(CPU))
+        for i, (ids, p) in enumerate(zip(layout.input_ids, layout.prompt_lens)):
+            logits = model(input_ids=ids[None], use_cache=False).logits[0, p - 1 : -1] / float(hot.temperature[i])
+            want = torch.log_softmax(logits, dim=-1).gather(-1, ids[p:, None]).squeeze(-1)
+            torch.testing.assert_close(got[i][0], want, rtol=1e-10, atol=1e-10)

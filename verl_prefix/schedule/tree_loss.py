@@ -81,8 +81,9 @@ def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: Schedu
     if logits is None:
         raise RuntimeError("phase A of a loss-carrying tree node kept no logits (options.keep_logits)")
     temperature = node_temperature(node, layout)
-    if temperature != 1.0:
-        logits = logits.div_(temperature)  # lm_head's backward needs no output
+    if temperature != 1.0:  # as phase B divides: the fp32 temperature in the logits' dtype
+        divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device).to(logits.dtype)
+        logits = logits.div_(divisor)  # lm_head's backward needs no output
     log_probs, entropy = token_outputs(logits, node.labels.to(logits.device), options)
     return NodeValues(node.logits_from, log_probs, entropy)
 
