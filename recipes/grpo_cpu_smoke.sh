@@ -6,11 +6,12 @@
 #   bash recipes/grpo_cpu_smoke.sh                      # 3 steps: 2, a checkpoint, then resume for step 3
 #   STEPS=2 SAVE_AT=1 bash recipes/grpo_cpu_smoke.sh    # what tests/tools/test_main_ppo_cpu.py runs
 #   MODE=dense bash recipes/grpo_cpu_smoke.sh           # the dense twin: sync trainer, stock fsdp2
+#   TASK=vl bash recipes/grpo_cpu_smoke.sh              # image prompts on a tiny Qwen2.5-VL (docs/multimodal.md)
 #
 # Two launches of main_ppo: steps 1..SAVE_AT saving a checkpoint at SAVE_AT, then a resumed run to STEPS.
 # Metrics go to the console and to $OUT/metrics_{first,resumed}.jsonl (verl's file logger).
 # Env: OUT (outputs/grpo_cpu_smoke), STEPS (3), SAVE_AT (STEPS-1), MODE (prefix|dense), NNODES (1),
-# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python). With RAY_ADDRESS set, main_ppo joins that
+# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|vl). With RAY_ADDRESS set, main_ppo joins that
 # cluster instead of starting one (docs/multinode.md). Extra arguments are passed to both launches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ MODE="${MODE:-prefix}"
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-2}"
 PYTHON="${PYTHON:-python}"
+TASK="${TASK:-text}"
 
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -37,12 +39,21 @@ case "$MODE" in
     actor_rollout_ref.actor.dormant_prefix_budget_bytes=0 '~actor_rollout_ref.actor.dormant_prefix_budget_bytes') ;;
   *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;
 esac
+case "$TASK" in
+  text) task=() ;;
+  # the tiny Qwen2.5-VL's image-only processor is remote code; the data set opens the PNGs itself (no
+  # qwen_vl_utils on CPU); the reward is the same rule-plus-shaping kind as the text task's
+  vl) task=(actor_rollout_ref.model.trust_remote_code=true data.trust_remote_code=true
+    data.custom_cls.path=pkg://verl_prefix.tools.smoke_vl data.custom_cls.name=SmokeVLDataset
+    reward.custom_reward_function.path=pkg://verl_prefix.tools.smoke_vl) ;;
+  *) echo "TASK must be text or vl, got $TASK" >&2; exit 2 ;;
+esac
 cluster=()
 if [[ -n "${RAY_ADDRESS:-}" ]]; then
   cluster=(ray_kwargs.ray_init.num_cpus=null)  # joining a cluster: its nodes declare their own CPUs
 fi
 
-"$PYTHON" -m verl_prefix.tools.cli smoke-data --out "$OUT/inputs"
+"$PYTHON" -m verl_prefix.tools.cli smoke-data --task "$TASK" --out "$OUT/inputs"
 rm -rf "$OUT/checkpoints"
 
 main_ppo() {
@@ -55,8 +66,8 @@ main_ppo() {
     trainer.n_gpus_per_node="$GPUS_PER_NODE" \
     trainer.default_local_dir="$OUT/checkpoints" \
     trainer.logger='[console,file]' \
-    trainer.experiment_name="grpo_cpu_smoke_$MODE" \
-    "${twin[@]}" ${cluster[@]+"${cluster[@]}"} "$@"
+    trainer.experiment_name="grpo_cpu_smoke_${TASK}_$MODE" \
+    "${twin[@]}" ${task[@]+"${task[@]}"} ${cluster[@]+"${cluster[@]}"} "$@"
 }
 
 # The job's runtime env carries these to its Ray workers, also on a cluster started elsewhere (where workers
@@ -70,4 +81,4 @@ if (( STEPS > SAVE_AT )); then
   main_ppo "$(job_env metrics_resumed.jsonl)" \
     trainer.total_training_steps="$STEPS" trainer.save_freq=-1 trainer.resume_mode=auto "$@"
 fi
-echo "grpo_cpu_smoke ($MODE): $STEPS steps in $((SECONDS - start)) s; metrics in $OUT/metrics_*.jsonl"
+echo "grpo_cpu_smoke ($TASK, $MODE): $STEPS steps in $((SECONDS - start)) s; metrics in $OUT/metrics_*.jsonl"

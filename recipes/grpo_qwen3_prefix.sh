@@ -1,33 +1,46 @@
 #!/usr/bin/env bash
-# GRPO on GSM8K with Qwen3 and shared-prefix reuse, on one or more GPU nodes.
+# GRPO on GSM8K with Qwen3 (or, TASK=vl, on Geometry3K images with Qwen2.5-VL / Qwen3-VL) and shared-prefix reuse,
+# on one or more GPU nodes.
 #
 # Reads top to bottom: data and model paths, cluster shape, batch shape, then the stock verl entry
 # point with configs/prefix_grpo.yaml (verl's ppo_trainer plus the prefix_sync trainer mode and the
 # prefix_fsdp2 engine). Every verl option can still be overridden after "$@".
 #
 #   bash recipes/grpo_qwen3_prefix.sh trainer.total_epochs=1
+#   TASK=vl bash recipes/grpo_qwen3_prefix.sh            # Geometry3K images on Qwen2.5-VL (docs/multimodal.md)
+#   TASK=vl MODEL=Qwen/Qwen3-VL-8B-Instruct bash recipes/grpo_qwen3_prefix.sh
 #
 # Prerequisites on every node: verl 0.9.1 with its GPU stack (pip install -e '.[gpu]' from this repo,
-# or verl's docker image plus `pip install .`), and the GSM8K parquet files made by verl's
-# examples/data_preprocess/gsm8k.py.
+# or verl's docker image plus `pip install .`), and the parquet files made by verl's
+# examples/data_preprocess/gsm8k.py (TASK=text) or geo3k.py (TASK=vl; verl's data set then needs
+# qwen_vl_utils, and its geo3k reward mathruler).
 #
 # Cluster shape from the environment: NNODES (1) and GPUS_PER_NODE (8). On several nodes, start Ray on each
 # first and run this on the head (or submit it with `ray job submit`): docs/multinode.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODEL="${MODEL:-Qwen/Qwen3-8B}"
-DATA="${DATA:-$HOME/data/gsm8k}"
+TASK="${TASK:-text}"
+case "$TASK" in
+  text) MODEL="${MODEL:-Qwen/Qwen3-8B}"; DATA="${DATA:-$HOME/data/gsm8k}"
+    # 64 prompts x 16 samples per step; mini-batches of 16 prompts keep 2 whole groups per GPU slot.
+    task=(data.max_prompt_length=2048 actor_rollout_ref.rollout.n=16) ;;
+  # One image (a few hundred to ~1,000 visual tokens) plus the question: the visual tokens are the shared
+  # prefix. vLLM takes the images from verl's agent loop; the engine encodes them once per group. G=8.
+  vl) MODEL="${MODEL:-Qwen/Qwen2.5-VL-7B-Instruct}"; DATA="${DATA:-$HOME/data/geo3k}"
+    task=(data.max_prompt_length=1024 data.image_key=images actor_rollout_ref.rollout.n=8
+      actor_rollout_ref.rollout.enable_chunked_prefill=false
+      actor_rollout_ref.actor.freeze_vision_tower="${FREEZE_VISION_TOWER:-false}") ;;
+  *) echo "TASK must be text or vl, got $TASK" >&2; exit 2 ;;
+esac
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 
-# 64 prompts x 16 samples per step; mini-batches of 16 prompts keep 2 whole groups per GPU slot.
 python -m verl.trainer.main_ppo \
   --config-path="$PWD/configs" --config-name=prefix_grpo \
   data.train_files="$DATA/train.parquet" \
   data.val_files="$DATA/test.parquet" \
   data.train_batch_size=64 \
-  data.max_prompt_length=2048 \
   data.max_response_length=2048 \
   actor_rollout_ref.model.path="$MODEL" \
   actor_rollout_ref.model.enable_gradient_checkpointing=true \
@@ -37,7 +50,6 @@ python -m verl.trainer.main_ppo \
   actor_rollout_ref.actor.use_kl_loss=true \
   actor_rollout_ref.actor.kl_loss_coef=0.001 \
   actor_rollout_ref.rollout.name=vllm \
-  actor_rollout_ref.rollout.n=16 \
   actor_rollout_ref.rollout.tensor_model_parallel_size=2 \
   actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
@@ -48,4 +60,5 @@ python -m verl.trainer.main_ppo \
   trainer.nnodes="$NNODES" \
   trainer.n_gpus_per_node="$GPUS_PER_NODE" \
   trainer.total_epochs=15 \
+  "${task[@]}" \
   "$@"

@@ -56,6 +56,7 @@ def tiny_qwen3_dir(tiny_model) -> Path:
 # worker in collection order, so starting these first keeps one long file from finishing last on its own.
 SLOWEST_FILES = (
     "test_main_ppo_cpu.py",
+    "test_main_ppo_vl_cpu.py",
     "test_grpo_loop_ray.py",
     "test_chunked_prefix_engine.py",
     "test_demo_wandb.py",

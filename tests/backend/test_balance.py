@@ -1,12 +1,15 @@
-"""Group-keeping balancing across data-parallel ranks and mini-batches."""
+"""Group-keeping balancing across data-parallel ranks and mini-batches, and (``prefix_reuse.tree``) keeping
+groups that share a trie root in one slot."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from verl_prefix.backend.balance import balance_groups
+from verl_prefix.backend.roots import prompt_rows, shared_roots
 
 
 def layout(groups: list[tuple[int, list[int]]], padding: int = 0):
@@ -71,3 +74,65 @@ def test_a_group_larger_than_a_slot_is_split_and_counted():
 def test_impossible_shapes_are_refused():
     with pytest.raises(ValueError, match="cannot fill"):
         balance_groups([5] * 6, [1] * 6, ["a"] * 6, dp_size=4)
+
+
+def family_layout(families: list[int], system: int = 40, seed: int = 0):
+    """One group of 4 per entry of ``families`` (its family index): a ``system``-token block per family, then
+    a question of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [torch.randint(10, 100, (system,), generator=gen) for _ in range(max(families) + 1)]
+    prompts, response, uids = [], [], []
+    for g, family in enumerate(families):
+        question = torch.randint(10, 100, (5 + g,), generator=gen)
+        for j in range(4):
+            prompts.append(torch.cat([blocks[family], question]))
+            response.append(10 + j)
+            uids.append(f"g{g}")
+    return [len(p) for p in prompts], response, uids, shared_roots(prompts, uids, min_shared_tokens=32)
+
+
+def families_per_slot(plan, n_slots, uids, families):
+    size = len(plan.order) // n_slots
+    return [sorted({families[int(uids[i][1:])] for i in plan.order[k * size : (k + 1) * size]}) for k in range(n_slots)]
+
+
+def test_groups_sharing_a_root_stay_in_one_slot_where_balance_allows():
+    families = [0, 1, 0, 1, 0, 1, 0, 1]  # two system prompts, interleaved
+    prompt, response, uids, roots = family_layout(families)
+    assert {r.tokens for r in roots} == {40} and len({r.key for r in roots}) == 2
+    together = balance_groups(prompt, response, uids, dp_size=2, roots=roots)
+    assert sorted(families_per_slot(together, 2, uids, families)) == [[0], [1]]
+    m = together.metrics()
+    assert m["prefix/balance/shared_roots"] == 2 and m["prefix/balance/shared_root_slots"] == 2
+    assert m["prefix/balance/shared_roots_kept_together"] == 1 and m["prefix/balance/split_groups"] == 0
+    # control: length alone spreads both system prompts over both ranks (each would compute both)
+    plain = balance_groups(prompt, response, uids, dp_size=2)
+    assert families_per_slot(plain, 2, uids, families) == [[0, 1], [0, 1]]
+    # one family larger than a slot: spread evenly, its root once per slot (mini-batches are slots too)
+    prompt, response, uids, roots = family_layout([0] * 8)
+    spread = balance_groups(prompt, response, uids, dp_size=2, mini_batches_per_rank=2, roots=roots)
+    assert spread.metrics()["prefix/balance/shared_root_slots"] == 4 and spread.split_groups == 0
+
+
+def test_balance_overrides_a_family_that_would_load_one_rank():
+    # a family of two long groups and two short loners, slots of two groups: together, one rank holds both
+    # long groups; apart, each rank one, which costs less even with the root computed on both ranks
+    prompt, response, uids, roots = family_layout([0, 0, 1, 2], system=40)
+    response = [2000 if uids[i] in ("g0", "g1") else 1 for i in range(len(uids))]
+    roots = [r if uids[i] in ("g0", "g1") else None for i, r in enumerate(roots)]
+    plan = balance_groups(prompt, response, uids, dp_size=2, roots=roots)
+    assert plan.metrics()["prefix/balance/shared_roots_kept_together"] == 0
+    assert families_per_slot(plan, 2, uids, [0, 0, 1, 2]) in ([[0, 1], [0, 2]], [[0, 2], [0, 1]])
+
+
+def test_shared_roots_need_min_shared_tokens_in_common():
+    system = list(range(10, 50))
+    prompts = [system + [1, 2], system[:20] + [3] * 30, system + [4], system[:5]]
+    roots = shared_roots([torch.tensor(p) for p in prompts], ["a", "b", "c", "d"], min_shared_tokens=32)
+    # a and c share the 40-token block; b shares only 20 (< 32: the trie would merge it away); d is too short
+    assert roots[0] == roots[2] and roots[0].tokens == 40 and roots[1] is None and roots[3] is None
+    padded = torch.tensor([[0, 0, 7, 8, 9], [5, 6, 7, 8, 9]])  # left-padded rows: the tags' prompt_len decides
+    rows = prompt_rows(padded, [{"prompt_len": 3}, {"prompt_len": 5}])
+    assert [r.tolist() for r in rows] == [[7, 8, 9], [5, 6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="min_shared_tokens"):
+        shared_roots(prompts, ["a"] * 4, min_shared_tokens=0)

@@ -82,3 +82,76 @@ def test_registered_in_verl():
     assert rollout_hf.is_registered()
     assert get_rollout_replica_class("hf") is rollout_hf.HFReplica
     assert get_rollout_class("hf", "async") is rollout_hf.HFServerAdapter
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory):
+    """The server on the CPU smoke recipe's tiny Qwen2.5-VL (image-only processor, remote code)."""
+    from verl.workers.config import RolloutConfig
+
+    from verl_prefix.tools.smoke_vl import write_smoke_vl_model
+
+    model_dir = write_smoke_vl_model(tmp_path_factory.mktemp("vl") / "model")
+    config = RolloutConfig(name="hf", dtype="float32", prompt_length=96, response_length=8, calculate_log_probs=True)
+    model_config = OmegaConf.create({"path": str(model_dir), "trust_remote_code": True})
+    return rollout_hf.HFRolloutServer(config=config, model_config=model_config, replica_rank=0)
+
+
+def _image_prompt(srv, size, seed):
+    """An image prompt as verl's agent loop builds it: the processor renders and expands the placeholders."""
+    import numpy as np
+    from PIL import Image
+
+    from verl_prefix.tools.smoke_vl import synthetic_image
+
+    image = Image.open(__import__("io").BytesIO(synthetic_image(*size, np.random.default_rng(seed)))).convert("RGB")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t9 t10 t11"}]}]
+    text = srv.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = srv.processor(text=[text], images=[image], return_tensors="pt")["input_ids"][0].tolist()
+    return ids, image
+
+
+def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
+    from verl_prefix.tools.testing_vl import IMAGE_PAD, vl_positions
+
+    srv = vl_server
+    ids, image = _image_prompt(srv, (112, 168), seed=0)
+    assert ids.count(IMAGE_PAD) == 24  # 8 x 12 patches merged 2 x 2
+    visual = srv.image_inputs(ids, [image])
+    out = srv._generate(ids, {"logprobs": True, "temperature": 0.8, "ignore_eos": True}, 3, visual)
+    assert len(out.token_ids) == 8 == len(out.log_probs)
+    # the smoke model never samples Qwen's vision tokens (verl would read one in a response as a placeholder)
+    assert srv.model.generation_config.suppress_tokens == [124, 125, 126, 127]
+    # the log-probs are the actor's recompute: a forward over prompt + response with the image, at the
+    # [4, L] positions verl's get_rope_index gives the row (text, then temporal/height/width after the image)
+    full = torch.tensor([ids + out.token_ids])
+    positions = vl_positions(full[0], {"image_grid_thw": visual["image_grid_thw"]})[:, None]
+    pixels = {k: visual[k] for k in ("pixel_values", "image_grid_thw")}
+
+    def log_probs(**inputs):
+        with torch.no_grad():
+            logits = srv.model(input_ids=full, **inputs).logits[0, len(ids) - 1 : -1] / 0.8
+        return logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+
+    want = log_probs(position_ids=positions, **pixels)
+    torch.testing.assert_close(torch.tensor(out.log_probs), want, rtol=1e-5, atol=1e-5)
+    # negative control: without the token types transformers runs the image at text positions
+    assert (log_probs(**pixels) - want).abs().max() > 1e-4
+    # the image reaches the model: another image of the same size changes the distribution
+    other = srv.image_inputs(ids, [_image_prompt(srv, (112, 168), seed=1)[1]])
+    moved = log_probs(position_ids=positions, **{k: other[k] for k in ("pixel_values", "image_grid_thw")})
+    assert (moved - want).abs().max() > 1e-4
+    # seeds: the same prompt and image have the same seed key; another image another one
+    assert srv.prompt_digest(ids, visual) == srv.prompt_digest(ids, srv.image_inputs(ids, [image]))
+    assert srv.prompt_digest(ids, visual) != srv.prompt_digest(ids, other) != srv.prompt_digest(ids)
+    # placeholders that do not match the images, and videos, are refused
+    with pytest.raises(ValueError, match="image tokens"):
+        srv.image_inputs(ids[:-30] + ids[-5:], [image])
+    with pytest.raises(NotImplementedError, match="video"):
+        asyncio.run(srv.generate("r", ids, {}, video_data=[image]))
+
+
+def test_text_model_refuses_images(server):
+    srv, _ = server
+    with pytest.raises(NotImplementedError, match="vision-language"):
+        srv.image_inputs(PROMPT, ["an image"])

@@ -9,10 +9,12 @@ import pytest
 import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
-from transformers import AutoModelForCausalLM, MistralConfig
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen3_5TextConfig
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
+from verl_prefix.backend.roots import shared_roots
 from verl_prefix.backend.trees import plan_tree, tree_refusal
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.tools import testing as T
@@ -88,7 +90,7 @@ def test_tree_knob_refuses_what_it_does_not_serve():
         PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute")
 
 
-def _two_rank_body(rank: int, model_dir: str) -> dict:
+def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     from helpers.precision import promote_fp32_upcasts
 
     from verl_prefix.tools import testing as T
@@ -98,10 +100,10 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = tree_reuse()
     out = {}
-    # same trie shape on both ranks (other tokens): the tree runs; then rank 1's prompts share no system block:
-    # its trie's passes differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same.
-    # Two groups per rank: the same paths as four at less CPU
-    same = system_batch(seed=3 + rank, prompt_lens=(5, 9))
+    # the rows the balancer placed on this rank (one system prompt's two groups): the same trie shape on both
+    # ranks (other tokens), so the tree runs; then rank 1's prompts share no system block: its trie's passes
+    # differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same.
+    same = system_batch(seed=seeds[rank], prompt_lens=(5, 9))
     differ = system_batch(seed=5, prompt_lens=(5, 9))
     if rank == 1:
         differ = T.make_grpo_batch(
@@ -124,10 +126,33 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
     return out
 
 
+def placed_family_seeds() -> list[int]:
+    """Two system prompts (batches of seeds 3 and 4, two groups each), their groups interleaved as one
+    global batch: the balancer with ``shared_roots`` puts each system prompt's groups on one rank (by length
+    alone each rank would hold both). The seed of the family each rank received."""
+    families = {seed: system_batch(seed=seed, prompt_lens=(5, 9)) for seed in (3, 4)}
+    samples = []  # (family seed, prompt, response length, uid), groups interleaved A0 B0 A1 B1
+    for g in range(2):
+        for seed, batch in families.items():
+            rows = range(3 * g, 3 * g + 3)
+            prompts, responses = batch["prompts"].unbind(), batch["responses"].unbind()
+            samples += [(seed, prompts[i], len(responses[i]), batch["uid"][i]) for i in rows]
+    prompts, uids = [s[1] for s in samples], [s[3] for s in samples]
+    args = ([len(p) for p in prompts], [s[2] for s in samples], uids)
+    plan = balance_groups(*args, dp_size=2, roots=shared_roots(prompts, uids, tree_reuse().min_shared_tokens))
+    placed = [{samples[i][0] for i in plan.order[r * 6 : (r + 1) * 6]} for r in range(2)]
+    assert sorted(map(sorted, placed)) == [[3], [4]], placed
+    plain = balance_groups(*args, dp_size=2)
+    assert [{samples[i][0] for i in plain.order[r * 6 : (r + 1) * 6]} for r in range(2)] == [{3, 4}, {3, 4}]
+    return [next(iter(p)) for p in placed]
+
+
 def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
+    """Placement and lockstep: each rank gets one system prompt's groups (the balancer), computes that block
+    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine."""
     from helpers.ranks import run_two_ranks
 
-    results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")))
+    results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")), placed_family_seeds())
     for rank in range(2):
         assert results[rank]["worst"] < 1e-10
         assert_tree_ran(results[rank]["same"], groups=2)
@@ -162,3 +187,57 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
     assert plan_tree(windowed, layout, plan, 1, ulysses=False, group=None) == (None, "sliding_window")
     roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
     assert reason is None and len(roots) == 1 and sorted(roots[0].rows_below()) == [0, 1]  # two uids, one row: one node
+    # recurrent layers (a Qwen3.5-style hybrid): their state at a node boundary is not carried yet
+    hybrid = Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid), ulysses=False) == "recurrent"
+    # images: a node's forward takes token ids only and every image's placeholder tokens are the same
+    visual = RowLayout(
+        rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=[{"pixel_values": rows[0]}, None]
+    )
+    assert plan_tree(plain, visual, plan, 1, ulysses=False, group=None) == (None, "multimodal")
+
+
+def _images_on_one_rank(rank: int) -> tuple:
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from verl_prefix.backend.trees import plan_tree
+    from verl_prefix.schedule.grouping import RowLayout, plan_batch
+
+    model = AutoModelForCausalLM.from_config(
+        MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=None,
+        )
+    )
+    rows = [torch.arange(6), torch.arange(6)]
+    visual = [{"pixel_values": rows[0]}, None] if rank == 0 else None
+    layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=visual)
+    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    return plan_tree(model, layout, plan, 1, ulysses=False, group=None)
+
+
+def test_images_on_one_rank_run_one_level_on_both_without_a_hang():
+    """The multimodal reason is rank-local: the rank with images still takes part in the signature agreement,
+    so neither rank waits on a collective the other skipped."""
+    from helpers.ranks import run_two_ranks
+
+    results = run_two_ranks(_images_on_one_rank, timeout=120)
+    assert results[0] == (None, "multimodal") and results[1] == (None, "lockstep")

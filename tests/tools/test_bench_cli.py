@@ -428,3 +428,52 @@ def test_peak_rss_is_this_process_images_own():
     assert before < parent_rss - 300  # the child's own peak, not the parent's RSS at the fork
     assert after >= 100  # the 100 MiB block counts after the reset
     del ballast
+
+
+TINY_TREE = BP.Preset(
+    cells=(
+        BP.Cell(
+            "tiny-tree",
+            TINY.cells[0].model,
+            num_groups=2,
+            group_size=4,
+            prompt_len=4,
+            response_len_range=(3, 6),
+            micro_batch_size=2,
+            min_prefix_len=8,
+            variants=("fsdp2", *BP.TREE_VARIANTS),
+            system_len=40,
+            question_len_range=(4, 8),
+        ),
+    ),
+    reps=1,
+    threads=1,
+)
+
+
+def test_agentic_tree_cell_runs_three_engines_beside_the_flop_model(tmp_path):
+    """``--preset agentic`` on a minuscule cell: stock, one-level reuse and the tree on one batch whose groups
+    share a system block, each checked against stock, with the trie's FLOP model beside the times."""
+    out, table = tmp_path / "agentic.json", tmp_path / "bench.md"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(BP.PRESETS, "agentic", TINY_TREE)
+        code = cli.main(["bench", "--preset", "agentic", "--no-progress", "--out", str(out), "--table", str(table)])
+    assert code == 0
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert list(cell["variants"]) == ["fsdp2", "one_level", "tree"]
+    one, tree = cell["variants"]["one_level"]["prefix_metrics"], cell["variants"]["tree"]["prefix_metrics"]
+    assert_reuse_ran(one, groups=2) and one.get("prefix/tree_nodes", 0) == 0
+    assert_reuse_ran(tree, groups=2)
+    assert tree["prefix/tree_nodes"] == cell["tree"]["nodes"] == 3 and cell["tree"]["depth"] == 2
+    assert tree["prefix/tree_shared_tokens/level1"] == 40
+    assert tree["prefix/physical_tokens"] == one["prefix/physical_tokens"] - 40
+    for name in ("one_level", "tree"):
+        assert cell["variants"][name]["grad_check"] == "pass", name
+    predicted = cell["predicted"]
+    assert predicted["tree"] > predicted["one_level"] > 1
+    assert predicted["one_level"] == pytest.approx(cell["predicted_speedup"], rel=1e-12)
+    assert cell["measured_over_predicted"]["tree"] == pytest.approx(cell["measured"]["tree"] / predicted["tree"])
+    assert "| tiny-tree | " in table.read_text() and "tree vs one-level (FLOP model)" in table.read_text()
+    batch = BP.cell_batch(TINY_TREE.cells[0])
+    prompts = batch["prompts"].unbind()
+    assert torch.equal(prompts[0][:40], prompts[4][:40]) and 44 <= len(prompts[0]) <= 48

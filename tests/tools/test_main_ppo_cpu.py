@@ -20,18 +20,12 @@ compares waits for it: the file takes about as long as the prefix run alone.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "grpo_cpu_smoke.sh"
+from helpers.recipe_runs import finish_recipe, metrics, ray_tmpdir, start_recipe, stop
 
 # Measured 2026-12-01 on this VM (recipe runs by hand): identical rollouts (score, lengths equal), grad norm equal
 # to 7 digits, pg_loss within 1.3e-6 relative, ||p_prefix - p_dense|| / ||p_dense - p_0|| = 3.3e-5 after step 1
@@ -40,53 +34,6 @@ RECIPE = ROOT / "recipes" / "grpo_cpu_smoke.sh"
 UPDATE_TOL = 3e-4
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
-
-
-def _start_recipe(out: Path, *, mode: str, steps: int, save_at: int, env: dict | None = None) -> subprocess.Popen:
-    """``recipes/grpo_cpu_smoke.sh`` in the background, its output to ``out/recipe.log``."""
-    full_env = {
-        **os.environ,
-        "OUT": str(out),
-        "STEPS": str(steps),
-        "SAVE_AT": str(save_at),
-        "MODE": mode,
-        "PYTHON": sys.executable,
-        "WANDB_MODE": "offline",
-        **(env or {}),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "recipe.log").open("w") as log:
-        return subprocess.Popen(
-            ["bash", str(RECIPE)],
-            env=full_env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group: a run cut short is stopped with main_ppo and Ray
-        )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _finish_recipe(proc: subprocess.Popen, out: Path) -> str:
-    """Wait for a recipe run; its log, which must end in success."""
-    try:
-        proc.wait(timeout=1200)
-    finally:
-        _stop(proc)
-    log = (out / "recipe.log").read_text()
-    assert proc.returncode == 0, log[-6000:]
-    return log
-
-
-def _metrics(path: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {int(r["step"]): r["data"] for r in rows}
 
 
 def _hf_params(out: Path, step: int) -> dict[str, torch.Tensor]:
@@ -118,15 +65,15 @@ def _agreement(got: dict, want: dict, before: dict) -> float:
 def dense_twin(tmp_path_factory):
     """The dense twin, started first and running beside the prefix run: ``finish() -> out``."""
     out = tmp_path_factory.mktemp("dense")
-    ray_tmp = f"/tmp/ray_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_dense"  # short: Ray's socket paths
-    proc = _start_recipe(out, mode="dense", steps=1, save_at=1, env={"RAY_TMPDIR": ray_tmp, "GPUS_PER_NODE": "1"})
+    env = {"RAY_TMPDIR": ray_tmpdir("dense"), "GPUS_PER_NODE": "1"}
+    proc = start_recipe(out, mode="dense", steps=1, save_at=1, env=env)
 
     def finish() -> Path:
-        _finish_recipe(proc, out)
+        finish_recipe(proc, out)
         return out
 
     yield finish
-    _stop(proc)  # still running only when the prefix run failed first
+    stop(proc)  # still running only when the prefix run failed first
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +96,7 @@ def prefix_run(tmp_path_factory, dense_twin):
         assert len(nodes) == 2
         out = tmp_path_factory.mktemp("prefix")
         env = {"RAY_ADDRESS": cluster.address, "NNODES": "2", "GPUS_PER_NODE": "1"}
-        log = _finish_recipe(_start_recipe(out, mode="prefix", steps=2, save_at=1, env=env), out)
+        log = finish_recipe(start_recipe(out, mode="prefix", steps=2, save_at=1, env=env), out)
     finally:
         cluster.shutdown()
     return out, log, nodes
@@ -157,7 +104,7 @@ def prefix_run(tmp_path_factory, dense_twin):
 
 def test_prefix_recipe_runs_main_ppo_with_reuse_and_resume(prefix_run):
     out, log, _ = prefix_run
-    first, resumed = _metrics(out / "metrics_first.jsonl"), _metrics(out / "metrics_resumed.jsonl")
+    first, resumed = metrics(out / "metrics_first.jsonl"), metrics(out / "metrics_resumed.jsonl")
     assert sorted(first) == [1] and sorted(resumed) == [2], (first.keys(), resumed.keys())
     for step, data in {**first, **resumed}.items():
         _assert_reused(data, step)
@@ -171,8 +118,8 @@ def test_dense_twin_agrees_with_prefix_on_step_one(prefix_run, dense_twin):
 
     out, _, _ = prefix_run
     dense = dense_twin()
-    d1 = _metrics(dense / "metrics_first.jsonl")[1]
-    p1 = _metrics(out / "metrics_first.jsonl")[1]
+    d1 = metrics(dense / "metrics_first.jsonl")[1]
+    p1 = metrics(out / "metrics_first.jsonl")[1]
     assert "actor/prefix/groups" not in d1  # the stock engine
     # identical rollouts: same rewards and response lengths
     for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean"):

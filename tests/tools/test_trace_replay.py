@@ -138,6 +138,23 @@ def test_unplain_values_are_refused(tmp_path):
         TR.TraceWriter(tmp_path).record(batch)
 
 
+def test_chat_messages_with_images_round_trip(tmp_path):
+    """A vision-language batch's ``raw_prompt`` holds the decoded PIL images (verl's data set puts them in the
+    messages): recorded as PNG, read back as the same pixels (a ``record_trace_dir`` VL run failed on them)."""
+    from PIL import Image
+    from verl.utils import tensordict_utils as tu
+
+    batch = T.make_grpo_batch(num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64)
+    image = Image.fromarray(np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3))
+    message = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "t9"}]}]
+    tu.assign_non_tensor(batch, raw_prompt=[message, message])
+    TR.TraceWriter(tmp_path / "t").record(batch, step=1)
+    got = TR.load_trace(tmp_path / "t").batch(0)["raw_prompt"]
+    for row in got:
+        back = row[0]["content"][0]["image"]
+        assert np.array_equal(np.asarray(back), np.asarray(image)) and row[0]["content"][1]["text"] == "t9"
+
+
 def test_synthetic_trace_shapes(tmp_path):
     root = synthetic_trace(
         tmp_path,
@@ -329,3 +346,69 @@ def test_cli_trace_synthetic_and_show(tmp_path, capsys):
     assert "--vocab-size" in one_line_error(capsys)
     assert cli.main(["trace", "show", str(tmp_path / "nope")]) == 2
     one_line_error(capsys)
+
+
+def test_a_recorded_tree_batch_replays_with_the_same_result(tmp_path, tiny_model):
+    """A live prefix_fsdp2 engine with ``prefix_reuse.tree`` records its batch; replay rebuilds the tree from the
+    trace's config and reaches the recorded loss, gradient norm and trie (system block once), and prices the
+    trie with the tree FLOP model. A synthetic trace can carry a system block and the knob too."""
+    import verl_prefix
+    from verl_prefix.tools.tree_flops import tree_model
+
+    model = tiny_model("qwen3", **TINY)
+    engine, loss_fn, _ = T.build_verl_engine(model, backend="prefix_fsdp2", micro_batch_size_per_gpu=2, lr=1e-3)
+    engine.reuse_config = verl_prefix.PrefixReuseConfig(min_prefix_len=2, tree=True, min_shared_tokens=8)
+    batch = T.make_grpo_batch(
+        num_groups=2, group_size=3, prompt_lens=[5, 9], response_len_range=(2, 5), vocab_size=64, shared_system=24
+    )
+    with TR.recording(engine, tmp_path / "rec", model_ref=str(model)):
+        recorded = T.run_train_step(engine, loss_fn, batch)
+    del engine
+    trace = TR.load_trace(tmp_path / "rec")
+    assert trace.steps[0].config["prefix_reuse"]["tree"] is True
+    result = RP.replay(tmp_path / "rec", reps=1, warmup=0, noise=False)
+    row = result["steps"][0]
+    assert row["loss_prefix"] == pytest.approx(recorded["loss"], rel=1e-6)
+    assert row["grad_norm_prefix"] == pytest.approx(recorded["grad_norm"], rel=1e-6)
+    want = recorded["reduced_metrics"]
+    for key in ("tree_nodes", "tree_depth", "tree_shared_tokens/level1", "tree_saved_tokens", "physical_tokens"):
+        assert row["prefix_metrics"][f"prefix/{key}"] == want[f"prefix/{key}"], key
+    assert want["prefix/tree_nodes"] == 3 and want["prefix/tree_shared_tokens/level1"] == 24
+    assert want["prefix/physical_tokens"] < want["prefix/logical_tokens"]
+    assert 0 <= row["drift"] < 1e-3  # against the stock engine: rounding only
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(model))
+    assert row["tree"]["nodes"] == 3 and row["tree"]["depth"] == 2
+    assert row["predicted_speedup"] == row["tree"]["tree"] > row["tree"]["one_level"] > 1
+    groups = TR.batch_groups(batch)
+    assert row["tree"]["one_level"] == pytest.approx(predicted_speedup(shape, groups), rel=1e-12)
+    # the model follows the knobs: with the default min_shared_tokens (32) the 24-token block is merged away
+    merged = tree_model(batch, verl_prefix.PrefixReuseConfig(min_prefix_len=2, tree=True))
+    assert len(merged.nodes) == 2 and merged.depth == 1
+    assert merged.speedups(shape)["tree"] == pytest.approx(row["tree"]["one_level"], rel=1e-12)
+
+    synthetic_trace(
+        tmp_path / "syn",
+        steps=1,
+        groups=2,
+        group_size=2,
+        prefix_len=4,
+        suffix_len=2,
+        vocab_size=64,
+        system_len=12,
+        prefix_reuse={"tree": True},
+    )
+    syn = TR.load_trace(tmp_path / "syn")
+    prompts = syn.batch(0)["prompts"].unbind()
+    assert syn.config["prefix_reuse"] == {"tree": True} and syn.config["synthetic"]["system_len"] == 12
+    assert torch.equal(prompts[0][:12], prompts[2][:12]) and not torch.equal(prompts[0], prompts[2])
+    with pytest.raises(TR.TraceError, match="prefix_reuse"):
+        synthetic_trace(
+            tmp_path / "bad",
+            steps=1,
+            groups=1,
+            group_size=2,
+            prefix_len=4,
+            suffix_len=2,
+            vocab_size=64,
+            prefix_reuse={"tree": True, "prefix_chunk_tokens": 8},
+        )

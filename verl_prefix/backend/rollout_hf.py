@@ -24,6 +24,15 @@ meant to be correct, not fast:
   a collective) and ships them from the replica's rank 0 to its server in buckets of
   ``checkpoint_engine.update_weights_bucket_megabytes``; the server refuses an update that misses or adds
   parameters.
+
+Vision-language models (a ``config.json`` with a ``vision_config``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) load as
+``AutoModelForImageTextToText`` with their processor (verl's ``hf_processor``). A request's ``image_data``
+(the PIL images verl's agent loop hands every server) goes through the processor's image processor into
+``pixel_values``/``image_grid_thw`` for ``generate``, with ``mm_token_type_ids`` marking the image tokens
+(transformers 5 computes the multimodal rotary positions from them); the prompt's image placeholders must
+number what the images fill. The images' pixels join the seed's key, so two groups with the same text and
+different images draw differently, and a dense and a reuse run with the same data draw the same. Videos and
+audio are refused.
 """
 
 from __future__ import annotations
@@ -89,20 +98,27 @@ class HFRolloutServer:
     """One replica's generation server: an HF causal LM on CPU behind verl's token-in/token-out interface."""
 
     def __init__(self, config: Any, model_config: Any, replica_rank: int) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig
 
         model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.config, self.replica_rank = config, replica_rank
         path = model_config.local_path
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=_torch_dtype(config.dtype),
-            attn_implementation="sdpa",
-            trust_remote_code=model_config.trust_remote_code,
+        remote = model_config.trust_remote_code
+        vision = getattr(AutoConfig.from_pretrained(path, trust_remote_code=remote), "vision_config", None)
+        auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
+        self.model = auto.from_pretrained(
+            path, dtype=_torch_dtype(config.dtype), attn_implementation="sdpa", trust_remote_code=remote
         )
         self.model.eval()
+        self.processor: Any = None
+        if vision is not None:
+            from verl.utils.tokenizer import hf_processor
+
+            self.processor = hf_processor(path, trust_remote_code=remote)
+            if self.processor is None:
+                raise ValueError(f"hf rollout: the vision-language model at {path} has no multimodal processor")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
         eos = self.model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -151,14 +167,25 @@ class HFRolloutServer:
             wanted = min(cfg.response_length, cfg.prompt_length + cfg.response_length - prompt_len)
         return max(1, min(int(wanted), room))
 
-    async def _seed(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> int:
+    async def _seed(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], visual: dict[str, torch.Tensor] | None = None
+    ) -> int:
         if sampling_params.get("seed") is not None:
             return int(sampling_params["seed"])
-        digest = hashlib.sha256(repr(prompt_ids).encode()).hexdigest()[:16]
-        key = f"{self.global_steps}|{digest}"
+        key = f"{self.global_steps}|{self.prompt_digest(prompt_ids, visual)}"
         k = await self._seed_book().next.remote(key)  # shared by all replicas: routing does not change seeds
         material = f"{self.config.seed}|{key}|{k}"
         return int(hashlib.sha256(material.encode()).hexdigest()[:15], 16)
+
+    @staticmethod
+    def prompt_digest(prompt_ids: list[int], visual: dict[str, torch.Tensor] | None = None) -> str:
+        """What identifies a prompt for seeding: its tokens and its images' pixels (same text, other images,
+        other draws)."""
+        h = hashlib.sha256(repr(prompt_ids).encode())
+        for name in sorted(visual or {}):
+            h.update(name.encode())
+            h.update(visual[name].detach().to(torch.float64).contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def _seed_book(self) -> Any:
         if self._book is None:
@@ -166,7 +193,13 @@ class HFRolloutServer:
         return self._book
 
     @torch.no_grad()
-    def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], seed: int) -> TokenOutput:
+    def _generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        seed: int,
+        visual: dict[str, torch.Tensor] | None = None,
+    ) -> TokenOutput:
         temperature = float(sampling_params.get("temperature", 1.0))
         top_p = float(sampling_params.get("top_p", 1.0))
         top_k = int(sampling_params.get("top_k", -1) or -1)
@@ -188,7 +221,7 @@ class HFRolloutServer:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         ids = torch.tensor([prompt_ids], dtype=torch.int64)
         torch.manual_seed(seed)
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **(visual or {}), **kwargs)
         tokens = out.sequences[0, len(prompt_ids) :].tolist()
         stop = len(tokens)
         if not ignore_eos:
@@ -222,16 +255,44 @@ class HFRolloutServer:
         mm_processor_kwargs: Any = None,
         **kwargs: Any,
     ) -> TokenOutput:
-        """Sample one response for ``prompt_ids`` (the agent loop sends ``n`` requests for ``n`` samples)."""
-        if image_data is not None or video_data is not None or audio_data is not None:
-            raise NotImplementedError("hf rollout: multimodal inputs are not supported")
+        """Sample one response for ``prompt_ids`` (the agent loop sends ``n`` requests for ``n`` samples),
+        with the images of ``image_data`` where the prompt holds them."""
+        if video_data is not None or audio_data is not None:
+            raise NotImplementedError("hf rollout: video and audio inputs are not supported (images are)")
         from verl.utils import normalize_token_ids
 
         prompt_ids = list(normalize_token_ids(prompt_ids))
-        seed = await self._seed(prompt_ids, sampling_params)
+        visual = self.image_inputs(prompt_ids, image_data, mm_processor_kwargs) if image_data else None
+        seed = await self._seed(prompt_ids, sampling_params, visual)
         async with self._lock:  # one generation at a time
             self.requests += 1
-            return await asyncio.to_thread(self._generate, prompt_ids, dict(sampling_params), seed)
+            return await asyncio.to_thread(self._generate, prompt_ids, dict(sampling_params), seed, visual)
+
+    def image_inputs(
+        self, prompt_ids: list[int], images: list[Any], mm_processor_kwargs: dict[str, Any] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``pixel_values`` and ``image_grid_thw`` of ``images`` from the model's image processor, checked
+        against the prompt's image placeholders (verl's agent loop expanded them with the same processor)."""
+        if self.processor is None:
+            raise NotImplementedError(
+                f"hf rollout: image inputs need a vision-language model; {type(self.model).__name__} has no processor"
+            )
+        kwargs = {k: v for k, v in (mm_processor_kwargs or {}).items() if k != "sampling_rate"}
+        out = self.processor.image_processor(images=list(images), return_tensors="pt", **kwargs)
+        grid = out["image_grid_thw"]
+        merge = int(self.processor.image_processor.merge_size)
+        want = int(grid.prod(dim=-1).sum()) // merge**2
+        got = sum(1 for t in prompt_ids if t == self.processor.image_token_id)
+        if got != want:
+            raise ValueError(f"hf rollout: the prompt holds {got} image tokens, its {len(grid)} images fill {want}")
+        # transformers 5 places the multimodal rotary positions by these types; without them generate would
+        # run the image's tokens at text positions, not where verl's actor (its get_rope_index) puts them
+        types = torch.tensor([[int(t == self.processor.image_token_id) for t in prompt_ids]], dtype=torch.int32)
+        return {
+            "pixel_values": out["pixel_values"].to(self.model.dtype),
+            "image_grid_thw": grid,
+            "mm_token_type_ids": types,
+        }
 
     # --- lifecycle verl's replica and checkpoint manager call; the model stays in host memory ----------------------
     async def wake_up(self, tags: list[str] | None = None) -> None:

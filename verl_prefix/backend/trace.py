@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import io
 import json
 import os
 import platform
@@ -81,6 +82,11 @@ def _to_plain(obj: Any, where: str) -> Any:
         return type(obj)(_to_plain(x, where) for x in obj)
     if isinstance(obj, dict):
         return {k: _to_plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if type(obj).__module__.startswith("PIL.") and hasattr(obj, "save"):
+        # a vision-language batch's chat messages hold the decoded images (verl's data set puts them there)
+        buf = io.BytesIO()
+        obj.save(buf, format="PNG")
+        return {"__png__": buf.getvalue()}
     raise TraceError(f"cannot record {where}: {type(obj).__name__} is not plain data (tensor, number, str, list, dict)")
 
 
@@ -95,6 +101,10 @@ def _from_plain(obj: Any) -> Any:
             return np.array(obj["__ndarray__"], dtype=dtype).reshape(obj["shape"])
         if "__npscalar__" in obj and obj.keys() == {"__npscalar__", "dtype"}:
             return np.dtype(obj["dtype"]).type(obj["__npscalar__"])
+        if obj.keys() == {"__png__"}:
+            from PIL import Image
+
+            return Image.open(io.BytesIO(obj["__png__"]))
         return {k: _from_plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_from_plain(x) for x in obj)

@@ -32,6 +32,8 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.plugin_check import check_plugin_on_nodes
+from verl_prefix.backend.roots import prompt_rows, shared_roots
+from verl_prefix.schedule.trie import DEFAULT_MIN_SHARED_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,15 @@ class PrefixPPOTrainer(PPOTrainerSync):
         global_mini_batch *= self.config.actor_rollout_ref.rollout.n
         return max(batch_size // global_mini_batch, 1) if batch_size % global_mini_batch == 0 else 1
 
+    def _tree_min_shared_tokens(self) -> int | None:
+        """``min_shared_tokens`` where the actor runs ``prefix_reuse.tree`` (placement keeps shared roots
+        together), else ``None``."""
+        actor = self.config.actor_rollout_ref.actor
+        reuse = actor.get("prefix_reuse") or (actor.get("fsdp_config") or {}).get("prefix_reuse") or {}
+        if not reuse.get("tree", False) or not reuse.get("enable", True):
+            return None
+        return int(reuse.get("min_shared_tokens", DEFAULT_MIN_SHARED_TOKENS))
+
     def _balance_batch(
         self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen", keep_minibatch: bool = False
     ) -> Any:
@@ -110,15 +121,20 @@ class PrefixPPOTrainer(PPOTrainerSync):
         batch = upsample_batch_to_divisible_size(
             batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id
         )
-        uids = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid"])["uid"]
-        uids = uids.tolist() if hasattr(uids, "tolist") else list(uids)
+        tree = self._tree_min_shared_tokens()
+        fields = ["uid", "prompts"] if tree else ["uid"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        uids = data["uid"]
+        uids = [str(u) for u in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
+        roots = shared_roots(prompt_rows(data["prompts"], batch.tags), uids, tree) if tree else None
         plan = balance_groups(
             prompt_lens=[int(tag["prompt_len"]) for tag in batch.tags],
             response_lens=[int(tag["response_len"]) for tag in batch.tags],
-            uids=[str(u) for u in uids],
+            uids=uids,
             dp_size=dp_size,
             mini_batches_per_rank=self._mini_batches_per_rank(len(batch), dp_size),
             splittable=[bool(tag.get("is_padding", False)) for tag in batch.tags],
+            roots=roots,
         )
         batch.reorder(plan.order)
         metrics.update({f"actor/{k}": v for k, v in plan.metrics().items()})

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "lockstep", "temperature")
+TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "multimodal", "lockstep", "temperature")
 
 
 def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
@@ -37,6 +37,15 @@ def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
         return "sliding_window"
     if recurrent.recurrent_layers(model):
         return "recurrent"
+    return None
+
+
+def batch_refusal(layout: RowLayout, plan: BatchPlan) -> str | None:
+    """What the tree does not serve in this rank's mini-batch (may differ between ranks): reuse groups with
+    visual inputs. A node's forward takes token ids only, and image placeholder tokens are the same for every
+    image, so a trie over them would share the prompts of groups whose images differ."""
+    if any(layout.visual_of(group.rows[0]) for group in plan.groups):
+        return "multimodal"
     return None
 
 
@@ -79,16 +88,19 @@ def plan_tree(
     share_loss: bool = True,
 ) -> tuple[list[TrieNode] | None, str | None]:
     """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
-    (the lockstep agreement) on every rank that reaches it, whatever its own trie. ``share_loss`` off (the
-    MoE router aux loss on): the trie covers prompts only (``trie.build_trie``)."""
+    (the lockstep agreement) on every rank that reaches it, whatever its own trie: a rank whose own batch the
+    tree does not serve (``batch_refusal``, or rows of different temperatures under one loss-carrying node) still
+    takes part, with a signature no trie has, so every rank runs one-level reuse (its own reason there,
+    ``lockstep`` on the others). ``share_loss`` off (the MoE router aux loss on): the trie covers prompts only
+    (``trie.build_trie``)."""
     reason = tree_refusal(model, ulysses)
     if reason is None:
-        roots = build_trie(layout, plan.groups, min_shared_tokens, share_loss=share_loss)
-        local = "temperature" if temperature_conflict(roots, layout) else None
-        # a rank that cannot run its trie still takes part in the agreement (with a signature no trie has)
-        signature = execution_signature(roots) if local is None else f"refused:{local}"
-        agreed = agree_on_signature(signature, group)
-        if agreed and local is None:
+        local = batch_refusal(layout, plan)
+        roots = build_trie(layout, plan.groups, min_shared_tokens, share_loss=share_loss) if local is None else None
+        if roots is not None and temperature_conflict(roots, layout):
+            local, roots = "temperature", None
+        signature = execution_signature(roots) if roots is not None else f"refused:{local}"
+        if agree_on_signature(signature, group) and roots is not None:
             return roots, None
         reason = local or "lockstep"
     if reason not in _LOGGED:

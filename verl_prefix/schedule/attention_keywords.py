@@ -72,6 +72,10 @@ NO_EFFECT: dict[str, str] = {
         "Qwen2.5-VL's video frame timing, which verl's data set already turned into the rows' rotary positions; "
         "verl's forward hands it on to every layer, and attention reads it nowhere"
     ),
+    "images_seqlens": (
+        "each image's patch count, which verl's agent loop adds to every row's multi_modal_inputs for its FLOP "
+        "counter; verl's forward hands it on to every layer, and attention reads it nowhere"
+    ),
 }
 
 # keyword -> why reuse cannot serve a value (None or False is accepted: the feature is off)

@@ -76,6 +76,10 @@ class Cell:
     dense_micro_batch_size: int | None = None  # the stock engine's rows per micro-batch, if not micro_batch_size
     max_reps: int | None = None  # at most this many timed reps for this cell (the slow ones)
     time_forward_only: bool = False  # variant cells: also time the forward-only log-prob pass
+    # an agentic batch (``prefix_reuse.tree``): every prompt starts with one ``system_len``-token block, then
+    # each group's own question, of ``question_len_range`` tokens drawn per group (else ``prompt_len``)
+    system_len: int = 0
+    question_len_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,9 @@ _GPU = (*BF16, "actor_rollout_ref.model.enable_gradient_checkpointing=true")
 VARIANTS = ("fsdp2", "merged", "concat")
 # the gpu preset also runs merged_varlen (flash-attn's varlen kernels; skipped where flash_attn does not import)
 GPU_VARIANTS = (*VARIANTS, "merged_varlen")
-ALL_VARIANTS = GPU_VARIANTS
+# prefix_fsdp2 with one-level reuse and with ``prefix_reuse.tree`` (phase-B attention ``auto``): the tree cells
+TREE_VARIANTS = ("one_level", "tree")
+ALL_VARIANTS = (*GPU_VARIANTS, *TREE_VARIANTS)
 PHASE_B_ATTENTIONS = ("merged", "concat", "merged_varlen")  # the prefix_fsdp2 variants
 
 
@@ -268,6 +274,24 @@ def _cpu_cells() -> tuple[Cell, ...]:
     return tuple(cells)
 
 
+def _agentic_cell(system: int, questions: tuple[int, int], responses: tuple[int, int]) -> Cell:
+    """Issue 25's agentic batch: 8 groups of G=8 behind one system block, on the smoke model (the 29M model
+    would take an hour per stock update at this size on one CPU thread)."""
+    name = f"S{system}/Q{questions[0]}-{questions[1]}/R{responses[0]}-{responses[1]}/8xG8"
+    return Cell(
+        name,
+        SMOKE_MODEL,
+        8,
+        8,
+        questions[0],
+        responses,
+        system_len=system,
+        question_len_range=questions,
+        variants=("fsdp2", *TREE_VARIANTS),
+        max_reps=3,
+    )
+
+
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
         cells=(Cell("P512/S32-64/G8", SMOKE_MODEL, 2, 8, 512, (32, 64)),),
@@ -321,6 +345,20 @@ PRESETS: dict[str, Preset] = {
         threads=1,
         description="1M-param model, fp32: the phase_b variants on one small group; about a minute "
         "(also bench/gpu_check.sh's CPU dry run)",
+    ),
+    "agentic": Preset(
+        cells=(_agentic_cell(4096, (128, 512), (128, 256)),),
+        reps=3,
+        threads=1,
+        description="issue 25's agentic batch on the 1M smoke model: a 4096-token system block shared by 8 groups, "
+        "questions 128-512, G=8, responses 128-256; stock fsdp2, one-level reuse and the tree; slow on a CPU",
+    ),
+    "agentic_quarter": Preset(
+        cells=(_agentic_cell(1024, (32, 128), (32, 64)),),
+        reps=3,
+        threads=1,
+        description="the agentic batch at a quarter of every length (system 1024, questions 32-128, responses "
+        "32-64), 8 groups of G=8, smoke model: stock, one-level reuse and the tree; minutes on a busy CPU",
     ),
     "gpu": Preset(
         cells=tuple(
@@ -400,18 +438,25 @@ def cell_reps(cell: Cell, reps: int) -> int:
 
 def cell_batch(cell: Cell) -> Any:
     """The cell's GRPO mini-batch; seed 0, so every variant and every probe process gets the same one."""
+    prompt_lens: int | list[int] = cell.prompt_len
+    if cell.question_len_range is not None:
+        lo, hi = cell.question_len_range
+        draw = torch.randint(lo, hi + 1, (cell.num_groups,), generator=torch.Generator().manual_seed(0))
+        prompt_lens = [int(x) for x in draw]
     return T.make_grpo_batch(
         num_groups=cell.num_groups,
         group_size=cell.group_size,
-        prompt_lens=cell.prompt_len,
+        prompt_lens=prompt_lens,
         response_len_range=cell.response_len_range,
         vocab_size=cell.model.vocab_size,
         seed=0,
+        shared_system=cell.system_len,
     )
 
 
 def build_variant(cell: Cell, variant: str, model_dir: Path) -> tuple[Any, Callable]:
-    """``(engine, loss_fn)`` for one variant: the stock engine, or ``prefix_fsdp2`` with that phase-B attention."""
+    """``(engine, loss_fn)`` for one variant: the stock engine, or ``prefix_fsdp2`` with that phase-B attention,
+    or (``TREE_VARIANTS``) with one-level reuse or the tree."""
     import verl_prefix
 
     if variant not in ALL_VARIANTS:
@@ -426,7 +471,11 @@ def build_variant(cell: Cell, variant: str, model_dir: Path) -> tuple[Any, Calla
         micro_batch_size_per_gpu=rows,
         overrides=cell.overrides,
     )
-    if not stock:
+    if variant in TREE_VARIANTS:
+        engine.reuse_config = verl_prefix.PrefixReuseConfig(
+            min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size, tree=variant == "tree"
+        )
+    elif not stock:
         engine.reuse_config = verl_prefix.PrefixReuseConfig(
             min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size, phase_b_attention=variant
         )
@@ -442,6 +491,7 @@ def cell_from_dict(raw: dict[str, Any]) -> Cell:
             "response_len_range": tuple(raw["response_len_range"]),
             "overrides": tuple(raw["overrides"]),
             "variants": tuple(raw["variants"]),
+            "question_len_range": tuple(raw["question_len_range"]) if raw.get("question_len_range") else None,
         }
     )
 

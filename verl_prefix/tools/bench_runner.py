@@ -35,6 +35,7 @@ from verl_prefix.tools import testing as T
 from verl_prefix.tools.bench_attention import attention_kv_bytes, count_attention_saved, largest_micro_batch_tokens
 from verl_prefix.tools.bench_presets import (
     PHASE_B_ATTENTIONS,
+    TREE_VARIANTS,
     Cell,
     ModelSpec,
     Preset,
@@ -49,6 +50,7 @@ from verl_prefix.tools.bench_tables import grad_check
 from verl_prefix.tools.capacity import run_capacity
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 from verl_prefix.tools.measure import machine_info, measure_update_memory, time_infer, time_update, timestamp
+from verl_prefix.tools.tree_flops import tree_model
 
 WARMUP = 1
 
@@ -305,6 +307,7 @@ def measure_variants(
             entry["phase_b_micro_batches"] = {
                 a: metrics.get(f"prefix/phase_b_attention/{a}", 0.0) for a in PHASE_B_ATTENTIONS
             }
+        if v in PHASE_B_ATTENTIONS:
             entry["attention_kv_mib"] = {
                 k: b / 1024.0**2
                 for k, b in attention_kv_bytes(
@@ -343,8 +346,34 @@ def measure_variants(
             (prompt_lens[g * cell.group_size], response_lens[g * cell.group_size : (g + 1) * cell.group_size])
             for g in range(cell.num_groups)
         ]
-        result["predicted_speedup"] = predicted_speedup(ModelShape.from_config(hf_config), groups)
+        shape = ModelShape.from_config(hf_config)
+        result["predicted_speedup"] = predicted_speedup(shape, groups)
+        if set(TREE_VARIANTS) <= set(variants):
+            result.update(_tree_figures(cell, batch, shape, times, summary))
     return result
+
+
+def _tree_figures(
+    cell: Cell, batch: Any, shape: ModelShape, times: dict[str, list[float]], summary: dict[str, Any]
+) -> dict[str, Any]:
+    """A tree cell's FLOP model beside its measurements: each engine's speedup over stock, and the tree's over
+    one-level reuse, measured (medians of per-rep ratios) and modelled (``tree_flops``, the engine's trie)."""
+    import verl_prefix
+
+    reuse = verl_prefix.PrefixReuseConfig(min_prefix_len=cell.min_prefix_len, tree=True)
+    model = tree_model(batch, reuse)
+    predicted = model.speedups(shape)
+    measured = {
+        "one_level": summary["one_level"]["speedup_vs_stock_median"],
+        "tree": summary["tree"]["speedup_vs_stock_median"],
+        "tree_over_one_level": _median_ratio(times["one_level"], times["tree"]),
+    }
+    return {
+        "tree": {"nodes": len(model.nodes), "depth": model.depth},
+        "predicted": predicted,
+        "measured": measured,
+        "measured_over_predicted": {k: measured[k] / predicted[k] for k in measured},
+    }
 
 
 def run_bench(

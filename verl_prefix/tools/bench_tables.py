@@ -75,6 +75,8 @@ def markdown_table(result: dict) -> str:
     variant cells gets ``variants_table``, a capacity result ``capacity.capacity_table``."""
     if "capacity" in result:
         return capacity_table(result["capacity"])
+    if any("measured_over_predicted" in c for c in result["cells"]):
+        return tree_table(result)
     if any("variants" in c for c in result["cells"]):
         return variants_table(result)
     rows = [TABLE_HEADER]
@@ -130,6 +132,35 @@ def variants_table(result: dict) -> str:
                 f"{ran} | "
                 f"{_fmt(v.get('max_rel_grad_diff'), '.1e')} | {_verdict(v, c['dtype'])} |"
             )
+    return "\n".join(rows)
+
+
+TREE_HEADER = (
+    "| cell | params | reps | trie nodes / depth | stock update (s) | one-level (s) | tree (s) "
+    "| one-level vs stock (FLOP model) | tree vs stock (FLOP model) | tree vs one-level (FLOP model) "
+    "| tree: measured / model | max rel grad diff one-level / tree | grad check |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+)
+
+
+def tree_table(result: dict) -> str:
+    """Tree cells (stock, one-level reuse, tree) as a markdown table: update medians, each speedup (median of
+    per-rep ratios) beside its FLOP model (``tree_flops``), and the tree's measured speedup over the model's."""
+    rows = [TREE_HEADER]
+    for c in result["cells"]:
+        if "measured_over_predicted" not in c:
+            continue
+        v, m, p = c["variants"], c["measured"], c["predicted"]
+        one, tree = v["one_level"], v["tree"]
+        checks = "/".join(_verdict(x, c["dtype"]).split(" ")[0] for x in (one, tree))
+        rows.append(
+            f"| {c['cell']} | {c['model']['params'] / 1e6:.2f}M | {c['reps']} | {c['tree']['nodes']} / "
+            f"{c['tree']['depth']} | {v['fsdp2']['update_median_s']:.3f} | {one['update_median_s']:.3f} | "
+            f"{tree['update_median_s']:.3f} | {m['one_level']:.2f}x ({p['one_level']:.2f}x) | "
+            f"{m['tree']:.2f}x ({p['tree']:.2f}x) | {m['tree_over_one_level']:.2f}x ({p['tree_over_one_level']:.2f}x) "
+            f"| {c['measured_over_predicted']['tree']:.0%} | {one['max_rel_grad_diff']:.1e} / "
+            f"{tree['max_rel_grad_diff']:.1e} | {checks} |"
+        )
     return "\n".join(rows)
 
 

@@ -95,11 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--family", action="append", default=None, help="only this family (repeatable)")
     smoke = sub.add_parser(
         "smoke-data",
-        help="write the tiny model and GSM8K-shaped parquet files the CPU recipe trains on",
+        help="write the tiny model and GSM8K-shaped (or geo3k-shaped image) parquet files the CPU recipe trains on",
         description="Write DIR/model (a tiny random-init model with its tokenizer) and DIR/data/{train,test}.parquet "
-        "(verl's RL dataset format) for recipes/grpo_cpu_smoke.sh.",
+        "(verl's RL dataset format) for recipes/grpo_cpu_smoke.sh. --task vl: a tiny Qwen2.5-VL with its "
+        "processor and image prompts in the layout of verl's geo3k example.",
     )
     smoke.add_argument("--out", type=Path, required=True, help="directory to write model/ and data/ into")
+    smoke.add_argument(
+        "--task", choices=("text", "vl"), default="text", help="text (GSM8K-shaped, default) or vl (image prompts)"
+    )
     smoke.add_argument("--train", type=_positive_int, default=64, help="training prompts (default 64)")
     smoke.add_argument("--test", type=_positive_int, default=8, help="validation prompts (default 8)")
     smoke.add_argument("--seed", type=int, default=0)
@@ -194,6 +198,10 @@ def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--micro-batch-size", type=_positive_int, default=4, help="ppo_micro_batch_size_per_gpu")
     syn.add_argument("--lr", type=_positive_float, default=1e-5, help="actor learning rate for replay")
     syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument(
+        "--system-len", type=int, default=0, help="a system block of N tokens in front of every prompt of a step"
+    )
+    syn.add_argument("--tree", action="store_true", help="record prefix_reuse.tree=true: replay runs the tree")
     model = syn.add_mutually_exclusive_group()
     model.add_argument(
         "--write-model",
@@ -237,6 +245,13 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         "unless WANDB_MODE says otherwise or a wandb login is configured; WANDB_DIR is honoured). Prints "
         "per-step update times, the speedup, per-phase time and memory, tokens and parameter agreement.",
     )
+    demo.add_argument(
+        "--task",
+        choices=("echo", "agentic"),
+        default="echo",
+        help="echo (default): the GRPO loop, stock then prefix reuse; agentic: stock, one-level reuse and the "
+        "tree updating side by side on batches whose groups share a system block (no Ray, no wandb)",
+    )
     demo.add_argument("--steps", type=_positive_int, default=3, help="GRPO steps per run (default 3)")
     demo.add_argument("--prompts", type=_positive_int, default=4, help="prompts per step (default 4)")
     demo.add_argument("--n", type=_positive_int, default=8, help="samples per prompt, rollout.n (default 8)")
@@ -252,7 +267,10 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _smoke_data(args: argparse.Namespace) -> int:
-    from verl_prefix.tools.smoke import write_smoke
+    if args.task == "vl":
+        from verl_prefix.tools.smoke_vl import write_smoke_vl as write_smoke
+    else:
+        from verl_prefix.tools.smoke import write_smoke
 
     paths = write_smoke(args.out, train=args.train, test=args.test, seed=args.seed)
     print(f"model: {paths['model']}\ndata: {paths['data']}")
@@ -383,6 +401,8 @@ def _trace(args: argparse.Namespace) -> int:
             lr=args.lr,
             model_ref=model_ref,
             overwrite=args.force,
+            system_len=args.system_len,
+            prefix_reuse={"tree": True} if args.tree else None,
         )
         if spec is not None:
             spec.write(out / "model")
@@ -477,16 +497,28 @@ def _demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if not args.verbose:
         quiet_libraries()
+
+    def progress(message: str) -> None:
+        print(f"[demo {time.perf_counter() - start:5.1f}s] {message}", flush=True)
+
+    if args.task == "agentic":
+        from verl_prefix.tools.demo_agentic import agentic_report, run_agentic_demo
+
+        try:
+            summary = run_agentic_demo(
+                args.out_dir, steps=args.steps, prompts=args.prompts, n=args.n, seed=args.seed, progress=progress
+            )
+        except DemoError as exc:
+            return _fail(exc)
+        print()
+        print(agentic_report(summary))
+        return 0
     try:
         check_options(args.out_dir, steps=args.steps, prompts=args.prompts, n=args.n)
         if not args.no_wandb:
             wandb_mode()  # an invalid WANDB_MODE fails here, before any slow work
     except DemoError as exc:
         return _fail(exc)
-
-    def progress(message: str) -> None:
-        print(f"[demo {time.perf_counter() - start:5.1f}s] {message}", flush=True)
-
     try:
         result = run_demo(
             args.out_dir,

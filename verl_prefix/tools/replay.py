@@ -40,6 +40,7 @@ from verl_prefix.tools.measure import (
     time_update,
     timestamp,
 )
+from verl_prefix.tools.tree_flops import tree_model
 
 
 def _check_model_dir(model_dir: Path, trace: Trace, count: int) -> Any:
@@ -133,7 +134,9 @@ def replay(
     ``TrainingWorker.train_batch`` runs it), after which the parameters are compared:
     ``drift = ||p_prefix - p_dense|| / ||p_dense - p_initial||`` against
     ``noise_floor = ||p_dense2 - p_dense|| / ||p_dense - p_initial||``, where dense2 runs the same batch with
-    another micro-batch partition. Both are cumulative over steps. ``model_dir`` defaults to the trace's
+    another micro-batch partition. Both are cumulative over steps. A trace recorded with ``prefix_reuse.tree``
+    replays the tree; its ``predicted_speedup`` is then the FLOP model of that trie (``tree_flops``; ``tree``
+    holds the trie's size and the one-level model beside it). ``model_dir`` defaults to the trace's
     ``model_ref`` when that is a directory here. Returns (and optionally writes) the JSON result.
     """
     from tqdm.auto import tqdm
@@ -215,6 +218,11 @@ def replay(
             metrics = {k: v for k, v in out_prefix["reduced_metrics"].items() if k.startswith("prefix/")}
             groups = batch_groups(batch)
             ratios = [d / p for d, p in zip(dense_s, prefix_s)]
+            predicted, tree = predicted_speedup(shape, groups), None
+            if prefix.reuse_config.tree:  # the FLOP model of the trie the prefix engine ran
+                model = tree_model(batch, prefix.reuse_config)
+                tree = {"nodes": len(model.nodes), "depth": model.depth, **model.speedups(shape)}
+                predicted = tree["tree"]
             prefix_memory = prefix_memory_by_phase(metrics, prefix_mem.get("peak_device_mib"))
             row = {
                 "index": i,
@@ -225,7 +233,8 @@ def replay(
                 "group_size_mean": statistics.mean(len(r) for _, r in groups),
                 "prompt_len_mean": statistics.mean(p for p, _ in groups),
                 "response_len_mean": statistics.mean(x for _, r in groups for x in r),
-                "predicted_speedup": predicted_speedup(shape, groups),
+                "predicted_speedup": predicted,
+                "tree": tree,
                 "dense_s": dense_s,
                 "prefix_s": prefix_s,
                 "dense_median_s": statistics.median(dense_s),

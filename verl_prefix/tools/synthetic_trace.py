@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.trace import MANIFEST, TraceError, TraceWriter
 from verl_prefix.tools import testing as T
 
@@ -32,6 +34,8 @@ def synthetic_trace(
     lr: float = 1e-5,
     model_ref: str | None = None,
     overwrite: bool = False,
+    system_len: int = 0,
+    prefix_reuse: dict[str, Any] | None = None,
 ) -> Path:
     """Write a trace of ``steps`` GRPO mini-batches with chosen shapes, for replay without a real run.
 
@@ -39,11 +43,16 @@ def synthetic_trace(
     prefix) is drawn uniformly from ``prefix_len`` and each response length from ``suffix_len`` (an int or
     an inclusive ``(lo, hi)``). Batches come from ``testing.make_grpo_batch`` (GRPO advantages through
     verl's estimator), with the settings ``TrainingWorker`` injects, so they look like what an engine
-    receives. ``overwrite`` replaces an existing trace in ``dir``.
+    receives. ``overwrite`` replaces an existing trace in ``dir``. ``system_len``: every prompt of a step starts
+    with one block of that many tokens (a system prompt, what ``prefix_reuse.tree`` computes once) before its
+    ``prefix_len`` tokens of its own. ``prefix_reuse``: reuse knobs recorded in the trace's config, which replay
+    builds ``prefix_fsdp2`` with (``{"tree": True}`` replays the tree).
     """
     for name, value in (("steps", steps), ("groups", groups), ("group_size", group_size)):
         if value < 1:
             raise TraceError(f"{name} must be >= 1, got {value}")
+    if system_len < 0:
+        raise TraceError(f"system_len must be >= 0, got {system_len}")
     p_lo, p_hi = _length_range(prefix_len, "prefix_len")
     s_range = _length_range(suffix_len, "suffix_len")
     if vocab_size <= len(T.SPECIAL_TOKENS):
@@ -65,8 +74,15 @@ def synthetic_trace(
             "suffix_len": list(s_range),
             "vocab_size": vocab_size,
             "seed": seed,
+            "system_len": system_len,
         },
     }
+    if prefix_reuse:
+        try:
+            PrefixReuseConfig(**prefix_reuse)
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"prefix_reuse: {exc}") from None
+        config["prefix_reuse"] = dict(prefix_reuse)
     writer = TraceWriter(root, model_ref=model_ref, config=config, source="synthetic")
     rng = np.random.default_rng(seed)
     worker = dict(
@@ -85,6 +101,7 @@ def synthetic_trace(
             vocab_size=vocab_size,
             seed=seed * 100_003 + step,
             worker_settings=worker,
+            shared_system=system_len,
         )
         writer.record(batch, step=step)
     return root

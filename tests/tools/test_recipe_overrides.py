@@ -1,0 +1,85 @@
+"""The recipes' ``TASK=vl`` overrides compose over ``configs/prefix_grpo.yaml`` and pass verl's validation,
+without launching anything: each recipe runs with a stand-in ``python`` that records its arguments.
+
+A typo in an override would otherwise surface only minutes into a ``main_ppo`` launch (CPU) or on a GPU
+cluster (the vLLM recipe, which no test launches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.utils.dataset.rl_dataset import get_dataset_class
+
+from verl_prefix import PrefixFSDPActorConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+STAND_IN = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["ARGS_LOG"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+
+
+def _recorded_launches(tmp_path: Path, recipe: str, env: dict[str, str]) -> list[list[str]]:
+    """Run ``recipe`` with ``python`` (and ``$PYTHON``) recording its arguments; the ``main_ppo`` launches."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    stand_in = bin_dir / "python"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "args.jsonl"
+    full_env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHON": str(stand_in),
+        "ARGS_LOG": str(log),
+        **env,
+    }
+    subprocess.run(["bash", str(ROOT / "recipes" / recipe)], env=full_env, cwd=ROOT, check=True, timeout=60)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return [c[2:] for c in calls if c[:2] == ["-m", "verl.trainer.main_ppo"]]
+
+
+def _compose(launch: list[str]):
+    """The config ``main_ppo`` would compose from a recorded launch's arguments."""
+    config_dir = next(a.split("=", 1)[1] for a in launch if a.startswith("--config-path="))
+    name = next(a.split("=", 1)[1] for a in launch if a.startswith("--config-name="))
+    overrides = [a for a in launch if not a.startswith("--")]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name=name, overrides=overrides)
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    return config
+
+
+def test_gpu_recipe_vl_variant(tmp_path, tiny_qwen3_dir):
+    env = {"TASK": "vl", "MODEL": str(tiny_qwen3_dir), "DATA": str(tmp_path), "FREEZE_VISION_TOWER": "true"}
+    (launch,) = _recorded_launches(tmp_path, "grpo_qwen3_prefix.sh", env)
+    config = _compose(launch)
+    assert config.actor_rollout_ref.rollout.name == "vllm"
+    assert config.actor_rollout_ref.rollout.n == 8
+    assert config.actor_rollout_ref.rollout.enable_chunked_prefill is False
+    assert config.data.image_key == "images" and config.data.train_files == f"{tmp_path}/train.parquet"
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert isinstance(actor, PrefixFSDPActorConfig) and actor.freeze_vision_tower is True
+
+
+def test_cpu_recipe_vl_variant(tmp_path):
+    env = {"TASK": "vl", "OUT": str(tmp_path / "out"), "STEPS": "2", "SAVE_AT": "1", "MODE": "prefix"}
+    launches = _recorded_launches(tmp_path, "grpo_cpu_smoke.sh", env)
+    assert len(launches) == 2  # steps 1..SAVE_AT, then the resumed launch
+    config = _compose(launches[0])
+    assert config.actor_rollout_ref.rollout.name == "hf"
+    assert config.actor_rollout_ref.model.trust_remote_code and config.data.trust_remote_code
+    assert get_dataset_class(config.data).__name__ == "SmokeVLDataset"
+    assert config.reward.custom_reward_function.path == "pkg://verl_prefix.tools.smoke_vl"
+    # the dense twin composes too, on the stock engine
+    env["MODE"] = "dense"
+    dense = _compose(_recorded_launches(tmp_path / "dense", "grpo_cpu_smoke.sh", env)[0])
+    assert dense.actor_rollout_ref.actor.strategy == "fsdp2"

@@ -1,0 +1,78 @@
+"""The FLOP model of a batch under ``prefix_reuse.tree``: the trie the engine builds, priced like ``flops``.
+
+``flops.predicted_speedup`` prices one-level reuse (each group's prefix once). With the tree each trie node
+runs once, attending to its ancestors (its queries at positions ``[start, end)``), and each group's suffixes
+run against their path as before; so the model is the nodes' prefix work plus the groups' suffix work. With loss
+on shared tokens a node also runs the LM head over its loss positions, and each row runs only its tail. The
+trie is built the engine's way (``backend.inputs.row_layout``, ``schedule.grouping.plan_batch``,
+``schedule.trie.build_trie``) from the batch and the reuse knobs, so the model prices what actually runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from verl_prefix.backend.inputs import row_layout
+from verl_prefix.schedule.grouping import plan_batch
+from verl_prefix.schedule.trie import TrieNode, build_trie, trie_stats
+from verl_prefix.tools.flops import ModelShape, dense_flops, reuse_flops
+
+
+@dataclass(frozen=True)
+class TreeModel:
+    """A batch's groups (``(prompt_len, response_lens)``, reuse groups only) and trie nodes (``(start, end)``
+    prefix spans), with what each schedule costs under the FLOP model."""
+
+    groups: list[tuple[int, list[int]]]
+    nodes: list[tuple[int, int]]
+    depth: int
+    # each row's tail (``(start, end)`` positions it runs in phase B) and the node positions that run the LM
+    # head (loss on shared tokens); ``None``: every row's tail is its whole suffix (a prompt-only trie)
+    tails: list[tuple[int, int]] | None = None
+    node_head_tokens: int = 0
+
+    def dense(self, shape: ModelShape) -> float:
+        return sum(dense_flops(shape, p, s) for p, s in self.groups)
+
+    def one_level(self, shape: ModelShape) -> float:
+        return sum(reuse_flops(shape, p, s) for p, s in self.groups)
+
+    def tree(self, shape: ModelShape) -> float:
+        """Each node's tokens once (linear layers, attention to the path before them), each suffix once."""
+        total = sum(
+            (end - start) * shape.linear_per_token + shape.attention_flops(start, end) for start, end in self.nodes
+        )
+        total += self.node_head_tokens * shape.head_per_token
+        tails = self.tails
+        if tails is None:
+            tails = [(p - 1, p - 1 + s) for p, responses in self.groups for s in responses]
+        for start, end in tails:
+            total += (end - start) * (shape.linear_per_token + shape.head_per_token)
+            total += shape.attention_flops(start, end)
+        return total
+
+    def speedups(self, shape: ModelShape) -> dict[str, float]:
+        """Dense over each schedule, and one-level reuse over the tree (what the tree adds)."""
+        dense, one, tree = self.dense(shape), self.one_level(shape), self.tree(shape)
+        return {"one_level": dense / one, "tree": dense / tree, "tree_over_one_level": one / tree}
+
+
+def tree_model(batch: Any, reuse: Any) -> TreeModel:
+    """The trie ``prefix_fsdp2`` builds for ``batch`` with the reuse knobs ``reuse`` (a ``PrefixReuseConfig``),
+    as a ``TreeModel``. Rows that would run dense are left out of both sides."""
+    layout = row_layout(batch)
+    plan = plan_batch(
+        layout,
+        max_rows=None,
+        max_tokens=None,
+        min_prefix_len=reuse.min_prefix_len,
+        min_group_size=reuse.min_group_size,
+    )
+    roots = build_trie(layout, plan.groups, reuse.min_shared_tokens) if plan.groups else []
+    nodes: list[TrieNode] = [node for root in roots for node, _ in root.walk()]
+    groups = [(g.prompt_len, [layout.response_lens[r] for r in g.rows]) for g in plan.groups]
+    tails = [(n.end, span.length - 1) for n in nodes for span in n.hanging.values() if span.length - 1 > n.end]
+    head = sum(n.end - n.logits_from for n in nodes if n.logits_from is not None)
+    depth = trie_stats(roots).depth if roots else 0
+    return TreeModel(groups, [(n.start, n.end) for n in nodes], depth, tails, head)
