@@ -186,7 +186,7 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
     assert plan_tree(windowed, layout, plan, 1, ulysses=False, group=None) == (None, "sliding_window")
     roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
-    assert reason is None and len(roots) == 1 and len(roots[0].groups) == 2  # two uids, one prompt: one node
+    assert reason is None and len(roots) == 1 and sorted(roots[0].rows_below()) == [0, 1]  # two uids, one row: one node
     # recurrent layers (a Qwen3.5-style hybrid): their state at a node boundary is not carried yet
     hybrid = Qwen3_5TextConfig(
         vocab_size=VOCAB,

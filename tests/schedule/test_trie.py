@@ -12,39 +12,51 @@ from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.trie import build_trie, execution_signature, trie_stats
 
 
-def layout_of(prompts: list[list[int]], responses: int = 2) -> RowLayout:
-    """Two rows per prompt (uid = prompt index), each with a response of ``responses`` tokens."""
+def layout_of(prompts: list[list[int]], responses: int | list[list[list[int]]] = 2) -> RowLayout:
+    """Two rows per prompt (uid = prompt index), each with a response of ``responses`` tokens; or, given
+    token lists, ``responses[g]`` are group ``g``'s rows' responses."""
     ids, pos, p_lens, r_lens, uids = [], [], [], [], []
     for g, prompt in enumerate(prompts):
-        for r in range(2):
-            row = torch.tensor(prompt + [7 + r] * responses)
+        rows = [[7 + r] * responses for r in range(2)] if isinstance(responses, int) else responses[g]
+        for response in rows:
+            row = torch.tensor(prompt + response)
             ids.append(row)
             pos.append(torch.arange(len(row)))
             p_lens.append(len(prompt))
-            r_lens.append(responses)
+            r_lens.append(len(response))
             uids.append(f"g{g}")
     return RowLayout(ids, pos, p_lens, r_lens, uids)
 
 
-def trie_of(prompts: list[list[int]], min_shared: int = 1):
-    layout = layout_of(prompts)
+def trie_of(prompts: list[list[int]], min_shared: int = 1, responses: int | list = 2):
+    layout = layout_of(prompts, responses)
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
     return layout, plan, build_trie(layout, plan.groups, min_shared)
 
 
 def paths(roots) -> dict[str, list[int]]:
-    """Each group's prefix as the tokens of its root-to-node path."""
-    out: dict[str, list[int]] = {}
+    """Each group's tail prefix (the rows with a tail) as the tokens of its root-to-node path."""
+    return {uid: tokens for uid, (tokens, _) in row_paths(roots, by_uid=True).items()}
 
-    def visit(node, above):
-        here = above + node.ids.tolist()
+
+def row_paths(roots, by_uid: bool = False) -> dict:
+    """Per row (or per uid of rows with a tail): its root-to-node path's tokens and the path's nodes."""
+    out: dict = {}
+
+    def visit(node, above, nodes):
+        here, path = above + node.ids.tolist(), [*nodes, node]
         for group in node.groups:
-            out[group.uid] = here
+            for row in group.rows:
+                out[group.uid if by_uid else row] = (here, path)
+        for rows in node.ended:
+            for row in rows:
+                if not by_uid:
+                    out[row] = (here, path)
         for child in node.children:
-            visit(child, here)
+            visit(child, here, path)
 
     for root in roots:
-        visit(root, [])
+        visit(root, [], [])
     return out
 
 
@@ -86,18 +98,73 @@ prompts_strategy = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(prompts=prompts_strategy, min_shared=st.integers(1, 4))
 def test_every_prefix_is_its_path_and_the_tree_never_computes_more(prompts, min_shared):
-    layout, plan, roots = trie_of(prompts, min_shared)
+    distinct = [[[10 + 2 * g, 7], [11 + 2 * g, 8]] for g in range(len(prompts))]  # no response tokens shared
+    layout, plan, roots = trie_of(prompts, min_shared, responses=distinct)
     got = paths(roots)
     for group in plan.groups:
         row = group.rows[0]
         assert got[group.uid] == layout.input_ids[row][: group.prefix_len].tolist()
+    check_trie(layout, plan, roots, min_shared)
+
+
+responses_strategy = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5), min_size=1, max_size=4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(prompts=prompts_strategy, responses=st.data(), min_shared=st.integers(1, 3))
+def test_rows_sharing_response_tokens_keep_one_label_per_shared_log_prob(prompts, responses, min_shared):
+    """Responses from a three-token alphabet share stems (tree rollouts) and prompts may continue another row
+    (per-turn samples): every row's path is its own tokens, every node log-prob it takes has its own next
+    token as label, and the tree never computes more than one-level reuse."""
+    drawn = [responses.draw(responses_strategy) for _ in prompts]
+    layout, plan, roots = trie_of(prompts, min_shared, responses=drawn)
+    check_trie(layout, plan, roots, min_shared)
+
+
+def check_trie(layout, plan, roots, min_shared: int) -> None:
+    got = row_paths(roots)
+    assert sorted(got) == sorted(r for g in plan.groups for r in g.rows)
+    for row, (tokens, path) in got.items():
+        ids, first = layout.input_ids[row].tolist(), layout.prompt_lens[row] - 1
+        end = path[-1].end
+        assert tokens == ids[:end] and first <= end <= len(ids) - 1 or end == len(ids) - 1, (row, end)
+        for node in path:
+            for t in range(max(first, node.start), node.end):  # every loss position in a node: its own label
+                assert node.logits_from is not None and node.logits_from <= t
+                assert node.labels[t - node.logits_from] == ids[t + 1], (row, t)
     stats = trie_stats(roots)
-    assert stats.node_tokens <= stats.prefix_tokens  # never more than one-level reuse
-    assert stats.node_tokens <= sum(len(g.rows) * g.prefix_len for g in plan.groups)  # physical <= logical
+    assert stats.node_tokens + stats.tail_tokens <= stats.prefix_tokens + stats.suffix_tokens  # never more
+    assert stats.saved_tokens >= 0
+    logical = sum(layout.prompt_lens[r] + layout.response_lens[r] for g in plan.groups for r in g.rows)
+    assert stats.node_tokens + stats.tail_tokens <= logical  # physical <= logical
     for root in roots:
         for node, _ in root.walk():
             assert node.length >= 1
-            below = node.subtree_groups()
-            assert node.length >= min_shared or node.groups or len(below) == 1 or not node.children
+            short_ok = any(node.start < span.prompt_len - 1 for span in node.hanging.values())  # a prompt ends on it
+            assert node.length >= min_shared or short_ok
             for child in node.children:
                 assert child.start == node.end
+
+
+def test_shared_stems_and_turns_share_loss_unless_prompt_only():
+    """Two rows whose responses share a stem [20, 21, 22] (a loss node, one row ending on it) and a per-turn
+    sample that continues the first row; ``share_loss`` off (the MoE aux) keeps the prompt-only trie."""
+    prompt = [1, 2, 3, 4]
+    layout = layout_of([prompt, prompt + [20, 21, 22, 5]], responses=[[[20, 21, 22], [20, 21, 22, 23]], [[6, 7]]])
+    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    roots = build_trie(layout, plan.groups, 2)
+    stats = trie_stats(roots)
+    # the root runs prompt[-1] .. stem[-2] through the LM head for all three rows (row 0 ends there); its child,
+    # 22 at position 6, is row 1's last loss position and the turn sample's prompt, which goes on as a tail
+    assert stats.loss_nodes == 2 and stats.shared_loss_tokens == 3 + 1 and stats.saved_tokens > 0, stats
+    stem, (last,) = roots[0], roots[0].children
+    assert (stem.logits_from, stem.end, stem.labels.tolist(), stem.ended) == (3, 6, [20, 21, 22], [[0]])
+    assert (last.start, last.end, last.labels.tolist(), last.ended) == (6, 7, [23], [[1]])
+    assert execution_signature(roots) == "LLBECEC"
+    prompt_only = build_trie(layout, plan.groups, 2, share_loss=False)
+    stats = trie_stats(prompt_only)
+    assert (
+        stats.loss_nodes == 0
+        and stats.tail_tokens == stats.suffix_tokens
+        and not any(node.ended for root in prompt_only for node, _ in root.walk())
+    )

@@ -444,6 +444,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 self.reuse_config.min_shared_tokens,
                 self.use_ulysses_sp,
                 self._agreement_group(),
+                share_loss=not self._moe_aux_on(forward_only),  # the aux counts prompts' routers only (trees.md)
             )
         if roots is not None:
             self._run_tree(
@@ -584,10 +585,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """``prefix/tree_*`` of the mini-batch (zeros where it ran one-level) and its one-level reason, if any."""
         metrics = {f"prefix/tree_fallback_{r}": float(r == reason) for r in TREE_FALLBACKS}
         if roots is None:
-            return {**metrics, **tree_metrics(0, 0, (), 0)}
-        stats = trie_stats(roots)
-        saved = stats.prefix_tokens - stats.node_tokens
-        return {**metrics, **tree_metrics(stats.nodes, stats.depth, stats.shared_tokens, saved)}
+            return {**metrics, **tree_metrics(None)}
+        return {**metrics, **tree_metrics(trie_stats(roots))}
 
     def _infer_group(
         self,

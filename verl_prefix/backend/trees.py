@@ -4,7 +4,8 @@ data-parallel rank, and why not where it does not (``prefix/tree_fallback_<reaso
 FSDP2 issues collectives in every forward and backward, so every rank must run the same sequence of model
 passes. The tree schedule's sequence (``trie.execution_signature``) depends on each rank's trie; ranks run the
 tree only where every rank's signature is the same, and one-level reuse (whose lockstep fillers make any
-shapes agree) otherwise, counted as ``lockstep``."""
+shapes agree) otherwise, counted as ``lockstep``. Rows that take log-probs from one node but differ in temperature
+run one-level reuse too (``temperature``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "multimodal", "lockstep")
+TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "multimodal", "lockstep", "temperature")
 
 
 def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
@@ -63,6 +64,20 @@ def agree_on_signature(signature: str, group: dist.ProcessGroup | None) -> bool:
     return int(both[0]) == -int(both[1])
 
 
+def temperature_conflict(roots: list[TrieNode], layout: RowLayout) -> bool:
+    """Rows that take log-probs from one node differ in temperature (their logits are divided before the
+    log-softmax, so the node's cannot serve them all)."""
+    if layout.temperature is None:
+        return False
+    for root in roots:
+        for node, _ in root.walk():
+            if node.logits_from is None:
+                continue
+            if len({float(layout.temperature[row]) for row in node.loss_rows()}) > 1:
+                return True
+    return False
+
+
 def plan_tree(
     model: nn.Module,
     layout: RowLayout,
@@ -70,15 +85,20 @@ def plan_tree(
     min_shared_tokens: int,
     ulysses: bool,
     group: dist.ProcessGroup | None,
+    share_loss: bool = True,
 ) -> tuple[list[TrieNode] | None, str | None]:
     """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
     (the lockstep agreement) on every rank that reaches it, whatever its own trie: a rank whose own batch the
-    tree does not serve (``batch_refusal``) still takes part, with a signature no trie has, so every rank runs
-    one-level reuse (its own reason there, ``lockstep`` on the others)."""
+    tree does not serve (``batch_refusal``, or rows of different temperatures under one loss-carrying node) still
+    takes part, with a signature no trie has, so every rank runs one-level reuse (its own reason there,
+    ``lockstep`` on the others). ``share_loss`` off (the MoE router aux loss on): the trie covers prompts only
+    (``trie.build_trie``)."""
     reason = tree_refusal(model, ulysses)
     if reason is None:
         local = batch_refusal(layout, plan)
-        roots = build_trie(layout, plan.groups, min_shared_tokens) if local is None else None
+        roots = build_trie(layout, plan.groups, min_shared_tokens, share_loss=share_loss) if local is None else None
+        if roots is not None and temperature_conflict(roots, layout):
+            local, roots = "temperature", None
         signature = execution_signature(roots) if roots is not None else f"refused:{local}"
         if agree_on_signature(signature, group) and roots is not None:
             return roots, None

@@ -23,7 +23,7 @@ response token (dense routes it too), and each micro-batch's aux sees the prefix
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -86,7 +86,8 @@ def build_suffix_batch(
     """Right-padded suffix rows on ``options.device``. ``include_last`` also feeds each row's last response
     token, which predicts nothing but which dense training routes through every MoE layer (router aux loss)."""
     device = options.device
-    lengths = [layout.response_lens[i] for i in rows]
+    # the rows' tokens after the prompt: their responses, or a tree node's tails (``prompt_len`` = path + 1)
+    lengths = [layout.input_ids[i].numel() - prompt_len for i in rows]
     extra = 1 if include_last else 0
     width = max(lengths) + extra
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -136,6 +137,7 @@ def prefix_forward(
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
+    early_exit = options.early_exit and not options.keep_logits
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -149,7 +151,7 @@ def prefix_forward(
         if earlier is None:
             ctx = CaptureContext(
                 _num_decoder_layers(model),
-                early_exit=options.early_exit,
+                early_exit=early_exit,
                 ready=ready,
                 ulysses=ulysses,
                 length=length if ulysses is not None else None,
@@ -159,7 +161,7 @@ def prefix_forward(
         else:
             ctx = ChunkCaptureContext(
                 _num_decoder_layers(model),
-                options.early_exit,
+                early_exit,
                 earlier,
                 length,
                 prefix_ids.device,
@@ -172,11 +174,11 @@ def prefix_forward(
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
         # verl's vision-language forwards hand unknown keywords on to attention: no logits_to_keep there
-        keep = {} if is_visual_model(model) else {"logits_to_keep": 1}
+        keep = {} if is_visual_model(model) else {"logits_to_keep": options.keep_logits or 1}
         encoder = counting_encoder_calls(model) if visual else text_only_call(model)
         with encoder as encoder_calls:
             try:
-                model(
+                out = model(
                     input_ids=prefix_ids[None],
                     position_ids=model_positions(model, prefix_positions[None]),
                     use_cache=False,
@@ -184,6 +186,8 @@ def prefix_forward(
                     **keep,
                     **visual_kwargs(visual, prefix_ids.device),
                 )
+                if options.keep_logits:
+                    ctx.kv.logits = out.logits[0, -options.keep_logits :]
             except PrefixCaptured:
                 pass
         if visual and options.meter is not None and encoder_calls is not None:
@@ -231,7 +235,7 @@ def suffix_forward(
 
     With ``options.ulysses`` the rows run as this rank's slice of their positions; the ``[B, S]`` results
     are gathered over the group (the gather's backward scales the local slice, see ``schedule.ulysses``)."""
-    ulysses, calculate_entropy = options.ulysses, options.calculate_entropy
+    ulysses = options.ulysses
     rows, full_width = batch.input_ids.shape
     input_ids, position_ids, labels = batch.input_ids, batch.position_ids, batch.labels
     if ulysses is not None:
@@ -258,14 +262,24 @@ def suffix_forward(
     if not bool((temperature == 1).all()):
         row_temperature = temperature.to(logits.device, torch.float32).repeat_interleave(width)
         logits = logits.div_(row_temperature.to(logits.dtype).unsqueeze(-1))  # lm_head's backward needs no output
-    entropy = options.entropy_fn(logits).view(rows, width) if calculate_entropy else None
-    log_probs = logprobs_from_logits(logits, labels.reshape(-1), inplace_backward=not calculate_entropy)
+    log_probs, entropy = token_outputs(logits, labels.reshape(-1), options)
     log_probs = log_probs.view(rows, width)
+    entropy = entropy.view(rows, width) if entropy is not None else None
     if ulysses is not None:
         log_probs = ulysses.gather(log_probs, full_width)
         entropy = ulysses.gather(entropy, full_width) if entropy is not None else None
     split = list(log_probs[batch.valid].split(batch.lengths))
     return split, (list(entropy[batch.valid].split(batch.lengths)) if entropy is not None else None)
+
+
+def token_outputs(
+    logits: torch.Tensor, labels: torch.Tensor, options: ScheduleOptions
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels`` (and, with ``options.calculate_entropy``, entropy) of ``[tokens, vocab]`` logits
+    already divided by their temperature, exactly as verl computes them (the engine's ``entropy_fn``)."""
+    entropy = options.entropy_fn(logits) if options.calculate_entropy else None
+    log_probs = logprobs_from_logits(logits, labels, inplace_backward=not options.calculate_entropy)
+    return log_probs, entropy
 
 
 def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
@@ -323,10 +337,16 @@ def prefix_backward(prefix: PrefixKV, leaves: PrefixKV, model: nn.Module | None 
     seeded_backward(prefix, [leaf.grad for leaf in leaves.tensors()], model)
 
 
-def seeded_backward(prefix: PrefixKV, seeds: list[torch.Tensor | None], model: nn.Module | None = None) -> None:
+def seeded_backward(
+    prefix: PrefixKV,
+    seeds: list[torch.Tensor | None],
+    model: nn.Module | None = None,
+    extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+) -> None:
     """``prefix_backward`` with the seeds given: per boundary tensor of ``prefix`` its accumulated
     gradient, or None where nothing reached it (zeros are used; see below). A chunked prefix seeds each
-    chunk with its slice of the whole prefix's leaf gradients."""
+    chunk with its slice of the whole prefix's leaf gradients. ``extra``: more (root, gradient) pairs that run
+    in the same backward (a loss-carrying tree node's log-probs and entropy, ``schedule.tree_loss``)."""
     if model is not None:
         unshard_cut_short(model, [prefix.interrupted, prefix.last_source])
     roots, grads = [], []
@@ -351,6 +371,9 @@ def seeded_backward(prefix: PrefixKV, seeds: list[torch.Tensor | None], model: n
         # Zeros where no suffix reached a leaf (e.g. the router leaf of a lockstep filler group): every
         # rank then gives (zero) grads to the same parameters, and FSDP2 reduce-scatters exactly those.
         grads.append(seed.to(root.dtype) if seed is not None else torch.zeros_like(root))
+    for root, grad in extra:
+        roots.append(root)
+        grads.append(grad.to(root.dtype))
     if roots:
         torch.autograd.backward(roots, grad_tensors=grads)
 

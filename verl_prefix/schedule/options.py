@@ -47,7 +47,9 @@ class ScheduleOptions:
     ``aux_fn`` (together or neither): each training micro-batch's loss gains ``aux_fn(rows, stats)``, the
     stats counting the prefix once per row (``schedule.moe``); forward-only passes ignore them.
     ``layer_roles``: the model's KV-shared and recurrent layers (``structure.layer_roles``), decided once by the
-    caller; ``None``: found from the model at every phase A.
+    caller; ``None``: found from the model at every phase A. ``keep_logits``: phase A runs the whole model
+    (no early exit) and keeps the logits of its last that many positions on the returned ``PrefixKV``
+    (``logits``): a tree node whose tokens carry loss (``schedule.tree_loss``); 0 for every other phase A.
     """
 
     device: torch.device
@@ -65,6 +67,7 @@ class ScheduleOptions:
     routers: moe.MoeRouters | None = None
     aux_fn: AuxFn | None = None
     layer_roles: LayerRoles | None = None
+    keep_logits: int = 0
 
     def __post_init__(self) -> None:
         if (self.routers is None) != (self.aux_fn is None):

@@ -49,6 +49,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from verl_prefix.schedule.trie import TrieStats
+
 PHASES = ("A", "B", "C", "dense", "lockstep")
 _MIB = 1024.0**2
 
@@ -368,13 +370,18 @@ class NullMeter(PhaseMeter):
 TREE_LEVELS = ("level1", "level2", "level3plus")
 
 
-def tree_metrics(nodes: int, depth: int, shared_tokens: tuple[int, ...], saved_tokens: int) -> dict[str, float]:
+def tree_metrics(stats: TrieStats | None) -> dict[str, float]:
     """What a mini-batch's token trie (``prefix_reuse.tree``, ``schedule.trie``) did: its nodes, its depth,
-    the tokens shared by more than one group per level, and the prefix tokens it computed fewer than one-level
-    reuse would have (already subtracted from ``prefix/physical_tokens``)."""
-    levels = [*shared_tokens[:2], sum(shared_tokens[2:])]
+    the tokens shared by more than one group per level, the tokens it computed fewer than one-level reuse
+    would have (already subtracted from ``prefix/physical_tokens``), its nodes that run the LM head and their
+    log-prob positions shared by several rows (loss on shared tokens). ``None``: the mini-batch ran one-level
+    (every metric 0)."""
+    stats = stats or TrieStats(0, 0, (), 0, 0)
+    levels = [*stats.shared_tokens[:2], sum(stats.shared_tokens[2:])]
     levels += [0] * (len(TREE_LEVELS) - len(levels))
-    metrics = {"prefix/tree_nodes": float(nodes), "prefix/tree_depth": float(depth)}
+    metrics = {"prefix/tree_nodes": float(stats.nodes), "prefix/tree_depth": float(stats.depth)}
     metrics.update({f"prefix/tree_shared_tokens/{name}": float(n) for name, n in zip(TREE_LEVELS, levels)})
-    metrics["prefix/tree_saved_tokens"] = float(saved_tokens)
+    metrics["prefix/tree_saved_tokens"] = float(stats.saved_tokens)
+    metrics["prefix/tree_loss_nodes"] = float(stats.loss_nodes)
+    metrics["prefix/tree_shared_loss_tokens"] = float(stats.shared_loss_tokens)
     return metrics

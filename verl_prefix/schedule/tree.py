@@ -13,6 +13,11 @@ With an MoE router aux loss each node keeps its router statistics as one more le
 every node on its path once per row (``moe.logical_stats`` over the path's summed statistics), so each node
 counts once per row below it, as dense does.
 
+Loss on shared tokens (``schedule.tree_loss``): a node whose positions carry loss for a row below (a shared
+response stem, a turn that is one sample's response and the next one's prompt) runs the LM head there once; its
+log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
+with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
+
 What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, chunked
 nodes, recurrent layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``.
 """
@@ -24,13 +29,13 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from verl_prefix.schedule import moe
+from verl_prefix.schedule import moe, tree_loss
 from verl_prefix.schedule.executor import (
     LossFn,
     build_suffix_batch,
     infer_suffixes,
-    prefix_backward,
     prefix_forward,
+    seeded_backward,
     suffix_forward,
     suffix_router_stats,
 )
@@ -38,6 +43,7 @@ from verl_prefix.schedule.grouping import RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
 from verl_prefix.schedule.telemetry import NullMeter
+from verl_prefix.schedule.tree_loss import NodeValues
 from verl_prefix.schedule.trie import TrieNode
 
 
@@ -65,30 +71,34 @@ def path_stats(path: list[PrefixKV], suffix: moe.RouterStats, copies: int) -> mo
 
 
 def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions) -> PrefixKV:
-    """Phase A of one node: its tokens, attending to its path's K/V (a root: plain capture)."""
+    """Phase A of one node: its tokens, attending to its path's K/V (a root: plain capture); a node that
+    carries loss runs the whole model and keeps its logits (``tree_loss.node_options``)."""
     ids, positions = node.ids.to(options.device), node.positions.to(options.device)
-    return prefix_forward(model, ids, positions, options, join_path(path))
+    return prefix_forward(model, ids, positions, tree_loss.node_options(options, node), join_path(path))
 
 
 def train_tree(
     model: nn.Module, layout: RowLayout, roots: list[TrieNode], loss_fn: LossFn, options: ScheduleOptions
 ) -> list[torch.Tensor]:
     """Run the tree schedule over ``roots``; parameter grads accumulate. Returns every micro-batch's loss
-    (detached) in the order they ran (children before the groups that end on a node)."""
+    (detached) in the order they ran (children before the rows that hang on a node; rows with a tail before
+    rows without one)."""
     meter = options.meter or NullMeter()
     routers, autocast = options.routers, options.autocast
     fillers = options.for_fillers()
     losses: list[torch.Tensor] = []
 
-    def visit(node: TrieNode, path: list[PrefixKV]) -> None:
+    def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
         with meter.phase("A"), autocast():
             kv = _node_forward(model, node, path, options)
+            values = tree_loss.node_values(kv, node, layout, options)
         meter.note_prefix_kv(kv.tensors())
         leaves = kv.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
         meter.note_prefix_leaves(kv.tensors(), leaves.tensors())
-        below = [*path, leaves]
+        value_leaves = values.as_leaves() if values is not None else None
+        below, values_below = [*path, leaves], [*values_path, value_leaves]
         for child in node.children:
-            visit(child, below)
+            visit(child, below, values_below)
         for group in node.groups:
             for rows in group.micro_batches:
                 batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
@@ -98,6 +108,7 @@ def train_tree(
                         prefix = join_path(below)
                         with capture as router_logits:
                             log_probs, entropy = suffix_forward(model, prefix, batch, options)
+                        log_probs, entropy = tree_loss.with_path(values_below, layout, rows, log_probs, entropy)
                         loss = loss_fn(rows, log_probs, entropy)
                         if routers is not None:
                             suffix_stats = suffix_router_stats(router_logits, batch, options)
@@ -111,12 +122,20 @@ def train_tree(
                     with autocast():
                         log_probs, _ = suffix_forward(model, join_path(below), batch, fillers)
                     options.backward(log_probs[0].sum() * 0.0)
+        for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
+            with meter.phase("B"):
+                with autocast():
+                    log_probs, entropy = tree_loss.with_path(values_below, layout, rows, None, None)
+                    loss = loss_fn(rows, log_probs, entropy)
+                options.backward(loss)
+            losses.append(loss.detach())
         with meter.phase("C"):
-            prefix_backward(kv, leaves, model)
+            extra = values.seeds(value_leaves) if values is not None else []
+            seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
 
     with prefix_attention_mode(model):
         for root in roots:
-            visit(root, [])
+            visit(root, [], [])
     return losses
 
 
@@ -129,17 +148,24 @@ def infer_tree(
     meter = options.meter or NullMeter()
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def visit(node: TrieNode, path: list[PrefixKV]) -> None:
+    def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
         with meter.phase("A"):
             kv = _node_forward(model, node, path, options)
+            values = tree_loss.node_values(kv, node, layout, options)
         meter.note_prefix_kv(kv.tensors())
-        below = [*path, kv]
+        below, values_below = [*path, kv], [*values_path, values]
         for child in node.children:
-            visit(child, below)
+            visit(child, below, values_below)
         for group in node.groups:
-            infer_suffixes(model, layout, group, join_path(below), results, options)
+            tails: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            infer_suffixes(model, layout, group, join_path(below), tails, options)
+            for row, (log_probs, entropy) in tails.items():
+                results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (log_probs, entropy))
+        for rows in node.ended:
+            for row in rows:
+                results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (None, None))
 
     with prefix_attention_mode(model), options.autocast():
         for root in roots:
-            visit(root, [])
+            visit(root, [], [])
     return results

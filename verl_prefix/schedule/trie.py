@@ -1,19 +1,30 @@
-"""A token trie over a rank's reuse groups (``prefix_reuse.tree``): compute every shared prefix token once.
+"""A token trie over a rank's reuse rows (``prefix_reuse.tree``): compute every shared token once.
 
-One-level reuse computes each uid group's prefix (``prompt[:-1]``) once. Groups on a rank often share more:
-a system block and tool schemas in front of every question. The trie is built from the groups' prefix
-tokens (and positions) alone, no annotation: a node is a run of tokens that every group below it shares,
-children branch where the groups' prefixes differ, and a group hangs on the node where its prefix ends.
-One-level reuse is the special case of a root per group (nothing shared across groups).
+One-level reuse computes each uid group's prefix (``prompt[:-1]``) once. Rows on a rank often share more: a
+system block and tool schemas in front of every question; a response stem that several samples of a tree
+rollout share; per-turn samples where each sample (prompt and response) is the next one's prefix. The trie is
+built from the rows' token ids (and positions) alone, no annotation. A node is a run of positions every row
+below it computes alike: the same input token at the same position and, where the position carries loss for a
+row (it predicts a response token), the same next token. Children branch where rows differ; a row hangs on the
+deepest node it shares, and what is left of it (its tail, ``[node.end, len - 1)``) runs in phase B as a suffix
+row. A row whose every input lies in shared nodes (a per-turn sample under the next turn) has an empty tail:
+its loss runs on the nodes' log-probs alone (``schedule.tree_loss``).
 
-A node shorter than ``min_shared_tokens`` that no group ends on is merged into its children (its tokens run
-once per child instead): a node is one more prefix forward (and backward), a fixed cost the FLOP model does
-not price, exactly as ``min_prefix_len`` decides for a whole prefix. What the tree schedule runs over this
-trie is ``schedule.tree``.
+Where rows branch at a loss position (the first differing response token), the position before the branch
+runs in each child or tail, as ``prompt[-1]`` runs in every suffix row under one-level reuse: a node's every
+log-prob then has one label for all rows below. With ``share_loss`` off (the MoE router aux loss) every row's
+key stops at ``prompt[:-1]``, the prompt-only trie, and each row's tail is its whole suffix.
+
+A node shorter than ``min_shared_tokens`` is merged into its children and the tails of the rows that hang on
+it (its tokens run once per child and tail instead), unless a row's prompt ends inside or after it (a tail holds
+loss positions only): a node is one more forward (and backward), a fixed cost the FLOP model does not price,
+exactly as ``min_prefix_len`` decides for a whole prefix. What the tree schedule runs over this trie is
+``schedule.tree``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,18 +38,34 @@ from verl_prefix.schedule.grouping import GroupPlan, RowLayout
 DEFAULT_MIN_SHARED_TOKENS = 32
 
 
+@dataclass(frozen=True)
+class RowSpan:
+    """What the trie keeps of a row: its uid, prompt length and token count (prompt + response)."""
+
+    uid: str
+    prompt_len: int
+    length: int
+
+
 @dataclass
 class TrieNode:
-    """Prefix tokens ``[start, end)`` shared by every group below; ``ids``/``positions`` are that run
-    (positions ``[..., end - start]``, mrope's leading axis kept). ``groups``: the groups whose prefix ends
-    here (their suffix rows attend to this node and its ancestors)."""
+    """Positions ``[start, end)`` shared by every row below; ``ids``/``positions`` are that run (positions
+    ``[..., end - start]``, mrope's leading axis kept). ``hanging``: the rows that hang here (their tails start
+    at ``end``). ``groups``: those with a non-empty tail, per uid group as suffix micro-batches whose prefix is
+    the path (``prefix_len == end``); ``ended``: micro-batches of those whose tail is empty. ``logits_from``:
+    the first position whose log-prob some row below needs (positions ``[logits_from, end)`` then run the LM
+    head, their next tokens ``labels``), or None for a node that carries no loss."""
 
     start: int
     end: int
     ids: torch.Tensor
     positions: torch.Tensor
     children: list[TrieNode] = field(default_factory=list)
+    hanging: dict[int, RowSpan] = field(default_factory=dict)
     groups: list[GroupPlan] = field(default_factory=list)
+    ended: list[list[int]] = field(default_factory=list)
+    logits_from: int | None = None
+    labels: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -52,109 +79,249 @@ class TrieNode:
             yield node, depth
             stack.extend((child, depth + 1) for child in reversed(node.children))
 
-    def subtree_groups(self) -> list[GroupPlan]:
-        """The groups that hang anywhere below (and on) this node."""
-        return [g for node, _ in self.walk() for g in node.groups]
+    def rows_below(self) -> dict[int, RowSpan]:
+        """Every row that hangs on this node or below it (each computes this node's positions)."""
+        return {row: span for node, _ in self.walk() for row, span in node.hanging.items()}
 
-    def rows_below(self) -> int:
-        """Rows whose prefix contains this node: its router statistics count once per such row."""
-        return sum(len(g.rows) for g in self.subtree_groups())
+    def loss_rows(self) -> list[int]:
+        """The rows below that take log-probs from this node (their loss starts before its end)."""
+        return [row for row, span in self.rows_below().items() if span.prompt_len - 1 < self.end]
+
+    def subtree_groups(self) -> list[GroupPlan]:
+        """The suffix groups that hang anywhere below (and on) this node."""
+        return [g for node, _ in self.walk() for g in node.groups]
 
 
 @dataclass(frozen=True)
 class TrieStats:
     """What the trie saved: ``nodes``, ``depth`` (longest root-to-node path), ``shared_tokens[d]`` (tokens of
-    depth-``d+1`` nodes that more than one group shares), ``prefix_tokens`` (the groups' prefix tokens, one
-    copy per group: what one-level reuse computes) and ``node_tokens`` (what the tree computes)."""
+    depth-``d+1`` nodes that more than one uid group shares), ``prefix_tokens`` (the groups' prefix tokens, one
+    copy per group: what one-level reuse computes), ``node_tokens`` (what the tree's nodes compute),
+    ``suffix_tokens`` and ``tail_tokens`` (the rows' suffixes under one-level reuse, their tails under the tree),
+    ``loss_nodes`` (nodes that run the LM head) and ``shared_loss_tokens`` (their log-prob positions in nodes
+    with more than one row below: loss-carrying tokens computed once for several rows)."""
 
     nodes: int
     depth: int
     shared_tokens: tuple[int, ...]
     prefix_tokens: int
     node_tokens: int
+    suffix_tokens: int = 0
+    tail_tokens: int = 0
+    loss_nodes: int = 0
+    shared_loss_tokens: int = 0
+
+    @property
+    def saved_tokens(self) -> int:
+        """Tokens one-level reuse computes that the tree does not."""
+        return self.prefix_tokens + self.suffix_tokens - self.node_tokens - self.tail_tokens
 
 
-def _keys(layout: RowLayout, group: GroupPlan) -> list[tuple]:
-    """Per prefix token (token id, position column): tokens that sit at different positions differ."""
-    row = group.rows[0]
-    ids = layout.input_ids[row][: group.prefix_len].tolist()
-    pos = layout.position_ids[row][..., : group.prefix_len].reshape(-1, group.prefix_len).tolist()
-    return list(zip(ids, *pos))
+@dataclass
+class _Row:
+    """A row's keys: per position its input (token id, position column) and, where the position carries
+    loss for the row, the token it predicts (None elsewhere)."""
+
+    row: int
+    span: RowSpan
+    inputs: list[tuple]
+    labels: list[int | None]
+    ids: list[int]
 
 
-def _build(layout: RowLayout, items: list[tuple[GroupPlan, list[tuple]]], start: int) -> list[TrieNode]:
-    buckets: OrderedDict[tuple, list[tuple[GroupPlan, list[tuple]]]] = OrderedDict()
-    for item in items:
-        buckets.setdefault(item[1][start], []).append(item)
-    nodes = []
-    for members in buckets.values():
-        shortest = min(len(keys) for _, keys in members)
-        first = members[0][1]
-        end = start + 1
-        while end < shortest and all(keys[end] == first[end] for _, keys in members):
-            end += 1
-        row = members[0][0].rows[0]
-        node = TrieNode(start, end, layout.input_ids[row][start:end], layout.position_ids[row][..., start:end].clone())
-        node.groups = [group for group, keys in members if len(keys) == end]
-        node.children = _build(layout, [m for m in members if len(m[1]) > end], end)
-        nodes.append(node)
-    return nodes
+def _row(layout: RowLayout, row: int, share_loss: bool) -> _Row:
+    prompt_len = layout.prompt_lens[row]
+    ids = layout.input_ids[row].tolist()
+    n = len(ids) - 1 if share_loss else prompt_len - 1
+    pos = layout.position_ids[row][..., :n].reshape(-1, n).tolist()
+    labels = [ids[t + 1] if t >= prompt_len - 1 else None for t in range(n)]
+    span = RowSpan(str(layout.uids[row]), prompt_len, len(ids))
+    return _Row(row, span, list(zip(ids[:n], *pos)), labels, ids)
 
 
-def _merge_short(layout: RowLayout, nodes: list[TrieNode], min_shared_tokens: int) -> list[TrieNode]:
-    """Merge every node shorter than ``min_shared_tokens`` on which no group ends into its children."""
+def _conflict(members: list[_Row], t: int) -> bool:
+    """Rows for which position ``t`` carries loss predict different tokens there."""
+    return len({m.labels[t] for m in members if m.labels[t] is not None}) > 1
+
+
+def _buckets(members: list[_Row], start: int) -> list[list[_Row]]:
+    """Rows by their input at ``start``; where their labels there conflict, by the next token too (the branch
+    position then runs in each child)."""
+    buckets: OrderedDict[tuple, list[_Row]] = OrderedDict()
+    for m in members:
+        buckets.setdefault(m.inputs[start], []).append(m)
     out = []
+    for bucket in buckets.values():
+        if not _conflict(bucket, start):
+            out.append(bucket)
+            continue
+        refined: OrderedDict[int, list[_Row]] = OrderedDict()
+        for m in bucket:
+            refined.setdefault(m.ids[start + 1], []).append(m)
+        out.extend(refined.values())
+    return out
+
+
+def _node(layout: RowLayout, row: int, start: int, end: int) -> TrieNode:
+    return TrieNode(start, end, layout.input_ids[row][start:end], layout.position_ids[row][..., start:end].clone())
+
+
+def _build(layout: RowLayout, items: list[_Row], start: int) -> tuple[list[TrieNode], list[_Row]]:
+    """The nodes that start at ``start`` and the rows alone from there (their tails start at ``start``)."""
+    nodes, alone = [], []
+    for members in _buckets(items, start):
+        first = members[0]
+        if len(members) == 1 and start >= first.span.prompt_len - 1:
+            alone.append(first)  # nothing to share: its tail, on the parent node
+            continue
+        limit = min(len(m.inputs) for m in members)
+        if len(members) == 1:
+            limit = min(limit, first.span.prompt_len - 1)  # a row alone shares its prefix with no one
+        end = start + 1
+        while end < limit and all(m.inputs[end] == first.inputs[end] for m in members) and not _conflict(members, end):
+            end += 1
+        node = _node(layout, first.row, start, end)
+        # a row alone hangs where its prefix ends; others where their keys end (an empty tail unless prompt-only)
+        goes_on = [len(members) > 1 and len(m.inputs) > end for m in members]
+        rest = [m for m, on in zip(members, goes_on) if on]
+        here = [m for m, on in zip(members, goes_on) if not on]
+        node.children, tails = _build(layout, rest, end) if rest else ([], [])
+        node.hanging = {m.row: m.span for m in [*here, *tails]}
+        nodes.append(node)
+    return nodes, alone
+
+
+def _merge_short(
+    layout: RowLayout, nodes: list[TrieNode], min_shared_tokens: int
+) -> tuple[list[TrieNode], dict[int, RowSpan]]:
+    """Dissolve every node shorter than ``min_shared_tokens`` whose rows can do without it: its children take
+    its tokens, and the rows hanging on it move up to its parent (their tails start where it started), which
+    only rows whose loss starts at or before it can (a row's tail holds loss positions only). Returns the
+    nodes that stay and the rows that move up to the caller's node."""
+    out: list[TrieNode] = []
+    up: dict[int, RowSpan] = {}
     for node in nodes:
-        node.children = _merge_short(layout, node.children, min_shared_tokens)
-        if node.length >= min_shared_tokens or node.groups or not node.children:
+        node.children, moved = _merge_short(layout, node.children, min_shared_tokens)
+        node.hanging.update(moved)
+        tails_can_start = all(node.start >= span.prompt_len - 1 for span in node.hanging.values())
+        if node.length >= min_shared_tokens or not tails_can_start:
             out.append(node)
             continue
+        up.update(node.hanging)
         for child in node.children:
-            row = child.subtree_groups()[0].rows[0]
+            row = next(iter(child.rows_below()))
             child.start = node.start
             child.ids = layout.input_ids[row][child.start : child.end]
             child.positions = layout.position_ids[row][..., child.start : child.end].clone()
         out.extend(node.children)
-    return out
+    return out, up
 
 
-def build_trie(layout: RowLayout, groups: list[GroupPlan], min_shared_tokens: int) -> list[TrieNode]:
-    """The roots of the trie over ``groups``' prefixes, in the groups' first-appearance order."""
+def _logits(layout: RowLayout, node: TrieNode) -> None:
+    """Where ``node``'s log-probs start (the first loss position of a row below) and their labels."""
+    below = node.rows_below()
+    firsts = {row: max(node.start, span.prompt_len - 1) for row, span in below.items()}
+    needing = {row: first for row, first in firsts.items() if first < node.end}
+    if not needing:
+        return
+    row = min(needing, key=needing.get)  # carries loss on every position from the node's first
+    node.logits_from = needing[row]
+    node.labels = layout.input_ids[row][node.logits_from + 1 : node.end + 1]
+
+
+def _attach_micro_batches(roots: list[TrieNode], groups: list[GroupPlan]) -> None:
+    """Each group's micro-batches split by the node each row hangs on: rows with a tail as that node's suffix
+    group (prefix = the path), rows without one as the node's ended micro-batches (budgets hold: parts of a
+    planned micro-batch)."""
+    where = {row: node for root in roots for node, _ in root.walk() for row in node.hanging}
+    for group in groups:
+        views: dict[int, GroupPlan] = {}
+        for rows in group.micro_batches:
+            parts: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
+            for row in rows:
+                node = where[row]
+                parts.setdefault((id(node), node.end < node.hanging[row].length - 1), []).append(row)
+            for (_, has_tail), part in parts.items():
+                node = where[part[0]]
+                if not has_tail:
+                    node.ended.append(part)
+                    continue
+                if id(node) not in views:
+                    views[id(node)] = dataclasses.replace(group, rows=[], prompt_len=node.end + 1, micro_batches=[])
+                    node.groups.append(views[id(node)])
+                views[id(node)].rows.extend(part)
+                views[id(node)].micro_batches.append(part)
+
+
+def build_trie(
+    layout: RowLayout, groups: list[GroupPlan], min_shared_tokens: int, share_loss: bool = True
+) -> list[TrieNode]:
+    """The roots of the trie over ``groups``' rows, in the rows' first-appearance order. ``share_loss`` off:
+    over their prompts only (``prompt[:-1]``; every row's tail is its suffix)."""
     if min_shared_tokens < 1:
         raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
     empty = [g.uid for g in groups if g.prefix_len < 1]
     if empty:
         raise ValueError(f"groups {empty[:8]} have no prefix to share (prompt of one token)")
-    items = [(group, _keys(layout, group)) for group in groups]
-    return _merge_short(layout, _build(layout, items, 0), min_shared_tokens)
+    items = [_row(layout, row, share_loss) for group in groups for row in group.rows]
+    roots, alone = _build(layout, items, 0)
+    assert not alone, "a row alone from position 0 is a node of its own prefix"
+    roots, up = _merge_short(layout, roots, min_shared_tokens)
+    assert not up, "a root's rows start their loss after it"
+    for root in roots:
+        for node, _ in root.walk():
+            _logits(layout, node)
+    _attach_micro_batches(roots, groups)
+    return roots
 
 
 def trie_stats(roots: list[TrieNode]) -> TrieStats:
     """Nodes, depth and tokens of a trie (``prefix/tree_*`` metrics)."""
-    nodes = depth = node_tokens = prefix_tokens = 0
+    nodes = depth = node_tokens = tail_tokens = loss_nodes = shared_loss = 0
     shared: dict[int, int] = {}
+    prefixes: dict[str, int] = {}
+    suffix_tokens = 0
     for root in roots:
         for node, d in root.walk():
             nodes += 1
             depth = max(depth, d)
             node_tokens += node.length
-            prefix_tokens += sum(g.prefix_len for g in node.groups)
-            if len(node.subtree_groups()) > 1:
+            below = node.rows_below()
+            if len({span.uid for span in below.values()}) > 1:
                 shared[d] = shared.get(d, 0) + node.length
+            if node.logits_from is not None:
+                loss_nodes += 1
+                shared_loss += (node.end - node.logits_from) if len(below) > 1 else 0
+            for span in node.hanging.values():
+                prefixes[span.uid] = span.prompt_len - 1
+                suffix_tokens += span.length - span.prompt_len
+                tail_tokens += span.length - 1 - node.end
     levels = tuple(shared.get(d, 0) for d in range(1, depth + 1))
-    return TrieStats(nodes, depth, levels, prefix_tokens, node_tokens)
+    return TrieStats(
+        nodes,
+        depth,
+        levels,
+        sum(prefixes.values()),
+        node_tokens,
+        suffix_tokens,
+        tail_tokens,
+        loss_nodes,
+        shared_loss,
+    )
 
 
 def execution_signature(roots: list[TrieNode]) -> str:
-    """The tree schedule's sequence of model passes (``F`` node forward, ``B`` suffix micro-batch, ``C`` node
-    backward), what data-parallel ranks must agree on for their FSDP collectives to match."""
+    """The tree schedule's sequence of model passes (``F`` node forward, ``L`` one that runs the LM head too,
+    ``B`` suffix micro-batch, ``E`` a micro-batch of rows without a tail (no model call), ``C`` node backward),
+    what data-parallel ranks must agree on for their FSDP collectives to match."""
     parts: list[str] = []
 
     def visit(node: TrieNode) -> None:
-        parts.append("F")
+        parts.append("F" if node.logits_from is None else "L")
         for child in node.children:
             visit(child)
         parts.append("B" * sum(len(g.micro_batches) + g.filler_micro_batches for g in node.groups))
+        parts.append("E" * len(node.ended))
         parts.append("C")
 
     for root in roots:

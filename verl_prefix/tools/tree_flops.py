@@ -2,7 +2,8 @@
 
 ``flops.predicted_speedup`` prices one-level reuse (each group's prefix once). With the tree each trie node
 runs once, attending to its ancestors (its queries at positions ``[start, end)``), and each group's suffixes
-run against their path as before; so the model is the nodes' prefix work plus the groups' suffix work. The
+run against their path as before; so the model is the nodes' prefix work plus the groups' suffix work. With loss
+on shared tokens a node also runs the LM head over its loss positions, and each row runs only its tail. The
 trie is built the engine's way (``backend.inputs.row_layout``, ``schedule.grouping.plan_batch``,
 ``schedule.trie.build_trie``) from the batch and the reuse knobs, so the model prices what actually runs.
 """
@@ -26,6 +27,10 @@ class TreeModel:
     groups: list[tuple[int, list[int]]]
     nodes: list[tuple[int, int]]
     depth: int
+    # each row's tail (``(start, end)`` positions it runs in phase B) and the node positions that run the LM
+    # head (loss on shared tokens); ``None``: every row's tail is its whole suffix (a prompt-only trie)
+    tails: list[tuple[int, int]] | None = None
+    node_head_tokens: int = 0
 
     def dense(self, shape: ModelShape) -> float:
         return sum(dense_flops(shape, p, s) for p, s in self.groups)
@@ -38,10 +43,13 @@ class TreeModel:
         total = sum(
             (end - start) * shape.linear_per_token + shape.attention_flops(start, end) for start, end in self.nodes
         )
-        for prompt_len, responses in self.groups:
-            prefix = prompt_len - 1
-            for s in responses:
-                total += s * (shape.linear_per_token + shape.head_per_token) + shape.attention_flops(prefix, prefix + s)
+        total += self.node_head_tokens * shape.head_per_token
+        tails = self.tails
+        if tails is None:
+            tails = [(p - 1, p - 1 + s) for p, responses in self.groups for s in responses]
+        for start, end in tails:
+            total += (end - start) * (shape.linear_per_token + shape.head_per_token)
+            total += shape.attention_flops(start, end)
         return total
 
     def speedups(self, shape: ModelShape) -> dict[str, float]:
@@ -64,4 +72,7 @@ def tree_model(batch: Any, reuse: Any) -> TreeModel:
     roots = build_trie(layout, plan.groups, reuse.min_shared_tokens) if plan.groups else []
     nodes: list[TrieNode] = [node for root in roots for node, _ in root.walk()]
     groups = [(g.prompt_len, [layout.response_lens[r] for r in g.rows]) for g in plan.groups]
-    return TreeModel(groups, [(n.start, n.end) for n in nodes], trie_stats(roots).depth if roots else 0)
+    tails = [(n.end, span.length - 1) for n in nodes for span in n.hanging.values() if span.length - 1 > n.end]
+    head = sum(n.end - n.logits_from for n in nodes if n.logits_from is not None)
+    depth = trie_stats(roots).depth if roots else 0
+    return TreeModel(groups, [(n.start, n.end) for n in nodes], depth, tails, head)

@@ -1,0 +1,137 @@
+"""Loss on shared tokens through the engine against verl's stock fsdp2 engine (issue 25, cases b and c): one
+mini-batch holds tree rollouts (four responses sharing a stem, branching inside it at two depths; one response
+ends on its stem) and per-turn samples (each sample the next one's prefix). Training with KL and entropy on,
+each ``loss_agg_mode`` in fp64 (1e-10), the token- and the sequence-normalised one in fp32 (1e-5, what precision
+adds; CPU budget); forward-only log-probs and entropies. Every comparison
+asserts the tree ran with loss-carrying nodes (depth >= 2, shared loss tokens, fewer physical than logical
+tokens). The negative control, a shared loss token counted once instead of once per row, must fail."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from helpers.precision import promote_fp32_upcasts
+from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+from helpers.tree_batches import rows_batch, tokens
+from verl.workers.utils.losses import ppo_loss
+
+from verl_prefix import PrefixReuseConfig
+from verl_prefix.schedule import tree_loss
+from verl_prefix.tools import testing as T
+
+VOCAB = 128
+TOL = {"float64": 1e-10, "float32": 1e-5}
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+GROUPS = 4  # uid t (the tree rollouts) and c0..c2 (the turns)
+
+
+def shared_loss_batch(seed: int = 0):
+    """Tree rollouts (uid ``t``): a 10-token prompt; five responses share a 6-token stem, then two 4-token
+    stems (rows 0-1, rows 2-4); row 0 ends on its stem. Per-turn samples ``c0..c2``: turn k's prompt is turn k-1's
+    prompt and response, then a user turn."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = functools.partial(tokens, gen, vocab=VOCAB)
+    prompt, stem, left, right = rand(10), rand(6), rand(4), rand(4)
+    tails = [rand(0), rand(3), rand(2), rand(5), rand(3)]
+    halves = [left, left, right, right, right]
+    rows = [(prompt, torch.cat([stem, half, tail]), "t") for half, tail in zip(halves, tails)]
+    turn = rand(8)
+    for k, (user, answer) in enumerate([(0, 5), (3, 4), (2, 6)]):
+        turn = torch.cat([turn, rand(user)])
+        response = rand(answer)
+        rows.append((turn, response, f"c{k}"))
+        turn = torch.cat([turn, response])
+    return rows_batch(rows, vocab=VOCAB, seed=seed)
+
+
+def assert_shared_loss_ran(metrics) -> None:
+    m = reduced(metrics)
+    assert_reuse_ran(m, groups=GROUPS)
+    assert m["prefix/tree_depth"] >= 2 and m["prefix/tree_loss_nodes"] >= 4, m
+    # the stems (6 + 4 + 4, the first stem from its branch position on) and the earlier turns' responses
+    assert m["prefix/tree_shared_loss_tokens"] >= 6 + 4 + 4 + 5 + 4, m
+    assert m["prefix/tree_saved_tokens"] > 0
+
+
+def loss_for(actor_config, mode: str):
+    """verl's ``ppo_loss`` under ``mode``. ``seq-mean-token-sum-norm`` divides by each micro-batch's padded
+    width unless ``loss_scale_factor`` is set (the stock engine's own result then changes with its split), so it
+    runs with verl's documented constant, as ``test_engine_exactness`` does."""
+    config = copy.copy(actor_config)
+    object.__setattr__(config, "loss_agg_mode", mode)
+    if mode.endswith("-norm"):
+        object.__setattr__(config, "loss_scale_factor", 16)
+    object.__setattr__(config, "global_batch_info", {})
+    return functools.partial(ppo_loss, config=config)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("qwen3")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_shared_loss_tokens_match_stock_engine_for_every_loss_agg_mode(model_dir, dtype, monkeypatch):
+    # lr 0: every step sees the same weights, so one engine pair serves every mode and the control
+    kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=4, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
+    dense, _, actor_config = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)
+    batch = shared_loss_batch()
+    with promote_fp32_upcasts():
+        for mode in MODES if dtype == "float64" else ("token-mean", "seq-mean-token-mean"):  # fp32: precision
+            loss = loss_for(actor_config, mode)
+            want = T.run_train_step(dense, loss, batch, capture_grads=True)
+            got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+            worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+            assert worst < TOL[dtype], (mode, worst)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), mode
+            assert_shared_loss_ran(got["metrics"])
+        if dtype == "float64":  # forward-only and the control once (CPU budget)
+            want_infer, got_infer = T.run_infer(dense, batch), T.run_infer(prefix, batch)
+            assert_infer_matches(want_infer, got_infer, TOL[dtype], groups=GROUPS)
+            assert_shared_loss_ran(got_infer["metrics"])
+            control = counted_once(monkeypatch)
+            got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+            assert len(control) >= 4, "the control must have withheld some shared values"
+            worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+            assert worst > 1e-3, worst
+
+
+def counted_once(monkeypatch) -> dict:
+    """The negative control: each node's log-probs and entropies reach the gradient through the first row that
+    takes them only (the same values for the others, without a gradient path)."""
+    seen: dict[int, object] = {}  # holding the values: ids of freed ones would be reused
+    real = tree_loss.node_slice
+
+    def once(values, first):
+        log_probs, entropy = real(values, first)
+        if id(values) not in seen:
+            seen[id(values)] = values
+            return log_probs, entropy
+        return log_probs.detach() + 0 * log_probs, entropy.detach() + 0 * entropy if entropy is not None else None
+
+    monkeypatch.setattr(tree_loss, "node_slice", once)
+    return seen
+
+
+def test_rows_of_different_temperatures_under_one_node_run_one_level():
+    """A node's logits are divided by one temperature: rows that take log-probs from it and differ in
+    temperature run one-level reuse, named (``prefix/tree_fallback_temperature``)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from verl_prefix.backend.trees import plan_tree
+    from verl_prefix.schedule.grouping import RowLayout, plan_batch
+
+    model = AutoModelForCausalLM.from_config(
+        Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
+    rows = [torch.tensor([1, 2, 3, 4, 9, 9, 9, 5]), torch.tensor([1, 2, 3, 4, 9, 9, 9, 6])]
+    for temperature, want in ((torch.tensor([1.0, 1.0]), None), (torch.tensor([1.0, 0.7]), "temperature")):
+        layout = RowLayout(rows, [torch.arange(8)] * 2, [4, 4], [4, 4], ["a", "a"], temperature=temperature)
+        plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+        roots, reason = plan_tree(model, layout, plan, 2, ulysses=False, group=None)
+        assert reason == want and (roots is None) == (want is not None)

@@ -1,0 +1,142 @@
+"""Loss on shared tokens (issue 25): a tree node whose positions carry loss computes their log-probs once.
+
+A node of the token trie (``schedule.trie``) may hold positions that predict a response token of a row below
+it: a response stem several samples of a tree rollout share, or a turn that is one sample's response and the
+next sample's prompt. Its phase A then runs the whole model and the LM head over those positions
+(``options.keep_logits``); their labels are the same for every row below (the trie branches before a position
+whose next token differs). The node's log-probs and entropies become leaves, like its K/V: each row's response
+values are the slices of its path's leaves that cover its response, followed by its tail's (``with_path``),
+and verl's loss runs on them unchanged, each row with its own advantage, old log-prob, clipping, KL, entropy
+and ``loss_agg_mode`` normalisation. A shared position therefore counts once per row, as in dense training,
+and its gradient (the sum of every row's) reaches the LM head once, in the node's phase C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from verl_prefix.schedule.executor import token_outputs
+from verl_prefix.schedule.grouping import RowLayout
+from verl_prefix.schedule.options import ScheduleOptions
+from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.trie import TrieNode
+
+
+@dataclass
+class NodeValues:
+    """A loss-carrying node's log-probs (and entropies, or None) of positions ``[start, start + len)``."""
+
+    start: int
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.log_probs.shape[0]
+
+    def as_leaves(self) -> NodeValues:
+        """Detached copies that collect every row's gradient (phase C seeds the node's graph with them)."""
+        entropy = self.entropy.detach().requires_grad_(True) if self.entropy is not None else None
+        return NodeValues(self.start, self.log_probs.detach().requires_grad_(True), entropy)
+
+    def seeds(self, leaves: NodeValues) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(root, gradient) pairs for phase C: the values whose leaves some row's loss reached."""
+        pairs = [(self.log_probs, leaves.log_probs.grad)]
+        if self.entropy is not None and leaves.entropy is not None:
+            pairs.append((self.entropy, leaves.entropy.grad))
+        return [(root, grad) for root, grad in pairs if grad is not None]
+
+
+def node_options(options: ScheduleOptions, node: TrieNode) -> ScheduleOptions:
+    """The options a node's phase A runs with: the whole model and its last positions' logits where it
+    carries loss, else ``options`` (early exit as configured)."""
+    if node.logits_from is None:
+        return options
+    return dataclasses.replace(options, keep_logits=node.end - node.logits_from)
+
+
+def node_temperature(node: TrieNode, layout: RowLayout) -> float:
+    """The temperature that divides a node's logits: every row that takes a log-prob from it must agree
+    (a row's logits are divided before the log-softmax), else a clear error."""
+    if layout.temperature is None or node.logits_from is None:
+        return 1.0
+    rows = node.loss_rows()
+    values = {float(layout.temperature[row]) for row in rows}
+    if len(values) > 1:
+        raise ValueError(
+            f"prefix_reuse.tree: rows {rows[:8]} share loss-carrying tokens but differ in temperature {sorted(values)}"
+        )
+    return values.pop()
+
+
+def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: ScheduleOptions) -> NodeValues | None:
+    """The node's log-probs and entropies from the logits its phase A kept (None for a node without loss);
+    the logits are released from ``kv``."""
+    if node.logits_from is None:
+        return None
+    logits, kv.logits = kv.logits, None
+    if logits is None:
+        raise RuntimeError("phase A of a loss-carrying tree node kept no logits (options.keep_logits)")
+    temperature = node_temperature(node, layout)
+    if temperature != 1.0:  # as phase B divides: the fp32 temperature in the logits' dtype
+        divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device).to(logits.dtype)
+        logits = logits.div_(divisor)  # lm_head's backward needs no output
+    log_probs, entropy = token_outputs(logits, node.labels.to(logits.device), options)
+    return NodeValues(node.logits_from, log_probs, entropy)
+
+
+def node_slice(values: NodeValues, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row's share of a node's values: positions ``[max(first, start), end)``, ``first`` being the row's
+    first loss position (``prompt_len - 1``)."""
+    lo = max(first, values.start) - values.start
+    return values.log_probs[lo:], values.entropy[lo:] if values.entropy is not None else None
+
+
+def row_values(
+    path: list[NodeValues | None],
+    first: int,
+    tail: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row's response log-probs and entropies: its path's node slices from ``first``, then its tail's
+    (``(None, None)`` for a row without a tail)."""
+    pieces, entropies = [], []
+    for values in path:
+        if values is not None and values.end > first:
+            log_probs, entropy = node_slice(values, first)
+            pieces.append(log_probs)
+            entropies.append(entropy)
+    tail_log_probs, tail_entropy = tail
+    if tail_log_probs is not None:
+        pieces.append(tail_log_probs)
+        entropies.append(tail_entropy)
+    if not pieces:
+        raise RuntimeError(f"a row whose first loss position is {first} got no log-probs from its path or tail")
+    log_probs = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if any(e is None for e in entropies):
+        return log_probs, None
+    return log_probs, entropies[0] if len(entropies) == 1 else torch.cat(entropies)
+
+
+def with_path(
+    path: list[NodeValues | None],
+    layout: RowLayout,
+    rows: list[int],
+    log_probs: list[torch.Tensor] | None,
+    entropy: list[torch.Tensor] | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """A micro-batch's response values: each row's path slices, then its tail values (``log_probs[k]``,
+    ``entropy[k]``; ``log_probs`` None: rows without a tail). Unchanged where no node of the path carries loss."""
+    if log_probs is not None and all(values is None for values in path):
+        return log_probs, entropy
+    out_lp, out_ent = [], []
+    for k, row in enumerate(rows):
+        tail = (log_probs[k], entropy[k] if entropy is not None else None) if log_probs is not None else (None, None)
+        lp, ent = row_values(path, layout.prompt_lens[row] - 1, tail)
+        out_lp.append(lp)
+        out_ent.append(ent)
+    if any(e is None for e in out_ent):
+        return out_lp, None
+    return out_lp, out_ent
