@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import engine as engine_module
 from verl_prefix.backend import fallbacks
-from verl_prefix.schedule import executor, structure
+from verl_prefix.schedule import executor, hf_forwards, structure
 from verl_prefix.tools import model_zoo
 from verl_prefix.tools import testing as T
 
@@ -284,14 +284,22 @@ def test_remove_padding_is_refused_at_initialisation(hybrid_dir):
     forwards take no sequence boundaries, so the stock engine starts each sequence from the previous one's
     state (shown on the HF models: packed differs from one sequence a row). Reuse runs a sequence a row, so the
     engine refuses remove-padding with these layers at initialisation; padded (what both engines compute alike,
-    the tests above), or verl's own Qwen3.5 patch (which splits the packed row per sequence), passes."""
+    the tests above), or verl's own Qwen3.5 patch (which splits the packed row per sequence), passes.
+
+    verl patches the delta-net class-wide when a ``qwen3_5`` checkpoint loads (another test in this process may
+    have built one): HF's own forwards are put back for this test, as for a process that loaded only this
+    ``qwen3_5_text`` checkpoint."""
     qwen = AutoModelForCausalLM.from_pretrained(hybrid_dir, dtype=torch.float64)
     nemotron = model_zoo.build("nemotron_h", torch.float64)
     served = PrefixReuseConfig()
-    for model in (qwen, nemotron):
-        assert _packed_vs_alone(model, [7, 9]) > 1e-3, type(model).__name__
-        assert fallbacks.recurrent_packed_error(model, served, use_remove_padding=False) is None
-        assert "use_remove_padding=true" in fallbacks.recurrent_packed_error(model, served, use_remove_padding=True)
-        assert fallbacks.recurrent_packed_error(model, PrefixReuseConfig(enable=False), use_remove_padding=True) is None
-    with pytest.raises(ValueError, match=r"use_remove_padding=true with recurrent layers \['Qwen3_5GatedDeltaNet'\]"):
-        T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", use_remove_padding=True)
+    with hf_forwards.hf_recurrent(qwen):
+        for model in (qwen, nemotron):
+            assert _packed_vs_alone(model, [7, 9]) > 1e-3, type(model).__name__
+            assert fallbacks.recurrent_packed_error(model, served, use_remove_padding=False) is None
+            error = fallbacks.recurrent_packed_error(model, served, use_remove_padding=True)
+            assert "use_remove_padding=true" in error
+            off = PrefixReuseConfig(enable=False)
+            assert fallbacks.recurrent_packed_error(model, off, use_remove_padding=True) is None
+        match = r"use_remove_padding=true with recurrent layers \['Qwen3_5GatedDeltaNet'\]"
+        with pytest.raises(ValueError, match=match):
+            T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", use_remove_padding=True)

@@ -115,13 +115,13 @@ class MiniBatchOutputs:
 
 def dense_batch_output(run: Callable[[], dict], data: TensorDict, reason: str, meter: PhaseMeter) -> dict:
     """A whole mini-batch through the stock engine (``run``), counted as ``prefix/fallback_<reason>`` with one
-    log line (none for ``disabled``: the user asked for the stock engine), every token logical and physical."""
+    log line (``disabled`` too: a run that selected ``prefix_fsdp2`` sees that reuse is off), every token logical
+    and physical."""
     with meter.phase("dense"):
         output = run()
     tokens = int(data["input_ids"].offsets()[-1])
     output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
-    if reason != "disabled":
-        fallbacks.log_fallbacks([reason])
+    fallbacks.log_fallbacks([reason])
     output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
     return output
 
