@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hybrids import NEMOTRON_MIXERS
 from helpers.precision import fp64_throughout
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 from test_cuda import bf16_errors, bf16_outputs
 from test_engine_exactness import engines, grpo_batch, worst_relative
-from test_recurrent_engine import rank_batch
+from test_recurrent_engine import assert_ranks_matched, rank_batch
 from transformers import AutoModelForCausalLM
 
 from verl_prefix import PrefixReuseConfig
@@ -31,17 +32,8 @@ NEMOTRON = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     layers_block_type=["mamba", "mlp", "attention", "mamba"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    mamba_num_heads=4,
-    mamba_head_dim=8,
-    ssm_state_size=8,
-    mamba_n_groups=2,  # the family's own aliases, which the zoo's overrides use
-    conv_kernel=4,
+    **NEMOTRON_MIXERS,
     mamba_chunk_size=20,
-    sliding_window=None,
     initializer_range=0.2,
     pad_token_id=T.PAD_ID,
     bos_token_id=T.BOS_ID,
@@ -104,11 +96,7 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
 def test_two_ranks_match_stock_engine_fp64(nemotron_dir):
     """Two data-parallel ranks (gloo, FSDP2 over both) with different group structure: rank 1 runs one group
     under reuse and four short-prompt singletons dense, so the ranks' Mamba-state phases run in lockstep."""
-    results = run_two_ranks(_two_rank_body, str(nemotron_dir))
-    for rank, groups in ((0, 2), (1, 1)):
-        assert results[rank]["worst"] < 1e-10, rank
-        assert_reuse_ran(results[rank]["metrics"], groups=groups)
-    assert results[1]["metrics"]["prefix/fallback_short_prefix"] == 4.0
+    assert_ranks_matched(run_two_ranks(_two_rank_body, str(nemotron_dir)))
 
 
 def test_fp32_and_bf16_single_row_micro_batches(nemotron_dir):

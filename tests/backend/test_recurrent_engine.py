@@ -184,7 +184,12 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
 def test_two_ranks_match_stock_engine_fp64(hybrid_dir):
     """Two data-parallel ranks (gloo, FSDP2 over both) with different group structure: rank 1 runs one group
     under reuse and four short-prompt singletons dense, so the ranks' recurrent-state phases run in lockstep."""
-    results = run_two_ranks(_two_rank_body, str(hybrid_dir))
+    assert_ranks_matched(run_two_ranks(_two_rank_body, str(hybrid_dir)))
+
+
+def assert_ranks_matched(results: list[dict]) -> None:
+    """``rank_batch``'s two ranks each matched the stock engine (1e-10), reusing their groups, rank 1's four
+    singletons dense."""
     for rank, groups in ((0, 2), (1, 1)):
         assert results[rank]["worst"] < 1e-10, rank
         assert_reuse_ran(results[rank]["metrics"], groups=groups)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import offload as O
+from helpers.hybrids import NEMOTRON_MIXERS
 from helpers.layouts import VOCAB, make_layout, token_weights
 from helpers.precision import fp64_throughout
 from helpers.schedule_runs import infer_reuse, reused_grads
@@ -34,17 +35,8 @@ def nemotron_h(dtype: torch.dtype, chunk_size: int = 32):
         "nemotron_h",
         **MAMBA,
         layers_block_type=["mamba", "mlp", "attention", "moe", "mamba"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        mamba_num_heads=4,
-        mamba_head_dim=8,
-        ssm_state_size=8,
-        mamba_n_groups=2,  # the family's own alias, which the zoo's overrides use
-        conv_kernel=4,
+        **NEMOTRON_MIXERS,
         mamba_chunk_size=chunk_size,
-        sliding_window=None,
         n_routed_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=16,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,15 +70,23 @@ def smoke_rows(
     return rows
 
 
-def write_smoke_data(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> Path:
-    """``train.parquet`` / ``test.parquet`` under ``out`` (verl's RL dataset columns)."""
+def write_splits(
+    out: str | os.PathLike, make_rows: Callable[..., list[dict]], *, train: int, test: int, seed: int
+) -> Path:
+    """``train.parquet`` / ``test.parquet`` under ``out``, each split's rows from ``make_rows(num, split=, seed=)``
+    with its own seed (the text and the vision-language smoke data alike)."""
     import pandas as pd
 
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     for split, num, offset in (("train", train, 0), ("test", test, 1)):
-        pd.DataFrame(smoke_rows(num, split=split, seed=seed * 2 + offset)).to_parquet(path / f"{split}.parquet")
+        pd.DataFrame(make_rows(num, split=split, seed=seed * 2 + offset)).to_parquet(path / f"{split}.parquet")
     return path
+
+
+def write_smoke_data(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> Path:
+    """``train.parquet`` / ``test.parquet`` under ``out`` (verl's RL dataset columns)."""
+    return write_splits(out, smoke_rows, train=train, test=test, seed=seed)
 
 
 def write_smoke(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> dict[str, Path]:
@@ -112,4 +121,5 @@ __all__ = [
     "write_smoke",
     "write_smoke_data",
     "write_smoke_model",
+    "write_splits",
 ]

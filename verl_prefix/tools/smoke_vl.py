@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
+from verl_prefix.tools.smoke import write_splits
+
 DATA_SOURCE = "hiyouga/geometry3k"
 # every message renders as "<s> " + its blocks + "\n"; an image block as Qwen's three vision tokens
 CHAT_TEMPLATE = (
@@ -165,13 +167,7 @@ def smoke_vl_rows(
 
 def write_smoke_vl_data(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> Path:
     """``train.parquet`` / ``test.parquet`` under ``out`` (geo3k's columns)."""
-    import pandas as pd
-
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    for split, num, offset in (("train", train, 0), ("test", test, 1)):
-        pd.DataFrame(smoke_vl_rows(num, split=split, seed=seed * 2 + offset)).to_parquet(path / f"{split}.parquet")
-    return path
+    return write_splits(out, smoke_vl_rows, train=train, test=test, seed=seed)
 
 
 def write_smoke_vl(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> dict[str, Path]:
