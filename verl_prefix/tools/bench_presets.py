@@ -191,16 +191,8 @@ SMOKE_HYBRID_MODEL = dataclasses.replace(
 
 # A tiny Qwen2.5-VL (issue 23's cell): the smoke model's decoder (hidden 128, 4 layers) behind a 2-block vision
 # tower of width 32 (one windowed block, one full), 14-pixel patches merged 2 x 2, random init; the ``vl`` preset.
-SMOKE_VL_MODEL = ModelSpec(
-    hidden_size=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=256,
-    vocab_size=128,
-    family="qwen2_5_vl",
-    vision_depth=2,
-    vision_hidden=32,
+SMOKE_VL_MODEL = dataclasses.replace(
+    SMOKE_MODEL, intermediate_size=256, vocab_size=128, family="qwen2_5_vl", vision_depth=2, vision_hidden=32
 )
 # One image of 64 x 64 patches (896 x 896 pixels: 1,024 visual tokens after the 2 x 2 merge) among 200 text tokens,
 # responses of 128, G=8: every row's prompt holds the same image, which the stock engine encodes once per row.
