@@ -55,14 +55,24 @@ def tiny_qwen3_dir(tiny_model) -> Path:
 # Test files that take minutes (measured with --durations), longest first. Under xdist each file runs on one
 # worker in collection order, so starting these first keeps one long file from finishing last on its own.
 SLOWEST_FILES = (
+    # end to end (`-m e2e`)
     "test_main_ppo_cpu.py",
     "test_main_ppo_vl_cpu.py",
     "test_grpo_loop_ray.py",
-    "test_chunked_prefix_engine.py",
     "test_demo_wandb.py",
+    # the rest: multi-rank (gloo) files and files that build many engine pairs
+    "test_titan_engine.py",
+    "test_recurrent.py",
+    "test_mamba_engine.py",
+    "test_chunked_prefix_engine.py",
+    "test_recurrent_engine.py",
+    "test_multimodal_engine.py",
     "test_dormant_policies_engine.py",
+    "test_tree_loss_engine.py",
+    "test_two_ranks.py",
     "test_ulysses_engine.py",
     "test_bench_cli.py",
+    "test_tree_engine.py",
     "test_capacity.py",
 )
 
