@@ -17,7 +17,7 @@ from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 from test_cuda import bf16_errors, bf16_outputs
 from test_engine_exactness import engines, grpo_batch, worst_relative
-from test_recurrent_engine import assert_ranks_matched, rank_batch
+from test_recurrent_engine import assert_partitions_match, assert_ranks_matched, rank_batch
 from transformers import AutoModelForCausalLM
 
 from verl_prefix import PrefixReuseConfig
@@ -71,14 +71,7 @@ def test_fp64_update_partitions_and_chunks_match_stock_engine(nemotron_dir):
         assert worst_relative(moved(p_after), moved(d_after)) < 1e-9
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-10)
 
-        for rows, chunk in ((1, None), (4, 2)):
-            p_engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk)
-            batch = grpo_batch(worker_settings={"micro_batch_size_per_gpu": rows})
-            want = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
-            got = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
-            assert_reuse_ran(got["metrics"], groups=3)
-            assert worst_relative(got["grads"], want["grads"]) < 1e-10, (rows, chunk)
-    assert got["reduced_metrics"]["prefix/prefix_chunks"] == 4.0 + 2.0 + 6.0  # prefixes of 8, 4 and 11 tokens
+        assert_partitions_match((d_engine, d_loss), (p_engine, p_loss), ((1, None), (4, 2)))
 
 
 def _two_rank_body(rank: int, model_dir: str) -> dict:

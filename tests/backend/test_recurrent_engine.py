@@ -110,6 +110,23 @@ def test_unserved_settings_are_refused_at_initialisation(hybrid_dir, tmp_path):
         )
 
 
+def assert_partitions_match(dense: tuple, prefix: tuple, cases: tuple) -> None:
+    """``grpo_batch()`` (3 groups of G = 4, prefixes of 8, 4 and 11 tokens) in micro-batches of ``rows`` rows and
+    prefix chunks of ``chunk`` tokens, one ``(rows, chunk)`` case after another: the prefix engine's gradients
+    match the stock engine's at 1e-10, reusing all three groups; the last case chunks by 2 tokens (a boundary
+    inside a 3-token convolution window)."""
+    (d_engine, d_loss), (p_engine, p_loss) = dense, prefix
+    for rows, chunk in cases:
+        p_engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk)
+        batch = grpo_batch(worker_settings={"micro_batch_size_per_gpu": rows})
+        want = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+        assert_reuse_ran(got["metrics"], groups=3)
+        assert worst_relative(got["grads"], want["grads"]) < 1e-10, (rows, chunk)
+    assert cases[-1][1] == 2
+    assert got["reduced_metrics"]["prefix/prefix_chunks"] == 4.0 + 2.0 + 6.0  # prefixes of 8, 4 and 11 tokens
+
+
 def batch_of(rows: int):
     """``grpo_batch()`` (3 groups of G = 4, ragged responses) in micro-batches of ``rows`` rows."""
     return grpo_batch(worker_settings={"micro_batch_size_per_gpu": rows})
@@ -135,14 +152,7 @@ def test_moe_hybrids_match_stock_engine_fp64(tmp_path, family):
         dense = T.run_infer(d_engine, grpo_batch(), calculate_entropy=True)
         prefix = T.run_infer(p_engine, grpo_batch(), calculate_entropy=True)
         assert_infer_matches(dense, prefix, 1e-10, groups=3)
-        for rows, chunk in ((2, None), (1, None), (4, None), (2, 2)):
-            p_engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk)
-            batch = grpo_batch(worker_settings={"micro_batch_size_per_gpu": rows})
-            want = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
-            got = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
-            assert_reuse_ran(got["metrics"], groups=3)
-            assert worst_relative(got["grads"], want["grads"]) < 1e-10, (rows, chunk)
-        assert got["reduced_metrics"]["prefix/prefix_chunks"] == 4.0 + 2.0 + 6.0  # prefixes of 8, 4 and 11 tokens
+        assert_partitions_match((d_engine, d_loss), (p_engine, p_loss), ((2, None), (1, None), (4, None), (2, 2)))
         # the aux is a mean per micro-batch: both paths must cut the mini-batch alike, here one group per micro-batch
         p_engine.moe_aux_loss_coef = 0.5
         aux = {}

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from verl_prefix.tools.smoke import write_splits
+from verl_prefix.tools.smoke import shaping_score, write_splits
 
 DATA_SOURCE = "hiyouga/geometry3k"
 # every message renders as "<s> " + its blocks + "\n"; an image block as Qwen's three vision tokens
@@ -214,11 +214,7 @@ def compute_score(
 
     if math_reward.compute_score(solution_str, ground_truth) >= 1.0:
         return 1.0
-    words = solution_str.split()
-    question = set(str((extra_info or {}).get("question", "")).split())
-    if not words or not question:
-        return 0.0
-    return 0.5 * sum(w in question for w in words) / len(words)
+    return shaping_score(solution_str, extra_info)
 
 
 __all__ = [
