@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from verl_prefix._cli_quiet import invoked_as_cli
@@ -27,6 +28,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.e2e  # the command in a fresh interpreter, as a user runs it
 def test_help_has_no_verl_noise():
     """``python -m verl_prefix.tools.cli`` answers like the ``verl-prefix`` command, without verl's noise."""
     proc = _run("-m", "verl_prefix.tools.cli", "--help")
@@ -35,12 +37,14 @@ def test_help_has_no_verl_noise():
     assert "RuntimeWarning" not in proc.stderr, proc.stderr  # runpy: cli.py was not imported early
 
 
+@pytest.mark.e2e  # the command in a fresh interpreter, as a user runs it
 def test_a_quick_command_prints_only_its_own_error():
     proc = _run("-c", CONSOLE_SCRIPT, "trace", "show", "/nonexistent-trace")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["verl-prefix: error: trace directory /nonexistent-trace does not exist"]
 
 
+@pytest.mark.e2e  # the command in a fresh interpreter, as a user runs it
 def test_negative_control_library_import_still_warns():
     proc = _run("-c", "import verl_prefix")
     assert proc.returncode == 0, proc.stderr[-2000:]
