@@ -17,10 +17,9 @@ from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 from test_cuda import bf16_errors, bf16_outputs
 from test_engine_exactness import engines, grpo_batch, worst_relative
-from test_recurrent_engine import assert_partitions_match, assert_ranks_matched, rank_batch
+from test_recurrent_engine import assert_partitions_match, assert_ranks_matched, two_rank_step
 from transformers import AutoModelForCausalLM
 
-from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
 from verl_prefix.tools import model_zoo
 from verl_prefix.tools import testing as T
@@ -74,16 +73,12 @@ def test_fp64_update_partitions_and_chunks_match_stock_engine(nemotron_dir):
         assert_partitions_match((d_engine, d_loss), (p_engine, p_loss), ((1, None), (4, 2)))
 
 
+def _fp64(dense, prefix):
+    return fp64_throughout()
+
+
 def _two_rank_body(rank: int, model_dir: str) -> dict:
-    batch = rank_batch(rank)
-    kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
-    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
-    with fp64_throughout():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-    return {"worst": worst_relative(got["grads"], want["grads"]), "metrics": got["reduced_metrics"]}
+    return two_rank_step(rank, model_dir, _fp64)
 
 
 def test_two_ranks_match_stock_engine_fp64(nemotron_dir):

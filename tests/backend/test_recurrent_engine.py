@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -178,17 +179,23 @@ def rank_batch(rank: int):
     return tu.concat_tensordict([group, T.make_grpo_batch(num_groups=4, group_size=1, prompt_lens=3, seed=13, **shape)])
 
 
-def _two_rank_body(rank: int, model_dir: str) -> dict:
+def two_rank_step(rank: int, model_dir: str, fp64: Callable) -> dict:
+    """One fp64 update of ``rank_batch(rank)`` through both engines on this rank, under ``fp64(dense, prefix)``
+    (the family's true-fp64 context): the worst relative gradient difference and the prefix engine's metrics."""
     batch = rank_batch(rank)
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
     dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
-    with fp64_delta_net(dense.module), fp64_delta_net(prefix.module), promote_fp32_upcasts():
+    with fp64(dense, prefix):
         want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     return {"worst": worst, "metrics": got["reduced_metrics"]}
+
+
+def _two_rank_body(rank: int, model_dir: str) -> dict:
+    return two_rank_step(rank, model_dir, _fp64)
 
 
 def test_two_ranks_match_stock_engine_fp64(hybrid_dir):
