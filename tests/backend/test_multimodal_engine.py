@@ -147,15 +147,22 @@ def test_freeze_vision_tower_flag_is_honoured(vl_model, fp64):
     assert_reuse_ran(got["metrics"], groups=len(IMAGES))
 
 
-def test_forward_only_matches_stock_engine(fp64):
-    (dense, _, _), (prefix, _, _) = fp64
-    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+def forward_only_matches(engines) -> dict:
+    """fp64 log-probs and entropies of ``vl_batch()``: the prefix engine's (as configured) match the stock engine's
+    to 1e-10, every group reused and the encoder run once per group with images. Returns the stock engine's."""
+    (dense, _, _), (prefix, _, _) = engines
     with fp64_throughout():
         with text_only_call(dense.module):
             want = T.run_infer(dense, vl_batch())
         got = T.run_infer(prefix, vl_batch())
     assert_infer_matches(want, got, 1e-10, groups=len(IMAGES))
     assert_encoder_calls(got["metrics"])
+    return want
+
+
+def test_forward_only_matches_stock_engine(fp64):
+    fp64[1][0].reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    forward_only_matches(fp64)
 
 
 def test_suffix_positions_as_if_the_image_were_text_fail(fp64, monkeypatch):
@@ -215,12 +222,7 @@ def test_chunk_boundary_inside_an_image_matches_stock_engine(fp64, monkeypatch):
     assert_reuse_ran(prefix["metrics"], groups=len(IMAGES))
     assert_encoder_calls(prefix["metrics"])
     (dense_engine, _, _), (prefix_engine, _, _) = fp64
-    with fp64_throughout():
-        with text_only_call(dense_engine.module):
-            want = T.run_infer(dense_engine, vl_batch())
-        got = T.run_infer(prefix_engine, vl_batch())
-    assert_infer_matches(want, got, 1e-10, groups=len(IMAGES))
-    assert_encoder_calls(got["metrics"])
+    want = forward_only_matches(fp64)
     # recompute: phase A keeps no graph; the later chunks rebuilt in phase C leave their gradient on the leaf
     # before the first chunk's rebuild (which encodes again, and is counted) backpropagates it into the tower
     prefix_engine.dormant_prefix = "recompute"
