@@ -111,10 +111,26 @@ def _image_prompt(srv, size, seed):
     return ids, image
 
 
-def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
+@pytest.fixture(params=["as_loaded", "after_verl_patch"])
+def vl_patch_state(request, vl_server):
+    """The server's model as loaded, and after verl's ``apply_monkey_patch`` replaced its classes' forwards
+    class-wide (what a stock engine loading the same family in this process does); HF's are back after."""
+    from verl_prefix.schedule.hf_forwards import VISUAL_PATCHED_CLASSES, class_forwards, patched_by_verl
+
+    with class_forwards([(cls, cls.forward) for cls in VISUAL_PATCHED_CLASSES]):
+        if request.param == "after_verl_patch":
+            from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+            apply_monkey_patch(vl_server.model, use_remove_padding=True)
+            assert patched_by_verl(type(vl_server.model))
+        yield vl_server
+
+
+def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_patch_state):
+    from verl_prefix.schedule.hf_forwards import hf_own_forwards
     from verl_prefix.tools.testing_vl import IMAGE_PAD, vl_positions
 
-    srv = vl_server
+    srv = vl_patch_state
     ids, image = _image_prompt(srv, (112, 168), seed=0)
     assert ids.count(IMAGE_PAD) == 24  # 8 x 12 patches merged 2 x 2
     visual = srv.image_inputs(ids, [image])
@@ -128,8 +144,8 @@ def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
     positions = vl_positions(full[0], {"image_grid_thw": visual["image_grid_thw"]})[:, None]
     pixels = {k: visual[k] for k in ("pixel_values", "image_grid_thw")}
 
-    def log_probs(**inputs):
-        with torch.no_grad():
+    def log_probs(**inputs):  # HF's forward, whatever verl patched in this process
+        with torch.no_grad(), hf_own_forwards(srv.model):
             logits = srv.model(input_ids=full, **inputs).logits[0, len(ids) - 1 : -1] / 0.8
         return logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
 
@@ -149,6 +165,17 @@ def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_server):
         srv.image_inputs(ids[:-30] + ids[-5:], [image])
     with pytest.raises(NotImplementedError, match="video"):
         asyncio.run(srv.generate("r", ids, {}, video_data=[image]))
+
+
+def test_generation_refuses_a_verl_forward_it_cannot_undo(vl_server, monkeypatch):
+    """A class verl patched before HF's forward was remembered: generation raises, naming the class, rather
+    than running verl's training forward under a generation cache."""
+    from verl.models.transformers.qwen2_vl import forward_with_normal_backend
+
+    unremembered = type("UnrememberedVL", (type(vl_server.model),), {"forward": forward_with_normal_backend})
+    monkeypatch.setattr(vl_server.model, "__class__", unremembered)
+    with pytest.raises(RuntimeError, match="UnrememberedVL"):
+        vl_server._generate(PROMPT, {"temperature": 0.0}, 0)
 
 
 def test_text_model_refuses_images(server):

@@ -221,7 +221,10 @@ class HFRolloutServer:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         ids = torch.tensor([prompt_ids], dtype=torch.int64)
         torch.manual_seed(seed)
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **(visual or {}), **kwargs)
+        from verl_prefix.schedule.hf_forwards import hf_own_forwards
+
+        with hf_own_forwards(self.model):  # HF's forwards where an engine in this process let verl patch them
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **(visual or {}), **kwargs)
         tokens = out.sequences[0, len(prompt_ids) :].tolist()
         stop = len(tokens)
         if not ignore_eos:
