@@ -7,12 +7,15 @@
 #   STEPS=2 SAVE_AT=1 bash recipes/grpo_cpu_smoke.sh    # what tests/tools/test_main_ppo_cpu.py runs
 #   MODE=dense bash recipes/grpo_cpu_smoke.sh           # the dense twin: sync trainer, stock fsdp2
 #   TASK=vl bash recipes/grpo_cpu_smoke.sh              # image prompts on a tiny Qwen2.5-VL (docs/multimodal.md)
+#   ENGINE=torchtitan bash recipes/grpo_cpu_smoke.sh    # prefix_torchtitan at TP=2 on a tiny Qwen3 (docs/torchtitan.md);
+#                                                       # MODE=dense: verl's own TorchTitan engine
 #
 # Two launches of main_ppo: steps 1..SAVE_AT saving a checkpoint at SAVE_AT, then a resumed run to STEPS.
 # Metrics go to the console and to $OUT/metrics_{first,resumed}.jsonl (verl's file logger).
 # Env: OUT (outputs/grpo_cpu_smoke), STEPS (3), SAVE_AT (STEPS-1), MODE (prefix|dense), NNODES (1),
-# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|vl). With RAY_ADDRESS set, main_ppo joins that
-# cluster instead of starting one (docs/multinode.md). Extra arguments are passed to both launches.
+# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|vl), ENGINE (fsdp2|torchtitan), TP (torchtitan's
+# tensor-parallel size, 2; the other ranks shard data). With RAY_ADDRESS set, main_ppo joins that cluster instead of
+# starting one (docs/multinode.md). Extra arguments are passed to both launches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,21 +27,46 @@ NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-2}"
 PYTHON="${PYTHON:-python}"
 TASK="${TASK:-text}"
+ENGINE="${ENGINE:-fsdp2}"
+TP="${TP:-2}"
 
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-case "$MODE" in
-  prefix) twin=(trainer.v1.trainer_mode=prefix_sync actor_rollout_ref.actor.strategy=prefix_fsdp2) ;;
+config=prefix_grpo
+family=llama
+case "$ENGINE/$MODE" in
+  fsdp2/prefix) twin=(trainer.v1.trainer_mode=prefix_sync actor_rollout_ref.actor.strategy=prefix_fsdp2) ;;
   # the stock actor config again, without the prefix knobs it would refuse
-  dense) twin=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=fsdp2
+  fsdp2/dense) twin=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=fsdp2
     actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig actor_rollout_ref.ref._target_=verl.workers.config.FSDPActorConfig
     '~actor_rollout_ref.ref.prefix_reuse' '~actor_rollout_ref.actor.prefix_reuse'
     '~actor_rollout_ref.actor.dormant_prefix' '~actor_rollout_ref.actor.moe_aux_loss_coef'
     # Hydra cannot delete a key whose value is null: give it a value first
     actor_rollout_ref.actor.dormant_prefix_budget_bytes=0 '~actor_rollout_ref.actor.dormant_prefix_budget_bytes') ;;
+  # verl's TorchTitan engine builds torchtitan's qwen3 (the smoke model's flavor is registered in each worker,
+  # docs/torchtitan.md); fp32 parameters as the FSDP runs; the smoke overlay's FSDP block is not its config
+  torchtitan/prefix | torchtitan/dense)
+    config=prefix_grpo_torchtitan
+    family=qwen3
+    ranks=$((NNODES * GPUS_PER_NODE))
+    if (( TP < 1 || ranks % TP )); then
+      echo "TP=$TP must divide the $ranks actor ranks (NNODES x GPUS_PER_NODE)" >&2; exit 2
+    fi
+    titan=actor_rollout_ref.actor.torchtitan
+    twin=("$titan.tensor_parallel_size=$TP" "$titan.data_parallel_shard_size=$((ranks / TP))"
+      "$titan.data_parallel_size=$((ranks / TP))" "$titan.mixed_precision_param=float32"
+      '~actor_rollout_ref.actor.fsdp_config' '~actor_rollout_ref.ref.fsdp_config')
+    if [[ "$MODE" == dense ]]; then  # verl's own TorchTitan engine and synchronous trainer
+      twin+=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=torchtitan "$titan.strategy=torchtitan"
+        actor_rollout_ref.ref.strategy=torchtitan actor_rollout_ref.ref.torchtitan.strategy=torchtitan)
+    fi ;;
+  */prefix | */dense) echo "ENGINE must be fsdp2 or torchtitan, got $ENGINE" >&2; exit 2 ;;
   *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;
 esac
+if [[ "$ENGINE" == torchtitan && "$TASK" != text ]]; then
+  echo "ENGINE=torchtitan runs TASK=text (torchtitan builds no vision tower here)" >&2; exit 2
+fi
 case "$TASK" in
   text) task=() ;;
   # the tiny Qwen2.5-VL's image-only processor is remote code; the data set opens the PNGs itself (no
@@ -53,12 +81,12 @@ if [[ -n "${RAY_ADDRESS:-}" ]]; then
   cluster=(ray_kwargs.ray_init.num_cpus=null)  # joining a cluster: its nodes declare their own CPUs
 fi
 
-"$PYTHON" -m verl_prefix.tools.cli smoke-data --task "$TASK" --out "$OUT/inputs"
+"$PYTHON" -m verl_prefix.tools.cli smoke-data --task "$TASK" --family "$family" --out "$OUT/inputs"
 rm -rf "$OUT/checkpoints"
 
 main_ppo() {
   "$PYTHON" -m verl.trainer.main_ppo \
-    --config-path="$PWD/configs" --config-name=prefix_grpo +cpu=smoke \
+    --config-path="$PWD/configs" --config-name="$config" +cpu=smoke \
     actor_rollout_ref.model.path="$OUT/inputs/model" \
     data.train_files="$OUT/inputs/data/train.parquet" \
     data.val_files="$OUT/inputs/data/test.parquet" \
@@ -66,7 +94,7 @@ main_ppo() {
     trainer.n_gpus_per_node="$GPUS_PER_NODE" \
     trainer.default_local_dir="$OUT/checkpoints" \
     trainer.logger='[console,file]' \
-    trainer.experiment_name="grpo_cpu_smoke_${TASK}_$MODE" \
+    trainer.experiment_name="grpo_cpu_smoke_${TASK}_${ENGINE}_$MODE" \
     "${twin[@]}" ${task[@]+"${task[@]}"} ${cluster[@]+"${cluster[@]}"} "$@"
 }
 
@@ -81,4 +109,4 @@ if (( STEPS > SAVE_AT )); then
   main_ppo "$(job_env metrics_resumed.jsonl)" \
     trainer.total_training_steps="$STEPS" trainer.save_freq=-1 trainer.resume_mode=auto "$@"
 fi
-echo "grpo_cpu_smoke ($TASK, $MODE): $STEPS steps in $((SECONDS - start)) s; metrics in $OUT/metrics_*.jsonl"
+echo "grpo_cpu_smoke ($TASK, $ENGINE, $MODE): $STEPS steps in $((SECONDS - start)) s; metrics in $OUT/metrics_*.jsonl"

@@ -110,6 +110,10 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     batch = _tp_ep_batch(stock.get_data_parallel_rank()) if tp_ep else _rank_batch(rank, fsdp)
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, **layout)
     out = {"want_infer": T.run_infer(stock, batch), "got_infer": T.run_infer(prefix, batch)}
+    if not (fsdp or ep or tp_ep):  # what the rollout receives (every rank iterates: the gather is a collective)
+        out["synced"] = {name: tensor.detach().clone() for name, tensor in prefix.get_per_tensor_param()[0]}
+        # no data parallelism: each rank's data-parallel group is itself (verl's worker gathers metrics over it)
+        out["dp_groups"] = [torch.distributed.get_world_size(e.get_data_parallel_group()) for e in (stock, prefix)]
     for key, engine in (("want", stock), ("got", prefix)):
         counts = {}
         step = engine.optimizer_step  # the routing counts as torchtitan's expert-bias pre-hook will read them
@@ -281,6 +285,24 @@ def test_tp2_without_phase_c_is_wrong(ranks):
         r = ranks[rank]["tp2"]
         worst, _ = _worst(r["want"]["grads"], r["no_phase_c"]["grads"])
         assert worst > 1e-2
+
+
+def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
+    """The weights a rollout receives from a TP=2 engine (verl's ``get_per_tensor_param``: shards gathered, HF
+    names from torchtitan's state-dict adapter), before any step, are the checkpoint's, exactly and in fp32
+    (verl casts them to bf16; ``platform_titan`` keeps an fp32 engine's fp32). With no data parallelism each
+    rank's data-parallel group is itself (``platform_titan``), so verl's worker gathers metrics as usual."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3")).state_dict()
+    # a bf16 round trip changes them: equality below would catch a rounded sync
+    assert all(not torch.equal(w, w.bfloat16().float()) for n, w in hf.items() if "norm" not in n)
+    for rank in range(2):
+        assert ranks[rank]["tp2"]["dp_groups"] == [1, 1], rank
+        synced = ranks[rank]["tp2"]["synced"]
+        assert sorted(synced) == sorted(hf), rank
+        for name, want in hf.items():
+            assert synced[name].dtype == torch.float32 and torch.equal(synced[name], want), (rank, name)
 
 
 def test_fsdp2_with_different_group_structure(ranks):

@@ -15,10 +15,21 @@ any engine is built, in every process that builds one), not in tests only:
   verl's ``forward_step`` then runs without its hard-coded bf16 autocast.
 - ``TrainingConfig(disable_cuda_graphs=True)`` on CPU: 0.3.0 validates CUDA-graph support and rejects EP and
   PP unless graphs are off (there are none on CPU).
+- ``TrainingConfig(enable_cpu_offload=False)`` on CPU: verl asks torchtitan to offload a forward-only engine (the
+  reference policy) to host memory, which on CPU is where the parameters already are, and FSDP's offload pins
+  memory, which needs an accelerator ("Cannot access accelerator device").
+- verl's weight sync to the rollout (``get_per_tensor_param``: TP/FSDP shards gathered, names mapped to HF by
+  torchtitan's state-dict adapter) casts every gathered tensor to bf16 ("the wire speaks bf16"): with float32
+  parameters the rollout then samples from rounded weights and its log-probs are not the actor's. An fp32
+  engine's sync keeps fp32 (the casts read ``torch.bfloat16`` through the engine module's ``torch``, below).
 - verl's ``spmd_backend: default`` is ``partial_dtensor`` in 0.3.0 (renamed); ``spmd_types`` fails at init with
   TP or FSDP > 1 on torch 2.13, so the prefix engine refuses it (``backend.titan_config``).
 - verl looks the data-parallel mesh up as ``loss`` / ``fsdp`` / ``dp_replicate``; with TP or EP only there is
-  no such dimension and torchtitan raises instead of returning None: the lookup tolerates its absence.
+  no such dimension and torchtitan raises instead of returning None: the lookup tolerates its absence. With no
+  data parallelism at all (TP=2 on two ranks) verl's engine then has no data-parallel group while the world is
+  larger than one, and verl's worker skips its metric gather and fails on the ungathered lists ("'float' object
+  is not iterable" in ``train_mini_batch``): the lookup returns the rank's own one-rank ``loss`` mesh, so every
+  data-parallel collective runs over that rank alone, as verl's worker expects.
 - ``create_block_mask`` defaults to device "cuda": on CPU the mask is built on the inputs' device.
 - Flex attention has no CPU backward and varlen is CUDA-only: on CPU, ``FlexAttention`` computes a dense
   attention over the block mask materialised from its ``mask_mod`` (same keys kept, same scale, GQA expanded).
@@ -40,6 +51,7 @@ import logging
 import sys
 import threading
 import types
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -191,9 +203,14 @@ def engine_autocast(engine_config: Any, device_type: str) -> contextlib.Abstract
 
 class _TorchWithEngineAutocast(types.ModuleType):
     """``torch`` as verl's TorchTitan engine module sees it: everything is torch's, except that ``autocast`` is
-    a no-op inside the ``forward_step`` of an engine whose parameters are fp32."""
+    a no-op inside the ``forward_step`` of an engine whose parameters are fp32, and ``bfloat16`` (the weight
+    sync's wire dtype) is fp32 while an fp32 engine's weights are being gathered for the rollout."""
 
     def __getattr__(self, name: str) -> Any:
+        if name == "bfloat16":
+            wire = getattr(_ENGINE, "wire_dtype", None)
+            if wire is not None:
+                return wire
         return getattr(torch, name)
 
     @staticmethod
@@ -203,8 +220,24 @@ class _TorchWithEngineAutocast(types.ModuleType):
         return torch.autocast(*args, **kwargs)
 
 
+def full_precision_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """verl's weight generator with its bf16 casts at fp32: each step of the generator runs with the wire dtype
+    set, in the thread that iterates it (the rollout's update loop)."""
+    items = iter(weights)
+    while True:
+        _ENGINE.wire_dtype = torch.float32
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            _ENGINE.wire_dtype = None
+        yield item
+
+
 def _data_parallel_mesh(self: Any) -> Any:
-    """verl's lookup (``loss`` / ``fsdp`` / ``dp_replicate``), tolerating a dimension the mesh was built without."""
+    """verl's lookup (``loss`` / ``fsdp`` / ``dp_replicate``), tolerating a dimension the mesh was built without;
+    with no data parallelism at all (TP / EP only), this rank's one-rank ``loss`` mesh (below)."""
     for name in ("loss", "fsdp", "dp_replicate"):
         try:
             mesh = self.parallel_dims.get_optional_mesh(name)
@@ -212,7 +245,10 @@ def _data_parallel_mesh(self: Any) -> Any:
             mesh = None
         if mesh is not None:
             return mesh
-    return None
+    try:
+        return self.parallel_dims.get_optional_mesh("loss", include_singleton_axes=True)
+    except (KeyError, ValueError):
+        return None
 
 
 def _patch_verl_engine_module(impl: types.ModuleType, cpu: bool) -> None:
@@ -230,6 +266,9 @@ def _patch_verl_engine_module(impl: types.ModuleType, cpu: bool) -> None:
     def training_config(**kwargs: Any) -> Any:
         if cpu:
             kwargs.setdefault("disable_cuda_graphs", True)
+            if kwargs.get("enable_cpu_offload"):  # the parameters are in host memory; pinning needs an accelerator
+                logger.info("CPU platform: torchtitan's CPU offload is off (the parameters are in host memory)")
+                kwargs["enable_cpu_offload"] = False
         dtype = getattr(_ENGINE, "param_dtype", None)
         if dtype is not None:
             kwargs.setdefault("mixed_precision_param", dtype)
@@ -265,6 +304,16 @@ def _patch_verl_engine_module(impl: types.ModuleType, cpu: bool) -> None:
             _ENGINE.param_dtype = None
 
     engine_cls.__init__ = init
+
+    original_params = engine_cls.get_per_tensor_param
+
+    def get_per_tensor_param(self: Any, **kwargs: Any) -> Any:
+        weights, peft_config = original_params(self, **kwargs)
+        if getattr(self.engine_config, "mixed_precision_param", None) == "float32":
+            weights = full_precision_weights(weights)
+        return weights, peft_config
+
+    engine_cls.get_per_tensor_param = get_per_tensor_param
 
     impl.torch = _TorchWithEngineAutocast("torch")
     head_cls = impl.TorchTitanEngineWithLMHead

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument(
         "--task", choices=("text", "vl"), default="text", help="text (GSM8K-shaped, default) or vl (image prompts)"
     )
+    smoke.add_argument(
+        "--family",
+        choices=("llama", "qwen3"),
+        default="llama",
+        help="--task text's model: llama (default) or qwen3 (the TorchTitan engines': torchtitan builds qwen3)",
+    )
     smoke.add_argument("--train", type=_positive_int, default=64, help="training prompts (default 64)")
     smoke.add_argument("--test", type=_positive_int, default=8, help="validation prompts (default 8)")
     smoke.add_argument("--seed", type=int, default=0)
@@ -268,11 +274,16 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 def _smoke_data(args: argparse.Namespace) -> int:
     if args.task == "vl":
-        from verl_prefix.tools.smoke_vl import write_smoke_vl as write_smoke
+        if args.family != "llama":
+            print("smoke-data: --family is the text task's model (--task vl writes a Qwen2.5-VL)", file=sys.stderr)
+            return 2
+        from verl_prefix.tools.smoke_vl import write_smoke_vl
+
+        paths = write_smoke_vl(args.out, train=args.train, test=args.test, seed=args.seed)
     else:
         from verl_prefix.tools.smoke import write_smoke
 
-    paths = write_smoke(args.out, train=args.train, test=args.test, seed=args.seed)
+        paths = write_smoke(args.out, train=args.train, test=args.test, seed=args.seed, family=args.family)
     print(f"model: {paths['model']}\ndata: {paths['data']}")
     return 0
 

@@ -4,7 +4,8 @@
 
 - ``DIR/model``: a random-init Llama-style model and its local word-level tokenizer
   (``testing.write_tiny_model``), plus a chat template, because verl's agent loop builds every prompt with
-  ``apply_chat_template``;
+  ``apply_chat_template``; with ``--family qwen3`` a Qwen3 of the same size (what the TorchTitan engines take:
+  torchtitan has a qwen3 model and no Llama of Qwen's layout), whose tokenizer also has a newline token;
 - ``DIR/data/train.parquet`` and ``DIR/data/test.parquet`` in verl's RL dataset format, the columns
   ``examples/data_preprocess/gsm8k.py`` writes: ``data_source``, ``prompt`` (chat messages), ``ability``,
   ``reward_model`` (``{"style": "rule", "ground_truth": ...}``) and ``extra_info``
@@ -18,6 +19,7 @@ the question, so that GRPO groups have reward spread and the first update is not
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -30,17 +32,47 @@ DATA_SOURCE = "verl_prefix/gsm8k_smoke"
 # Every message renders as "<s> content "; the word-level tokenizer maps each word to one id.
 CHAT_TEMPLATE = "{% for message in messages %}{{ '<s> ' + message['content'] + ' ' }}{% endfor %}"
 INSTRUCTION = "t4 t5 t6 t7"  # stands in for GSM8K's "Let's think step by step and output ..." suffix
+VOCAB_SIZE = 128
 
 
-def write_smoke_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
+def newline_tokenizer(dir: str | os.PathLike, vocab_size: int) -> Path:
+    """The word-level tokenizer of ``testing.write_tokenizer`` with ``"\\n"`` as its last id instead of a word:
+    verl's Qwen token builders need a newline that encodes to one token."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from verl_prefix.tools.testing import SPECIAL_TOKENS
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size - 1)})
+    vocab["\n"] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_tokens([AddedToken("\n", normalized=False)])  # matched before whitespace splitting drops it
+    out = Path(dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out)
+    return out
+
+
+FAMILIES = ("llama", "qwen3")
+
+
+def write_smoke_model(out: str | os.PathLike, *, seed: int = 0, family: str = "llama") -> Path:
     """The tiny model and tokenizer the CPU recipe trains (0.1M parameters, 128-word vocabulary).
 
-    Llama-style rather than Qwen3: verl's agent loop picks its token builder by ``model_type``, and the Qwen
-    builders expect Qwen's newline token, which a word-level tokenizer does not have.
+    Llama-style by default: verl's agent loop picks its token builder by ``model_type``, and the Qwen builders
+    expect Qwen's newline token, which a word-level tokenizer does not have. ``family="qwen3"`` (the TorchTitan
+    engines' smoke model) gives the tokenizer one, at the last id (``newline_tokenizer``).
     """
     from verl_prefix.tools.testing import write_tiny_model
 
-    path = write_tiny_model(out, "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=seed)
+    if family not in FAMILIES:
+        raise ValueError(f"the smoke model is one of {FAMILIES}, got {family!r}")
+    path = write_tiny_model(out, family, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=seed)
+    if family == "qwen3":
+        newline_tokenizer(path, VOCAB_SIZE)
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE
@@ -49,7 +81,7 @@ def write_smoke_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
 
 
 def smoke_rows(
-    num: int, *, split: str, vocab_size: int = 128, question_len: tuple[int, int] = (200, 320), seed: int = 0
+    num: int, *, split: str, vocab_size: int = VOCAB_SIZE, question_len: tuple[int, int] = (200, 320), seed: int = 0
 ) -> list[dict[str, Any]]:
     """``num`` GSM8K-shaped rows of random words (ids 8 and up; 4..7 spell the instruction)."""
     rng = np.random.default_rng(seed)
@@ -84,17 +116,24 @@ def write_splits(
     return path
 
 
-def write_smoke_data(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> Path:
-    """``train.parquet`` / ``test.parquet`` under ``out`` (verl's RL dataset columns)."""
-    return write_splits(out, smoke_rows, train=train, test=test, seed=seed)
+def write_smoke_data(
+    out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0, vocab_size: int = VOCAB_SIZE
+) -> Path:
+    """``train.parquet`` / ``test.parquet`` under ``out`` (verl's RL dataset columns), words below ``vocab_size``."""
+    rows = functools.partial(smoke_rows, vocab_size=vocab_size)
+    return write_splits(out, rows, train=train, test=test, seed=seed)
 
 
-def write_smoke(out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0) -> dict[str, Path]:
-    """Model and data for the CPU recipe under ``out``: ``{"model": out/model, "data": out/data}``."""
+def write_smoke(
+    out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0, family: str = "llama"
+) -> dict[str, Path]:
+    """Model and data for the CPU recipe under ``out``: ``{"model": out/model, "data": out/data}``. The qwen3
+    model's last id is the newline, which the questions then leave out."""
     root = Path(out)
+    words = VOCAB_SIZE - 1 if family == "qwen3" else VOCAB_SIZE
     return {
-        "model": write_smoke_model(root / "model", seed=seed),
-        "data": write_smoke_data(root / "data", train=train, test=test, seed=seed),
+        "model": write_smoke_model(root / "model", seed=seed, family=family),
+        "data": write_smoke_data(root / "data", train=train, test=test, seed=seed, vocab_size=words),
     }
 
 
@@ -122,7 +161,10 @@ def shaping_score(solution_str: str, extra_info: dict | None) -> float:
 __all__ = [
     "CHAT_TEMPLATE",
     "DATA_SOURCE",
+    "FAMILIES",
+    "VOCAB_SIZE",
     "compute_score",
+    "newline_tokenizer",
     "shaping_score",
     "smoke_rows",
     "write_smoke",
