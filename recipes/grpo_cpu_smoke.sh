@@ -45,7 +45,8 @@ case "$ENGINE/$MODE" in
     # Hydra cannot delete a key whose value is null: give it a value first
     actor_rollout_ref.actor.dormant_prefix_budget_bytes=0 '~actor_rollout_ref.actor.dormant_prefix_budget_bytes') ;;
   # verl's TorchTitan engine builds torchtitan's qwen3 (the smoke model's flavor is registered in each worker,
-  # docs/torchtitan.md); fp32 parameters as the FSDP runs; the smoke overlay's FSDP block is not its config
+  # docs/torchtitan.md); fp32 parameters as the FSDP runs; packed rows (its padded path cannot feed flex
+  # attention); the smoke overlay's FSDP block is not its config
   torchtitan/prefix | torchtitan/dense)
     config=prefix_grpo_torchtitan
     family=qwen3
@@ -56,6 +57,7 @@ case "$ENGINE/$MODE" in
     titan=actor_rollout_ref.actor.torchtitan
     twin=("$titan.tensor_parallel_size=$TP" "$titan.data_parallel_shard_size=$((ranks / TP))"
       "$titan.data_parallel_size=$((ranks / TP))" "$titan.mixed_precision_param=float32"
+      actor_rollout_ref.model.use_remove_padding=true
       '~actor_rollout_ref.actor.fsdp_config' '~actor_rollout_ref.ref.fsdp_config')
     if [[ "$MODE" == dense ]]; then  # verl's own TorchTitan engine and synchronous trainer
       twin+=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=torchtitan "$titan.strategy=torchtitan"

@@ -403,6 +403,7 @@ def test_refusals_at_config_time():
         ("attn_type", "varlen", "flex"),
         ("activation_checkpoint", "selective", "recompute"),
         ("use_torch_compile", True, "compiled"),
+        ("use_remove_padding", False, "actor_rollout_ref.model.use_remove_padding"),
     ):
         reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
         assert reason is not None and knob in reason and words in reason, (knob, reason)

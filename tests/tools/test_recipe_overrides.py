@@ -95,6 +95,7 @@ def test_cpu_recipe_torchtitan_variant(tmp_path):
     (launch,) = _recorded_launches(tmp_path, "grpo_cpu_smoke.sh", env)
     config = _compose(launch)
     assert config.trainer.v1.trainer_mode == "prefix_sync"
+    assert config.actor_rollout_ref.model.use_remove_padding is True  # the engine refuses padded rows
     for role in ("actor", "ref"):
         assert config.actor_rollout_ref[role].strategy == "prefix_torchtitan", role
         engine = omega_conf_to_dataclass(config.actor_rollout_ref[role].torchtitan)

@@ -71,6 +71,12 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
         "masks; varlen's cu_seqlens path is not built yet",
     ),
     "use_torch_compile": (False, "compiled blocks would bake the inner-attention hook out of phase A/B"),
+    "use_remove_padding": (
+        True,
+        "verl 0.9.1's TorchTitan engine hands torchtitan's attention a padding tensor where it expects a flex block "
+        "mask when rows are padded, so its dense rows would fail; packed rows keep apart under flex's document "
+        "mask (actor_rollout_ref.model.use_remove_padding)",
+    ),
     "offload_policy": (False, "parameter offload between phase A and phase C is not verified yet"),
     "param_offload": (False, "parameter offload between phase A and phase C is not verified yet"),
     "optimizer_offload": (False, "optimizer offload is not verified under reuse yet"),
