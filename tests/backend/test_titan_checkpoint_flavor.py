@@ -41,12 +41,11 @@ def test_flavor_of_the_checkpoint_where_torchtitan_has_none():
         assert ensure_checkpoint_flavor(hf) == name
         assert derive_torchtitan_name_and_flavor(hf) == ("qwen3", name)  # verl's lookup now finds it
         assert flavor_mismatches(qwen3.model_registry(name), hf) == []
-        # another architecture of the same (hidden, layers, vocab) is told apart by the engine's check
-        assert any(
-            "num_key_value_heads" in m
-            for m in flavor_mismatches(qwen3.model_registry(name), _qwen3(num_key_value_heads=4))
-        )
-        assert ensure_checkpoint_flavor(hf) is None  # found: nothing registered twice
+        # another checkpoint of the same (hidden, layers, vocab) and other K/V heads: the flavor is rebuilt from it
+        other = _qwen3(num_key_value_heads=4)
+        assert any("num_key_value_heads" in m for m in flavor_mismatches(qwen3.model_registry(name), other))
+        assert ensure_checkpoint_flavor(other) == name
+        assert flavor_mismatches(qwen3.model_registry(name), other) == []
     finally:
         qwen3.qwen3_configs.pop(name, None)
     # torchtitan's own flavor of those shapes stands (debugmodel: 256 x 8 x 2048); a type not built here is verl's

@@ -126,8 +126,10 @@ def register_checkpoint_flavor(hf_config: Any) -> str:
 
 def ensure_checkpoint_flavor(hf_config: Any) -> str | None:
     """Before an engine is built: register the checkpoint's flavor when torchtitan has none of its shapes and
-    the model type is one this module builds; returns the registered name, or None when verl's lookup already
-    finds a flavor (or the type is not built here: verl's own error then says what it supports)."""
+    the model type is one this module builds; returns the registered name, or None when verl's lookup finds one
+    of torchtitan's own flavors (or the type is not built here: verl's own error then says what it supports).
+    A flavor this module registered earlier for the same shapes is rebuilt from this checkpoint: two
+    checkpoints of one ``hidden x layers x vocab`` may differ in heads or FFN size."""
     if getattr(hf_config, "model_type", None) not in MODEL_TYPES:
         return None
     from verl_prefix.backend.platform_titan import ensure_titan_platform
@@ -136,12 +138,14 @@ def ensure_checkpoint_flavor(hf_config: Any) -> str | None:
     from verl.workers.engine.torchtitan.utils import derive_torchtitan_name_and_flavor
 
     try:
-        derive_torchtitan_name_and_flavor(hf_config)
-        return None
+        _, found = derive_torchtitan_name_and_flavor(hf_config)
     except ValueError:
-        pass
+        found = None
+    if found is not None and not found.startswith(FLAVOR_PREFIX):
+        return None
     name = register_checkpoint_flavor(hf_config)
-    logger.info("torchtitan has no flavor of the checkpoint's shapes: registered %s, built from its config", name)
+    if found is None:
+        logger.info("torchtitan has no flavor of the checkpoint's shapes: registered %s, built from its config", name)
     return name
 
 
