@@ -34,6 +34,10 @@ any engine is built, in every process that builds one), not in tests only:
 - Flex attention has no CPU backward and varlen is CUDA-only: on CPU, ``FlexAttention`` computes a dense
   attention over the block mask materialised from its ``mask_mod`` (same keys kept, same scale, GQA expanded).
   On CUDA torchtitan's own flex/varlen kernels run untouched.
+- verl's ``save_checkpoint`` points torchtitan's checkpointer at verl's folder and calls ``save(step)``, which
+  torchtitan writes only every ``interval`` steps (500 by default): a verl checkpoint at step 2 held no model or
+  optimizer (its resume then fails: "load_step=2 not found"). The checkpointer's interval is 1 when verl saves,
+  so each save verl asks for is written (model, optimizer, LR schedule, torchtitan's train state).
 - ``GroupedExperts`` (MoE) casts tokens and expert weights to bf16 whatever the parameter dtype, so each
   backward call rounds the expert weights' gradients to bf16 and gradient accumulation over micro-batches
   differs from one call at bf16 precision: with float32 parameters the experts compute in float32
@@ -314,6 +318,14 @@ def _patch_verl_engine_module(impl: types.ModuleType, cpu: bool) -> None:
         return weights, peft_config
 
     engine_cls.get_per_tensor_param = get_per_tensor_param
+
+    original_save = engine_cls.save_checkpoint
+
+    def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.checkpointer.interval = 1  # every save verl asks for is written (torchtitan's interval is 500 steps)
+        original_save(self, *args, **kwargs)
+
+    engine_cls.save_checkpoint = save_checkpoint
 
     impl.torch = _TorchWithEngineAutocast("torch")
     head_cls = impl.TorchTitanEngineWithLMHead
