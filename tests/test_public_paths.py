@@ -82,7 +82,7 @@ def test_yaml_targets_resolve():
     assert get_class("verl_prefix.PrefixFSDPActorConfig").__name__ == "PrefixFSDPActorConfig"
     assert get_class("verl_prefix.config.PrefixFSDPEngineConfig").__name__ == "PrefixFSDPEngineConfig"
     found = []
-    for path in [ROOT / "configs" / "prefix_grpo.yaml", *DOC_FILES]:
+    for path in [*sorted((ROOT / "configs").glob("prefix_grpo*.yaml")), *DOC_FILES]:
         found += re.findall(r"_target_[=:]\s*(verl_prefix[\w.]+)", path.read_text())
     assert len(found) >= 4
     assert "verl_prefix.config.PrefixFSDPEngineConfig" in found
