@@ -3,10 +3,16 @@ after one optimizer step, loss, and forward-only log-probs/entropy, in fp64 and 
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Callable
+
 import pytest
 from helpers.layouts import use_suffix_only_mask
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.schedule import executor as schedule
@@ -59,6 +65,42 @@ def compare_update(model_dir, batch, dtype="float64", reuse=None, **kwargs):
     return worst_relative(prefix["grads"], dense["grads"]), worst_relative(p_update, d_update), dense, prefix
 
 
+@pytest.fixture(scope="module")
+def qwen3_pair(tiny_model):
+    """One stock/prefix engine pair (qwen3, fp64, KL and entropy on, lr 0: a step leaves the weights as they
+    were) for the tests that vary only what the loss function, the batch or the reuse config decide. The
+    optimizer's update is compared where the engines are built for it (above and below)."""
+    (dense, _, actor_config), (prefix, _, _) = engines(
+        tiny_model("qwen3"), dtype="float64", lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
+    )
+    return dense, prefix, actor_config
+
+
+def loss_with(actor_config, policy_loss_mode: str = "vanilla", **fields) -> Callable:
+    """verl's ``ppo_loss`` on a copy of the actor config with ``fields`` (and the policy loss mode) set, as
+    ``build_verl_engine`` would have built it: its per-step state (``global_batch_info``) starts empty."""
+    config, policy = copy.copy(actor_config), copy.copy(actor_config.policy_loss)
+    object.__setattr__(policy, "loss_mode", policy_loss_mode)
+    for name, value in {**fields, "policy_loss": policy, "global_batch_info": {}}.items():
+        object.__setattr__(config, name, value)
+    return functools.partial(ppo_loss, config=config)
+
+
+def compare_on_pair(pair, batch, *, reuse=None, micro_batch_size: int = 2, loss_fn: Callable | None = None):
+    """One step of the shared pair on ``batch``; returns (worst grad rel, dense, prefix results). Fails unless
+    the prefix engine reused."""
+    dense_engine, prefix_engine, actor_config = pair
+    prefix_engine.reuse_config = reuse or PrefixReuseConfig(min_prefix_len=2)
+    loss_fn = loss_fn or loss_with(actor_config)
+    tu.assign_non_tensor(batch, micro_batch_size_per_gpu=micro_batch_size)
+    with promote_fp32_upcasts():
+        dense = T.run_train_step(dense_engine, loss_fn, batch, capture_grads=True)
+        prefix = T.run_train_step(prefix_engine, loss_fn, batch, capture_grads=True)
+    assert dense["grads"], "the stock engine produced no gradients"
+    assert_reuse_ran(prefix["metrics"])
+    return worst_relative(prefix["grads"], dense["grads"]), dense, prefix
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -82,36 +124,22 @@ def test_update_matches_stock_engine(tiny_model, family, attn, dtype):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])  # micro-batch counts 8, 4, 2, 1 for G = 8
-def test_every_suffix_partition(tiny_model, rows):
+def test_every_suffix_partition(qwen3_pair, rows):
     batch = grpo_batch(num_groups=2, group_size=8, prompt_lens=[10, 6], response_len_range=(1, 9))
-    grads, update, _, _ = compare_update(
-        tiny_model("qwen3"),
-        batch,
-        reuse=PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=rows),
-        micro_batch_size_per_gpu=4,
-        use_kl_loss=True,
-        entropy_coeff=0.01,
-    )
-    assert grads < 1e-10 and update < 1e-9
+    reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=rows)
+    grads, _, _ = compare_on_pair(qwen3_pair, batch, reuse=reuse, micro_batch_size=4)
+    assert grads < 1e-10
 
 
 @pytest.mark.parametrize(
     "mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 )
-def test_every_loss_agg_mode(tiny_model, mode):
+def test_every_loss_agg_mode(qwen3_pair, mode):
     # seq-mean-token-sum-norm divides by each micro-batch's padded width unless loss_scale_factor is set,
     # so even the stock engine changes with the micro-batch split; verl documents the constant.
-    overrides = ["actor_rollout_ref.actor.loss_scale_factor=16"] if mode.endswith("-norm") else []
-    grads, update, _, _ = compare_update(
-        tiny_model("qwen3"),
-        grpo_batch(),
-        loss_agg_mode=mode,
-        micro_batch_size_per_gpu=2,
-        use_kl_loss=True,
-        entropy_coeff=0.01,
-        overrides=overrides,
-    )
-    assert grads < 1e-10 and update < 1e-9
+    fields = {"loss_agg_mode": mode, "loss_scale_factor": 16 if mode.endswith("-norm") else None}
+    grads, _, _ = compare_on_pair(qwen3_pair, grpo_batch(), loss_fn=loss_with(qwen3_pair[2], **fields))
+    assert grads < 1e-10
 
 
 # clip_cov / kl_cov pick tokens by covariance inside each micro-batch, so they are exact only when both
@@ -123,21 +151,14 @@ WHOLE_BATCH_LOSSES = {"clip_cov", "kl_cov"}
     "loss_mode",
     ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo"],
 )
-def test_every_policy_loss(tiny_model, loss_mode):
+def test_every_policy_loss(qwen3_pair, loss_mode):
     batch = grpo_batch(num_groups=1, group_size=6, prompt_lens=9) if loss_mode in WHOLE_BATCH_LOSSES else grpo_batch()
     mbs = 6 if loss_mode in WHOLE_BATCH_LOSSES else 2
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=mbs)
-    overrides = ["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"] if loss_mode == "dro" else []
-    grads, _, _, _ = compare_update(
-        tiny_model("qwen3"),
-        batch,
-        reuse=reuse,
-        policy_loss_mode=loss_mode,
-        micro_batch_size_per_gpu=mbs,
-        use_kl_loss=True,
-        entropy_coeff=0.01,
-        overrides=overrides,
-    )
+    loss_fn = loss_with(qwen3_pair[2], loss_mode)
+    if loss_mode == "dro":
+        object.__setattr__(loss_fn.keywords["config"].policy_loss, "dro_beta", 0.1)
+    grads, _, _ = compare_on_pair(qwen3_pair, batch, reuse=reuse, micro_batch_size=mbs, loss_fn=loss_fn)
     assert grads < 1e-10
 
 
@@ -175,16 +196,10 @@ def test_long_prompts_on_a_deeper_model(tiny_model, dtype):
     assert_reuse_ran(prefix["metrics"], groups=3)
 
 
-def test_sampling_temperature_on_the_training_path(tiny_model):
+def test_sampling_temperature_on_the_training_path(qwen3_pair):
     """verl divides the logits by the rollout temperature before the loss; reuse must do the same per row."""
-    grads, update, dense, prefix = compare_update(
-        tiny_model("qwen3"),
-        grpo_batch(temperature=0.7),
-        micro_batch_size_per_gpu=2,
-        use_kl_loss=True,
-        entropy_coeff=0.01,
-    )
-    assert grads < 1e-10 and update < 1e-9
+    grads, dense, prefix = compare_on_pair(qwen3_pair, grpo_batch(temperature=0.7))
+    assert grads < 1e-10
     assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-10)
     assert_reuse_ran(prefix["metrics"], groups=3)
 
@@ -194,9 +209,9 @@ def test_legacy_padded_layout(tiny_model):
     assert grads < 1e-10
 
 
-def test_token_metrics_count_what_reuse_saved(tiny_model):
+def test_token_metrics_count_what_reuse_saved(qwen3_pair):
     batch = grpo_batch(num_groups=2, group_size=4, prompt_lens=[10, 6], response_len_range=(2, 2))
-    _, _, _, prefix = compare_update(tiny_model("qwen3"), batch, micro_batch_size_per_gpu=2)
+    _, _, prefix = compare_on_pair(qwen3_pair, batch)
     metrics = prefix["reduced_metrics"]
     assert metrics["prefix/logical_tokens"] == 4 * (10 + 2) + 4 * (6 + 2)
     assert metrics["prefix/physical_tokens"] == (9 + 4 * 2) + (5 + 4 * 2)
@@ -226,10 +241,10 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_negative_controls_through_the_engine(tiny_model, monkeypatch, fault):
+def test_negative_controls_through_the_engine(qwen3_pair, monkeypatch, fault):
     """The same comparison that passes above must fail for a wrong schedule."""
     FAULTS[fault](monkeypatch)
-    grads, _, _, _ = compare_update(tiny_model("qwen3"), grpo_batch(), micro_batch_size_per_gpu=2)
+    grads, _, _ = compare_on_pair(qwen3_pair, grpo_batch())
     assert grads > 1e-3
 
 
