@@ -16,10 +16,12 @@ import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from helpers.tree_batches import rows_batch, tokens
+from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.schedule import tree_loss
+from verl_prefix.backend import trees
+from verl_prefix.schedule import tree, tree_loss
 from verl_prefix.tools import testing as T
 
 VOCAB = 128
@@ -99,6 +101,71 @@ def test_shared_loss_tokens_match_stock_engine_for_every_loss_agg_mode(model_dir
             assert len(control) >= 4, "the control must have withheld some shared values"
             worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
             assert worst > 1e-3, worst
+
+
+def stem_pairs_batch(seed: int = 1):
+    """Tree rollouts alone: four responses share a 6-token stem, then two 4-token stems (rows 0-1, rows 2-3),
+    longest first: with two rows per micro-batch the tree's micro-batches (a group's planned ones, longest first,
+    split by the node each row hangs on) are the dense engine's consecutive pairs, the partition the router aux
+    loss depends on."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = functools.partial(tokens, gen, vocab=VOCAB)
+    prompt, stem, left, right = rand(10), rand(6), rand(4), rand(4)
+    tails = [rand(5), rand(4), rand(2), rand(1)]
+    rows = [(prompt, torch.cat([stem, half, tail]), "t") for half, tail in zip([left, left, right, right], tails)]
+    return rows_batch(rows, vocab=VOCAB, seed=seed)
+
+
+def test_shared_loss_tokens_with_the_moe_aux_loss_match_the_dense_path(tiny_model, monkeypatch):
+    """Loss on shared tokens with the MoE router aux loss on, fp64, against the engine's dense path (verl's stock
+    engine adds no router loss) on the same micro-batch partition: every row alone (tree rollouts and per-turn
+    samples), then pairs of rows under one stem node. Each node's router statistics count once per row below
+    it; every row's last token runs through the routers in its own tail (``own_last``). The control, a node's
+    statistics counted once per micro-batch instead of once per row, must fail."""
+    model_dir = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+    engines = {}
+    for name, reuse in (
+        ("dense", PrefixReuseConfig(enable=False)),
+        ("tree", PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)),
+    ):
+        engine, loss_fn, _ = T.build_verl_engine(
+            model_dir,
+            backend="prefix_fsdp2",
+            dtype="float64",
+            micro_batch_size_per_gpu=1,
+            use_kl_loss=True,
+            entropy_coeff=0.01,
+            lr=0.0,
+        )
+        engine.reuse_config, engine.moe_aux_loss_coef = reuse, 0.5
+        engines[name] = (engine, loss_fn)
+
+    def compare(batch, rows_per_micro_batch: int) -> tuple[dict, float, float]:
+        tu.assign_non_tensor(batch, micro_batch_size_per_gpu=rows_per_micro_batch)
+        with promote_fp32_upcasts():
+            want, got = (T.run_train_step(e, f, batch, capture_grads=True) for e, f in engines.values())
+        worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+        return got, worst, want["reduced_metrics"]["moe_aux_loss"]
+
+    for batch, rows, groups in ((shared_loss_batch(), 1, GROUPS), (stem_pairs_batch(), 2, 1)):
+        got, worst, aux = compare(batch, rows)
+        assert worst < 1e-10, (rows, worst)
+        m = got["reduced_metrics"]
+        assert m["moe_aux_loss"] == pytest.approx(aux, rel=1e-10) and aux > 0
+        assert_reuse_ran(m, groups=groups)
+        assert m["prefix/tree_depth"] >= 2 and m["prefix/tree_loss_nodes"] >= 2, m
+        assert m["prefix/tree_shared_loss_tokens"] >= 4 and m["prefix/tree_saved_tokens"] > 0, m
+    gates = [n for n in got["grads"] if n.endswith("mlp.gate.weight")]
+    assert gates and all(got["grads"][n].norm() > 0 for n in gates)
+    real = tree.path_stats
+    monkeypatch.setattr(tree, "path_stats", lambda path, suffix, copies: real(path, suffix, 1))
+    assert compare(stem_pairs_batch(), 2)[1] > 1e-6
+    # a trie whose rows may end on a node (row 0 on its stem, the earlier turns) would leave their last token
+    # unrouted: refused, never run without it
+    build = trees.build_trie
+    monkeypatch.setattr(trees, "build_trie", lambda *a, **k: build(*a, **{**k, "own_last": False}))
+    with pytest.raises(RuntimeError, match="no tail to route their last token"):
+        compare(shared_loss_batch(), 1)
 
 
 def counted_once(monkeypatch) -> dict:

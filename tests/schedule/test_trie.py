@@ -148,7 +148,8 @@ def check_trie(layout, plan, roots, min_shared: int) -> None:
 
 def test_shared_stems_and_turns_share_loss_unless_prompt_only():
     """Two rows whose responses share a stem [20, 21, 22] (a loss node, one row ending on it) and a per-turn
-    sample that continues the first row; ``share_loss`` off (the MoE aux) keeps the prompt-only trie."""
+    sample that continues the first row; ``share_loss`` off keeps the prompt-only trie; ``own_last`` (the MoE
+    aux) still shares the stem but leaves every row a tail holding its last loss position."""
     prompt = [1, 2, 3, 4]
     layout = layout_of([prompt, prompt + [20, 21, 22, 5]], responses=[[[20, 21, 22], [20, 21, 22, 23]], [[6, 7]]])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
@@ -161,6 +162,11 @@ def test_shared_stems_and_turns_share_loss_unless_prompt_only():
     assert (stem.logits_from, stem.end, stem.labels.tolist(), stem.ended) == (3, 6, [20, 21, 22], [[0]])
     assert (last.start, last.end, last.labels.tolist(), last.ended) == (6, 7, [23], [[1]])
     assert execution_signature(roots) == "LLBECEC"
+    own_last = build_trie(layout, plan.groups, 2, own_last=True)
+    stats = trie_stats(own_last)
+    assert stats.loss_nodes >= 1 and stats.shared_loss_tokens >= 2 and stats.saved_tokens > 0, stats
+    for node, _ in own_last[0].walk():
+        assert not node.ended and all(span.length - 1 > node.end for span in node.hanging.values())
     prompt_only = build_trie(layout, plan.groups, 2, share_loss=False)
     stats = trie_stats(prompt_only)
     assert (

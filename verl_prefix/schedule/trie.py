@@ -12,8 +12,11 @@ its loss runs on the nodes' log-probs alone (``schedule.tree_loss``).
 
 Where rows branch at a loss position (the first differing response token), the position before the branch
 runs in each child or tail, as ``prompt[-1]`` runs in every suffix row under one-level reuse: a node's every
-log-prob then has one label for all rows below. With ``share_loss`` off (the MoE router aux loss) every row's
-key stops at ``prompt[:-1]``, the prompt-only trie, and each row's tail is its whole suffix.
+log-prob then has one label for all rows below. With ``share_loss`` off every row's key stops at
+``prompt[:-1]``, the prompt-only trie, and each row's tail is its whole suffix. With ``own_last`` (the MoE router
+aux loss) every row's key stops one position earlier than it otherwise would: its last loss position runs in its
+own tail, so every row has a suffix forward, in which its last token runs through the routers too (dense routes
+every input token; no node ends on a row's last token, no row is without a tail).
 
 A node shorter than ``min_shared_tokens`` is merged into its children and the tails of the rows that hang on
 it (its tokens run once per child and tail instead), unless a row's prompt ends inside or after it (a tail holds
@@ -129,10 +132,10 @@ class _Row:
     ids: list[int]
 
 
-def _row(layout: RowLayout, row: int, share_loss: bool) -> _Row:
+def _row(layout: RowLayout, row: int, share_loss: bool, own_last: bool) -> _Row:
     prompt_len = layout.prompt_lens[row]
     ids = layout.input_ids[row].tolist()
-    n = len(ids) - 1 if share_loss else prompt_len - 1
+    n = max(len(ids) - 1 - own_last, prompt_len - 1) if share_loss else prompt_len - 1
     pos = layout.position_ids[row][..., :n].reshape(-1, n).tolist()
     labels = [ids[t + 1] if t >= prompt_len - 1 else None for t in range(n)]
     span = RowSpan(str(layout.uids[row]), prompt_len, len(ids))
@@ -254,16 +257,21 @@ def _attach_micro_batches(roots: list[TrieNode], groups: list[GroupPlan]) -> Non
 
 
 def build_trie(
-    layout: RowLayout, groups: list[GroupPlan], min_shared_tokens: int, share_loss: bool = True
+    layout: RowLayout,
+    groups: list[GroupPlan],
+    min_shared_tokens: int,
+    share_loss: bool = True,
+    own_last: bool = False,
 ) -> list[TrieNode]:
     """The roots of the trie over ``groups``' rows, in the rows' first-appearance order. ``share_loss`` off:
-    over their prompts only (``prompt[:-1]``; every row's tail is its suffix)."""
+    over their prompts only (``prompt[:-1]``; every row's tail is its suffix). ``own_last``: each row's last
+    loss position stays in its tail (the MoE router aux loss: every row's last token runs in a suffix forward)."""
     if min_shared_tokens < 1:
         raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
     empty = [g.uid for g in groups if g.prefix_len < 1]
     if empty:
         raise ValueError(f"groups {empty[:8]} have no prefix to share (prompt of one token)")
-    items = [_row(layout, row, share_loss) for group in groups for row in group.rows]
+    items = [_row(layout, row, share_loss, own_last) for group in groups for row in group.rows]
     roots, alone = _build(layout, items, 0)
     assert not alone, "a row alone from position 0 is a node of its own prefix"
     roots, up = _merge_short(layout, roots, min_shared_tokens)
