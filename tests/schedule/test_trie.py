@@ -4,6 +4,8 @@ reuse)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -174,3 +176,30 @@ def test_shared_stems_and_turns_share_loss_unless_prompt_only():
         and stats.tail_tokens == stats.suffix_tokens
         and not any(node.ended for root in prompt_only for node, _ in root.walk())
     )
+
+
+def test_long_nodes_run_as_chains_of_chunks():
+    """``chunk_tokens``: every node longer than it becomes a chain of chunks of at most that many tokens, each
+    with its own ids, positions and log-prob labels, the last one keeping the node's children and rows; the
+    trie's counts are unchanged but for ``node_chunks`` (a chain is one node at one depth)."""
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    stems = [[20, 21, 22, 23, 24, 25, 30, 31], [20, 21, 22, 23, 24, 25, 40, 41, 42]]
+    layout = layout_of([prompt, prompt + [20, 21, 22, 23]], responses=[stems, [[6, 7], [8, 9]]])
+    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    whole, chunked = build_trie(layout, plan.groups, 2), build_trie(layout, plan.groups, 2, chunk_tokens=3)
+    before, after = trie_stats(whole), trie_stats(chunked)
+    assert before.node_chunks == 0 < after.node_chunks and after == dataclasses.replace(
+        before, node_chunks=after.node_chunks, loss_nodes=after.loss_nodes
+    )
+    assert len(execution_signature(chunked)) > len(execution_signature(whole))
+    rows = {}
+    for node, _ in chunked[0].walk():
+        assert 1 <= node.length <= 3 and torch.equal(node.positions, torch.arange(node.start, node.end))
+        row = next(iter(node.rows_below()))
+        assert torch.equal(node.ids, layout.input_ids[row][node.start : node.end])
+        if node.logits_from is not None:
+            assert torch.equal(node.labels, layout.input_ids[row][node.logits_from + 1 : node.end + 1])
+        if node.continues:
+            assert not any(c.start != node.end for c in node.children)
+        rows.update({r: node.end for r in node.hanging})
+    assert rows == {r: n.end for n, _ in whole[0].walk() for r in n.hanging}  # every row hangs where it did

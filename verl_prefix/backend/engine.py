@@ -445,6 +445,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 self.use_ulysses_sp,
                 self._agreement_group(),
                 own_last=self._moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
+                chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             )
         if roots is not None:
             self._run_tree(

@@ -19,8 +19,9 @@ response stem, a turn that is one sample's response and the next one's prompt) r
 log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
 with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
 
-What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, chunked
-nodes, recurrent layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``.
+What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, recurrent
+layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``. Chunked long nodes
+(``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
 """
 
 from __future__ import annotations
