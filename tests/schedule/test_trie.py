@@ -30,10 +30,10 @@ def layout_of(prompts: list[list[int]], responses: int | list[list[list[int]]] =
     return RowLayout(ids, pos, p_lens, r_lens, uids)
 
 
-def trie_of(prompts: list[list[int]], min_shared: int = 1, responses: int | list = 2):
+def trie_of(prompts: list[list[int]], min_shared: int = 1, responses: int | list = 2, **knobs):
     layout = layout_of(prompts, responses)
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    return layout, plan, build_trie(layout, plan.groups, min_shared)
+    return layout, plan, build_trie(layout, plan.groups, min_shared, **knobs)
 
 
 def paths(roots) -> dict[str, list[int]]:
@@ -113,17 +113,31 @@ responses_strategy = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5
 
 
 @settings(max_examples=80, deadline=None)
-@given(prompts=prompts_strategy, responses=st.data(), min_shared=st.integers(1, 3))
-def test_rows_sharing_response_tokens_keep_one_label_per_shared_log_prob(prompts, responses, min_shared):
+@given(
+    prompts=prompts_strategy,
+    responses=st.data(),
+    min_shared=st.integers(1, 3),
+    chunk=st.sampled_from([None, 1, 2, 3]),
+    own_last=st.booleans(),
+)
+def test_rows_sharing_response_tokens_keep_one_label_per_shared_log_prob(
+    prompts, responses, min_shared, chunk, own_last
+):
     """Responses from a three-token alphabet share stems (tree rollouts) and prompts may continue another row
     (per-turn samples): every row's path is its own tokens, every node log-prob it takes has its own next
-    token as label, and the tree never computes more than one-level reuse."""
+    token as label, and the tree never computes more than one-level reuse; also with nodes in chunks
+    (``chunk_tokens``) and with every row's last loss position in its tail (``own_last``, the MoE aux)."""
     drawn = [responses.draw(responses_strategy) for _ in prompts]
-    layout, plan, roots = trie_of(prompts, min_shared, responses=drawn)
-    check_trie(layout, plan, roots, min_shared)
+    layout, plan, roots = trie_of(prompts, min_shared, responses=drawn, chunk_tokens=chunk, own_last=own_last)
+    check_trie(layout, plan, roots, min_shared, chunk)
+    for root in roots:
+        for node, _ in root.walk():
+            assert chunk is None or node.length <= chunk
+            assert not (own_last and node.ended)
+            assert not own_last or all(span.length - 1 > node.end for span in node.hanging.values())
 
 
-def check_trie(layout, plan, roots, min_shared: int) -> None:
+def check_trie(layout, plan, roots, min_shared: int, chunk: int | None = None) -> None:
     got = row_paths(roots)
     assert sorted(got) == sorted(r for g in plan.groups for r in g.rows)
     for row, (tokens, path) in got.items():
@@ -143,7 +157,7 @@ def check_trie(layout, plan, roots, min_shared: int) -> None:
         for node, _ in root.walk():
             assert node.length >= 1
             short_ok = any(node.start < span.prompt_len - 1 for span in node.hanging.values())  # a prompt ends on it
-            assert node.length >= min_shared or short_ok
+            assert node.length >= min_shared or short_ok or chunk is not None
             for child in node.children:
                 assert child.start == node.end
 
