@@ -1,14 +1,16 @@
 """Loss on shared tokens through the engine against verl's stock fsdp2 engine (issue 25, cases b and c): one
 mini-batch holds tree rollouts (four responses sharing a stem, branching inside it at two depths; one response
 ends on its stem) and per-turn samples (each sample the next one's prefix). Training with KL and entropy on,
-each ``loss_agg_mode`` in fp64 (1e-10), the token- and the sequence-normalised one in fp32 (1e-5, what precision
-adds; CPU budget); forward-only log-probs and entropies. Every comparison
+each ``loss_agg_mode`` in fp64 (1e-10) and in fp32 (1e-5; the loss mode is a per-call argument of ``ppo_loss``, so
+one engine pair per dtype serves them all); forward-only log-probs and entropies. Every comparison
 asserts the tree ran with loss-carrying nodes (depth >= 2, shared loss tokens, fewer physical than logical
-tokens). The negative control, a shared loss token counted once instead of once per row, must fail."""
+tokens). The negative control, a shared loss token counted once instead of once per row, must fail. Nodes
+run as chains of chunks (``prefix_chunk_tokens``) in fp64, with a control; and the MoE router aux loss."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -19,7 +21,8 @@ from helpers.tree_batches import rows_batch, tokens
 from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.schedule import tree_loss
+from verl_prefix.backend import trees
+from verl_prefix.schedule import tree, tree_loss
 from verl_prefix.tools import testing as T
 
 VOCAB = 128
@@ -82,7 +85,7 @@ def test_shared_loss_tokens_match_stock_engine_for_every_loss_agg_mode(model_dir
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)
     batch = shared_loss_batch()
     with promote_fp32_upcasts():
-        for mode in MODES if dtype == "float64" else ("token-mean", "seq-mean-token-mean"):  # fp32: precision
+        for mode in MODES:
             loss = loss_for(actor_config, mode)
             want = T.run_train_step(dense, loss, batch, capture_grads=True)
             got = T.run_train_step(prefix, loss, batch, capture_grads=True)
@@ -90,15 +93,108 @@ def test_shared_loss_tokens_match_stock_engine_for_every_loss_agg_mode(model_dir
             assert worst < TOL[dtype], (mode, worst)
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), mode
             assert_shared_loss_ran(got["metrics"])
-        if dtype == "float64":  # forward-only and the control once (CPU budget)
+        if dtype == "float64":  # forward-only, chunked nodes and the controls once (CPU budget)
             want_infer, got_infer = T.run_infer(dense, batch), T.run_infer(prefix, batch)
             assert_infer_matches(want_infer, got_infer, TOL[dtype], groups=GROUPS)
             assert_shared_loss_ran(got_infer["metrics"])
+            assert_chunked_nodes_match(prefix, loss, batch, want["grads"])
             control = counted_once(monkeypatch)
             got = T.run_train_step(prefix, loss, batch, capture_grads=True)
             assert len(control) >= 4, "the control must have withheld some shared values"
             worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
             assert worst > 1e-3, worst
+
+
+def stem_pairs_batch(seed: int = 1):
+    """Tree rollouts alone: four responses share a 6-token stem, then a 4-token stem (rows 0-1) or a 3-token one
+    (rows 2-3); rows 0 and 3 end on their stems. Longest first (1, 0, 2, 3), so with two rows per micro-batch the
+    tree's micro-batches (a group's planned ones, longest first, split by the node each row hangs on) hold the
+    dense engine's consecutive pairs, the partition the router aux loss depends on."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = functools.partial(tokens, gen, vocab=VOCAB)
+    prompt, stem, left, right = rand(10), rand(6), rand(4), rand(3)
+    tails = [rand(0), rand(1), rand(1), rand(0)]
+    rows = [(prompt, torch.cat([stem, half, tail]), "t") for half, tail in zip([left, left, right, right], tails)]
+    return rows_batch(rows, vocab=VOCAB, seed=seed)
+
+
+def test_shared_loss_tokens_with_the_moe_aux_loss_match_the_dense_path(tiny_model, monkeypatch):
+    """Loss on shared tokens with the MoE router aux loss on, fp64, against the engine's dense path (verl's stock
+    engine adds no router loss) on the same micro-batch partition: pairs of rows under one stem node, one row of
+    each pair ending on its stem. Each node's router statistics count once per row below it; every row's last
+    token runs through the routers in its own tail (``own_last``). The control, a node's statistics counted once
+    per micro-batch instead of once per row, must fail; a trie with rows ending on a node is refused."""
+    model_dir = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+    engines = {}
+    for name, reuse in (
+        ("dense", PrefixReuseConfig(enable=False)),
+        ("tree", PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)),
+    ):
+        engine, loss_fn, _ = T.build_verl_engine(
+            model_dir,
+            backend="prefix_fsdp2",
+            dtype="float64",
+            micro_batch_size_per_gpu=2,
+            use_kl_loss=True,
+            entropy_coeff=0.01,
+            lr=0.0,
+        )
+        engine.reuse_config, engine.moe_aux_loss_coef = reuse, 0.5
+        engines[name] = (engine, loss_fn)
+
+    def compare() -> tuple[dict, float, float]:
+        with promote_fp32_upcasts():
+            want, got = (T.run_train_step(e, f, stem_pairs_batch(), capture_grads=True) for e, f in engines.values())
+        worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+        return got, worst, want["reduced_metrics"]["moe_aux_loss"]
+
+    got, worst, aux = compare()
+    assert worst < 1e-10, worst
+    m = got["reduced_metrics"]
+    assert m["moe_aux_loss"] == pytest.approx(aux, rel=1e-10) and aux > 0
+    assert_reuse_ran(m, groups=1)
+    assert m["prefix/tree_depth"] >= 2 and m["prefix/tree_loss_nodes"] >= 2, m
+    assert m["prefix/tree_shared_loss_tokens"] >= 6 and m["prefix/tree_saved_tokens"] > 0, m
+    gates = [n for n in got["grads"] if n.endswith("mlp.gate.weight")]
+    assert gates and all(got["grads"][n].norm() > 0 for n in gates)
+    with pytest.MonkeyPatch.context() as mp:
+        real = tree.path_stats
+        mp.setattr(tree, "path_stats", lambda path, suffix, copies: real(path, suffix, 1))
+        assert compare()[1] > 1e-6
+    # without own_last rows 0 and 3 would end on their stems, their last tokens unrouted: refused, never run
+    build = trees.build_trie
+    monkeypatch.setattr(trees, "build_trie", lambda *a, **k: build(*a, **{**k, "own_last": False}))
+    with pytest.raises(RuntimeError, match="no tail to route their last token"):
+        compare()
+
+
+def assert_chunked_nodes_match(prefix, loss, batch, want: dict) -> None:
+    """``prefix_chunk_tokens=3``: every node longer than 3 tokens (prompt nodes and loss-carrying stems) runs as
+    a chain of chunks, each attending to the earlier chunks' K/V; the same gradients. The control, each later
+    chunk positioned as if it started the sequence, must fail."""
+    build = trees.build_trie
+
+    def misplaced(*args, **kwargs):
+        roots = build(*args, **kwargs)
+        for root in roots:
+            for node, _ in root.walk():
+                node.positions = node.positions - node.start if node.continues else node.positions
+        return roots
+
+    def worst() -> tuple[float, dict]:
+        got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+        return max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want.items()), got["metrics"]
+
+    whole = prefix.reuse_config
+    prefix.reuse_config = dataclasses.replace(whole, prefix_chunk_tokens=3)
+    chunked, metrics = worst()
+    assert chunked < TOL["float64"], chunked
+    assert_shared_loss_ran(metrics)
+    assert reduced(metrics)["prefix/tree_node_chunks"] >= 8
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trees, "build_trie", misplaced)
+        assert worst()[0] > 1e-3
+    prefix.reuse_config = whole
 
 
 def counted_once(monkeypatch) -> dict:

@@ -4,6 +4,8 @@ reuse)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,10 +30,10 @@ def layout_of(prompts: list[list[int]], responses: int | list[list[list[int]]] =
     return RowLayout(ids, pos, p_lens, r_lens, uids)
 
 
-def trie_of(prompts: list[list[int]], min_shared: int = 1, responses: int | list = 2):
+def trie_of(prompts: list[list[int]], min_shared: int = 1, responses: int | list = 2, **knobs):
     layout = layout_of(prompts, responses)
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    return layout, plan, build_trie(layout, plan.groups, min_shared)
+    return layout, plan, build_trie(layout, plan.groups, min_shared, **knobs)
 
 
 def paths(roots) -> dict[str, list[int]]:
@@ -111,17 +113,31 @@ responses_strategy = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5
 
 
 @settings(max_examples=80, deadline=None)
-@given(prompts=prompts_strategy, responses=st.data(), min_shared=st.integers(1, 3))
-def test_rows_sharing_response_tokens_keep_one_label_per_shared_log_prob(prompts, responses, min_shared):
+@given(
+    prompts=prompts_strategy,
+    responses=st.data(),
+    min_shared=st.integers(1, 3),
+    chunk=st.sampled_from([None, 1, 2, 3]),
+    own_last=st.booleans(),
+)
+def test_rows_sharing_response_tokens_keep_one_label_per_shared_log_prob(
+    prompts, responses, min_shared, chunk, own_last
+):
     """Responses from a three-token alphabet share stems (tree rollouts) and prompts may continue another row
     (per-turn samples): every row's path is its own tokens, every node log-prob it takes has its own next
-    token as label, and the tree never computes more than one-level reuse."""
+    token as label, and the tree never computes more than one-level reuse; also with nodes in chunks
+    (``chunk_tokens``) and with every row's last loss position in its tail (``own_last``, the MoE aux)."""
     drawn = [responses.draw(responses_strategy) for _ in prompts]
-    layout, plan, roots = trie_of(prompts, min_shared, responses=drawn)
-    check_trie(layout, plan, roots, min_shared)
+    layout, plan, roots = trie_of(prompts, min_shared, responses=drawn, chunk_tokens=chunk, own_last=own_last)
+    check_trie(layout, plan, roots, min_shared, chunk)
+    for root in roots:
+        for node, _ in root.walk():
+            assert chunk is None or node.length <= chunk
+            assert not (own_last and node.ended)
+            assert not own_last or all(span.length - 1 > node.end for span in node.hanging.values())
 
 
-def check_trie(layout, plan, roots, min_shared: int) -> None:
+def check_trie(layout, plan, roots, min_shared: int, chunk: int | None = None) -> None:
     got = row_paths(roots)
     assert sorted(got) == sorted(r for g in plan.groups for r in g.rows)
     for row, (tokens, path) in got.items():
@@ -141,14 +157,15 @@ def check_trie(layout, plan, roots, min_shared: int) -> None:
         for node, _ in root.walk():
             assert node.length >= 1
             short_ok = any(node.start < span.prompt_len - 1 for span in node.hanging.values())  # a prompt ends on it
-            assert node.length >= min_shared or short_ok
+            assert node.length >= min_shared or short_ok or chunk is not None
             for child in node.children:
                 assert child.start == node.end
 
 
 def test_shared_stems_and_turns_share_loss_unless_prompt_only():
     """Two rows whose responses share a stem [20, 21, 22] (a loss node, one row ending on it) and a per-turn
-    sample that continues the first row; ``share_loss`` off (the MoE aux) keeps the prompt-only trie."""
+    sample that continues the first row; ``share_loss`` off keeps the prompt-only trie; ``own_last`` (the MoE
+    aux) still shares the stem but leaves every row a tail holding its last loss position."""
     prompt = [1, 2, 3, 4]
     layout = layout_of([prompt, prompt + [20, 21, 22, 5]], responses=[[[20, 21, 22], [20, 21, 22, 23]], [[6, 7]]])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
@@ -161,6 +178,11 @@ def test_shared_stems_and_turns_share_loss_unless_prompt_only():
     assert (stem.logits_from, stem.end, stem.labels.tolist(), stem.ended) == (3, 6, [20, 21, 22], [[0]])
     assert (last.start, last.end, last.labels.tolist(), last.ended) == (6, 7, [23], [[1]])
     assert execution_signature(roots) == "LLBECEC"
+    own_last = build_trie(layout, plan.groups, 2, own_last=True)
+    stats = trie_stats(own_last)
+    assert stats.loss_nodes >= 1 and stats.shared_loss_tokens >= 2 and stats.saved_tokens > 0, stats
+    for node, _ in own_last[0].walk():
+        assert not node.ended and all(span.length - 1 > node.end for span in node.hanging.values())
     prompt_only = build_trie(layout, plan.groups, 2, share_loss=False)
     stats = trie_stats(prompt_only)
     assert (
@@ -168,3 +190,30 @@ def test_shared_stems_and_turns_share_loss_unless_prompt_only():
         and stats.tail_tokens == stats.suffix_tokens
         and not any(node.ended for root in prompt_only for node, _ in root.walk())
     )
+
+
+def test_long_nodes_run_as_chains_of_chunks():
+    """``chunk_tokens``: every node longer than it becomes a chain of chunks of at most that many tokens, each
+    with its own ids, positions and log-prob labels, the last one keeping the node's children and rows; the
+    trie's counts are unchanged but for ``node_chunks`` (a chain is one node at one depth)."""
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    stems = [[20, 21, 22, 23, 24, 25, 30, 31], [20, 21, 22, 23, 24, 25, 40, 41, 42]]
+    layout = layout_of([prompt, prompt + [20, 21, 22, 23]], responses=[stems, [[6, 7], [8, 9]]])
+    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    whole, chunked = build_trie(layout, plan.groups, 2), build_trie(layout, plan.groups, 2, chunk_tokens=3)
+    before, after = trie_stats(whole), trie_stats(chunked)
+    assert before.node_chunks == 0 < after.node_chunks and after == dataclasses.replace(
+        before, node_chunks=after.node_chunks, loss_nodes=after.loss_nodes
+    )
+    assert len(execution_signature(chunked)) > len(execution_signature(whole))
+    rows = {}
+    for node, _ in chunked[0].walk():
+        assert 1 <= node.length <= 3 and torch.equal(node.positions, torch.arange(node.start, node.end))
+        row = next(iter(node.rows_below()))
+        assert torch.equal(node.ids, layout.input_ids[row][node.start : node.end])
+        if node.logits_from is not None:
+            assert torch.equal(node.labels, layout.input_ids[row][node.logits_from + 1 : node.end + 1])
+        if node.continues:
+            assert not any(c.start != node.end for c in node.children)
+        rows.update({r: node.end for r in node.hanging})
+    assert rows == {r: n.end for n, _ in whole[0].walk() for r in n.hanging}  # every row hangs where it did

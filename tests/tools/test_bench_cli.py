@@ -1,5 +1,6 @@
 """The benchmark and its CLI, end to end on a minuscule model (no timing assertions: CI machines are noisy)."""
 
+import dataclasses
 import json
 import math
 import statistics
@@ -496,3 +497,28 @@ def test_agentic_tree_cell_runs_three_engines_beside_the_flop_model(tmp_path):
     batch = BP.cell_batch(TINY_TREE.cells[0])
     prompts = batch["prompts"].unbind()
     assert torch.equal(prompts[0][:40], prompts[4][:40]) and 44 <= len(prompts[0]) <= 48
+
+
+def test_tree_rollout_preset_branches_inside_the_response():
+    """``--preset tree_rollout``: the three engines on groups whose responses open with a stem, then 2 and 4
+    sub-stems (the batch and its FLOP model checked at a miniature size; the engines run in the agentic test)."""
+    import verl_prefix
+    from verl_prefix.tools.tree_flops import tree_model
+
+    (cell,) = BP.PRESETS["tree_rollout"].cells
+    assert cell.response_stems == (256, 128, 64) and cell.variants == ("fsdp2", *BP.TREE_VARIANTS)
+    assert BP.cell_from_dict(dataclasses.asdict(cell)) == cell
+    mini = dataclasses.replace(cell, num_groups=2, prompt_len=6, response_stems=(4, 3, 2), response_len_range=(1, 3))
+    responses = BP.cell_batch(mini)["responses"].unbind()
+    for group in (responses[:8], responses[8:]):
+        assert all(torch.equal(r[:4], group[0][:4]) for r in group)
+        for level, width, start in ((1, 3, 4), (2, 2, 7)):  # 2 then 4 sub-stems: rows 0-3 | 4-7, then pairs
+            share = 8 // 2**level
+            for row, r in enumerate(group):
+                same = [torch.equal(r[start : start + width], o[start : start + width]) for o in group]
+                assert same == [row // share == k // share for k in range(8)], (level, row)
+    model = tree_model(
+        BP.cell_batch(mini), verl_prefix.PrefixReuseConfig(min_prefix_len=2, tree=True, min_shared_tokens=2)
+    )
+    assert (len(model.nodes), model.depth) == (2 * 7, 3) and model.node_head_tokens > 0
+    assert BP.cell_batch(dataclasses.replace(mini, response_stems=()))["responses"].unbind()[0].numel() <= 3

@@ -444,7 +444,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 self.reuse_config.min_shared_tokens,
                 self.use_ulysses_sp,
                 self._agreement_group(),
-                share_loss=not self._moe_aux_on(forward_only),  # the aux counts prompts' routers only (trees.md)
+                own_last=self._moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
+                chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             )
         if roots is not None:
             self._run_tree(

@@ -85,18 +85,24 @@ def plan_tree(
     min_shared_tokens: int,
     ulysses: bool,
     group: dist.ProcessGroup | None,
-    share_loss: bool = True,
+    own_last: bool = False,
+    chunk_tokens: int | None = None,
 ) -> tuple[list[TrieNode] | None, str | None]:
     """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
     (the lockstep agreement) on every rank that reaches it, whatever its own trie: a rank whose own batch the
     tree does not serve (``batch_refusal``, or rows of different temperatures under one loss-carrying node) still
     takes part, with a signature no trie has, so every rank runs one-level reuse (its own reason there,
-    ``lockstep`` on the others). ``share_loss`` off (the MoE router aux loss on): the trie covers prompts only
-    (``trie.build_trie``)."""
+    ``lockstep`` on the others). ``own_last`` (the MoE router aux loss on): each row's last loss position stays
+    in its tail, so its last token runs through the routers in its suffix forward; ``chunk_tokens``
+    (``prefix_chunk_tokens``): longer nodes run as chains of chunks (``trie.build_trie``)."""
     reason = tree_refusal(model, ulysses)
     if reason is None:
         local = batch_refusal(layout, plan)
-        roots = build_trie(layout, plan.groups, min_shared_tokens, share_loss=share_loss) if local is None else None
+        roots = (
+            build_trie(layout, plan.groups, min_shared_tokens, own_last=own_last, chunk_tokens=chunk_tokens)
+            if local is None
+            else None
+        )
         if roots is not None and temperature_conflict(roots, layout):
             local, roots = "temperature", None
         signature = execution_signature(roots) if roots is not None else f"refused:{local}"

@@ -374,7 +374,8 @@ def tree_metrics(stats: TrieStats | None) -> dict[str, float]:
     """What a mini-batch's token trie (``prefix_reuse.tree``, ``schedule.trie``) did: its nodes, its depth,
     the tokens shared by more than one group per level, the tokens it computed fewer than one-level reuse
     would have (already subtracted from ``prefix/physical_tokens``), its nodes that run the LM head and their
-    log-prob positions shared by several rows (loss on shared tokens). ``None``: the mini-batch ran one-level
+    log-prob positions shared by several rows (loss on shared tokens), and the chunks its nodes longer than
+    ``prefix_chunk_tokens`` ran as. ``None``: the mini-batch ran one-level
     (every metric 0)."""
     stats = stats or TrieStats(0, 0, (), 0, 0)
     levels = [*stats.shared_tokens[:2], sum(stats.shared_tokens[2:])]
@@ -384,4 +385,5 @@ def tree_metrics(stats: TrieStats | None) -> dict[str, float]:
     metrics["prefix/tree_saved_tokens"] = float(stats.saved_tokens)
     metrics["prefix/tree_loss_nodes"] = float(stats.loss_nodes)
     metrics["prefix/tree_shared_loss_tokens"] = float(stats.shared_loss_tokens)
+    metrics["prefix/tree_node_chunks"] = float(stats.node_chunks)
     return metrics

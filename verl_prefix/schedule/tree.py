@@ -11,15 +11,17 @@ attention, the chain rule split at node boundaries. Only one root-to-node path's
 
 With an MoE router aux loss each node keeps its router statistics as one more leaf; a micro-batch's aux sees
 every node on its path once per row (``moe.logical_stats`` over the path's summed statistics), so each node
-counts once per row below it, as dense does.
+counts once per row below it, as dense does, loss-carrying nodes included. Every row then has a tail (the trie
+is built ``own_last``), whose suffix forward routes the row's last token as dense does.
 
 Loss on shared tokens (``schedule.tree_loss``): a node whose positions carry loss for a row below (a shared
 response stem, a turn that is one sample's response and the next one's prompt) runs the LM head there once; its
 log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
 with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
 
-What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, chunked
-nodes, recurrent layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``.
+What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, recurrent
+layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``. Chunked long nodes
+(``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ def train_tree(
                         log_probs, _ = suffix_forward(model, join_path(below), batch, fillers)
                     options.backward(log_probs[0].sum() * 0.0)
         for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
+            if routers is not None:  # their last token would go unrouted: the engine builds the trie own_last
+                raise RuntimeError(f"rows {rows} have no tail to route their last token (trie.build_trie own_last)")
             with meter.phase("B"):
                 with autocast():
                     log_probs, entropy = tree_loss.with_path(values_below, layout, rows, None, None)

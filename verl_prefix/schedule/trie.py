@@ -12,13 +12,19 @@ its loss runs on the nodes' log-probs alone (``schedule.tree_loss``).
 
 Where rows branch at a loss position (the first differing response token), the position before the branch
 runs in each child or tail, as ``prompt[-1]`` runs in every suffix row under one-level reuse: a node's every
-log-prob then has one label for all rows below. With ``share_loss`` off (the MoE router aux loss) every row's
-key stops at ``prompt[:-1]``, the prompt-only trie, and each row's tail is its whole suffix.
+log-prob then has one label for all rows below. With ``share_loss`` off every row's key stops at
+``prompt[:-1]``, the prompt-only trie, and each row's tail is its whole suffix. With ``own_last`` (the MoE router
+aux loss) every row's key stops one position earlier than it otherwise would: its last loss position runs in its
+own tail, so every row has a suffix forward, in which its last token runs through the routers too (dense routes
+every input token; no node ends on a row's last token, no row is without a tail).
 
 A node shorter than ``min_shared_tokens`` is merged into its children and the tails of the rows that hang on
 it (its tokens run once per child and tail instead), unless a row's prompt ends inside or after it (a tail holds
 loss positions only): a node is one more forward (and backward), a fixed cost the FLOP model does not price,
-exactly as ``min_prefix_len`` decides for a whole prefix. What the tree schedule runs over this trie is
+exactly as ``min_prefix_len`` decides for a whole prefix. With ``chunk_tokens`` (``prefix_chunk_tokens``) a
+longer node runs as a chain of chunks of at most that many tokens, each a node of its own (``continues``) that
+attends to the earlier chunks' K/V as leaves, the way a chunked prefix runs under one-level reuse: the chain is
+the same causal attention split at more boundaries. What the tree schedule runs over this trie is
 ``schedule.tree``.
 """
 
@@ -66,6 +72,7 @@ class TrieNode:
     ended: list[list[int]] = field(default_factory=list)
     logits_from: int | None = None
     labels: torch.Tensor | None = None
+    continues: bool = False  # a later chunk of a node split by ``chunk_tokens`` (its parent is the chunk before)
 
     @property
     def length(self) -> int:
@@ -99,7 +106,9 @@ class TrieStats:
     copy per group: what one-level reuse computes), ``node_tokens`` (what the tree's nodes compute),
     ``suffix_tokens`` and ``tail_tokens`` (the rows' suffixes under one-level reuse, their tails under the tree),
     ``loss_nodes`` (nodes that run the LM head) and ``shared_loss_tokens`` (their log-prob positions in nodes
-    with more than one row below: loss-carrying tokens computed once for several rows)."""
+    with more than one row below: loss-carrying tokens computed once for several rows). A node split into
+    chunks counts as one node at one depth (``loss_nodes``: each chunk that runs the LM head);
+    ``node_chunks`` counts the chunks such nodes ran as."""
 
     nodes: int
     depth: int
@@ -110,6 +119,7 @@ class TrieStats:
     tail_tokens: int = 0
     loss_nodes: int = 0
     shared_loss_tokens: int = 0
+    node_chunks: int = 0
 
     @property
     def saved_tokens(self) -> int:
@@ -129,10 +139,10 @@ class _Row:
     ids: list[int]
 
 
-def _row(layout: RowLayout, row: int, share_loss: bool) -> _Row:
+def _row(layout: RowLayout, row: int, share_loss: bool, own_last: bool) -> _Row:
     prompt_len = layout.prompt_lens[row]
     ids = layout.input_ids[row].tolist()
-    n = len(ids) - 1 if share_loss else prompt_len - 1
+    n = max(len(ids) - 1 - own_last, prompt_len - 1) if share_loss else prompt_len - 1
     pos = layout.position_ids[row][..., :n].reshape(-1, n).tolist()
     labels = [ids[t + 1] if t >= prompt_len - 1 else None for t in range(n)]
     span = RowSpan(str(layout.uids[row]), prompt_len, len(ids))
@@ -217,6 +227,27 @@ def _merge_short(
     return out, up
 
 
+def _split_long(layout: RowLayout, nodes: list[TrieNode], chunk_tokens: int) -> None:
+    """Split every node longer than ``chunk_tokens`` into a chain of chunks (the last one keeps its children and
+    rows), in place."""
+    for node in nodes:
+        _split_long(layout, node.children, chunk_tokens)
+        if node.length <= chunk_tokens:
+            continue
+        row, end = next(iter(node.rows_below())), node.end
+        tail = node
+        for lo in range(node.start + chunk_tokens, end, chunk_tokens):
+            hi = min(lo + chunk_tokens, end)
+            piece = _node(layout, row, lo, hi)
+            piece.continues = True
+            piece.children, piece.hanging = tail.children, tail.hanging
+            tail.children, tail.hanging = [piece], {}
+            tail.end = lo
+            tail = piece
+        node.ids = layout.input_ids[row][node.start : node.end]
+        node.positions = layout.position_ids[row][..., node.start : node.end].clone()
+
+
 def _logits(layout: RowLayout, node: TrieNode) -> None:
     """Where ``node``'s log-probs start (the first loss position of a row below) and their labels."""
     below = node.rows_below()
@@ -254,20 +285,31 @@ def _attach_micro_batches(roots: list[TrieNode], groups: list[GroupPlan]) -> Non
 
 
 def build_trie(
-    layout: RowLayout, groups: list[GroupPlan], min_shared_tokens: int, share_loss: bool = True
+    layout: RowLayout,
+    groups: list[GroupPlan],
+    min_shared_tokens: int,
+    share_loss: bool = True,
+    own_last: bool = False,
+    chunk_tokens: int | None = None,
 ) -> list[TrieNode]:
     """The roots of the trie over ``groups``' rows, in the rows' first-appearance order. ``share_loss`` off:
-    over their prompts only (``prompt[:-1]``; every row's tail is its suffix)."""
+    over their prompts only (``prompt[:-1]``; every row's tail is its suffix). ``own_last``: each row's last
+    loss position stays in its tail (the MoE router aux loss: every row's last token runs in a suffix forward).
+    ``chunk_tokens``: nodes longer than that run as chains of chunks (``prefix_chunk_tokens``)."""
     if min_shared_tokens < 1:
         raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
     empty = [g.uid for g in groups if g.prefix_len < 1]
     if empty:
         raise ValueError(f"groups {empty[:8]} have no prefix to share (prompt of one token)")
-    items = [_row(layout, row, share_loss) for group in groups for row in group.rows]
+    items = [_row(layout, row, share_loss, own_last) for group in groups for row in group.rows]
     roots, alone = _build(layout, items, 0)
     assert not alone, "a row alone from position 0 is a node of its own prefix"
     roots, up = _merge_short(layout, roots, min_shared_tokens)
     assert not up, "a root's rows start their loss after it"
+    if chunk_tokens:
+        _split_long(layout, roots, chunk_tokens)
     for root in roots:
         for node, _ in root.walk():
             _logits(layout, node)
@@ -277,13 +319,14 @@ def build_trie(
 
 def trie_stats(roots: list[TrieNode]) -> TrieStats:
     """Nodes, depth and tokens of a trie (``prefix/tree_*`` metrics)."""
-    nodes = depth = node_tokens = tail_tokens = loss_nodes = shared_loss = 0
+    nodes = depth = node_tokens = tail_tokens = loss_nodes = shared_loss = chunks = 0
     shared: dict[int, int] = {}
     prefixes: dict[str, int] = {}
     suffix_tokens = 0
     for root in roots:
-        for node, d in root.walk():
-            nodes += 1
+        for node, d in _logical_walk(root):
+            nodes += not node.continues
+            chunks += node.continues + (not node.continues and any(c.continues for c in node.children))
             depth = max(depth, d)
             node_tokens += node.length
             below = node.rows_below()
@@ -307,7 +350,18 @@ def trie_stats(roots: list[TrieNode]) -> TrieStats:
         tail_tokens,
         loss_nodes,
         shared_loss,
+        chunks,
     )
+
+
+def _logical_walk(root: TrieNode) -> list[tuple[TrieNode, int]]:
+    """``root.walk()`` with a chunk at its node's depth (a chain of chunks is one node)."""
+    out, stack = [], [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        out.append((node, depth))
+        stack.extend((c, depth if c.continues else depth + 1) for c in reversed(node.children))
+    return out
 
 
 def execution_signature(roots: list[TrieNode]) -> str:

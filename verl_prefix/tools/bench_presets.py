@@ -106,6 +106,9 @@ class Cell:
     # each group's own question, of ``question_len_range`` tokens drawn per group (else ``prompt_len``)
     system_len: int = 0
     question_len_range: tuple[int, int] | None = None
+    # tree rollouts (``prefix_reuse.tree`` with loss on shared tokens): each group's responses open with a tree
+    # of shared stems, level k 2**k stems of ``response_stems[k]`` tokens, then ``response_len_range`` own tokens
+    response_stems: tuple[int, ...] = ()
     # "fsdp2": stock fsdp2 vs prefix_fsdp2; "torchtitan": verl's TorchTitan engine vs prefix_torchtitan (one rank,
     # a qwen3 model: ``titan_testing`` registers the flavor of its shapes; classic cells only)
     engine: str = "fsdp2"
@@ -339,6 +342,14 @@ def _agentic_cell(system: int, questions: tuple[int, int], responses: tuple[int,
     )
 
 
+def _tree_rollout_cell(prompt: int, stems: tuple[int, ...], tails: tuple[int, int]) -> Cell:
+    """Issue 25's tree-rollout batch: 8 groups of G=8 (the agentic cell's 64 rows) whose responses branch inside
+    the response, one stem shared by the group, then 2 and 4 sub-stems, loss on every shared stem; the smoke
+    model, as the agentic cell."""
+    name = f"P{prompt}/T{'-'.join(map(str, stems))}/R{tails[0]}-{tails[1]}/8xG8"
+    return Cell(name, SMOKE_MODEL, 8, 8, prompt, tails, response_stems=stems, variants=("fsdp2", *TREE_VARIANTS))
+
+
 PRESETS: dict[str, Preset] = {
     "smoke": Preset(
         cells=(Cell("P512/S32-64/G8", SMOKE_MODEL, 2, 8, 512, (32, 64)),),
@@ -425,6 +436,14 @@ PRESETS: dict[str, Preset] = {
         threads=1,
         description="the agentic batch at a quarter of every length (system 1024, questions 32-128, responses "
         "32-64), 8 groups of G=8, smoke model: stock, one-level reuse and the tree; minutes on a busy CPU",
+    ),
+    "tree_rollout": Preset(
+        cells=(_tree_rollout_cell(1024, (256, 128, 64), (32, 64)),),
+        reps=3,
+        threads=1,
+        description="issue 25's tree-rollout batch on the 1M smoke model: 8 groups of G=8, prompt 1024, responses "
+        "opening with a 256-token stem branching into 2 stems of 128, then 4 of 64, then 32-64 tokens each; stock "
+        "fsdp2, one-level reuse and the tree (loss on the shared stems)",
     ),
     "gpu": Preset(
         cells=tuple(
@@ -560,6 +579,7 @@ def cell_batch(cell: Cell) -> Any:
         vocab_size=cell.model.vocab_size,
         seed=0,
         shared_system=cell.system_len,
+        response_stems=cell.response_stems,
     )
 
 
@@ -602,6 +622,7 @@ def cell_from_dict(raw: dict[str, Any]) -> Cell:
             "variants": tuple(raw["variants"]),
             "question_len_range": tuple(raw["question_len_range"]) if raw.get("question_len_range") else None,
             "image": tuple(raw["image"]) if raw.get("image") else None,
+            "response_stems": tuple(raw.get("response_stems", ())),
         }
     )
 

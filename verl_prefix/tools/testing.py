@@ -381,6 +381,7 @@ def make_grpo_batch(
     global_batch_size: int | None = None,
     worker_settings: dict[str, Any] | None = None,
     shared_system: int = 0,
+    response_stems: tuple[int, ...] = (),
 ) -> TensorDict:
     """A per-rank GRPO actor-update mini-batch, as ``TrainingWorker.train_batch`` receives it.
 
@@ -392,7 +393,10 @@ def make_grpo_batch(
     settings the worker injects (``micro_batch_size_per_gpu``...) are left to ``run_train_step``
     unless given in ``worker_settings``. ``shared_system``: every prompt starts with one block of that many
     tokens (a system prompt shared across groups, what ``prefix_reuse.tree`` computes once), before its own
-    ``prompt_lens`` tokens.
+    ``prompt_lens`` tokens. ``response_stems``: tree rollouts, each group's responses branching inside the
+    response (what ``prefix_reuse.tree`` computes once, loss included): level ``k`` has ``2**k`` stems of
+    ``response_stems[k]`` tokens (level 0 one stem for the whole group), row ``i`` taking stem
+    ``i * 2**k // group_size`` of each level, then its own ``response_len_range`` tokens.
     """
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
     from verl.utils import tensordict_utils as tu
@@ -414,10 +418,12 @@ def make_grpo_batch(
     system = rand_tokens(shared_system) if shared_system else None  # drawn only when asked: seeds stay put
     for gi in range(num_groups):
         prompt = rand_tokens(p_lens[gi]) if system is None else torch.cat([system, rand_tokens(p_lens[gi])])
-        for _ in range(group_size):
+        stems = [[rand_tokens(n) for _ in range(2**k)] for k, n in enumerate(response_stems)]
+        for row in range(group_size):
             r_len = int(torch.randint(lo, hi + 1, (1,), generator=g))
             prompts.append(prompt.clone())
-            responses.append(rand_tokens(r_len))
+            stem = [level[row * len(level) // group_size] for level in stems]
+            responses.append(torch.cat([*stem, rand_tokens(r_len)]))
             uids.append(f"uid-{seed}-{gi}")
     bsz = len(prompts)
     r_lens = [len(r) for r in responses]

@@ -69,7 +69,9 @@ def tree_model(batch: Any, reuse: Any) -> TreeModel:
         min_prefix_len=reuse.min_prefix_len,
         min_group_size=reuse.min_group_size,
     )
-    roots = build_trie(layout, plan.groups, reuse.min_shared_tokens) if plan.groups else []
+    roots = []
+    if plan.groups:
+        roots = build_trie(layout, plan.groups, reuse.min_shared_tokens, chunk_tokens=reuse.prefix_chunk_tokens)
     nodes: list[TrieNode] = [node for root in roots for node, _ in root.walk()]
     groups = [(g.prompt_len, [layout.response_lens[r] for r in g.rows]) for g in plan.groups]
     tails = [(n.end, span.length - 1) for n in nodes for span in n.hanging.values() if span.length - 1 > n.end]
