@@ -52,6 +52,29 @@ def tiny_qwen3_dir(tiny_model) -> Path:
     return tiny_model("qwen3")
 
 
+@pytest.fixture(scope="module")
+def engine_pairs(tiny_model):
+    """Factory: ``engine_pairs(dtype="float64", kv_heads=None)`` -> a stock/prefix engine pair on a tiny qwen3
+    (``helpers.engine_pairs``), one per dtype and KV-head count in a test file, built on first use."""
+    from helpers.engine_pairs import build_pair
+
+    built: dict[tuple, tuple] = {}
+
+    def pair(dtype: str = "float64", kv_heads: int | None = None) -> tuple:
+        if (dtype, kv_heads) not in built:
+            model_dir = tiny_model("qwen3", **({} if kv_heads is None else {"num_kv_heads": kv_heads}))
+            built[dtype, kv_heads] = build_pair(model_dir, dtype)
+        return built[dtype, kv_heads]
+
+    return pair
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(engine_pairs) -> tuple:
+    """The fp64 pair of ``engine_pairs``."""
+    return engine_pairs()
+
+
 # Test files that take minutes (measured with --durations), longest first. Under xdist each file runs on one
 # worker in collection order, so starting these first keeps one long file from finishing last on its own.
 SLOWEST_FILES = (

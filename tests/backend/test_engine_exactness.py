@@ -3,16 +3,11 @@ after one optimizer step, loss, and forward-only log-probs/entropy, in fp64 and 
 
 from __future__ import annotations
 
-import copy
-import functools
-from collections.abc import Callable
-
 import pytest
+from helpers.engine_pairs import compare_on_pair, loss_with, worst_relative
 from helpers.layouts import use_suffix_only_mask
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
-from verl.utils import tensordict_utils as tu
-from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.schedule import executor as schedule
@@ -44,11 +39,6 @@ def engines(model_dir, *, reuse: PrefixReuseConfig | None = None, **kwargs):
     return dense, prefix
 
 
-def worst_relative(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys()
-    return max(((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want)
-
-
 def compare_update(model_dir, batch, dtype="float64", reuse=None, **kwargs):
     """One update through both engines; returns (worst grad rel, worst update rel, dense, prefix results).
     Fails unless the prefix engine reused: a silent fallback to dense would match trivially."""
@@ -63,42 +53,6 @@ def compare_update(model_dir, batch, dtype="float64", reuse=None, **kwargs):
     d_update = {n: d_after[n] - before[n] for n in before}
     p_update = {n: p_after[n] - before[n] for n in before}
     return worst_relative(prefix["grads"], dense["grads"]), worst_relative(p_update, d_update), dense, prefix
-
-
-@pytest.fixture(scope="module")
-def qwen3_pair(tiny_model):
-    """One stock/prefix engine pair (qwen3, fp64, KL and entropy on, lr 0: a step leaves the weights as they
-    were) for the tests that vary only what the loss function, the batch or the reuse config decide. The
-    optimizer's update is compared where the engines are built for it (above and below)."""
-    (dense, _, actor_config), (prefix, _, _) = engines(
-        tiny_model("qwen3"), dtype="float64", lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
-    )
-    return dense, prefix, actor_config
-
-
-def loss_with(actor_config, policy_loss_mode: str = "vanilla", **fields) -> Callable:
-    """verl's ``ppo_loss`` on a copy of the actor config with ``fields`` (and the policy loss mode) set, as
-    ``build_verl_engine`` would have built it: its per-step state (``global_batch_info``) starts empty."""
-    config, policy = copy.copy(actor_config), copy.copy(actor_config.policy_loss)
-    object.__setattr__(policy, "loss_mode", policy_loss_mode)
-    for name, value in {**fields, "policy_loss": policy, "global_batch_info": {}}.items():
-        object.__setattr__(config, name, value)
-    return functools.partial(ppo_loss, config=config)
-
-
-def compare_on_pair(pair, batch, *, reuse=None, micro_batch_size: int = 2, loss_fn: Callable | None = None):
-    """One step of the shared pair on ``batch``; returns (worst grad rel, dense, prefix results). Fails unless
-    the prefix engine reused."""
-    dense_engine, prefix_engine, actor_config = pair
-    prefix_engine.reuse_config = reuse or PrefixReuseConfig(min_prefix_len=2)
-    loss_fn = loss_fn or loss_with(actor_config)
-    tu.assign_non_tensor(batch, micro_batch_size_per_gpu=micro_batch_size)
-    with promote_fp32_upcasts():
-        dense = T.run_train_step(dense_engine, loss_fn, batch, capture_grads=True)
-        prefix = T.run_train_step(prefix_engine, loss_fn, batch, capture_grads=True)
-    assert dense["grads"], "the stock engine produced no gradients"
-    assert_reuse_ran(prefix["metrics"])
-    return worst_relative(prefix["grads"], dense["grads"]), dense, prefix
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

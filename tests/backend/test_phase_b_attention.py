@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine_pairs import compare_on_pair
 from helpers.precision import promote_fp32_upcasts
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,34 +28,20 @@ def _assert_reuse_ran(metrics: dict, attention: str, micro_batches: int) -> None
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["gqa1", "gqa2", "gqa4"])
 @pytest.mark.parametrize("attention", ["merged", "concat", "auto"])
-def test_phase_b_attention_matches_stock_engine(tiny_model, dtype, kv_heads, attention):
+def test_phase_b_attention_matches_stock_engine(engine_pairs, dtype, kv_heads, attention):
     reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=2, phase_b_attention=attention)
-    grads, update, dense, prefix = compare_update(
-        tiny_model("qwen3", num_kv_heads=kv_heads),
-        grpo_batch(),  # 3 ragged groups of 4
-        dtype=dtype,
-        reuse=reuse,
-        micro_batch_size_per_gpu=2,
-        use_kl_loss=True,
-        entropy_coeff=0.01,
-    )
+    grads, dense, prefix = compare_on_pair(engine_pairs(dtype, kv_heads), grpo_batch(), reuse=reuse)  # 3 groups of 4
     assert grads < GRAD_TOL[dtype]
     assert prefix["grad_norm"] == pytest.approx(dense["grad_norm"], rel=1e-5)
     _assert_reuse_ran(prefix["reduced_metrics"], "concat" if attention == "concat" else "merged", 3 * 2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8])  # micro-batches of 1, 2 and G rows
-def test_merged_for_every_partition(tiny_model, rows):
+def test_merged_for_every_partition(qwen3_pair, rows):
     batch = grpo_batch(num_groups=2, group_size=8, prompt_lens=[10, 6], response_len_range=(1, 9))
-    grads, update, _, prefix = compare_update(
-        tiny_model("qwen3"),
-        batch,
-        reuse=PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=rows, phase_b_attention="merged"),
-        micro_batch_size_per_gpu=4,
-        use_kl_loss=True,
-        entropy_coeff=0.01,
-    )
-    assert grads < 1e-10 and update < 1e-9
+    reuse = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=rows, phase_b_attention="merged")
+    grads, _, prefix = compare_on_pair(qwen3_pair, batch, reuse=reuse, micro_batch_size=4)
+    assert grads < 1e-10
     _assert_reuse_ran(prefix["reduced_metrics"], "merged", 2 * (8 // rows))
 
 
