@@ -80,11 +80,13 @@ def qwen3_pair(engine_pairs) -> tuple:
 SLOWEST_FILES = (
     # end to end (`-m e2e`)
     "test_main_ppo_cpu.py",
+    "test_main_ppo_titan_cpu.py",
     "test_main_ppo_vl_cpu.py",
     "test_grpo_loop_ray.py",
     "test_demo_wandb.py",
     # the rest: multi-rank (gloo) files and files that build many engine pairs
     "test_titan_engine.py",
+    "test_trace_replay.py",
     "test_recurrent.py",
     "test_mamba_engine.py",
     "test_chunked_prefix_engine.py",
