@@ -15,6 +15,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_cpu_smoke.sh"
+# the smallest job that forms groups: 2 prompts x 4 samples, one mini-batch; no checkpoint (the metrics are the
+# comparison: the last value of a key wins)
+SMALL_JOB = (
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "trainer.save_freq=-1",
+)
 
 
 def start_recipe(
@@ -72,3 +80,45 @@ def metrics(path: Path) -> dict[int, dict]:
 def ray_tmpdir(name: str) -> str:
     """A short per-worker Ray temp dir (Ray's socket paths have a length limit): a launch's own local cluster."""
     return f"/tmp/ray_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{name}"
+
+
+def run_dense_and_prefix(
+    tmp_path_factory, name: str, *, steps: int, env: dict, args: Sequence[str] = ()
+) -> dict[str, Path]:
+    """The recipe's dense and prefix launches started together (each in its own local Ray cluster), each waited
+    for: ``{"dense": out, "prefix": out}``. Both are killed if either fails."""
+    procs = {}
+    try:
+        for mode in ("dense", "prefix"):
+            out = tmp_path_factory.mktemp(f"{name}_{mode}")
+            run_env = {**env, "RAY_TMPDIR": ray_tmpdir(f"{name}_{mode}")}
+            procs[mode] = (start_recipe(out, mode=mode, steps=steps, save_at=steps, env=run_env, args=args), out)
+        for proc, out in procs.values():
+            finish_recipe(proc, out)
+        return {mode: out for mode, (_, out) in procs.items()}
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)
+
+
+def assert_same_rollouts_and_update(dense: dict, prefix: dict, step: int) -> None:
+    """One step's metrics of a dense and a prefix launch on identical rollouts: the same rewards, prompts and
+    responses, the same gradient norm (1e-4 relative, not zero), and the sampler's log-probs the actor's in
+    both."""
+    import pytest
+
+    assert "actor/prefix/groups" not in dense  # the stock engine
+    for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean", "prompt_length/max"):
+        assert dense[key] == pytest.approx(prefix[key], rel=1e-6), (step, key)
+    assert abs(prefix["actor/grad_norm"] - dense["actor/grad_norm"]) <= 1e-4 * abs(dense["actor/grad_norm"]), step
+    assert dense["actor/grad_norm"] > 0, step  # the groups have reward spread: the update is not zero
+    assert dense["training/rollout_probs_diff_max"] < 1e-4 and prefix["training/rollout_probs_diff_max"] < 1e-4, step
+
+
+def assert_reuse_ran(prefix: dict, step: int) -> None:
+    """One step's metrics of a prefix launch: the update reused (groups, fewer physical than logical tokens),
+    so did the old-log-prob pass, and nothing fell back."""
+    assert prefix["actor/prefix/groups"] > 0, (step, prefix)
+    assert prefix["actor/prefix/physical_tokens"] < prefix["actor/prefix/logical_tokens"], (step, prefix)
+    assert prefix["actor/prefix/old_log_prob/groups"] > 0, (step, prefix)
+    assert not any(k.startswith("actor/prefix/fallback_") and v > 0 for k, v in prefix.items()), (step, prefix)

@@ -13,53 +13,35 @@ AdamW's rounding, and draw the same too (asserted: same rewards and lengths).
 from __future__ import annotations
 
 import pytest
-from helpers.recipe_runs import finish_recipe, metrics, ray_tmpdir, start_recipe, stop
+from helpers.recipe_runs import (
+    SMALL_JOB,
+    assert_reuse_ran,
+    assert_same_rollouts_and_update,
+    metrics,
+    run_dense_and_prefix,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 STEPS = 2
-# the smallest job that forms groups: 2 prompts x 4 samples, one mini-batch, one micro-batch
 SMALL = [
-    "data.train_batch_size=2",
-    "actor_rollout_ref.rollout.n=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    *SMALL_JOB,
     "data.filter_overlong_prompts=false",  # prompts of 60-100 tokens: the processor pass over the set is waste
-    "trainer.save_freq=-1",  # no checkpoint: the metrics are the comparison (the last value of a key wins)
 ]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both launches started together, each waited for: ``{"dense": (out, log), "prefix": (out, log)}``."""
-    procs = {}
-    try:
-        for mode in ("dense", "prefix"):
-            out = tmp_path_factory.mktemp(f"vl_{mode}")
-            env = {"TASK": "vl", "GPUS_PER_NODE": "1", "RAY_TMPDIR": ray_tmpdir(f"vl_{mode}")}
-            procs[mode] = (start_recipe(out, mode=mode, steps=STEPS, save_at=STEPS, env=env, args=SMALL), out)
-        return {mode: (out, finish_recipe(proc, out)) for mode, (proc, out) in procs.items()}
-    finally:
-        for proc, _ in procs.values():
-            stop(proc)
+    env = {"TASK": "vl", "GPUS_PER_NODE": "1"}
+    return run_dense_and_prefix(tmp_path_factory, "vl", steps=STEPS, env=env, args=SMALL)
 
 
 def test_vl_main_ppo_dense_and_reuse_agree_on_identical_rollouts(runs):
-    dense = metrics(runs["dense"][0] / "metrics_first.jsonl")
-    prefix = metrics(runs["prefix"][0] / "metrics_first.jsonl")
+    dense = metrics(runs["dense"] / "metrics_first.jsonl")
+    prefix = metrics(runs["prefix"] / "metrics_first.jsonl")
     assert sorted(dense) == sorted(prefix) == list(range(1, STEPS + 1)), (dense.keys(), prefix.keys())
     for step in dense:
         d, p = dense[step], prefix[step]
-        assert "actor/prefix/groups" not in d  # the stock engine
-        # identical rollouts: the same rewards, prompts (images included) and responses
-        for key in ("critic/score/mean", "response_length/mean", "prompt_length/mean", "prompt_length/max"):
-            assert d[key] == pytest.approx(p[key], rel=1e-6), (step, key)
-        assert abs(p["actor/grad_norm"] - d["actor/grad_norm"]) <= 1e-4 * abs(d["actor/grad_norm"]), step
-        assert d["actor/grad_norm"] > 0, step  # the groups have reward spread: the update is not zero
-        # the sampler's log-probs are the actor's, images included, in both runs
-        assert d["training/rollout_probs_diff_max"] < 1e-4 and p["training/rollout_probs_diff_max"] < 1e-4, step
-        # reuse ran, the images in the shared prefix: the encoder ran once per group
-        assert p["actor/prefix/groups"] > 0, (step, p)
-        assert p["actor/prefix/physical_tokens"] < p["actor/prefix/logical_tokens"], (step, p)
+        assert_same_rollouts_and_update(d, p, step)  # identical rollouts, images included
+        assert_reuse_ran(p, step)  # the images in the shared prefix: the encoder ran once per group
         assert p["actor/prefix/vision_encoder_calls"] == p["actor/prefix/groups"], (step, p)
-        assert p["actor/prefix/old_log_prob/groups"] > 0, (step, p)
-        assert not any(k.startswith("actor/prefix/fallback_") and v > 0 for k, v in p.items()), (step, p)
