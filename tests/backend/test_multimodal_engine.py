@@ -274,7 +274,7 @@ def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(vl_model, fp64, 
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None
     monkeypatch.setattr(modeling_qwen2_5_vl.Qwen2_5_VLAttention, "forward", qwen2_vl_attn_forward)
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None  # remembered: served
-    monkeypatch.setattr(multimodal, "hf_attention_forward", lambda cls: None)
+    monkeypatch.setattr(multimodal, "hf_forward", lambda cls: None)
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) == "multimodal_remove_padding"
 
 

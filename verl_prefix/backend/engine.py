@@ -54,7 +54,6 @@ from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_
 from verl_prefix.schedule.hf_forwards import remember_hf_forwards
 from verl_prefix.schedule.multimodal import (
     model_positions,
-    remember_attention_forwards,
     text_only_call,
     vision_encoder,
     visual_token_ids,
@@ -108,10 +107,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._structure_decision: tuple[tuple[int, str], str | None] | None = None
 
     def _build_module(self) -> Any:
-        """verl's build; HF's attention forward of a vision-language family is remembered first, since verl's
-        remove-padding patch replaces it (``schedule.multimodal.hf_attention`` serves the schedule with it)."""
-        remember_attention_forwards(getattr(self.model_config.hf_config, "model_type", None))
-        remember_hf_forwards()  # Qwen3.5's delta-net and decoder layer (``schedule.hf_forwards``)
+        """verl's build; HF's forwards of the classes verl's patch replaces are remembered first
+        (``schedule.hf_forwards``): Qwen3.5's delta-net and decoder layers, and the vision-language families'
+        attention, which verl's remove-padding patch replaces (``schedule.multimodal.hf_attention`` serves the
+        schedule with it)."""
+        remember_hf_forwards()
         return super()._build_module()
 
     def initialize(self) -> None:

@@ -16,14 +16,14 @@ dense with its reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from verl.utils.transformers_compat import unpack_visual_output
 
-from verl_prefix.schedule.hf_forwards import class_forwards
+from verl_prefix.schedule.hf_forwards import class_forwards, hf_forward, patched_by_verl
 
 # a row's multimodal model inputs (verl's ``multi_modal_inputs`` entry: pixel values, grids...)
 VisualInputs = Mapping[str, torch.Tensor]
@@ -58,51 +58,19 @@ def visual_model_refusal(model: nn.Module) -> str | None:
     return f"vision-language model type {model_type!r} is not served yet (served: {', '.join(SERVED_VISUAL_MODELS)})"
 
 
-# HF's own attention forward of each class verl patches (``remember_attention_forwards``), by class
-_HF_ATTENTION_FORWARDS: dict[type, Callable] = {}
-
-
-def _patched_by_verl(forward: object) -> bool:
-    return getattr(forward, "__module__", "").startswith("verl.")
-
-
-def _attention_classes(model_type: str | None) -> list[type]:
-    """The attention classes verl's ``apply_monkey_patch`` replaces the forward of, for ``model_type``."""
-    if model_type not in QWEN2_VL_FORWARD:
-        return []
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLAttention
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLAttention
-
-    return [Qwen2_5_VLAttention, Qwen2VLAttention]
-
-
-def remember_attention_forwards(model_type: str | None) -> None:
-    """Remember HF's attention forward of ``model_type``'s classes before verl's ``apply_monkey_patch`` replaces
-    it (under ``use_remove_padding`` or Ulysses verl's Qwen2-VL attention calls flash attention directly, on
-    packed rows); ``hf_attention`` puts it back while the schedule runs. Call it before the model is built."""
-    for cls in _attention_classes(model_type):
-        if not _patched_by_verl(cls.forward):
-            _HF_ATTENTION_FORWARDS.setdefault(cls, cls.forward)
-
-
-def hf_attention_forward(cls: type) -> Callable | None:
-    """HF's own forward of an attention class verl patched, as remembered before the patch, or None."""
-    return _HF_ATTENTION_FORWARDS.get(cls)
-
-
 def _bypassing_classes(model: nn.Module) -> set[type]:
     return {
         type(m)
         for m in model.modules()
-        if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and _patched_by_verl(type(m).forward)
+        if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and patched_by_verl(type(m))
     }
 
 
 def attention_bypassed(model: nn.Module) -> bool:
     """Whether the model's attention modules run a forward that calls flash attention directly instead of HF's
     attention function (verl's Qwen2-VL patch) and HF's own forward was not remembered before the patch
-    (``remember_attention_forwards``): phase A could not capture their K/V, nor phase B serve the prefix."""
-    return any(hf_attention_forward(cls) is None for cls in _bypassing_classes(model))
+    (``hf_forwards.remember_hf_forwards``): phase A could not capture their K/V, nor phase B serve the prefix."""
+    return any(hf_forward(cls) is None for cls in _bypassing_classes(model))
 
 
 @contextmanager
@@ -110,7 +78,7 @@ def hf_attention(model: nn.Module) -> Iterator[None]:
     """HF's own attention forward for the block, where verl patched it and it was remembered: the schedule's
     rows are padded, one sequence each, and attend through HF's attention interface (the prefix attention),
     exactly as verl's padded path (no patch) does. verl's forward is back after the block."""
-    originals = [(cls, hf_attention_forward(cls)) for cls in _bypassing_classes(model)]
+    originals = [(cls, hf_forward(cls)) for cls in _bypassing_classes(model)]
     with class_forwards([(cls, original) for cls, original in originals if original is not None]):
         yield
 
