@@ -20,7 +20,7 @@ from helpers.delta_rule import fp64_delta_net
 from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
-from test_cuda import bf16_errors, bf16_outputs
+from test_cuda import assert_bf16_within_stocks_own, bf16_outputs
 from test_engine_exactness import engines, grpo_batch, worst_relative
 from transformers import AutoModelForCausalLM
 
@@ -228,12 +228,7 @@ def test_fp32_and_bf16_within_the_stock_engines_own_rounding(hybrid_dir):
     own, ours = worst_relative(as64(reference[1]), truth_grads), worst_relative(as64(fp32[1]), truth_grads)
     assert own < 1e-3 and ours <= max(1.5 * own, 1e-5), (ours, own)
     assert_reuse_ran(fp32[2], groups=1)
-    dense = bf16_outputs(hybrid_dir, "fsdp2", batch, bf16=True)
-    reuse = bf16_outputs(hybrid_dir, "prefix_fsdp2", batch, bf16=True)
-    dense_err, reuse_err = bf16_errors(dense, reference), bf16_errors(reuse, reference)
-    assert dense_err[0] > 0 and dense_err[1] > 0  # bf16 really ran
-    assert reuse_err[0] <= 1.5 * dense_err[0] and reuse_err[1] <= 1.5 * dense_err[1], (reuse_err, dense_err)
-    assert_reuse_ran(reuse[2], groups=1)
+    assert_bf16_within_stocks_own(hybrid_dir, batch, reference, groups=1)
 
 
 def _counted(calls: list, forward):
