@@ -101,7 +101,7 @@ def _trip_on_this_rank(case: str) -> None:
     from verl_prefix.schedule import varlen_attention as V
 
     if case == "recompute_mismatch":
-        dormant.kv_difference = lambda phase_a, recomputed: float("inf")
+        dormant.kv_difference = lambda phase_a, recomputed, also=(): float("inf")
     elif case in ("auto_kernel_arch", "merged_kernel_arch"):
         MA.merged_refusal = prefix_kv.merged_refusal = lambda query, kwargs, value_dim=None: "kernel_arch"
     elif case == "varlen_kernel_missing":

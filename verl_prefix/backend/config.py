@@ -75,9 +75,9 @@ class PrefixReuseConfig(BaseConfig):
             ``prefix/fallback_<reason>`` with one log line at initialisation naming the module; ``raise`` stops
             every rank with one ``UnsupportedModel`` error naming it.
         tree: run each rank's groups as a token trie (``docs/trees.md``): tokens that several groups' prompts
-            share (a system block) run once per rank and mini-batch, not once per group. Needs
-            ``dormant_prefix=keep`` and no ``merged_varlen`` (refused here; ``prefix_chunk_tokens`` runs longer
-            nodes as chains of chunks); a
+            share (a system block) run once per rank and mini-batch, not once per group. ``dormant_prefix``
+            applies per node; ``merged_varlen`` is refused here; ``prefix_chunk_tokens`` runs longer
+            nodes as chains of chunks; a
             model or setting the tree does not serve yet (Ulysses, sliding windows, recurrent layers, ranks
             whose tries differ in shape) runs one-level reuse, counted as ``prefix/tree_fallback_<reason>``.
         min_shared_tokens: a trie node shorter than this on which no group's prompt ends is merged into its
@@ -159,5 +159,3 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
             object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
         object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))
         validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
-        if self.prefix_reuse.tree and self.dormant_prefix != "keep":
-            raise ValueError(f"prefix_reuse.tree runs dormant_prefix=keep only, got {self.dormant_prefix!r}")

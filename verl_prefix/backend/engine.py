@@ -35,7 +35,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.agreement import AgreedDormant, agree_on_kernels, agree_on_structure, model_head_dim
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
-from verl_prefix.backend.dormant import agree_on_policies
+from verl_prefix.backend.dormant import agree_on_node_policies, agree_on_policies
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import (
@@ -63,6 +63,7 @@ from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
 from verl_prefix.schedule.tree import infer_tree, train_tree
+from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node
 from verl_prefix.schedule.trie import TrieNode, trie_stats
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -433,9 +434,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         filler_options = options.for_fillers()
 
         roots, tree_reason = None, None
-        if self.reuse_config.tree and not forward_only and self.dormant_prefix != "keep":
-            # the configs refuse this; an engine whose knobs were set after construction is refused here
-            raise ValueError(f"prefix_reuse.tree runs dormant_prefix=keep only, got {self.dormant_prefix!r}")
         if self.reuse_config.tree:
             roots, tree_reason = plan_tree(
                 self.module,
@@ -449,7 +447,17 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             )
         if roots is not None:
             self._run_tree(
-                micro_data, layout, plan, roots, options, loss_function, loss_fn, pending, record, forward_only
+                micro_data,
+                layout,
+                plan,
+                roots,
+                options,
+                loss_function,
+                loss_fn,
+                pending,
+                record,
+                forward_only,
+                self._node_policies(roots, device, dormant_stats) if not forward_only else keep_every_node,
             )
         for slot in range(lockstep.num_groups if roots is None else 0):
             group = plan.groups[slot] if slot < len(plan.groups) else None
@@ -569,18 +577,41 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         pending: list[tuple[list[int], dict, dict]],
         record: Callable,
         forward_only: bool,
+        policies: NodePolicy,
     ) -> None:
         """Every reuse group of the mini-batch through the tree schedule (``prefix_reuse.tree``), recorded per
-        micro-batch as the one-level path records them."""
+        micro-batch as the one-level path records them; ``policies``: each node's dormant policy."""
         if forward_only:
             results = infer_tree(self.module, layout, roots, options)
             for group in plan.groups:
                 self._infer_group(data, layout, group, options, loss_function, record, results)
             return
-        losses = train_tree(self.module, layout, roots, loss_fn, options)
+        losses = train_tree(self.module, layout, roots, loss_fn, options, policies)
         for (rows, model_output, metrics), loss in zip(pending, losses, strict=True):
             record(rows, model_output, loss.item(), metrics)
         pending.clear()
+
+    def _node_policies(self, roots: list[TrieNode], device: torch.device, stats: DormantStats) -> NodePolicy:
+        """Each trie node's ``dormant_prefix`` policy (``auto``: from its own estimate, recomputed nodes agreed
+        by every rank), counted per node in ``prefix/policy/<name>``."""
+        nodes = [node for root in roots for node, _ in root.walk()]
+        chosen = agree_on_node_policies(
+            self.dormant_prefix,
+            self.dormant_prefix_budget_bytes,
+            self.module,
+            nodes,
+            device,
+            self._agreement_group(),
+            autocast_dtype=getattr(self, "_autocast_dtype", None),
+        )
+        by_node = {id(node): choice for node, choice in zip(nodes, chosen)}
+        group, factory = self._agreement_group(), self.offload_store_factory
+
+        def policy(node: TrieNode) -> Dormant:
+            name, why = by_node[id(node)]
+            return AgreedDormant(name, why, stats=stats, store_factory=factory, group=group)
+
+        return policy
 
     def _tree_metrics(self, roots: list[TrieNode] | None, reason: str | None) -> dict[str, float]:
         """``prefix/tree_*`` of the mini-batch (zeros where it ran one-level) and its one-level reason, if any."""

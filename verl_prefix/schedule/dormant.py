@@ -20,7 +20,7 @@ import functools
 import logging
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -412,16 +412,19 @@ def default_store(device: torch.device) -> HostOffload:
     return HostOffload(device)
 
 
-def kv_difference(phase_a: PrefixKV, recomputed: PrefixKV) -> float:
+def kv_difference(
+    phase_a: PrefixKV, recomputed: PrefixKV, also: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+) -> float:
     """Largest difference between the boundary tensors phase B used and those phase C recomputed,
     relative to the largest phase-A magnitude (one device sync per group). Router top-k counts must
-    match exactly (they are integers): any difference there is reported as infinite."""
+    match exactly (they are integers): any difference there is reported as infinite. ``also``: more
+    (phase A's, recomputed) pairs held to the same test (a loss-carrying tree node's log-probs and entropies)."""
     if phase_a.router_stats is not None and not torch.equal(
         phase_a.router_stats.counts, recomputed.router_stats.counts
     ):
         return float("inf")
     diffs, scales = [], []
-    for a, b in zip(phase_a.tensors(), recomputed.tensors()):
+    for a, b in [*zip(phase_a.tensors(), recomputed.tensors()), *also]:
         if a.shape != b.shape:
             return float("inf")
         if a.numel() == 0:  # a block without a token mixer (``schedule.mamba``): an empty state
@@ -474,10 +477,12 @@ class Dormant:
         if self.stats is not None:
             self.stats.note_held_in_b(self.policy, phase_a_bytes + micro_batch_bytes)
 
-    def recompute_mismatch(self, prefix: PrefixKV, recomputed: PrefixKV) -> str | None:
-        """The error when phase C's recomputed boundary tensors are not the ones phase B attended to, else None
-        (the largest difference goes to the stats either way)."""
-        diff = kv_difference(prefix, recomputed)
+    def recompute_mismatch(
+        self, prefix: PrefixKV, recomputed: PrefixKV, also: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    ) -> str | None:
+        """The error when phase C's recomputed boundary tensors (and ``also``'s pairs) are not the ones phase B
+        used, else None (the largest difference goes to the stats either way)."""
+        diff = kv_difference(prefix, recomputed, also)
         if self.stats is not None:
             self.stats.recompute_max_diff = max(self.stats.recompute_max_diff, diff)
         tolerance = recompute_tolerance(prefix.tensors()[0].dtype)  # layer 0's K (or conv context)
@@ -496,17 +501,24 @@ class Dormant:
         if mismatch is not None:
             raise RuntimeError(mismatch)
 
-    def phase_c_prefix(self, prefix: PrefixKV, rerun: Callable[[], PrefixKV]) -> PrefixKV:
+    def phase_c_prefix(
+        self,
+        prefix: PrefixKV,
+        rerun: Callable[[], PrefixKV],
+        also: Callable[[PrefixKV], Sequence[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> PrefixKV:
         """The graph-attached prefix phase C backpropagates through: phase A's own, or (``recompute``)
-        ``rerun()`` under grad, checked against what phase B attended to."""
+        ``rerun()`` under grad, checked against what phase B attended to. ``also(recomputed)``: more
+        (phase A's, recomputed) pairs the check covers, taken under grad (a tree node's log-probs)."""
         if self._store is not None:
             self._store.begin_phase_c()  # the store restores layer by layer as backward unpacks
         if self.policy != "recompute":
             return prefix
         with torch.enable_grad():
             recomputed = rerun()
+            pairs = also(recomputed) if also is not None else ()
         if self.check_recompute:
-            self.settle_recompute(self.recompute_mismatch(prefix, recomputed))
+            self.settle_recompute(self.recompute_mismatch(prefix, recomputed, pairs))
         return recomputed
 
     def after_phase_c(self) -> None:
@@ -545,10 +557,14 @@ def compute_dtype(model: nn.Module, autocast_dtype: torch.dtype | None = None) -
     return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
-def estimate_prefix_graph(model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None) -> GraphEstimate:
+def estimate_prefix_graph(
+    model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None, logit_positions: int = 0
+) -> GraphEstimate:
     """A model-shape estimate of the activations phase A saves for backward (``keep``'s dormant graph,
     parameters excluded: they are held anyway), per layer, for a phase A with early exit. ``dtype``: the
-    compute dtype (``compute_dtype``; default the parameters').
+    compute dtype (``compute_dtype``; default the parameters'). ``logit_positions`` > 0: a phase A without
+    early exit that runs the LM head over its last that many positions (a loss-carrying tree node): the last
+    layer whole, plus the final norm and the logits with their log-softmax (rougher: not fitted).
 
     Per prefix token, a Llama-style decoder layer (RMSNorms, q/k/v/o, RoPE, SwiGLU MLP) saves about
     ``3 q_dim + 3 kv_dim + 4 intermediate`` values of the compute dtype and, per RMSNorm, its input in fp32
@@ -586,6 +602,10 @@ def estimate_prefix_graph(model: nn.Module, prefix_len: int, dtype: torch.dtype 
     quadratic = 0
     if (getattr(text, "_attn_implementation", None) or "eager") == "eager":
         quadratic = heads * prefix_len * prefix_len * (4 if size == 4 else 4 + size)
+    if logit_positions > 0:
+        vocab = int(text.vocab_size)
+        head = hidden * norm * prefix_len + logit_positions * vocab * (size + 4)
+        return GraphEstimate((full * prefix_len + quadratic,) * (layers - 1) + (full * prefix_len + quadratic + head,))
     return GraphEstimate((full * prefix_len + quadratic,) * (layers - 1) + (last * prefix_len,))
 
 

@@ -19,8 +19,12 @@ response stem, a turn that is one sample's response and the next one's prompt) r
 log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
 with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
 
+Dormant-prefix policies apply per node (``schedule.tree_dormant``): under ``recompute`` a node's phase A keeps
+no graph and its phase C runs the node forward again, checked, before the seeded backward; under ``offload`` its
+graph waits in host memory.
+
 What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, recurrent
-layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``. Chunked long nodes
+layers, sliding windows, ``merged_varlen``. Chunked long nodes
 (``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
 """
 
@@ -45,6 +49,7 @@ from verl_prefix.schedule.grouping import RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
 from verl_prefix.schedule.telemetry import NullMeter
+from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node, node_phase_c
 from verl_prefix.schedule.tree_loss import NodeValues
 from verl_prefix.schedule.trie import TrieNode
 
@@ -80,31 +85,39 @@ def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], option
 
 
 def train_tree(
-    model: nn.Module, layout: RowLayout, roots: list[TrieNode], loss_fn: LossFn, options: ScheduleOptions
+    model: nn.Module,
+    layout: RowLayout,
+    roots: list[TrieNode],
+    loss_fn: LossFn,
+    options: ScheduleOptions,
+    policies: NodePolicy = keep_every_node,
 ) -> list[torch.Tensor]:
     """Run the tree schedule over ``roots``; parameter grads accumulate. Returns every micro-batch's loss
     (detached) in the order they ran (children before the rows that hang on a node; rows with a tail before
-    rows without one)."""
+    rows without one). ``policies(node)``: the ``Dormant`` a node's graph waits under from its phase A to its
+    phase C (``schedule.tree_dormant``; a per-node decision, so not an option)."""
     meter = options.meter or NullMeter()
     routers, autocast = options.routers, options.autocast
     fillers = options.for_fillers()
     losses: list[torch.Tensor] = []
 
-    def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
-        with meter.phase("A"), autocast():
+    def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None], held: list[int]) -> None:
+        dormant = policies(node)
+        with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, options.device):
             kv = _node_forward(model, node, path, options)
             values = tree_loss.node_values(kv, node, layout, options)
+        held = [*held, saved_a.total if saved_a is not None else 0]  # the path's graphs, as the policies left them
         meter.note_prefix_kv(kv.tensors())
         leaves = kv.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
         meter.note_prefix_leaves(kv.tensors(), leaves.tensors())
         value_leaves = values.as_leaves() if values is not None else None
         below, values_below = [*path, leaves], [*values_path, value_leaves]
         for child in node.children:
-            visit(child, below, values_below)
+            visit(child, below, values_below, held)
         for group in node.groups:
             for rows in group.micro_batches:
                 batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
-                with meter.phase("B"):
+                with meter.phase("B") as saved_b:
                     with autocast():
                         capture = routers.capture() if routers is not None else nullcontext([])
                         prefix = join_path(below)
@@ -117,6 +130,8 @@ def train_tree(
                             stats = path_stats(below, suffix_stats, copies=len(rows))
                             loss = loss + options.aux_fn(rows, stats)
                     options.backward(loss)
+                if saved_b is not None:
+                    dormant.note_held_in_b(sum(held), saved_b.total)
                 losses.append(loss.detach())
             for _ in range(group.filler_micro_batches):
                 batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
@@ -134,12 +149,21 @@ def train_tree(
                 options.backward(loss)
             losses.append(loss.detach())
         with meter.phase("C"):
+            with autocast():  # recompute: the node forward again, attending to the same ancestors' leaves
+
+                def rerun() -> PrefixKV:
+                    return _node_forward(model, node, path, options)
+
+                kv, values = node_phase_c(
+                    dormant, kv, values, rerun, lambda again: tree_loss.node_values(again, node, layout, options)
+                )
             extra = values.seeds(value_leaves) if values is not None else []
             seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
+            dormant.after_phase_c()
 
     with prefix_attention_mode(model):
         for root in roots:
-            visit(root, [], [])
+            visit(root, [], [], [])
     return losses
 
 
