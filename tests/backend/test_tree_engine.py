@@ -84,8 +84,8 @@ def test_tree_knob_refuses_what_it_does_not_serve():
         PrefixReuseConfig(tree=True, phase_b_attention="merged_varlen")
     with pytest.raises(ValueError, match="min_shared_tokens"):
         PrefixReuseConfig(min_shared_tokens=0)
-    with pytest.raises(ValueError, match="dormant_prefix=keep"):
-        PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute")
+    # dormant policies apply per node (test_tree_dormant_engine): no longer refused
+    assert PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute").prefix_reuse.tree
 
 
 def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:

@@ -46,8 +46,6 @@ class PrefixFSDPActorConfig(FSDPActorConfig):
             validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
         except ValueError as error:
             raise ValueError(f"actor.{error}") from None
-        if self.prefix_reuse.tree and self.dormant_prefix != "keep":
-            raise ValueError(f"actor.prefix_reuse.tree runs dormant_prefix=keep only, got {self.dormant_prefix!r}")
         if self.strategy != PREFIX_BACKEND:
             raise ValueError(
                 f"PrefixFSDPActorConfig needs actor.strategy={PREFIX_BACKEND} (and ref.strategy, which follows "
