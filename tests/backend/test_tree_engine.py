@@ -85,7 +85,8 @@ def test_tree_knob_refuses_what_it_does_not_serve():
     with pytest.raises(ValueError, match="min_shared_tokens"):
         PrefixReuseConfig(min_shared_tokens=0)
     # dormant policies apply per node (test_tree_dormant_engine): no longer refused
-    assert PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute").prefix_reuse.tree
+    config = PrefixFSDPEngineConfig(prefix_reuse=PrefixReuseConfig(tree=True), dormant_prefix="recompute")
+    assert config.prefix_reuse.tree and config.dormant_prefix == "recompute"
 
 
 def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:

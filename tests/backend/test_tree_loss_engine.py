@@ -5,7 +5,8 @@ each ``loss_agg_mode`` in fp64 (1e-10) and in fp32 (1e-5; the loss mode is a per
 one engine pair per dtype serves them all); forward-only log-probs and entropies. Every comparison
 asserts the tree ran with loss-carrying nodes (depth >= 2, shared loss tokens, fewer physical than logical
 tokens). The negative control, a shared loss token counted once instead of once per row, must fail. Nodes
-run as chains of chunks (``prefix_chunk_tokens``) in fp64, with a control; and the MoE router aux loss."""
+run as chains of chunks (``prefix_chunk_tokens``) in fp64, with a control; and the MoE router aux loss (under
+``keep`` and ``dormant_prefix=recompute``)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,13 @@ def test_shared_loss_tokens_with_the_moe_aux_loss_match_the_dense_path(tiny_mode
     assert m["prefix/tree_shared_loss_tokens"] >= 6 and m["prefix/tree_saved_tokens"] > 0, m
     gates = [n for n in got["grads"] if n.endswith("mlp.gate.weight")]
     assert gates and all(got["grads"][n].norm() > 0 for n in gates)
+    # recompute per node (test_tree_dormant_engine): each node's router sums rebuilt in phase C, counts checked
+    engines["tree"][0].dormant_prefix = "recompute"
+    got, worst, _ = compare()
+    assert worst < 1e-10, worst
+    m = got["reduced_metrics"]
+    assert m["prefix/policy/recompute"] == m["prefix/tree_nodes"] > 0 and m["prefix/max_recompute_kv_diff"] == 0, m
+    engines["tree"][0].dormant_prefix = "keep"
     with pytest.MonkeyPatch.context() as mp:
         real = tree.path_stats
         mp.setattr(tree, "path_stats", lambda path, suffix, copies: real(path, suffix, 1))
