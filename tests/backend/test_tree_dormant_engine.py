@@ -1,12 +1,13 @@
 """Dormant-prefix policies per tree node (``prefix_reuse.tree`` with ``dormant_prefix``) through the engine,
 against verl's stock fsdp2 engine, on one mini-batch that holds both shapes: two groups behind a shared system
 block (depth 2) and tree rollouts with loss on shared stems (loss-carrying nodes, whose log-probs phase C
-rebuilds under ``recompute``). ``recompute`` in fp64 (1e-10) and fp32 (1e-5); ``offload`` (the CPU stand-in store
-of ``helpers.offload``) and ``auto`` (a budget between the nodes' estimates) in fp64. Each asserts the tree ran
-(depth >= 2, the system block once, loss-carrying nodes, fewer physical than logical tokens) and the policy ran per
-node. Negative controls: phase C rebuilding a node without its ancestors' K/V is stopped by the recompute check,
-and without the check the gradients are wrong. The memory statement, measured in bytes: what the path's nodes
-hold for backward while phase B runs (``max_saved_for_backward_held_in_B_mib``), keep against recompute."""
+rebuilds under ``recompute``). fp64 (1e-10) here: ``recompute``, ``offload`` (the CPU stand-in store of
+``helpers.offload``) and ``auto`` (a budget between the nodes' estimates); ``recompute`` in fp32 (1e-5) runs in
+``test_tree_loss_engine`` (its batch: groups sharing earlier turns, stems with loss). Each asserts the tree ran
+(depth >= 2, the system block once, loss-carrying nodes, fewer physical than logical tokens) and the policy ran
+per node. Negative controls: phase C rebuilding a node without its ancestors' K/V is stopped by the recompute
+check, and without the check the gradients are wrong. The memory statement, measured in bytes: what the path's
+nodes hold for backward while phase B runs (``max_saved_for_backward_held_in_B_mib``), keep against recompute."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from verl_prefix.schedule import tree
 from verl_prefix.tools import testing as T
 
 VOCAB = 128
-TOL = {"float64": 1e-10, "float32": 1e-5}
+TOL = {"float64": 1e-10}
 SYSTEM = 24
 REUSE = PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)
 STOCK: dict[int, dict] = {}  # the stock engine's step, per engine pair
@@ -84,22 +85,20 @@ def ran_per_node(m: dict, policy: str) -> float:
     return nodes
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_recompute_per_node_matches_stock_engine(engine_pairs, dtype):
+def test_recompute_per_node_matches_stock_engine(engine_pairs):
     """Every node's phase A keeps no graph; phase C rebuilds it (loss-carrying nodes' log-probs and entropies
-    too), gives back exactly phase A's K/V and values, and seeds it. In fp64, the same batch under keep: the
-    bytes a path holds for backward during phase B, measured."""
-    pair = engine_pairs(dtype)
+    too), gives back exactly phase A's K/V and values, and seeds it (fp32: ``test_tree_loss_engine``). The same
+    batch under keep: the bytes a path holds for backward during phase B, measured."""
+    pair = engine_pairs("float64")
     worst, m = run_tree(pair, "recompute")
-    assert worst < TOL[dtype], worst
+    assert worst < TOL["float64"], worst
     ran_per_node(m, "recompute")
     assert m["prefix/max_recompute_kv_diff"] == 0.0, m
     assert m["prefix/max_saved_for_backward_mib/A"] == 0.0  # no node's phase A kept a graph
-    if dtype == "float64":
-        worst, kept = run_tree(pair, "keep")
-        assert worst < TOL[dtype], worst
-        held = {p: x[f"prefix/max_saved_for_backward_held_in_B_mib/{p}"] for p, x in (("keep", kept), ("recompute", m))}
-        assert 0 < held["recompute"] < 0.6 * held["keep"], held
+    worst, kept = run_tree(pair, "keep")
+    assert worst < TOL["float64"], worst
+    held = {p: x[f"prefix/max_saved_for_backward_held_in_B_mib/{p}"] for p, x in (("keep", kept), ("recompute", m))}
+    assert 0 < held["recompute"] < 0.6 * held["keep"], held
 
 
 def test_offload_and_auto_per_node(engine_pairs):

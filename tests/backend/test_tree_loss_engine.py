@@ -6,7 +6,7 @@ one engine pair per dtype serves them all); forward-only log-probs and entropies
 asserts the tree ran with loss-carrying nodes (depth >= 2, shared loss tokens, fewer physical than logical
 tokens). The negative control, a shared loss token counted once instead of once per row, must fail. Nodes
 run as chains of chunks (``prefix_chunk_tokens``) in fp64, with a control; and the MoE router aux loss (under
-``keep`` and ``dormant_prefix=recompute``)."""
+``keep`` and ``dormant_prefix=recompute``); recompute per node in fp32 too."""
 
 from __future__ import annotations
 
@@ -94,6 +94,16 @@ def test_shared_loss_tokens_match_stock_engine_for_every_loss_agg_mode(model_dir
             assert worst < TOL[dtype], (mode, worst)
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), mode
             assert_shared_loss_ran(got["metrics"])
+        if dtype == "float32":  # recompute per node, loss-carrying nodes rebuilt (fp64: test_tree_dormant_engine)
+            prefix.dormant_prefix = "recompute"
+            got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+            prefix.dormant_prefix = "keep"
+            worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+            assert worst < TOL[dtype], worst
+            assert_shared_loss_ran(got["metrics"])
+            m = reduced(got["metrics"])
+            assert m["prefix/policy/recompute"] == m["prefix/tree_nodes"] > 0 and m["prefix/tree_depth"] >= 2, m
+            assert m["prefix/max_saved_for_backward_mib/A"] == 0.0  # no node's phase A kept a graph
         if dtype == "float64":  # forward-only, chunked nodes and the controls once (CPU budget)
             want_infer, got_infer = T.run_infer(dense, batch), T.run_infer(prefix, batch)
             assert_infer_matches(want_infer, got_infer, TOL[dtype], groups=GROUPS)
