@@ -11,6 +11,7 @@ nodes hold for backward while phase B runs (``max_saved_for_backward_held_in_B_m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -59,13 +60,13 @@ def step(engine, actor_config) -> dict:
         return T.run_train_step(engine, loss_with(actor_config), dormant_batch(), capture_grads=True)
 
 
-def run_tree(pair: tuple, policy: str, budget: int | None = None) -> tuple[float, dict]:
+def run_tree(pair: tuple, policy: str, budget: int | None = None, reuse: PrefixReuseConfig = REUSE) -> tuple:
     """The prefix engine of ``pair`` under ``policy``: (worst relative gradient error against the stock engine,
     reduced metrics), asserting the tree ran with both shapes."""
     dense, prefix, actor_config = pair
     if id(dense) not in STOCK:
         STOCK[id(dense)] = step(dense, actor_config)
-    prefix.reuse_config = REUSE
+    prefix.reuse_config = reuse
     prefix.dormant_prefix = D.validate_policy(policy, budget)
     prefix.dormant_prefix_budget_bytes = budget
     prefix.offload_store_factory = O.RecordingStore
@@ -146,3 +147,15 @@ def test_negative_controls_rebuild_without_ancestors(engine_pairs, monkeypatch):
     monkeypatch.setattr(agreement.AgreedDormant, "settle_recompute", lambda self, mismatch: None)
     worst, _ = run_tree(pair, "recompute")
     assert worst > 1e-3, worst
+
+
+def test_merged_varlen_tree_matches_stock_engine(engine_pairs):
+    """``phase_b_attention=merged_varlen`` with the tree (its CPU reference packing; torch's varlen flash kernels
+    on CUDA, ``test_cuda``): every node's forward is one packed row over its ancestors' K/V, every suffix
+    micro-batch packed; under recompute, so the rebuilt nodes run it too and must give back the same K/V."""
+    reuse = dataclasses.replace(REUSE, phase_b_attention="merged_varlen")
+    worst, m = run_tree(engine_pairs("float64"), "recompute", reuse=reuse)
+    assert worst < TOL["float64"], worst
+    ran_per_node(m, "recompute")
+    assert m["prefix/phase_b_attention/merged_varlen"] > 0 and m["prefix/max_recompute_kv_diff"] == 0.0, m
+    assert m["prefix/phase_b_attention/merged"] == m["prefix/phase_b_attention/concat"] == 0, m

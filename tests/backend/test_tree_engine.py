@@ -80,8 +80,6 @@ def test_tree_update_and_log_probs_match_stock_engine(model_dir, dtype):
 
 
 def test_tree_knob_refuses_what_it_does_not_serve():
-    with pytest.raises(ValueError, match="merged_varlen"):
-        PrefixReuseConfig(tree=True, phase_b_attention="merged_varlen")
     with pytest.raises(ValueError, match="min_shared_tokens"):
         PrefixReuseConfig(min_shared_tokens=0)
     # dormant policies apply per node (test_tree_dormant_engine): no longer refused

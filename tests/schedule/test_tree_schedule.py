@@ -79,7 +79,7 @@ def case():
 def test_tree_matches_dense_training_and_forward_only(case):
     model, layout, weights, want = case
     with promote_fp32_upcasts():
-        for attention in ("concat", "merged"):
+        for attention in ("concat", "merged", "merged_varlen"):  # merged_varlen: the CPU reference packing
             got = tree_grads(model, layout, weights, calculate_entropy=True, phase_b_attention=attention)
             assert worst_relative(got, want) < 1e-10, attention
         with torch.no_grad():

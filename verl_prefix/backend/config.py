@@ -76,8 +76,9 @@ class PrefixReuseConfig(BaseConfig):
             every rank with one ``UnsupportedModel`` error naming it.
         tree: run each rank's groups as a token trie (``docs/trees.md``): tokens that several groups' prompts
             share (a system block) run once per rank and mini-batch, not once per group. ``dormant_prefix``
-            applies per node; ``merged_varlen`` is refused here; ``prefix_chunk_tokens`` runs longer
-            nodes as chains of chunks; a
+            applies per node; ``merged_varlen`` packs each node's forward (one row over its ancestors' K/V)
+            and the suffix rows as under one-level reuse; ``prefix_chunk_tokens`` runs longer nodes as chains
+            of chunks; a
             model or setting the tree does not serve yet (Ulysses, sliding windows, recurrent layers, ranks
             whose tries differ in shape) runs one-level reuse, counted as ``prefix/tree_fallback_<reason>``.
         min_shared_tokens: a trie node shorter than this on which no group's prompt ends is merged into its
@@ -119,8 +120,6 @@ class PrefixReuseConfig(BaseConfig):
             raise ValueError(f"prefix_reuse.min_group_size must be >= 1, got {self.min_group_size}")
         if self.min_shared_tokens < 1:
             raise ValueError(f"prefix_reuse.min_shared_tokens must be >= 1, got {self.min_shared_tokens}")
-        if self.tree and self.phase_b_attention == "merged_varlen":
-            raise ValueError("prefix_reuse.tree does not run phase_b_attention=merged_varlen yet")
 
 
 @dataclass

@@ -23,8 +23,9 @@ Dormant-prefix policies apply per node (``schedule.tree_dormant``): under ``reco
 no graph and its phase C runs the node forward again, checked, before the seeded backward; under ``offload`` its
 graph waits in host memory.
 
-What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, recurrent
-layers, sliding windows, ``merged_varlen``. Chunked long nodes
+What it does not serve yet (the engine runs these one-level with ``tree`` on, ``tree_refusal``): Ulysses,
+recurrent layers, sliding windows. ``merged_varlen`` needs nothing of its own: a node's forward is one row over
+its ancestors' K/V, packed as a chunk of a chunked prefix is. Chunked long nodes
 (``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
 """
 
