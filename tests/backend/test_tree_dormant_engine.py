@@ -89,7 +89,8 @@ def ran_per_node(m: dict, policy: str) -> float:
 def test_recompute_per_node_matches_stock_engine(engine_pairs):
     """Every node's phase A keeps no graph; phase C rebuilds it (loss-carrying nodes' log-probs and entropies
     too), gives back exactly phase A's K/V and values, and seeds it (fp32: ``test_tree_loss_engine``). The same
-    batch under keep: the bytes a path holds for backward during phase B, measured."""
+    batch under keep: the bytes a path holds for backward during phase B, measured; with chunked nodes, the bytes
+    phase C rebuilds at once."""
     pair = engine_pairs("float64")
     worst, m = run_tree(pair, "recompute")
     assert worst < TOL["float64"], worst
@@ -100,6 +101,13 @@ def test_recompute_per_node_matches_stock_engine(engine_pairs):
     assert worst < TOL["float64"], worst
     held = {p: x[f"prefix/max_saved_for_backward_held_in_B_mib/{p}"] for p, x in (("keep", kept), ("recompute", m))}
     assert 0 < held["recompute"] < 0.6 * held["keep"], held
+    # chunked nodes: each chunk a node with its own policy, so phase C rebuilds one chunk's graph at a time
+    worst, chunked = run_tree(pair, "recompute", reuse=dataclasses.replace(REUSE, prefix_chunk_tokens=4))
+    assert worst < TOL["float64"], worst
+    assert chunked["prefix/tree_node_chunks"] > 0 and chunked["prefix/max_recompute_kv_diff"] == 0.0, chunked
+    assert chunked["prefix/policy/recompute"] > chunked["prefix/tree_nodes"] == m["prefix/tree_nodes"], chunked
+    graph_c = "prefix/max_saved_for_backward_mib/C"
+    assert 0 < chunked[graph_c] < 0.6 * m[graph_c], (chunked[graph_c], m[graph_c])
 
 
 def test_offload_and_auto_per_node(engine_pairs):
