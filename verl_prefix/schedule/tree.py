@@ -150,13 +150,13 @@ def train_tree(
                 options.backward(loss)
             losses.append(loss.detach())
         with meter.phase("C"):
-            with autocast():  # recompute: the node forward again, attending to the same ancestors' leaves
-
-                def rerun() -> PrefixKV:
-                    return _node_forward(model, node, path, options)
-
+            with autocast():  # recompute: the node forward again over the same ancestors' leaves, checked
                 kv, values = node_phase_c(
-                    dormant, kv, values, rerun, lambda again: tree_loss.node_values(again, node, layout, options)
+                    dormant,
+                    kv,
+                    values,
+                    lambda: _node_forward(model, node, path, options),
+                    lambda again: tree_loss.node_values(again, node, layout, options),
                 )
             extra = values.seeds(value_leaves) if values is not None else []
             seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
