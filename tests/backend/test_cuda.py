@@ -1,5 +1,6 @@
 """The CUDA paths CPU cannot reach: phase B's bottom-right causal bias on torch's fused kernels, merged and
-merged_varlen on torch's flash kernels in bf16 (each case asserts which attention ran), the allocator's
+merged_varlen on torch's flash kernels in bf16 (each case asserts which attention ran; the tree schedule too,
+with recompute and with offload's real store per node), the allocator's
 per-phase peaks, NCCL. Skipped without a GPU; ``bench/gpu_check.sh`` runs this file on a
 lent one (``VERL_PLATFORM=nvidia``: the test suite otherwise puts verl on its CPU platform).
 """
@@ -67,16 +68,20 @@ def test_explicit_two_part_attention_in_fp32_is_refused_before_it_runs(tiny_mode
         T.run_train_step(engine, loss_fn, grpo_batch())
 
 
-def bf16_outputs(model_dir, backend: str, batch, bf16: bool, attention: str = "auto") -> tuple:
+def bf16_outputs(
+    model_dir, backend: str, batch, bf16: bool, attention: str = "auto", tree: bool = False, dormant: str = "keep"
+) -> tuple:
     """``(response log-probs, parameter grads, reduced metrics)`` of one engine: a forward-only pass, then one
-    update. ``bf16``: verl's mixed precision (bf16 compute, fp32 master weights and reduction); else fp32."""
+    update. ``bf16``: verl's mixed precision (bf16 compute, fp32 master weights and reduction); else fp32.
+    ``tree`` and ``dormant``: the prefix engine's ``prefix_reuse.tree`` and ``dormant_prefix``."""
     engine, loss_fn, _ = T.build_verl_engine(
         model_dir, backend=backend, micro_batch_size_per_gpu=1, overrides=BF16 if bf16 else ()
     )
     if backend == "prefix_fsdp2":
         engine.reuse_config = PrefixReuseConfig(
-            min_prefix_len=2, suffix_micro_batch_size=1, phase_b_attention=attention
+            min_prefix_len=2, suffix_micro_batch_size=1, phase_b_attention=attention, tree=tree, min_shared_tokens=8
         )
+        engine.dormant_prefix = dormant
     log_probs = T.run_infer(engine, batch)["response_log_probs"]  # HF's own fp32 upcasts, as bf16 training has
     step = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
     log_probs = log_probs.values() if log_probs.is_nested else log_probs
@@ -92,12 +97,15 @@ def bf16_errors(got: tuple, reference: tuple) -> tuple[float, float]:
     return lp, (diff.norm() / ref.norm()).item()
 
 
-def assert_bf16_within_stocks_own(model_dir, batch, reference: tuple, groups: int, attention: str = "auto") -> dict:
+def assert_bf16_within_stocks_own(
+    model_dir, batch, reference: tuple, groups: int, attention: str = "auto", **prefix_knobs
+) -> dict:
     """bf16 through the stock engine and through reuse, each judged against ``reference`` (an fp32 run of the
     stock engine): reuse's mean |log-prob| error and gradient error within 1.5x the stock engine's own (DESIGN
-    trap 18), bf16 really ran, reuse ran in ``groups`` groups. Returns reuse's reduced metrics."""
+    trap 18), bf16 really ran, reuse ran in ``groups`` groups. Returns reuse's reduced metrics. ``prefix_knobs``:
+    ``bf16_outputs``'s ``tree`` and ``dormant``."""
     dense = bf16_outputs(model_dir, "fsdp2", batch, bf16=True)
-    reuse = bf16_outputs(model_dir, "prefix_fsdp2", batch, bf16=True, attention=attention)
+    reuse = bf16_outputs(model_dir, "prefix_fsdp2", batch, bf16=True, attention=attention, **prefix_knobs)
     dense_err, reuse_err = bf16_errors(dense, reference), bf16_errors(reuse, reference)
     print(f"bf16 vs fp32 stock ({attention}): dense |lp| {dense_err[0]:.3e} grads {dense_err[1]:.3e}; "
           f"reuse |lp| {reuse_err[0]:.3e} grads {reuse_err[1]:.3e}")  # fmt: skip
@@ -131,6 +139,36 @@ def test_bf16_error_within_the_stock_engines_own(tiny_model, attention):
     reference = bf16_outputs(model_dir, "fsdp2", batch, bf16=False)
     metrics = assert_bf16_within_stocks_own(model_dir, batch, reference, groups=1, attention=attention)
     assert_phase_b_ran(metrics, BF16_CASES[attention], 16)
+
+
+# the tree on CUDA: (phase_b_attention, dormant_prefix) -> the attention every phase-B micro-batch must have run
+TREE_CASES = {("merged_varlen", "recompute"): "merged_varlen", ("auto", "offload"): "merged"}
+
+
+@pytest.mark.parametrize("attention, dormant", list(TREE_CASES), ids=["-".join(c) for c in TREE_CASES])
+def test_tree_bf16_error_within_the_stock_engines_own(tiny_model, attention, dormant):
+    """``prefix_reuse.tree`` in bf16 on CUDA (4 groups of G = 4 behind a 40-token system block; single-row
+    micro-batches): merged_varlen on torch's varlen kernels, every node rebuilt in phase C (``recompute``); and
+    every node's graph offloaded to pinned host memory by the real store (the CPU runs the stand-in,
+    ``test_tree_dormant_engine``). Reuse's error within 1.5x the stock engine's own; the tree, the attention and
+    the policy ran (per node)."""
+    if attention == "merged_varlen" and not _has_varlen_kernels():
+        pytest.skip("no CUDA varlen kernel here (torch < 2.10 and no flash-attn >= 2.7)")
+    model_dir = tiny_model("qwen3", hidden_size=128, num_heads=4, num_kv_heads=2)  # head_dim 32
+    batch = grpo_batch(
+        num_groups=4, group_size=4, prompt_lens=[8, 12, 5, 10], response_len_range=(4, 12), use_kl=False,
+        shared_system=40,
+    )  # fmt: skip
+    reference = bf16_outputs(model_dir, "fsdp2", batch, bf16=False)
+    metrics = assert_bf16_within_stocks_own(
+        model_dir, batch, reference, groups=4, attention=attention, tree=True, dormant=dormant
+    )
+    assert_phase_b_ran(metrics, TREE_CASES[attention, dormant], 16)
+    assert metrics["prefix/tree_depth"] >= 2 and metrics["prefix/tree_nodes"] == 5, metrics
+    assert metrics["prefix/tree_shared_tokens/level1"] == 40, metrics
+    assert metrics[f"prefix/policy/{dormant}"] == 5, metrics
+    if dormant == "offload":
+        assert metrics["prefix/offloaded_mib"] > 0 and metrics["prefix/max_offload_resident_mib/B"] == 0, metrics
 
 
 def test_allocator_peak_is_per_phase():
