@@ -116,10 +116,16 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     with promote_fp32_upcasts():
         want = T.run_train_step(dense, d_loss, same, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, same, capture_grads=True)
+        # recompute per node (test_tree_dormant_engine) on both ranks: each node's check one agreed collective
+        prefix.dormant_prefix = "recompute"
+        want_rc = T.run_train_step(dense, d_loss, same, capture_grads=True)
+        got_rc = T.run_train_step(prefix, p_loss, same, capture_grads=True)
+        prefix.dormant_prefix = "keep"
         # one-level reuse in lockstep is checked against stock in test_two_ranks; here: no hang, and why
         out["differ"] = T.run_train_step(prefix, p_loss, differ)["reduced_metrics"]
-    out["worst"] = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
-    out["same"] = got["reduced_metrics"]
+    for key, (g_out, w_out) in {"worst": (got, want), "recompute_worst": (got_rc, want_rc)}.items():
+        out[key] = max(((g_out["grads"][n] - g).norm() / g.norm()).item() for n, g in w_out["grads"].items())
+    out["same"], out["recompute"] = got["reduced_metrics"], got_rc["reduced_metrics"]
     return out
 
 
@@ -146,13 +152,16 @@ def placed_family_seeds() -> list[int]:
 
 def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
     """Placement and lockstep: each rank gets one system prompt's groups (the balancer), computes that block
-    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine."""
+    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine, under
+    ``keep`` and under ``dormant_prefix=recompute`` per node."""
     from helpers.ranks import run_two_ranks
 
     results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")), placed_family_seeds())
     for rank in range(2):
-        assert results[rank]["worst"] < 1e-10
+        assert results[rank]["worst"] < 1e-10 and results[rank]["recompute_worst"] < 1e-10
         assert_tree_ran(results[rank]["same"], groups=2)
+        assert_tree_ran(results[rank]["recompute"], groups=2)
+        assert results[rank]["recompute"]["prefix/policy/recompute"] == 3.0  # the block and two questions
         metrics = results[rank]["differ"]
         assert metrics["prefix/tree_fallback_lockstep"] == 1.0 and metrics["prefix/tree_nodes"] == 0
         assert_reuse_ran(metrics)
