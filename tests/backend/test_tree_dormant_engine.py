@@ -89,8 +89,8 @@ def ran_per_node(m: dict, policy: str) -> float:
 def test_recompute_per_node_matches_stock_engine(engine_pairs):
     """Every node's phase A keeps no graph; phase C rebuilds it (loss-carrying nodes' log-probs and entropies
     too), gives back exactly phase A's K/V and values, and seeds it (fp32: ``test_tree_loss_engine``). The same
-    batch under keep: the bytes a path holds for backward during phase B, measured; with chunked nodes, the bytes
-    phase C rebuilds at once."""
+    batch under keep: the bytes a path holds for backward during phase B, measured; with chunked nodes (and
+    merged_varlen), the bytes phase C rebuilds at once."""
     pair = engine_pairs("float64")
     worst, m = run_tree(pair, "recompute")
     assert worst < TOL["float64"], worst
@@ -101,13 +101,18 @@ def test_recompute_per_node_matches_stock_engine(engine_pairs):
     assert worst < TOL["float64"], worst
     held = {p: x[f"prefix/max_saved_for_backward_held_in_B_mib/{p}"] for p, x in (("keep", kept), ("recompute", m))}
     assert 0 < held["recompute"] < 0.6 * held["keep"], held
-    # chunked nodes: each chunk a node with its own policy, so phase C rebuilds one chunk's graph at a time
-    worst, chunked = run_tree(pair, "recompute", reuse=dataclasses.replace(REUSE, prefix_chunk_tokens=4))
+    # chunked nodes: each chunk a node with its own policy, so phase C rebuilds one chunk's graph at a time; and
+    # phase_b_attention=merged_varlen (its CPU reference packing; torch's varlen kernels on CUDA, test_cuda):
+    # every node's forward (rebuilt ones too) one packed row over its ancestors' K/V, every suffix micro-batch packed
+    reuse = dataclasses.replace(REUSE, prefix_chunk_tokens=4, phase_b_attention="merged_varlen")
+    worst, chunked = run_tree(pair, "recompute", reuse=reuse)
     assert worst < TOL["float64"], worst
     assert chunked["prefix/tree_node_chunks"] > 0 and chunked["prefix/max_recompute_kv_diff"] == 0.0, chunked
     assert chunked["prefix/policy/recompute"] > chunked["prefix/tree_nodes"] == m["prefix/tree_nodes"], chunked
     graph_c = "prefix/max_saved_for_backward_mib/C"
     assert 0 < chunked[graph_c] < 0.6 * m[graph_c], (chunked[graph_c], m[graph_c])
+    assert chunked["prefix/phase_b_attention/merged_varlen"] > 0, chunked
+    assert chunked["prefix/phase_b_attention/merged"] == chunked["prefix/phase_b_attention/concat"] == 0, chunked
 
 
 def test_offload_and_auto_per_node(engine_pairs):
@@ -155,15 +160,3 @@ def test_negative_controls_rebuild_without_ancestors(engine_pairs, monkeypatch):
     monkeypatch.setattr(agreement.AgreedDormant, "settle_recompute", lambda self, mismatch: None)
     worst, _ = run_tree(pair, "recompute")
     assert worst > 1e-3, worst
-
-
-def test_merged_varlen_tree_matches_stock_engine(engine_pairs):
-    """``phase_b_attention=merged_varlen`` with the tree (its CPU reference packing; torch's varlen flash kernels
-    on CUDA, ``test_cuda``): every node's forward is one packed row over its ancestors' K/V, every suffix
-    micro-batch packed; under recompute, so the rebuilt nodes run it too and must give back the same K/V."""
-    reuse = dataclasses.replace(REUSE, phase_b_attention="merged_varlen")
-    worst, m = run_tree(engine_pairs("float64"), "recompute", reuse=reuse)
-    assert worst < TOL["float64"], worst
-    ran_per_node(m, "recompute")
-    assert m["prefix/phase_b_attention/merged_varlen"] > 0 and m["prefix/max_recompute_kv_diff"] == 0.0, m
-    assert m["prefix/phase_b_attention/merged"] == m["prefix/phase_b_attention/concat"] == 0, m

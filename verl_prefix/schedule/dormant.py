@@ -558,13 +558,14 @@ def compute_dtype(model: nn.Module, autocast_dtype: torch.dtype | None = None) -
 
 
 def estimate_prefix_graph(
-    model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None, logit_positions: int = 0
+    model: nn.Module, prefix_len: int, dtype: torch.dtype | None = None, logit_positions: int = 0, context: int = 0
 ) -> GraphEstimate:
     """A model-shape estimate of the activations phase A saves for backward (``keep``'s dormant graph,
     parameters excluded: they are held anyway), per layer, for a phase A with early exit. ``dtype``: the
     compute dtype (``compute_dtype``; default the parameters'). ``logit_positions`` > 0: a phase A without
     early exit that runs the LM head over its last that many positions (a loss-carrying tree node): the last
-    layer whole, plus the final norm and the logits with their log-softmax (rougher: not fitted).
+    layer whole, plus the final norm and the logits with their log-softmax (rougher: not fitted). ``context``:
+    tokens before these the forward attends to (a tree node's ancestors), widening eager attention's scores.
 
     Per prefix token, a Llama-style decoder layer (RMSNorms, q/k/v/o, RoPE, SwiGLU MLP) saves about
     ``3 q_dim + 3 kv_dim + 4 intermediate`` values of the compute dtype and, per RMSNorm, its input in fp32
@@ -601,7 +602,7 @@ def estimate_prefix_graph(
     last = hidden * norm + 2 * (q_dim + kv_dim) * size + qk // 2
     quadratic = 0
     if (getattr(text, "_attn_implementation", None) or "eager") == "eager":
-        quadratic = heads * prefix_len * prefix_len * (4 if size == 4 else 4 + size)
+        quadratic = heads * prefix_len * (prefix_len + context) * (4 if size == 4 else 4 + size)
     if logit_positions > 0:
         vocab = int(text.vocab_size)
         head = hidden * norm * prefix_len + logit_positions * vocab * (size + 4)

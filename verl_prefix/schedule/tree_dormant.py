@@ -67,7 +67,7 @@ def node_phase_c(
 
 
 def node_estimate(model: nn.Module, node: TrieNode, dtype: torch.dtype | None = None) -> GraphEstimate:
-    """A node's phase-A graph (``estimate_prefix_graph`` over its tokens); a loss-carrying node runs every
-    layer whole and the LM head over its log-prob positions (``logit_positions``)."""
+    """A node's phase-A graph (``estimate_prefix_graph`` over its tokens, attending to its ancestors' ``start``
+    tokens); a loss-carrying node runs every layer whole and the LM head over its log-prob positions."""
     positions = node.end - node.logits_from if node.logits_from is not None else 0
-    return estimate_prefix_graph(model, node.length, dtype, logit_positions=positions)
+    return estimate_prefix_graph(model, node.length, dtype, logit_positions=positions, context=node.start)
