@@ -412,16 +412,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         for path in LAYER_PATHS:
             meter.count(f"prefix/phase_b_layers/{path}", 0.0)
         dormant_stats = DormantStats()
-        policies = agree_on_policies(
-            self.dormant_prefix if not forward_only else "keep",
-            self.dormant_prefix_budget_bytes,
-            self.module,
-            plan,
-            lockstep.num_groups,
-            device,
-            self._agreement_group(),
-            autocast_dtype=getattr(self, "_autocast_dtype", None),  # auto estimates in the compute dtype
-        )
         layout = dataclasses.replace(layout, temperature=per_row_temperature(data))
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
@@ -459,6 +449,20 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 forward_only,
                 self._node_policies(roots, device, dormant_stats) if not forward_only else keep_every_node,
             )
+        policies = (  # per group slot; the tree decides per node (_node_policies). Every rank agrees on roots
+            agree_on_policies(
+                self.dormant_prefix if not forward_only else "keep",
+                self.dormant_prefix_budget_bytes,
+                self.module,
+                plan,
+                lockstep.num_groups,
+                device,
+                self._agreement_group(),
+                autocast_dtype=getattr(self, "_autocast_dtype", None),  # auto estimates in the compute dtype
+            )
+            if roots is None
+            else []
+        )
         for slot in range(lockstep.num_groups if roots is None else 0):
             group = plan.groups[slot] if slot < len(plan.groups) else None
             num_micro, prefix_chunks = lockstep.micro_batches[slot], lockstep.prefix_chunks[slot]
