@@ -1,8 +1,9 @@
 """The depth-first tree schedule (``schedule.tree``, issue 25) against plain HF in fp64: groups whose prompts share
 a system block, two of them a question stem too, and one whose prompt ends inside the tree (its suffixes hang on an
-inner node, as a per-turn sample does under the next turn's), training and forward-only, both phase-B
-attentions; the MoE router aux loss (each node's statistics once per row below it); a negative control where a
-node attends to its sibling's K/V must fail. fp32 runs through the engine (``tests/backend/test_tree_engine.py``)."""
+inner node, as a per-turn sample does under the next turn's), training and forward-only, the three phase-B
+attentions, ``dormant_prefix=recompute`` per node; the MoE router aux loss (each node's statistics once per row
+below it); a negative control where a node attends to its sibling's K/V must fail. fp32 runs through the engine
+(``tests/backend/test_tree_engine.py``)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from test_schedule_hf import dense_grads, dense_response_outputs, tiny_model, we
 
 from verl_prefix.schedule import moe
 from verl_prefix.schedule import tree as tree_schedule
+from verl_prefix.schedule.dormant import Dormant, DormantStats
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
+from verl_prefix.schedule.tree_dormant import keep_every_node
 from verl_prefix.schedule.trie import build_trie, trie_stats
 
 CPU = torch.device("cpu")
@@ -58,10 +61,10 @@ def tree_plan(layout: RowLayout, rows: int = 1):
     return roots
 
 
-def tree_grads(model, layout, weights, **options):
+def tree_grads(model, layout, weights, policies=keep_every_node, **options):
     model.zero_grad()
     schedule_options = ScheduleOptions(device=CPU, **options)
-    tree_schedule.train_tree(model, layout, tree_plan(layout), weighted_loss(weights), schedule_options)
+    tree_schedule.train_tree(model, layout, tree_plan(layout), weighted_loss(weights), schedule_options, policies)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -82,6 +85,12 @@ def test_tree_matches_dense_training_and_forward_only(case):
         for attention in ("concat", "merged", "merged_varlen"):  # merged_varlen: the CPU reference packing
             got = tree_grads(model, layout, weights, calculate_entropy=True, phase_b_attention=attention)
             assert worst_relative(got, want) < 1e-10, attention
+        # dormant_prefix=recompute per node (schedule.tree_dormant): every node rebuilt in phase C, checked
+        stats = DormantStats()
+        got = tree_grads(model, layout, weights, lambda node: Dormant("recompute", stats=stats), calculate_entropy=True)
+        assert worst_relative(got, want) < 1e-10
+        nodes = sum(1 for root in tree_plan(layout) for _ in root.walk())
+        assert stats.policies["recompute"] == nodes > 1 and stats.recompute_max_diff == 0.0
         with torch.no_grad():
             want_lp, want_ent = dense_response_outputs(model, layout)
         options = ScheduleOptions(device=CPU, calculate_entropy=True)
