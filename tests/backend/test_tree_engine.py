@@ -160,8 +160,8 @@ def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
 
 
 def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
-    """Ulysses and sliding windows: the mini-batch runs one-level reuse, named (no collective is needed: the
-    reason is the same on every rank)."""
+    """Ulysses: the mini-batch runs one-level reuse, named (no collective is needed: the reason is the same on
+    every rank). Sliding windows and recurrent layers are served (``test_tree_families_engine.py``)."""
 
     def mistral(window):
         config = MistralConfig(
@@ -178,14 +178,13 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
     plain, windowed = mistral(None), mistral(8)
     assert tree_refusal(plain, ulysses=False) is None
     assert tree_refusal(plain, ulysses=True) == "ulysses"
-    assert tree_refusal(windowed, ulysses=False) == "sliding_window"
+    assert tree_refusal(windowed, ulysses=False) is None
     rows = [torch.arange(6), torch.arange(6)]
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    assert plan_tree(windowed, layout, plan, 1, ulysses=False, group=None) == (None, "sliding_window")
     roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
     assert reason is None and len(roots) == 1 and sorted(roots[0].rows_below()) == [0, 1]  # two uids, one row: one node
-    # recurrent layers (a Qwen3.5-style hybrid): their state at a node boundary is not carried yet
+    # recurrent layers (a Qwen3.5-style hybrid): each node continues from its parent's state
     hybrid = Qwen3_5TextConfig(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -200,7 +199,7 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
         linear_num_value_heads=2,
         layer_types=["linear_attention", "full_attention"],
     )
-    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid), ulysses=False) == "recurrent"
+    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid), ulysses=False) is None
     # images: a node's forward takes token ids only and every image's placeholder tokens are the same
     visual = RowLayout(
         rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=[{"pixel_values": rows[0]}, None]

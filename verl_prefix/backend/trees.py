@@ -16,9 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_prefix.backend.fallbacks import attention_windows
 from verl_prefix.backend.lockstep import collective_device
-from verl_prefix.schedule import recurrent
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
 from verl_prefix.schedule.trie import TrieNode, build_trie, execution_signature
 
@@ -26,17 +24,13 @@ logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "multimodal", "lockstep", "temperature")
+TREE_FALLBACKS = ("ulysses", "multimodal", "lockstep", "temperature")
 
 
 def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
     """What the tree schedule does not serve yet for this model and setting (the same on every rank)."""
     if ulysses:
         return "ulysses"
-    if attention_windows(model):
-        return "sliding_window"
-    if recurrent.recurrent_layers(model):
-        return "recurrent"
     return None
 
 

@@ -19,8 +19,13 @@ response stem, a turn that is one sample's response and the next one's prompt) r
 log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
 with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
 
-What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, recurrent
-layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``. Chunked long nodes
+Sliding windows need nothing of their own: a node's path K/V is a longer prefix, cut to the window as a chunked
+prefix's is (``schedule.windows``). Recurrent layers (gated delta-net, Mamba-2, short convolutions) carry state,
+not K/V: each node continues from its parent's end state (a leaf, ``join_path``), so every child's and every
+suffix's state gradient lands on its parent's leaves and reaches the parent's phase C, as a chunk's does.
+
+What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses,
+``merged_varlen``, dormant policies other than ``keep``. Chunked long nodes
 (``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
 """
 
@@ -50,14 +55,22 @@ from verl_prefix.schedule.trie import TrieNode
 
 
 def join_path(path: list[PrefixKV]) -> PrefixKV | None:
-    """The K/V of a root-to-node path as one prefix: each layer's leaves concatenated along the sequence (a
-    graph back to every node's own leaves). No router statistics: ``path_stats`` counts them per row.
-    ``None`` for an empty path (a root)."""
+    """The K/V of a root-to-node path as one prefix: each attention layer's leaves concatenated along the
+    sequence (a graph back to every node's own leaves); a recurrent layer's state is the last node's end state
+    (each node continued from its parent's, so the path's state is where its last node stopped), its gradient
+    landing on that node's leaves. No router statistics: ``path_stats`` counts them per row. ``None`` for an
+    empty path (a root)."""
     if not path:
         return None
-    joined = PrefixKV(len(path[0].keys), path[0].recurrent_layers)
-    joined.keys = [torch.cat([p.keys[layer] for p in path], dim=2) for layer in range(len(joined.keys))]
-    joined.values = [torch.cat([p.values[layer] for p in path], dim=2) for layer in range(len(joined.values))]
+    last = path[-1]
+    joined = PrefixKV(len(last.keys), last.recurrent_layers)
+
+    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if parts[-1] is None else torch.cat(parts, dim=2)
+
+    joined.keys = [cat([p.keys[layer] for p in path]) for layer in range(len(joined.keys))]
+    joined.values = [cat([p.values[layer] for p in path]) for layer in range(len(joined.values))]
+    joined.recurrent = list(last.recurrent)
     return joined
 
 
