@@ -99,8 +99,9 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     prefix.reuse_config = tree_reuse()
     out = {}
     # the rows the balancer placed on this rank (one system prompt's two groups): the same trie shape on both
-    # ranks (other tokens), so the tree runs; then rank 1's prompts share no system block: its trie's passes
-    # differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same.
+    # ranks (other tokens), so the tree runs; then rank 1's prompts share no system block: its trie (two roots)
+    # differs in shape from rank 0's (one root, two children), so each pads to the union with lockstep fillers
+    # (rank 0 a filler root, rank 1 two filler children) and both still run the tree, exact.
     same = system_batch(seed=seeds[rank], prompt_lens=(5, 9))
     differ = system_batch(seed=5, prompt_lens=(5, 9))
     if rank == 1:
@@ -114,13 +115,16 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
             use_kl=True,
             calculate_entropy=True,
         )
+    worst = lambda got, want: max(  # noqa: E731
+        ((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items()
+    )
     with promote_fp32_upcasts():
         want = T.run_train_step(dense, d_loss, same, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, same, capture_grads=True)
-        # one-level reuse in lockstep is checked against stock in test_two_ranks; here: no hang, and why
-        out["differ"] = T.run_train_step(prefix, p_loss, differ)["reduced_metrics"]
-    out["worst"] = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
-    out["same"] = got["reduced_metrics"]
+        out["worst"], out["same"] = worst(got, want), got["reduced_metrics"]
+        want = T.run_train_step(dense, d_loss, differ, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
+        out["worst_differ"], out["differ"] = worst(got, want), got["reduced_metrics"]
     return out
 
 
@@ -145,18 +149,27 @@ def placed_family_seeds() -> list[int]:
     return [next(iter(p)) for p in placed]
 
 
-def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
+def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_differ(tiny_model):
     """Placement and lockstep: each rank gets one system prompt's groups (the balancer), computes that block
-    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine."""
+    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine; then
+    tries of different shapes run the tree on both ranks, padded with zero-loss fillers, and match too."""
     from helpers.ranks import run_two_ranks
 
     results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")), placed_family_seeds())
     for rank in range(2):
         assert results[rank]["worst"] < 1e-10
         assert_tree_ran(results[rank]["same"], groups=2)
+        assert results[rank]["same"]["prefix/tree_lockstep_fillers"] == 0.0
+        assert results[rank]["worst_differ"] < 1e-10
         metrics = results[rank]["differ"]
-        assert metrics["prefix/tree_fallback_lockstep"] == 1.0 and metrics["prefix/tree_nodes"] == 0
+        assert metrics["prefix/tree_fallback_lockstep"] == 0.0
         assert_reuse_ran(metrics)
+    # rank 0: one root with two children, plus a filler root of two filler children (rank 1's second root and
+    # its micro-batches); rank 1: two roots, the first padded with rank 0's two children as fillers
+    zero, one = results[0]["differ"], results[1]["differ"]
+    assert zero["prefix/tree_nodes"] == 3 and zero["prefix/tree_depth"] == 2, zero
+    assert one["prefix/tree_nodes"] == 2 and one["prefix/tree_depth"] == 1, one
+    assert zero["prefix/tree_lockstep_fillers"] > 0 and one["prefix/tree_lockstep_fillers"] > 0
 
 
 def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():

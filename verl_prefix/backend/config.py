@@ -78,8 +78,9 @@ class PrefixReuseConfig(BaseConfig):
             share (a system block) run once per rank and mini-batch, not once per group. Needs
             ``dormant_prefix=keep`` and no ``merged_varlen`` (refused here; ``prefix_chunk_tokens`` runs longer
             nodes as chains of chunks); a
-            setting the tree does not serve yet (Ulysses, ranks whose tries differ in shape; sliding windows and
-            recurrent layers are served) runs one-level reuse, counted as ``prefix/tree_fallback_<reason>``.
+            setting the tree does not serve yet (Ulysses, ranks whose nodes differ in kind; sliding windows,
+            recurrent layers and ranks whose tries differ in shape are served) runs one-level reuse, counted as
+            ``prefix/tree_fallback_<reason>``.
         min_shared_tokens: a trie node shorter than this on which no group's prompt ends is merged into its
             children (one more prefix forward's fixed cost would not pay).
     """

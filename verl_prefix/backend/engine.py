@@ -63,6 +63,7 @@ from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
 from verl_prefix.schedule.tree import infer_tree, train_tree
+from verl_prefix.schedule.tree_lockstep import filler_passes
 from verl_prefix.schedule.trie import TrieNode, trie_stats
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -586,8 +587,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """``prefix/tree_*`` of the mini-batch (zeros where it ran one-level) and its one-level reason, if any."""
         metrics = {f"prefix/tree_fallback_{r}": float(r == reason) for r in TREE_FALLBACKS}
         if roots is None:
-            return {**metrics, **tree_metrics(None)}
-        return {**metrics, **tree_metrics(trie_stats(roots))}
+            return {**metrics, **tree_metrics(None), "prefix/tree_lockstep_fillers": 0.0}
+        fillers = float(filler_passes(roots))
+        return {**metrics, **tree_metrics(trie_stats(roots)), "prefix/tree_lockstep_fillers": fillers}
 
     def _infer_group(
         self,

@@ -85,6 +85,51 @@ def path_stats(path: list[PrefixKV], suffix: moe.RouterStats, copies: int) -> mo
     return stats
 
 
+FILLER_UID = "__tree_lockstep_filler__"
+
+
+def filler_suffix(path_len: int, options: ScheduleOptions) -> object:
+    """One zero-token suffix row at position ``path_len``: a lockstep filler micro-batch under a path of that
+    length (``schedule.tree_lockstep``)."""
+    length = path_len + 2
+    ids, positions = torch.zeros(length, dtype=torch.long), torch.arange(length)
+    layout = RowLayout([ids], [positions], [path_len + 1], [1], [FILLER_UID])
+    return build_suffix_batch(layout, [0], path_len + 1, options)
+
+
+def run_filler(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions, train: bool) -> None:
+    """A filler subtree (``TrieNode.filler``): the passes its shape stands for, on one-token nodes and
+    one-token suffixes whose losses are zero, attending to filler ancestors only; ``options`` are the filler
+    options. Training: each node's backward is seeded with zeros where nothing below reached it, and a node
+    that runs the LM head seeds its logits with zeros, so every rank gives grads to the same parameters."""
+    meter = options.meter or NullMeter()
+    with meter.phase("lockstep"), options.autocast():
+        kv = _node_forward(model, node, path, options)
+    logits, kv.logits = kv.logits, None
+    below = [*path, kv.as_leaves(requires_grad=train, min_dtype=options.prefix_grad_dtype) if train else kv]
+    for child in node.children:
+        run_filler(model, child, below, options, train)
+    run_filler_micro_batches(model, node, below, options, train)
+    if train:
+        with meter.phase("lockstep"):
+            extra = [(logits, torch.zeros_like(logits))] if logits is not None else []
+            seeded_backward(kv, [leaf.grad for leaf in below[-1].tensors()], model, extra)
+
+
+def run_filler_micro_batches(
+    model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions, train: bool
+) -> None:
+    """``node.filler_micro_batches`` zero-loss suffix micro-batches under ``path`` (``node.end`` tokens)."""
+    meter = options.meter or NullMeter()
+    for _ in range(node.filler_micro_batches):
+        batch = filler_suffix(node.end, options)
+        with meter.phase("lockstep"):
+            with options.autocast():
+                log_probs, _ = suffix_forward(model, join_path(path), batch, options)
+            if train:
+                options.backward(log_probs[0].sum() * 0.0)
+
+
 def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions) -> PrefixKV:
     """Phase A of one node: its tokens, attending to its path's K/V (a root: plain capture); a node that
     carries loss runs the whole model and keeps its logits (``tree_loss.node_options``)."""
@@ -114,6 +159,8 @@ def train_tree(
         below, values_below = [*path, leaves], [*values_path, value_leaves]
         for child in node.children:
             visit(child, below, values_below)
+        for child in node.filler_children:
+            run_filler(model, child, [], fillers, train=True)
         for group in node.groups:
             for rows in group.micro_batches:
                 batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
@@ -137,6 +184,7 @@ def train_tree(
                     with autocast():
                         log_probs, _ = suffix_forward(model, join_path(below), batch, fillers)
                     options.backward(log_probs[0].sum() * 0.0)
+        run_filler_micro_batches(model, node, below, fillers, train=True)
         for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
             if routers is not None:  # their last token would go unrouted: the engine builds the trie own_last
                 raise RuntimeError(f"rows {rows} have no tail to route their last token (trie.build_trie own_last)")
@@ -152,7 +200,10 @@ def train_tree(
 
     with prefix_attention_mode(model):
         for root in roots:
-            visit(root, [], [])
+            if root.filler:
+                run_filler(model, root, [], fillers, train=True)
+            else:
+                visit(root, [], [])
     return losses
 
 
@@ -163,6 +214,7 @@ def infer_tree(
     """Forward-only tree schedule (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
     options = options.forward_only()
     meter = options.meter or NullMeter()
+    fillers = options.for_fillers()
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
@@ -173,16 +225,22 @@ def infer_tree(
         below, values_below = [*path, kv], [*values_path, values]
         for child in node.children:
             visit(child, below, values_below)
+        for child in node.filler_children:
+            run_filler(model, child, [], fillers, train=False)
         for group in node.groups:
             tails: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
             infer_suffixes(model, layout, group, join_path(below), tails, options)
             for row, (log_probs, entropy) in tails.items():
                 results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (log_probs, entropy))
+        run_filler_micro_batches(model, node, below, fillers, train=False)
         for rows in node.ended:
             for row in rows:
                 results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (None, None))
 
     with prefix_attention_mode(model), options.autocast():
         for root in roots:
-            visit(root, [], [])
+            if root.filler:
+                run_filler(model, root, [], fillers, train=False)
+            else:
+                visit(root, [], [])
     return results
