@@ -1,9 +1,10 @@
-"""prefix_torchtitan against verl's own TorchTitan engine (no reuse), fp32: on two gloo ranks TP=2, FSDP=2 and
-EP=2 (a tiny qwen3_moe), on four TP=2 x FSDP=2 with EP=2: log-probs, entropies, per-parameter gradients, loss
-and grad norm, and with MoE the expert load counts and bias torchtitan's load balancing uses; reuse ran;
-skipping phase C, counting the prefix's routing once per group, or weighing a TP rank's tokens as another's,
-fails. Plus what the engine refuses before it builds anything: a flavor that is not the checkpoint's, PP, CP
-and other settings.
+"""prefix_torchtitan against verl's own TorchTitan engine (no reuse), fp32: on two gloo ranks TP=2, FSDP=2,
+EP=2 (a tiny qwen3_moe) and PP=2 (against the stock engine at PP=1), on four TP=2 x FSDP=2 with EP=2: log-probs,
+entropies, per-parameter gradients, loss and grad norm, and with MoE the expert load counts and bias
+torchtitan's load balancing uses; reuse ran; skipping phase C, counting the prefix's routing once per group,
+weighing a TP rank's tokens as another's, or a phase C that does not cross pipeline stages, fails. Plus what the
+engine refuses before it builds anything: a flavor that is not the checkpoint's, pipeline combinations, CP and
+other settings.
 
 One set of ranks per world size for every engine-level fact (two engines per case, lr 0 so every step sees the
 same weights).
@@ -214,6 +215,40 @@ def _counted_step(prefix, loss_fn, batch) -> list:
     return counts["routed"]
 
 
+def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
+    """prefix_torchtitan at pipeline_parallel_size=2 (rank 0: embeddings + layer 0, rank 1: layer 1 + norm + LM
+    head) on the TP=2 case's batch, compared with that case's stock engine (PP=1). Also: a phase C that does not
+    cross stages (negative control), a mini-batch with one group dense (its prefix is under ``min_prefix_len``)
+    and one reusing, and reuse off (every row dense, pipelined by the engine: verl's own has no pipelined step)."""
+    import dataclasses
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.backend import titan_pipeline
+    from verl_prefix.tools import testing as T
+    from verl_prefix.tools import titan_testing as TT
+
+    batch = _rank_batch(rank, fsdp=False)
+    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    build = dict(backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse)
+    engine = TT.build_titan_engine(model_dir, **build, engine_overrides=dict(pipeline_parallel_size=2))
+    link = engine.link
+    out = {"stage": (link.stage, link.num_stages, engine.is_mp_src_rank_with_outputs())}
+    out["got_infer"] = T.run_infer(engine, batch)
+    out["got_infer"] = {k: out["got_infer"][k] for k in ("response_log_probs", "response_entropy", "metrics")}
+    out["got"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    seeded = titan_pipeline.seeded_backward
+    # negative control: each stage's phase C seeded by its own leaves only, never by the next stage's gradient
+    titan_pipeline.seeded_backward = lambda prefix, seeds, model=None, extra=(): seeded(prefix, seeds, model)
+    try:
+        out["not_crossing"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    finally:
+        titan_pipeline.seeded_backward = seeded
+    for key, config in (("mixed", dict(min_prefix_len=10)), ("dense", dict(enable=False))):
+        engine.reuse_config = dataclasses.replace(reuse, **config)
+        out[key] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    return out
+
+
 def _refused_moe_tp(moe_dir: str) -> str:
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.tools import titan_testing as TT
@@ -251,6 +286,7 @@ def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
         "ep2_aux_off": _compare(rank, moe_off_dir, loss_fn, fsdp=True, negative=False, ep=True),
         "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
         "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
+        "pp2": _pipeline(rank, model_dir, loss_fn),
     }
 
 
@@ -303,6 +339,48 @@ def test_tp2_matches_verl_torchtitan_engine(ranks):
     """Phase A's K/V are each rank's head shard at inner_attention; dK/dV accumulate on that shard."""
     for rank in range(2):
         _assert_matches(ranks[rank]["tp2"], rank, groups=2, grad_norm=rank == 0)  # verl reports it on rank 0
+
+
+def _stage_grads(ranks: dict, key: str) -> list[dict]:
+    """Each pipeline stage's gradients: its own parameters only, together every parameter of the model once."""
+    want = ranks[0]["tp2"]["want"]["grads"]
+    stages = [ranks[rank]["pp2"][key]["grads"] for rank in range(2)]
+    assert all(stages) and not set(stages[0]) & set(stages[1]), key
+    assert set(stages[0]) | set(stages[1]) == set(want) and len(want) > 10, key
+    return stages
+
+
+def test_pp2_matches_verl_torchtitan_engine(ranks):
+    """PP=2 against verl's engine at PP=1 (no reuse): both stages' gradients, loss and grad norm (on the last
+    stage, where verl reads them; the clip norm spans the stages), and forward-only log-probs and entropies (the
+    last stage's, on every stage); reuse ran. With one group dense (``min_prefix_len``) or every row dense (reuse
+    off), dense rows cross the stages as pipeline micro-batches, with verl's own inputs, outputs and loss."""
+    assert [ranks[r]["pp2"]["stage"] for r in range(2)] == [(0, 2, False), (1, 2, True)]
+    want = ranks[0]["tp2"]["want"]
+    for key, groups in (("got", 2), ("mixed", 1), ("dense", 0)):
+        for rank, grads in enumerate(_stage_grads(ranks, key)):
+            worst, name = _worst({n: want["grads"][n] for n in grads}, grads)
+            assert worst < TOL, f"{key}, stage {rank}: {name} off by {worst:.2e}"
+            got = ranks[rank]["pp2"][key]
+            assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7), (key, rank)
+            if groups:
+                assert_reuse_ran(got["metrics"], groups=groups)
+            else:
+                assert reduced(got["metrics"])["prefix/fallback_disabled"] == 8.0
+        assert ranks[1]["pp2"][key]["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), key
+        assert ranks[0]["pp2"][key]["grad_norm"] is None  # verl reports it on the last stage only
+    assert reduced(ranks[0]["pp2"]["mixed"]["metrics"])["prefix/fallback_short_prefix"] == 4.0
+    for rank in range(2):
+        assert_infer_matches(ranks[rank]["tp2"]["want_infer"], ranks[rank]["pp2"]["got_infer"], TOL, groups=2)
+
+
+def test_pp2_phase_c_not_crossing_stages_is_wrong(ranks):
+    """Negative control: stage 0's phase C without stage 1's gradient of its phase-A input misses what every
+    suffix backpropagated into stage 1's prefix K/V; stage 1's own gradients stay right."""
+    want = ranks[0]["tp2"]["want"]["grads"]
+    first, last = _stage_grads(ranks, "not_crossing")
+    assert _worst({n: want[n] for n in first}, first)[0] > 1e-2
+    assert _worst({n: want[n] for n in last}, last)[0] < TOL
 
 
 def test_tp2_without_phase_c_is_wrong(ranks):
@@ -430,11 +508,11 @@ def test_moe_with_tp_only_is_refused_at_build(ranks):
 
 
 def test_refusals_at_config_time():
+    from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig, refusal
 
     assert refusal(PrefixTorchtitanEngineConfig()) is None
     for knob, value, words in (
-        ("pipeline_parallel_size", 2, "docs/design.md"),
         ("context_parallel_size", 2, "context parallelism"),
         ("spmd_backend", "spmd_types", "torch 2.13"),
         ("attn_type", "varlen", "flex"),
@@ -444,6 +522,13 @@ def test_refusals_at_config_time():
     ):
         reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
         assert reason is not None and knob in reason and words in reason, (knob, reason)
+    # pipeline parallelism is served alone (one stage per rank), reuse on or off: the engine pipelines every pass
+    assert refusal(PrefixTorchtitanEngineConfig(pipeline_parallel_size=2)) is None
+    for knob in ("tensor_parallel_size", "expert_parallel_size", "context_parallel_size", "data_parallel_shard_size"):
+        for reuse in (PrefixReuseConfig(), PrefixReuseConfig(enable=False)):
+            config = PrefixTorchtitanEngineConfig(pipeline_parallel_size=2, prefix_reuse=reuse, **{knob: 2})
+            reason = refusal(config)
+            assert reason is not None and knob in reason and "pipeline_parallel_size=2" in reason, (knob, reason)
 
 
 def test_selected_through_verl_config():
