@@ -233,6 +233,8 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     engine = TT.build_titan_engine(model_dir, **build, engine_overrides=dict(pipeline_parallel_size=2))
     link = engine.link
     out = {"stage": (link.stage, link.num_stages, engine.is_mp_src_rank_with_outputs())}
+    # what the rollout receives: every stage's weights on every rank (both iterate: the broadcasts are collective)
+    out["synced"] = {name: tensor.detach().clone() for name, tensor in engine.get_per_tensor_param()[0]}
     out["got_infer"] = T.run_infer(engine, batch)
     out["got_infer"] = {k: out["got_infer"][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     out["got"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
@@ -246,6 +248,7 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     for key, config in (("mixed", dict(min_prefix_len=10)), ("dense", dict(enable=False))):
         engine.reuse_config = dataclasses.replace(reuse, **config)
         out[key] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    out["checkpoint"] = _checkpoint_round_trip(engine, Path(model_dir).parent / "titan_pp2_checkpoint")  # last
     return out
 
 
@@ -393,9 +396,10 @@ def test_tp2_without_phase_c_is_wrong(ranks):
 
 def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
     """The weights a rollout receives from a TP=2 engine (verl's ``get_per_tensor_param``: shards gathered, HF
-    names from torchtitan's state-dict adapter), before any step, are the checkpoint's, exactly and in fp32
-    (verl casts them to bf16; ``platform_titan`` keeps an fp32 engine's fp32). With no data parallelism each
-    rank's data-parallel group is itself (``platform_titan``), so verl's worker gathers metrics as usual."""
+    names from torchtitan's state-dict adapter), and from a PP=2 one (every stage's on every rank), before any
+    step, are the checkpoint's, exactly and in fp32 (verl casts them to bf16; ``platform_titan`` keeps an fp32
+    engine's fp32). With no data parallelism each rank's data-parallel group is itself (``platform_titan``), so
+    verl's worker gathers metrics as usual."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3")).state_dict()
@@ -403,21 +407,26 @@ def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
     assert all(not torch.equal(w, w.bfloat16().float()) for n, w in hf.items() if "norm" not in n)
     for rank in range(2):
         assert ranks[rank]["tp2"]["dp_groups"] == [1, 1], rank
-        synced = ranks[rank]["tp2"]["synced"]
-        assert sorted(synced) == sorted(hf), rank
-        for name, want in hf.items():
-            assert synced[name].dtype == torch.float32 and torch.equal(synced[name], want), (rank, name)
+        # PP=2: each stage holds half the parameters; the rollout of either rank gets all of them
+        for case in ("tp2", "pp2"):
+            synced = ranks[rank][case]["synced"]
+            assert sorted(synced) == sorted(hf), (case, rank)
+            for name, want in hf.items():
+                assert synced[name].dtype == torch.float32 and torch.equal(synced[name], want), (case, rank, name)
 
 
 def test_tp2_checkpoint_saved_when_verl_asks_and_restored(ranks):
     """verl saves at its ``save_freq``; torchtitan's checkpointer writes only every ``interval`` (500) steps, so
     verl's checkpoint held no weights (``platform_titan`` makes every requested save write). Loading it back
-    restores each TP shard of every parameter (zeroed in between)."""
+    restores each TP shard of every parameter (zeroed in between); at PP=2 each stage's parameters."""
     for rank in range(2):
         ckpt = ranks[rank]["tp2"]["checkpoint"]
         assert ckpt["interval"] > 3, rank  # torchtitan alone would have skipped step 3
         assert ckpt["written"], rank
         assert ckpt["restored"] == ckpt["params"] and len(ckpt["params"]) > 10, rank
+        # PP=2: each stage saves and restores its own parameters
+        ckpt = ranks[rank]["pp2"]["checkpoint"]
+        assert ckpt["written"] and ckpt["restored"] == ckpt["params"] and len(ckpt["params"]) > 4, rank
 
 
 def test_fsdp2_with_different_group_structure(ranks):

@@ -110,6 +110,11 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
 
     # -- the mini-batch -----------------------------------------------------------------------------
 
+    def get_per_tensor_param(self, **kwargs: Any) -> Any:
+        """verl's weight sync (HF names, full tensors), with every pipeline stage's parameters on every rank."""
+        weights, peft_config = super().get_per_tensor_param(**kwargs)
+        return self.link.gather_named(weights), peft_config
+
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
         output = self._forward_backward(data, loss_function, forward_only)
         output["metrics"] = as_micro_batch_lists(output["metrics"])

@@ -22,7 +22,7 @@ Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,34 @@ class StageLink:
         if not self.is_last:
             self.send_activation(output)
         return inputs, output
+
+    def gather_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stage's ``(name, tensor)`` pairs on every stage, stage by stage, one tensor at a time: verl's
+        weight sync (``get_per_tensor_param``) yields the rank's own parameters only, and a rollout fed one
+        stage's weights would keep the other stages' old ones. A collective: every stage iterates to the end."""
+        if self.num_stages == 1:
+            yield from named
+            return
+        for stage in range(self.num_stages):
+            src = self.ranks[stage]
+            if stage == self.stage:
+                for name, tensor in named:
+                    tensor = tensor.detach().contiguous()
+                    meta = [(name, tuple(tensor.shape), tensor.dtype)]
+                    dist.broadcast_object_list(meta, src=src, group=self.group, device=self.device)
+                    dist.broadcast(tensor, src=src, group=self.group)
+                    yield name, tensor
+                dist.broadcast_object_list([None], src=src, group=self.group, device=self.device)
+                continue
+            while True:
+                box: list = [None]
+                dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
+                if box[0] is None:
+                    break
+                name, shape, dtype = box[0]
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(tensor, src=src, group=self.group)
+                yield name, tensor
 
     def share(self, payload: Any) -> Any:
         """The last stage's ``payload`` on every stage (verl reads outputs from the last stage; tests and the
