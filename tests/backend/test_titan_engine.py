@@ -219,8 +219,11 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     """prefix_torchtitan at pipeline_parallel_size=2 (rank 0: embeddings + layer 0, rank 1: layer 1 + norm + LM
     head) on the TP=2 case's batch, compared with that case's stock engine (PP=1). Also: a phase C that does not
     cross stages (negative control), a mini-batch with one group dense (its prefix is under ``min_prefix_len``)
-    and one reusing, and reuse off (every row dense, pipelined by the engine: verl's own has no pipelined step)."""
+    and one reusing, and reuse off (every row dense, pipelined by the engine: verl's own has no pipelined step)
+    in verl's dynamic-batch-size micro-batches."""
     import dataclasses
+
+    from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend import titan_pipeline
@@ -245,9 +248,18 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
         out["not_crossing"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
     finally:
         titan_pipeline.seeded_backward = seeded
-    for key, config in (("mixed", dict(min_prefix_len=10)), ("dense", dict(enable=False))):
+    # reuse off under verl's dynamic batch size: its token-budget micro-batches, pipelined (rows reordered, restored)
+    dynamic = batch.copy()
+    tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=48)
+    for key, config, rows in (("mixed", dict(min_prefix_len=10), batch), ("dense", dict(enable=False), dynamic)):
         engine.reuse_config = dataclasses.replace(reuse, **config)
-        out[key] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+        out[key] = T.run_train_step(engine, loss_fn, rows, capture_grads=True)
+    # stages handed different rows (verl hands a pipeline's ranks the same ones): both refuse, neither hangs
+    try:
+        T.run_train_step(engine, loss_fn, batch if rank == 0 else _rank_batch(rank, fsdp=True))
+        out["different_rows"] = "ran"
+    except ValueError as error:
+        out["different_rows"] = str(error)
     out["checkpoint"] = _checkpoint_round_trip(engine, Path(model_dir).parent / "titan_pp2_checkpoint")  # last
     return out
 
@@ -373,8 +385,17 @@ def test_pp2_matches_verl_torchtitan_engine(ranks):
         assert ranks[1]["pp2"][key]["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), key
         assert ranks[0]["pp2"][key]["grad_norm"] is None  # verl reports it on the last stage only
     assert reduced(ranks[0]["pp2"]["mixed"]["metrics"])["prefix/fallback_short_prefix"] == 4.0
+    # reuse off under dynamic batch size: verl's token budget made 4 micro-batches (2 of 4 rows without it)
+    assert len(ranks[1]["pp2"]["dense"]["metrics"]["kl_coef"]) == 4
     for rank in range(2):
         assert_infer_matches(ranks[rank]["tp2"]["want_infer"], ranks[rank]["pp2"]["got_infer"], TOL, groups=2)
+
+
+def test_pp2_stages_with_different_rows_refuse_together(ranks):
+    """Stages handed different rows would send activations of other shapes or wait on each other forever: the
+    engine compares the rows' hash across the stages first, and every stage raises the same error."""
+    for rank in range(2):
+        assert "pipeline stages hold different rows" in ranks[rank]["pp2"]["different_rows"], rank
 
 
 def test_pp2_phase_c_not_crossing_stages_is_wrong(ranks):

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.torch_functional import logprobs_from_logits
+from verl.workers.engine.utils import prepare_micro_batches
 
 from verl_prefix.backend import fallbacks, platform_titan
 from verl_prefix.backend.config import PrefixReuseConfig
@@ -48,7 +49,13 @@ from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask
 from verl_prefix.backend.titan_config import refusal
 from verl_prefix.backend.titan_flavor import check_flavor
 from verl_prefix.backend.titan_moe import ExpertCounts
-from verl_prefix.backend.titan_pipeline import StageLink, StageStep, backward_across, run_micro_batches
+from verl_prefix.backend.titan_pipeline import (
+    StageLink,
+    StageStep,
+    backward_across,
+    batch_fingerprint,
+    run_micro_batches,
+)
 from verl_prefix.backend.titan_sequence import pad_tokens, padded_length, sequence_multiple
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
@@ -132,6 +139,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         return agree_on_validity(check, self.get_data_parallel_group())
 
     def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
+        self.link.check_same(batch_fingerprint(data), "rows (token ids hashed)")
         local_reason, layout = self._local_reason(data, forward_only)
         reason = fallbacks.agree_on_fallback(local_reason, self.get_data_parallel_group())
         if reason is not None:
@@ -383,15 +391,19 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
 
     def _pipelined_dense_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool) -> dict:
         """A whole mini-batch dense under pipeline parallelism (what verl's own engine would run, had it a
-        pipelined forward step): the rows in chunks of ``micro_batch_size_per_gpu``, verl's output layout."""
+        pipelined forward step): verl's micro-batches (``prepare_micro_batches``: fixed size, or by token budget
+        under dynamic batch size), verl's output layout."""
         self._attach_global_normalisation(data)
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group())
+        if indices is None:  # fixed size: consecutive rows
+            starts = torch.tensor([0] + [len(m) for m in micro_batches]).cumsum(0).tolist()
+            indices = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
         grad = torch.no_grad() if forward_only else nullcontext()
         autocast = platform_titan.engine_autocast(self.engine_config, get_device_name())
         with self.trainer.train_context(), grad, autocast:
-            chunks = self._dense_chunks(data, list(range(len(data))))
-            self._pipelined_dense(data, chunks, loss_function, forward_only, outputs.record)
+            self._pipelined_dense(data, [list(rows) for rows in indices], loss_function, forward_only, outputs.record)
         outputs.replace(self.link.share((outputs.outputs, outputs.order)))
         return outputs.collected(data)
 

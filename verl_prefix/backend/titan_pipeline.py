@@ -22,6 +22,7 @@ Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer th
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_prefix.backend.inputs import uids_of
 from verl_prefix.schedule.executor import seeded_backward
 from verl_prefix.schedule.prefix_kv import PrefixKV
 
@@ -163,6 +165,17 @@ class StageLink:
                 dist.broadcast(tensor, src=src, group=self.group)
                 yield name, tensor
 
+    def check_same(self, value: Any, what: str) -> None:
+        """Every stage must run the same plan (verl gives the ranks of a pipeline the same rows): a stage that
+        does not would send activations of other shapes, or wait forever. One object all-gather; every stage
+        raises together."""
+        if self.num_stages == 1:
+            return
+        values: list = [None] * self.num_stages
+        dist.all_gather_object(values, value, group=self.group)
+        if any(v != values[0] for v in values):
+            raise ValueError(f"prefix_torchtitan: the pipeline stages hold different {what}: {values}")
+
     def share(self, payload: Any) -> Any:
         """The last stage's ``payload`` on every stage (verl reads outputs from the last stage; tests and the
         worker's metrics read them anywhere)."""
@@ -171,6 +184,17 @@ class StageLink:
         box = [payload if self.is_last else None]
         dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group, device=self.device)
         return box[0]
+
+
+def batch_fingerprint(data: Any) -> str:
+    """A short hash of a mini-batch's rows (token ids, row lengths, uids), for ``StageLink.check_same``."""
+    ids = data["input_ids"]
+    digest = hashlib.sha1()
+    for tensor in (ids.values(), ids.offsets()) if ids.is_nested else (ids,):
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    if "uid" in data.keys():
+        digest.update(repr(uids_of(data)).encode())
+    return digest.hexdigest()[:16]
 
 
 def run_micro_batches(link: StageLink, steps: Sequence[StageStep], backward: bool) -> None:
