@@ -362,32 +362,34 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         forward_only: bool,
         record: Callable,
     ) -> None:
-        """Dense chunks as pipeline micro-batches: verl's own inputs (packed rows, document mask), outputs and loss
-        (``prepare_model_inputs``/``prepare_model_outputs``), with the model run stage by stage."""
-        model = self.module[0]
-        steps = []
-        for rows in chunks:
-            micro = tu.index_select_tensor_dict(data, rows).to(get_device_id())
-            ids, extra_inputs, extra_kwargs, output_args = self.prepare_model_inputs(micro_batch=micro)
-
-            def forward(inputs: torch.Tensor, extra: dict = {**extra_inputs, **extra_kwargs}) -> torch.Tensor:  # noqa: B006
-                return model(inputs, **extra)
-
-            def score(
-                logits: torch.Tensor, micro: TensorDict = micro, output_args: dict = output_args, rows: list = rows
-            ) -> torch.Tensor | None:
-                if isinstance(logits, DTensor):
-                    logits = logits.full_tensor()
-                model_output = self.prepare_model_outputs(logits=logits, output_args=output_args, micro_batch=micro)
-                loss, metrics = None, {}
-                if loss_function is not None:
-                    group = self.get_data_parallel_group()
-                    loss, metrics = loss_function(model_output=model_output, data=micro, dp_group=group)
-                record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
-                return None if forward_only else loss
-
-            steps.append(StageStep(ids, forward, score))
+        """Dense chunks as pipeline micro-batches, with the model run stage by stage."""
+        steps = [self._dense_step(data, rows, loss_function, forward_only, record) for rows in chunks]
         run_micro_batches(self.link, steps, backward=not forward_only)
+
+    def _dense_step(
+        self, data: TensorDict, rows: list[int], loss_function: Callable | None, forward_only: bool, record: Callable
+    ) -> StageStep:
+        """A chunk of dense rows with verl's own inputs (packed rows, document mask), outputs and loss
+        (``prepare_model_inputs`` / ``prepare_model_outputs``), as its ``forward_step`` runs them without PP."""
+        model = self.module[0]
+        micro = tu.index_select_tensor_dict(data, rows).to(get_device_id())
+        ids, extra_inputs, extra_kwargs, output_args = self.prepare_model_inputs(micro_batch=micro)
+
+        def forward(inputs: torch.Tensor) -> torch.Tensor:
+            return model(inputs, **extra_inputs, **extra_kwargs)
+
+        def score(logits: torch.Tensor) -> torch.Tensor | None:
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            model_output = self.prepare_model_outputs(logits=logits, output_args=output_args, micro_batch=micro)
+            loss, metrics = None, {}
+            if loss_function is not None:
+                group = self.get_data_parallel_group()
+                loss, metrics = loss_function(model_output=model_output, data=micro, dp_group=group)
+            record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
+            return None if forward_only else loss
+
+        return StageStep(ids, forward, score)
 
     def _pipelined_dense_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool) -> dict:
         """A whole mini-batch dense under pipeline parallelism (what verl's own engine would run, had it a
