@@ -13,7 +13,9 @@ Rows that cannot reuse (short prefix, a group of one) run through verl's own ``f
 under ``prefix/fallback_<reason>`` with one log line. Data-parallel ranks keep FSDP's collectives matched with
 the FSDP engine's lockstep (``backend.lockstep``: agreed shape, zero-loss fillers). What this slice does not
 serve is refused when the engine is built (``titan_config.refusal``), and so is a torchtitan flavor that does
-not match the checkpoint (``titan_flavor``).
+not match the checkpoint (``titan_flavor``). Under pipeline parallelism each rank holds one stage of the model
+and the same three phases cross the stages by point-to-point sends (``titan_pipeline``); without it the same code
+runs as a pipeline of one stage.
 """
 
 from __future__ import annotations
