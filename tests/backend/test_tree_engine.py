@@ -160,8 +160,9 @@ def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
 
 
 def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
-    """Ulysses and sliding windows: the mini-batch runs one-level reuse, named (no collective is needed: the
-    reason is the same on every rank)."""
+    """Sliding windows, recurrent layers and images: the mini-batch runs one-level reuse, named (no collective is
+    needed for the model's reasons: they are the same on every rank). Ulysses is served
+    (``test_tree_ulysses_engine.py``)."""
 
     def mistral(window):
         config = MistralConfig(
@@ -176,14 +177,13 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
         return AutoModelForCausalLM.from_config(config)
 
     plain, windowed = mistral(None), mistral(8)
-    assert tree_refusal(plain, ulysses=False) is None
-    assert tree_refusal(plain, ulysses=True) == "ulysses"
-    assert tree_refusal(windowed, ulysses=False) == "sliding_window"
+    assert tree_refusal(plain) is None
+    assert tree_refusal(windowed) == "sliding_window"
     rows = [torch.arange(6), torch.arange(6)]
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    assert plan_tree(windowed, layout, plan, 1, ulysses=False, group=None) == (None, "sliding_window")
-    roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
+    assert plan_tree(windowed, layout, plan, 1, group=None) == (None, "sliding_window")
+    roots, reason = plan_tree(plain, layout, plan, 1, group=None)
     assert reason is None and len(roots) == 1 and sorted(roots[0].rows_below()) == [0, 1]  # two uids, one row: one node
     # recurrent layers (a Qwen3.5-style hybrid): their state at a node boundary is not carried yet
     hybrid = Qwen3_5TextConfig(
@@ -200,12 +200,12 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
         linear_num_value_heads=2,
         layer_types=["linear_attention", "full_attention"],
     )
-    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid), ulysses=False) == "recurrent"
+    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid)) == "recurrent"
     # images: a node's forward takes token ids only and every image's placeholder tokens are the same
     visual = RowLayout(
         rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=[{"pixel_values": rows[0]}, None]
     )
-    assert plan_tree(plain, visual, plan, 1, ulysses=False, group=None) == (None, "multimodal")
+    assert plan_tree(plain, visual, plan, 1, group=None) == (None, "multimodal")
 
 
 def _images_on_one_rank(rank: int) -> tuple:
@@ -229,7 +229,7 @@ def _images_on_one_rank(rank: int) -> tuple:
     visual = [{"pixel_values": rows[0]}, None] if rank == 0 else None
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=visual)
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    return plan_tree(model, layout, plan, 1, ulysses=False, group=None)
+    return plan_tree(model, layout, plan, 1, group=None)
 
 
 def test_images_on_one_rank_run_one_level_on_both_without_a_hang():

@@ -229,5 +229,5 @@ def test_rows_of_different_temperatures_under_one_node_run_one_level():
     for temperature, want in ((torch.tensor([1.0, 1.0]), None), (torch.tensor([1.0, 0.7]), "temperature")):
         layout = RowLayout(rows, [torch.arange(8)] * 2, [4, 4], [4, 4], ["a", "a"], temperature=temperature)
         plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-        roots, reason = plan_tree(model, layout, plan, 2, ulysses=False, group=None)
+        roots, reason = plan_tree(model, layout, plan, 2, group=None)
         assert reason == want and (roots is None) == (want is not None)

@@ -442,7 +442,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 layout,
                 plan,
                 self.reuse_config.min_shared_tokens,
-                self.use_ulysses_sp,
                 self._agreement_group(),
                 own_last=self._moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
                 chunk_tokens=self.reuse_config.prefix_chunk_tokens,

@@ -26,13 +26,12 @@ logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "multimodal", "lockstep", "temperature")
+TREE_FALLBACKS = ("sliding_window", "recurrent", "multimodal", "lockstep", "temperature")
 
 
-def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
-    """What the tree schedule does not serve yet for this model and setting (the same on every rank)."""
-    if ulysses:
-        return "ulysses"
+def tree_refusal(model: nn.Module) -> str | None:
+    """What the tree schedule does not serve yet for this model (the same on every rank). Ulysses is served:
+    every node and tail runs sliced over the SP group as one-level reuse's prefix and suffixes do."""
     if attention_windows(model):
         return "sliding_window"
     if recurrent.recurrent_layers(model):
@@ -83,7 +82,6 @@ def plan_tree(
     layout: RowLayout,
     plan: BatchPlan,
     min_shared_tokens: int,
-    ulysses: bool,
     group: dist.ProcessGroup | None,
     own_last: bool = False,
     chunk_tokens: int | None = None,
@@ -95,7 +93,7 @@ def plan_tree(
     ``lockstep`` on the others). ``own_last`` (the MoE router aux loss on): each row's last loss position stays
     in its tail, so its last token runs through the routers in its suffix forward; ``chunk_tokens``
     (``prefix_chunk_tokens``): longer nodes run as chains of chunks (``trie.build_trie``)."""
-    reason = tree_refusal(model, ulysses)
+    reason = tree_refusal(model)
     if reason is None:
         local = batch_refusal(layout, plan)
         roots = (

@@ -19,9 +19,13 @@ response stem, a turn that is one sample's response and the next one's prompt) r
 log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
 with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
 
-What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses, recurrent
-layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``. Chunked long nodes
-(``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
+Under Ulysses (``options.ulysses``) each node's phase A and each tail micro-batch run as this rank's slice, the
+way one-level reuse runs a (chunked) prefix and its suffixes: a node's K/V leaves are this rank's head shard of
+the node, the path joins the shards, and a loss-carrying node's log-probs are gathered over the group
+(``tree_loss.sharded_node_values``). What it does not serve yet (the engine refuses these with ``tree`` on,
+``tree_refusal``): recurrent layers, sliding windows, ``merged_varlen``, dormant policies other than ``keep``.
+Chunked long nodes (``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of
+their own here.
 """
 
 from __future__ import annotations

@@ -84,7 +84,25 @@ def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: Schedu
     if temperature != 1.0:  # as phase B divides: the fp32 temperature in the logits' dtype
         divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device).to(logits.dtype)
         logits = logits.div_(divisor)  # lm_head's backward needs no output
+    if options.ulysses is not None:
+        return sharded_node_values(logits, node, options)
     log_probs, entropy = token_outputs(logits, node.labels.to(logits.device), options)
+    return NodeValues(node.logits_from, log_probs, entropy)
+
+
+def sharded_node_values(logits: torch.Tensor, node: TrieNode, options: ScheduleOptions) -> NodeValues:
+    """A node's values under Ulysses: ``logits`` are this rank's slice of the whole node (phase A keeps them
+    all, padding included); its log-probs and entropies are computed there, gathered over the group as phase B's
+    are (the gather's backward keeps the local slice times the group size, verl's SP scaling) and cut to
+    ``[logits_from, end)``. Positions before ``logits_from`` get a placeholder label and are dropped."""
+    ulysses = options.ulysses
+    skip = node.logits_from - node.start
+    labels = torch.zeros(node.length, dtype=torch.long)
+    labels[skip:] = node.labels
+    log_probs, entropy = token_outputs(logits, ulysses.shard(labels).to(logits.device), options)
+    log_probs = ulysses.gather(log_probs[None], node.length)[0, skip:]
+    if entropy is not None:
+        entropy = ulysses.gather(entropy[None], node.length)[0, skip:]
     return NodeValues(node.logits_from, log_probs, entropy)
 
 
