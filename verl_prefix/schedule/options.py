@@ -50,7 +50,8 @@ class ScheduleOptions:
     caller; ``None``: found from the model at every phase A. ``keep_logits``: phase A runs the whole model
     (no early exit) and keeps the logits of its last that many positions on the returned ``PrefixKV``
     (``logits``): a tree node whose tokens carry loss (``schedule.tree_loss``); 0 for every other phase A. Under
-    ``ulysses`` it keeps the logits of the rank's whole slice instead (the positions are spread over the slices).
+    ``ulysses`` it keeps this rank's share of them (``Ulysses.kept_in_slice``: the positions are spread over the
+    slices).
     """
 
     device: torch.device

@@ -121,7 +121,7 @@ class PrefixKV:
         # per layer: phase A captured its K/V with autograd on (a K/V without a graph is then a constant)
         self.captured_with_grad: list[bool] = [False] * num_layers
         # phase A's logits of its last ``options.keep_logits`` positions (a loss-carrying tree node; under Ulysses
-        # the rank's whole slice), or None
+        # this rank's share of them), or None
         self.logits: torch.Tensor | None = None
 
     def share(self, sources: dict[int, int]) -> None:

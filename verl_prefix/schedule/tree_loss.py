@@ -91,19 +91,23 @@ def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: Schedu
 
 
 def sharded_node_values(logits: torch.Tensor, node: TrieNode, options: ScheduleOptions) -> NodeValues:
-    """A node's values under Ulysses: ``logits`` are this rank's slice of the whole node (phase A keeps them
-    all, padding included); its log-probs and entropies are computed there, gathered over the group as phase B's
-    are (the gather's backward keeps the local slice times the group size, verl's SP scaling) and cut to
-    ``[logits_from, end)``. Positions before ``logits_from`` get a placeholder label and are dropped."""
+    """A node's values under Ulysses: ``logits`` cover the last positions of this rank's slice of the node (its
+    share of ``[logits_from, end)``, ``Ulysses.kept_in_slice``); its log-probs and entropies are computed there,
+    front-padded with zeros to the slice, gathered over the group as phase B's are (the gather's backward keeps
+    the local slice times the group size, verl's SP scaling) and cut to ``[logits_from, end)``. A position
+    before ``logits_from`` (the one a rank without any keeps) gets a placeholder label and is cut away."""
     ulysses = options.ulysses
     skip = node.logits_from - node.start
     labels = torch.zeros(node.length, dtype=torch.long)
     labels[skip:] = node.labels
-    log_probs, entropy = token_outputs(logits, ulysses.shard(labels).to(logits.device), options)
-    log_probs = ulysses.gather(log_probs[None], node.length)[0, skip:]
-    if entropy is not None:
-        entropy = ulysses.gather(entropy[None], node.length)[0, skip:]
-    return NodeValues(node.logits_from, log_probs, entropy)
+    kept = logits.shape[0]
+    log_probs, entropy = token_outputs(logits, ulysses.shard(labels)[-kept:].to(logits.device), options)
+
+    def gathered(values: torch.Tensor) -> torch.Tensor:
+        pad = values.new_zeros(ulysses.padded(node.length) // ulysses.size - kept)
+        return ulysses.gather(torch.cat([pad, values])[None], node.length)[0, skip:]
+
+    return NodeValues(node.logits_from, gathered(log_probs), gathered(entropy) if entropy is not None else None)
 
 
 def node_slice(values: NodeValues, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
