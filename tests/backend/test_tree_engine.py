@@ -9,13 +9,12 @@ import pytest
 import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen3_5TextConfig
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.backend.roots import shared_roots
-from verl_prefix.backend.trees import plan_tree, tree_refusal
+from verl_prefix.backend.trees import plan_tree
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.tools import testing as T
 
@@ -173,75 +172,29 @@ def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_diffe
 
 
 def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
-    """Ulysses: the mini-batch runs one-level reuse, named (no collective is needed: the reason is the same on
-    every rank). Sliding windows and recurrent layers are served (``test_tree_families_engine.py``)."""
-
-    def mistral(window):
-        config = MistralConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            sliding_window=window,
-        )
-        return AutoModelForCausalLM.from_config(config)
-
-    plain, windowed = mistral(None), mistral(8)
-    assert tree_refusal(plain, ulysses=False) is None
-    assert tree_refusal(plain, ulysses=True) == "ulysses"
-    assert tree_refusal(windowed, ulysses=False) is None
+    """No model is refused (Ulysses: ``test_tree_ulysses_engine.py``; sliding windows and recurrent layers:
+    ``test_tree_families_engine.py``); a batch with images in a group's prompt runs one-level reuse, named (a
+    node's forward takes token ids only and every image's placeholder tokens are the same)."""
     rows = [torch.arange(6), torch.arange(6)]
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
+    roots, reason = plan_tree(layout, plan, 1, group=None)
     assert reason is None and len(roots) == 1 and sorted(roots[0].rows_below()) == [0, 1]  # two uids, one row: one node
-    # recurrent layers (a Qwen3.5-style hybrid): each node continues from its parent's state
-    hybrid = Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        layer_types=["linear_attention", "full_attention"],
-    )
-    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid), ulysses=False) is None
-    # images: a node's forward takes token ids only and every image's placeholder tokens are the same
     visual = RowLayout(
         rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=[{"pixel_values": rows[0]}, None]
     )
-    assert plan_tree(plain, visual, plan, 1, ulysses=False, group=None) == (None, "multimodal")
+    assert plan_tree(visual, plan, 1, group=None) == (None, "multimodal")
 
 
 def _images_on_one_rank(rank: int) -> tuple:
-    from transformers import AutoModelForCausalLM, MistralConfig
-
     from verl_prefix.backend.trees import plan_tree
     from verl_prefix.schedule.grouping import RowLayout, plan_batch
 
-    model = AutoModelForCausalLM.from_config(
-        MistralConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            sliding_window=None,
-        )
-    )
     rows = [torch.arange(6), torch.arange(6)]
     visual = [{"pixel_values": rows[0]}, None] if rank == 0 else None
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=visual)
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    return plan_tree(model, layout, plan, 1, ulysses=False, group=None)
+    return plan_tree(layout, plan, 1, group=None)
 
 
 def test_images_on_one_rank_run_one_level_on_both_without_a_hang():

@@ -77,10 +77,11 @@ class PrefixReuseConfig(BaseConfig):
         tree: run each rank's groups as a token trie (``docs/trees.md``): tokens that several groups' prompts
             share (a system block) run once per rank and mini-batch, not once per group. Needs
             ``dormant_prefix=keep`` and no ``merged_varlen`` (refused here; ``prefix_chunk_tokens`` runs longer
-            nodes as chains of chunks); a
-            setting the tree does not serve yet (Ulysses, ranks whose nodes differ in kind; sliding windows,
-            recurrent layers and ranks whose tries differ in shape are served) runs one-level reuse, counted as
-            ``prefix/tree_fallback_<reason>``.
+            nodes as chains of chunks; under Ulysses every node and tail runs sliced over the SP group, tested
+            in ``tests/backend/test_tree_ulysses_engine.py``; sliding windows and recurrent layers are served;
+            ranks whose tries differ in shape pad them with zero-loss lockstep fillers); a mini-batch the tree does
+            not serve (images in a group's prompt, ranks whose nodes differ in kind, rows of different temperature
+            under one loss-carrying node) runs one-level reuse, counted as ``prefix/tree_fallback_<reason>``.
         min_shared_tokens: a trie node shorter than this on which no group's prompt ends is merged into its
             children (one more prefix forward's fixed cost would not pay).
     """

@@ -439,11 +439,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             raise ValueError(f"prefix_reuse.tree runs dormant_prefix=keep only, got {self.dormant_prefix!r}")
         if self.reuse_config.tree:
             roots, tree_reason = plan_tree(
-                self.module,
                 layout,
                 plan,
                 self.reuse_config.min_shared_tokens,
-                self.use_ulysses_sp,
                 self._agreement_group(),
                 own_last=self._moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
                 chunk_tokens=self.reuse_config.prefix_chunk_tokens,

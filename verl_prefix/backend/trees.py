@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 
 import torch.distributed as dist
-from torch import nn
 
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
 from verl_prefix.schedule.tree_lockstep import pad_to, trie_shape, union_shapes
@@ -22,14 +21,7 @@ logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("ulysses", "multimodal", "lockstep", "temperature")
-
-
-def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
-    """What the tree schedule does not serve yet for this model and setting (the same on every rank)."""
-    if ulysses:
-        return "ulysses"
-    return None
+TREE_FALLBACKS = ("multimodal", "lockstep", "temperature")
 
 
 def batch_refusal(layout: RowLayout, plan: BatchPlan) -> str | None:
@@ -65,11 +57,9 @@ def temperature_conflict(roots: list[TrieNode], layout: RowLayout) -> bool:
 
 
 def plan_tree(
-    model: nn.Module,
     layout: RowLayout,
     plan: BatchPlan,
     min_shared_tokens: int,
-    ulysses: bool,
     group: dist.ProcessGroup | None,
     own_last: bool = False,
     chunk_tokens: int | None = None,
@@ -82,22 +72,21 @@ def plan_tree(
     reason there, ``lockstep`` on the others), as when two ranks' nodes differ in kind at one position.
     ``own_last`` (the MoE router aux loss on): each row's last loss position stays in its tail, so its last
     token runs through the routers in its suffix forward; ``chunk_tokens`` (``prefix_chunk_tokens``): longer
-    nodes run as chains of chunks (``trie.build_trie``)."""
-    reason = tree_refusal(model, ulysses)
-    if reason is None:
-        local = batch_refusal(layout, plan)
-        roots = (
-            build_trie(layout, plan.groups, min_shared_tokens, own_last=own_last, chunk_tokens=chunk_tokens)
-            if local is None
-            else None
-        )
-        if roots is not None and temperature_conflict(roots, layout):
-            local, roots = "temperature", None
-        shapes = gather_shapes(trie_shape(roots) if roots is not None else None, group)
-        union = union_shapes(shapes) if all(shape is not None for shape in shapes) else None
-        if union is not None and roots is not None:
-            return pad_to(roots, union), None
-        reason = local or "lockstep"
+    nodes run as chains of chunks (``trie.build_trie``). No model is refused here: Ulysses, sliding windows and
+    recurrent layers are served."""
+    local = batch_refusal(layout, plan)
+    roots = (
+        build_trie(layout, plan.groups, min_shared_tokens, own_last=own_last, chunk_tokens=chunk_tokens)
+        if local is None
+        else None
+    )
+    if roots is not None and temperature_conflict(roots, layout):
+        local, roots = "temperature", None
+    shapes = gather_shapes(trie_shape(roots) if roots is not None else None, group)
+    union = union_shapes(shapes) if all(shape is not None for shape in shapes) else None
+    if union is not None and roots is not None:
+        return pad_to(roots, union), None
+    reason = local or "lockstep"
     if reason not in _LOGGED:
         _LOGGED.add(reason)
         logger.warning(

@@ -24,9 +24,13 @@ prefix's is (``schedule.windows``). Recurrent layers (gated delta-net, Mamba-2, 
 not K/V: each node continues from its parent's end state (a leaf, ``join_path``), so every child's and every
 suffix's state gradient lands on its parent's leaves and reaches the parent's phase C, as a chunk's does.
 
-What it does not serve yet (the engine refuses these with ``tree`` on, ``tree_refusal``): Ulysses,
-``merged_varlen``, dormant policies other than ``keep``. Chunked long nodes
-(``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
+Under Ulysses (``options.ulysses``) each node's phase A and each tail micro-batch run as this rank's slice, the
+way one-level reuse runs a (chunked) prefix and its suffixes: a node's K/V leaves are this rank's head shard of
+the node, the path joins the shards, and a loss-carrying node's log-probs are gathered over the group
+(``tree_loss.sharded_node_values``). Lockstep fillers (``schedule.tree_lockstep``) keep data-parallel ranks whose
+tries differ in shape in step. What it does not serve yet (refused when the config is built): ``merged_varlen``,
+dormant policies other than ``keep``. Chunked long nodes (``prefix_chunk_tokens``) are chains of nodes in the
+trie (``trie.build_trie``), nothing of their own here.
 """
 
 from __future__ import annotations
