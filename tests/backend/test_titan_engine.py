@@ -1,9 +1,10 @@
-"""prefix_torchtitan against verl's own TorchTitan engine (no reuse), fp32: on two gloo ranks TP=2, FSDP=2 and
-EP=2 (a tiny qwen3_moe), on four TP=2 x FSDP=2 with EP=2: log-probs, entropies, per-parameter gradients, loss
-and grad norm, and with MoE the expert load counts and bias torchtitan's load balancing uses; reuse ran;
-skipping phase C, counting the prefix's routing once per group, or weighing a TP rank's tokens as another's,
-fails. Plus what the engine refuses before it builds anything: a flavor that is not the checkpoint's, PP, CP
-and other settings.
+"""prefix_torchtitan against verl's own TorchTitan engine (no reuse), fp32: on two gloo ranks TP=2, FSDP=2,
+EP=2 (a tiny qwen3_moe) and PP=2 (against the stock engine at PP=1), on four TP=2 x FSDP=2 with EP=2: log-probs,
+entropies, per-parameter gradients, loss and grad norm, and with MoE the expert load counts and bias
+torchtitan's load balancing uses; reuse ran; skipping phase C, counting the prefix's routing once per group,
+weighing a TP rank's tokens as another's, or a phase C that does not cross pipeline stages, fails. Plus what the
+engine refuses before it builds anything: a flavor that is not the checkpoint's, pipeline combinations, CP and
+other settings.
 
 One set of ranks per world size for every engine-level fact (two engines per case, lr 0 so every step sees the
 same weights).
@@ -214,6 +215,55 @@ def _counted_step(prefix, loss_fn, batch) -> list:
     return counts["routed"]
 
 
+def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
+    """prefix_torchtitan at pipeline_parallel_size=2 (rank 0: embeddings + layer 0, rank 1: layer 1 + norm + LM
+    head) on the TP=2 case's batch, compared with that case's stock engine (PP=1). Also: a phase C that does not
+    cross stages (negative control), a mini-batch with one group dense (its prefix is under ``min_prefix_len``)
+    and one reusing, and reuse off (every row dense, pipelined by the engine: verl's own has no pipelined step)
+    in verl's dynamic-batch-size micro-batches."""
+    import dataclasses
+
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.backend import titan_pipeline
+    from verl_prefix.tools import testing as T
+    from verl_prefix.tools import titan_testing as TT
+
+    batch = _rank_batch(rank, fsdp=False)
+    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    build = dict(backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse)
+    engine = TT.build_titan_engine(model_dir, **build, engine_overrides=dict(pipeline_parallel_size=2))
+    link = engine.link
+    out = {"stage": (link.stage, link.num_stages, engine.is_mp_src_rank_with_outputs())}
+    # what the rollout receives: every stage's weights on every rank (both iterate: the broadcasts are collective)
+    out["synced"] = {name: tensor.detach().clone() for name, tensor in engine.get_per_tensor_param()[0]}
+    out["got_infer"] = T.run_infer(engine, batch)
+    out["got_infer"] = {k: out["got_infer"][k] for k in ("response_log_probs", "response_entropy", "metrics")}
+    out["got"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    seeded = titan_pipeline.seeded_backward
+    # negative control: each stage's phase C seeded by its own leaves only, never by the next stage's gradient
+    titan_pipeline.seeded_backward = lambda prefix, seeds, model=None, extra=(): seeded(prefix, seeds, model)
+    try:
+        out["not_crossing"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    finally:
+        titan_pipeline.seeded_backward = seeded
+    # reuse off under verl's dynamic batch size: its token-budget micro-batches, pipelined (rows reordered, restored)
+    dynamic = batch.copy()
+    tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=48)
+    for key, config, rows in (("mixed", dict(min_prefix_len=10), batch), ("dense", dict(enable=False), dynamic)):
+        engine.reuse_config = dataclasses.replace(reuse, **config)
+        out[key] = T.run_train_step(engine, loss_fn, rows, capture_grads=True)
+    # stages handed different rows (verl hands a pipeline's ranks the same ones): both refuse, neither hangs
+    try:
+        T.run_train_step(engine, loss_fn, batch if rank == 0 else _rank_batch(rank, fsdp=True))
+        out["different_rows"] = "ran"
+    except ValueError as error:
+        out["different_rows"] = str(error)
+    out["checkpoint"] = _checkpoint_round_trip(engine, Path(model_dir).parent / "titan_pp2_checkpoint")  # last
+    return out
+
+
 def _refused_moe_tp(moe_dir: str) -> str:
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.tools import titan_testing as TT
@@ -251,6 +301,7 @@ def _body(rank: int, model_dir: str, moe_dir: str, moe_off_dir: str) -> dict:
         "ep2_aux_off": _compare(rank, moe_off_dir, loss_fn, fsdp=True, negative=False, ep=True),
         "tp2": _compare(rank, model_dir, loss_fn, fsdp=False, negative=True),
         "fsdp2": _compare(rank, model_dir, loss_fn, fsdp=True, negative=False),
+        "pp2": _pipeline(rank, model_dir, loss_fn),
     }
 
 
@@ -305,6 +356,57 @@ def test_tp2_matches_verl_torchtitan_engine(ranks):
         _assert_matches(ranks[rank]["tp2"], rank, groups=2, grad_norm=rank == 0)  # verl reports it on rank 0
 
 
+def _stage_grads(ranks: dict, key: str) -> list[dict]:
+    """Each pipeline stage's gradients: its own parameters only, together every parameter of the model once."""
+    want = ranks[0]["tp2"]["want"]["grads"]
+    stages = [ranks[rank]["pp2"][key]["grads"] for rank in range(2)]
+    assert all(stages) and not set(stages[0]) & set(stages[1]), key
+    assert set(stages[0]) | set(stages[1]) == set(want) and len(want) > 10, key
+    return stages
+
+
+def test_pp2_matches_verl_torchtitan_engine(ranks):
+    """PP=2 against verl's engine at PP=1 (no reuse): both stages' gradients, loss and grad norm (on the last
+    stage, where verl reads them; the clip norm spans the stages), and forward-only log-probs and entropies (the
+    last stage's, on every stage); reuse ran. With one group dense (``min_prefix_len``) or every row dense (reuse
+    off), dense rows cross the stages as pipeline micro-batches, with verl's own inputs, outputs and loss."""
+    assert [ranks[r]["pp2"]["stage"] for r in range(2)] == [(0, 2, False), (1, 2, True)]
+    want = ranks[0]["tp2"]["want"]
+    for key, groups in (("got", 2), ("mixed", 1), ("dense", 0)):
+        for rank, grads in enumerate(_stage_grads(ranks, key)):
+            worst, name = _worst({n: want["grads"][n] for n in grads}, grads)
+            assert worst < TOL, f"{key}, stage {rank}: {name} off by {worst:.2e}"
+            got = ranks[rank]["pp2"][key]
+            assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7), (key, rank)
+            if groups:
+                assert_reuse_ran(got["metrics"], groups=groups)
+            else:
+                assert reduced(got["metrics"])["prefix/fallback_disabled"] == 8.0
+        assert ranks[1]["pp2"][key]["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), key
+        assert ranks[0]["pp2"][key]["grad_norm"] is None  # verl reports it on the last stage only
+    assert reduced(ranks[0]["pp2"]["mixed"]["metrics"])["prefix/fallback_short_prefix"] == 4.0
+    # reuse off under dynamic batch size: verl's token budget made 4 micro-batches (2 of 4 rows without it)
+    assert len(ranks[1]["pp2"]["dense"]["metrics"]["kl_coef"]) == 4
+    for rank in range(2):
+        assert_infer_matches(ranks[rank]["tp2"]["want_infer"], ranks[rank]["pp2"]["got_infer"], TOL, groups=2)
+
+
+def test_pp2_stages_with_different_rows_refuse_together(ranks):
+    """Stages handed different rows would send activations of other shapes or wait on each other forever: the
+    engine compares the rows' hash across the stages first, and every stage raises the same error."""
+    for rank in range(2):
+        assert "pipeline stages hold different rows" in ranks[rank]["pp2"]["different_rows"], rank
+
+
+def test_pp2_phase_c_not_crossing_stages_is_wrong(ranks):
+    """Negative control: stage 0's phase C without stage 1's gradient of its phase-A input misses what every
+    suffix backpropagated into stage 1's prefix K/V; stage 1's own gradients stay right."""
+    want = ranks[0]["tp2"]["want"]["grads"]
+    first, last = _stage_grads(ranks, "not_crossing")
+    assert _worst({n: want[n] for n in first}, first)[0] > 1e-2
+    assert _worst({n: want[n] for n in last}, last)[0] < TOL
+
+
 def test_tp2_without_phase_c_is_wrong(ranks):
     """Negative control: the same comparison fails when the prefix gets no gradient from the suffixes."""
     for rank in range(2):
@@ -315,9 +417,10 @@ def test_tp2_without_phase_c_is_wrong(ranks):
 
 def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
     """The weights a rollout receives from a TP=2 engine (verl's ``get_per_tensor_param``: shards gathered, HF
-    names from torchtitan's state-dict adapter), before any step, are the checkpoint's, exactly and in fp32
-    (verl casts them to bf16; ``platform_titan`` keeps an fp32 engine's fp32). With no data parallelism each
-    rank's data-parallel group is itself (``platform_titan``), so verl's worker gathers metrics as usual."""
+    names from torchtitan's state-dict adapter), and from a PP=2 one (every stage's on every rank), before any
+    step, are the checkpoint's, exactly and in fp32 (verl casts them to bf16; ``platform_titan`` keeps an fp32
+    engine's fp32). With no data parallelism each rank's data-parallel group is itself (``platform_titan``), so
+    verl's worker gathers metrics as usual."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3")).state_dict()
@@ -325,21 +428,26 @@ def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
     assert all(not torch.equal(w, w.bfloat16().float()) for n, w in hf.items() if "norm" not in n)
     for rank in range(2):
         assert ranks[rank]["tp2"]["dp_groups"] == [1, 1], rank
-        synced = ranks[rank]["tp2"]["synced"]
-        assert sorted(synced) == sorted(hf), rank
-        for name, want in hf.items():
-            assert synced[name].dtype == torch.float32 and torch.equal(synced[name], want), (rank, name)
+        # PP=2: each stage holds half the parameters; the rollout of either rank gets all of them
+        for case in ("tp2", "pp2"):
+            synced = ranks[rank][case]["synced"]
+            assert sorted(synced) == sorted(hf), (case, rank)
+            for name, want in hf.items():
+                assert synced[name].dtype == torch.float32 and torch.equal(synced[name], want), (case, rank, name)
 
 
 def test_tp2_checkpoint_saved_when_verl_asks_and_restored(ranks):
     """verl saves at its ``save_freq``; torchtitan's checkpointer writes only every ``interval`` (500) steps, so
     verl's checkpoint held no weights (``platform_titan`` makes every requested save write). Loading it back
-    restores each TP shard of every parameter (zeroed in between)."""
+    restores each TP shard of every parameter (zeroed in between); at PP=2 each stage's parameters."""
     for rank in range(2):
         ckpt = ranks[rank]["tp2"]["checkpoint"]
         assert ckpt["interval"] > 3, rank  # torchtitan alone would have skipped step 3
         assert ckpt["written"], rank
         assert ckpt["restored"] == ckpt["params"] and len(ckpt["params"]) > 10, rank
+        # PP=2: each stage saves and restores its own parameters
+        ckpt = ranks[rank]["pp2"]["checkpoint"]
+        assert ckpt["written"] and ckpt["restored"] == ckpt["params"] and len(ckpt["params"]) > 4, rank
 
 
 def test_fsdp2_with_different_group_structure(ranks):
@@ -430,11 +538,11 @@ def test_moe_with_tp_only_is_refused_at_build(ranks):
 
 
 def test_refusals_at_config_time():
+    from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig, refusal
 
     assert refusal(PrefixTorchtitanEngineConfig()) is None
     for knob, value, words in (
-        ("pipeline_parallel_size", 2, "docs/design.md"),
         ("context_parallel_size", 2, "context parallelism"),
         ("spmd_backend", "spmd_types", "torch 2.13"),
         ("attn_type", "varlen", "flex"),
@@ -444,6 +552,13 @@ def test_refusals_at_config_time():
     ):
         reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
         assert reason is not None and knob in reason and words in reason, (knob, reason)
+    # pipeline parallelism is served alone (one stage per rank), reuse on or off: the engine pipelines every pass
+    assert refusal(PrefixTorchtitanEngineConfig(pipeline_parallel_size=2)) is None
+    for knob in ("tensor_parallel_size", "expert_parallel_size", "context_parallel_size", "data_parallel_shard_size"):
+        for reuse in (PrefixReuseConfig(), PrefixReuseConfig(enable=False)):
+            config = PrefixTorchtitanEngineConfig(pipeline_parallel_size=2, prefix_reuse=reuse, **{knob: 2})
+            reason = refusal(config)
+            assert reason is not None and knob in reason and "pipeline_parallel_size=2" in reason, (knob, reason)
 
 
 def test_selected_through_verl_config():

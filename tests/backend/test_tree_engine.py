@@ -9,13 +9,12 @@ import pytest
 import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen3_5TextConfig
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.backend.roots import shared_roots
-from verl_prefix.backend.trees import plan_tree, tree_refusal
+from verl_prefix.backend.trees import plan_tree
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.tools import testing as T
 
@@ -98,8 +97,9 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     prefix.reuse_config = tree_reuse()
     out = {}
     # the rows the balancer placed on this rank (one system prompt's two groups): the same trie shape on both
-    # ranks (other tokens), so the tree runs; then rank 1's prompts share no system block: its trie's passes
-    # differ from rank 0's, so both ranks run one-level reuse (lockstep), exact all the same.
+    # ranks (other tokens), so the tree runs; then rank 1's prompts share no system block: its trie (two roots)
+    # differs in shape from rank 0's (one root, two children), so each pads to the union with lockstep fillers
+    # (rank 0 a filler root, rank 1 two filler children) and both still run the tree, exact.
     same = system_batch(seed=seeds[rank], prompt_lens=(5, 9))
     differ = system_batch(seed=5, prompt_lens=(5, 9))
     if rank == 1:
@@ -113,19 +113,22 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
             use_kl=True,
             calculate_entropy=True,
         )
+    worst = lambda got, want: max(  # noqa: E731
+        ((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items()
+    )
     with promote_fp32_upcasts():
         want = T.run_train_step(dense, d_loss, same, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, same, capture_grads=True)
-        # recompute per node (test_tree_dormant_engine) on both ranks: each node's check one agreed collective
+        out["worst"], out["same"] = worst(got, want), got["reduced_metrics"]
+        want = T.run_train_step(dense, d_loss, differ, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
+        out["worst_differ"], out["differ"] = worst(got, want), got["reduced_metrics"]
+        # recompute per node (test_tree_dormant_engine) on tries of different shapes: a filler standing where the
+        # peer's real node recomputes runs its forward again too and joins that node's agreed check
         prefix.dormant_prefix = "recompute"
-        want_rc = T.run_train_step(dense, d_loss, same, capture_grads=True)
-        got_rc = T.run_train_step(prefix, p_loss, same, capture_grads=True)
-        prefix.dormant_prefix = "keep"
-        # one-level reuse in lockstep is checked against stock in test_two_ranks; here: no hang, and why
-        out["differ"] = T.run_train_step(prefix, p_loss, differ)["reduced_metrics"]
-    for key, (g_out, w_out) in {"worst": (got, want), "recompute_worst": (got_rc, want_rc)}.items():
-        out[key] = max(((g_out["grads"][n] - g).norm() / g.norm()).item() for n, g in w_out["grads"].items())
-    out["same"], out["recompute"] = got["reduced_metrics"], got_rc["reduced_metrics"]
+        want = T.run_train_step(dense, d_loss, differ, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
+        out["worst_recompute"], out["recompute"] = worst(got, want), got["reduced_metrics"]
     return out
 
 
@@ -150,94 +153,57 @@ def placed_family_seeds() -> list[int]:
     return [next(iter(p)) for p in placed]
 
 
-def test_two_ranks_run_the_tree_in_lockstep_or_one_level_together(tiny_model):
+def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_differ(tiny_model):
     """Placement and lockstep: each rank gets one system prompt's groups (the balancer), computes that block
-    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine, under
-    ``keep`` and under ``dormant_prefix=recompute`` per node."""
+    once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine; then
+    tries of different shapes run the tree on both ranks, padded with zero-loss fillers, and match too, under
+    ``keep`` and under ``dormant_prefix=recompute`` per node (fillers recomputing where the peer's nodes do)."""
     from helpers.ranks import run_two_ranks
 
     results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")), placed_family_seeds())
     for rank in range(2):
-        assert results[rank]["worst"] < 1e-10 and results[rank]["recompute_worst"] < 1e-10
+        assert results[rank]["worst"] < 1e-10
         assert_tree_ran(results[rank]["same"], groups=2)
-        assert_tree_ran(results[rank]["recompute"], groups=2)
-        assert results[rank]["recompute"]["prefix/policy/recompute"] == 3.0  # the block and two questions
+        assert results[rank]["same"]["prefix/tree_lockstep_fillers"] == 0.0
+        assert results[rank]["worst_differ"] < 1e-10 and results[rank]["worst_recompute"] < 1e-10
+        recompute = results[rank]["recompute"]
+        assert recompute["prefix/policy/recompute"] == recompute["prefix/tree_nodes"] > 0, recompute  # real nodes
+        assert recompute["prefix/tree_lockstep_fillers"] > 0 and recompute["prefix/max_recompute_kv_diff"] == 0.0
         metrics = results[rank]["differ"]
-        assert metrics["prefix/tree_fallback_lockstep"] == 1.0 and metrics["prefix/tree_nodes"] == 0
+        assert metrics["prefix/tree_fallback_lockstep"] == 0.0
         assert_reuse_ran(metrics)
+    # rank 0: one root with two children, plus a filler root of two filler children (rank 1's second root and
+    # its micro-batches); rank 1: two roots, the first padded with rank 0's two children as fillers
+    zero, one = results[0]["differ"], results[1]["differ"]
+    assert zero["prefix/tree_nodes"] == 3 and zero["prefix/tree_depth"] == 2, zero
+    assert one["prefix/tree_nodes"] == 2 and one["prefix/tree_depth"] == 1, one
+    assert zero["prefix/tree_lockstep_fillers"] > 0 and one["prefix/tree_lockstep_fillers"] > 0
 
 
 def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
-    """Ulysses and sliding windows: the mini-batch runs one-level reuse, named (no collective is needed: the
-    reason is the same on every rank)."""
-
-    def mistral(window):
-        config = MistralConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            sliding_window=window,
-        )
-        return AutoModelForCausalLM.from_config(config)
-
-    plain, windowed = mistral(None), mistral(8)
-    assert tree_refusal(plain, ulysses=False) is None
-    assert tree_refusal(plain, ulysses=True) == "ulysses"
-    assert tree_refusal(windowed, ulysses=False) == "sliding_window"
+    """No model is refused (Ulysses: ``test_tree_ulysses_engine.py``; sliding windows and recurrent layers:
+    ``test_tree_families_engine.py``); a batch with images in a group's prompt runs one-level reuse, named (a
+    node's forward takes token ids only and every image's placeholder tokens are the same)."""
     rows = [torch.arange(6), torch.arange(6)]
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    assert plan_tree(windowed, layout, plan, 1, ulysses=False, group=None) == (None, "sliding_window")
-    roots, reason = plan_tree(plain, layout, plan, 1, ulysses=False, group=None)
+    roots, reason = plan_tree(layout, plan, 1, group=None)
     assert reason is None and len(roots) == 1 and sorted(roots[0].rows_below()) == [0, 1]  # two uids, one row: one node
-    # recurrent layers (a Qwen3.5-style hybrid): their state at a node boundary is not carried yet
-    hybrid = Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        layer_types=["linear_attention", "full_attention"],
-    )
-    assert tree_refusal(AutoModelForCausalLM.from_config(hybrid), ulysses=False) == "recurrent"
-    # images: a node's forward takes token ids only and every image's placeholder tokens are the same
     visual = RowLayout(
         rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=[{"pixel_values": rows[0]}, None]
     )
-    assert plan_tree(plain, visual, plan, 1, ulysses=False, group=None) == (None, "multimodal")
+    assert plan_tree(visual, plan, 1, group=None) == (None, "multimodal")
 
 
 def _images_on_one_rank(rank: int) -> tuple:
-    from transformers import AutoModelForCausalLM, MistralConfig
-
     from verl_prefix.backend.trees import plan_tree
     from verl_prefix.schedule.grouping import RowLayout, plan_batch
 
-    model = AutoModelForCausalLM.from_config(
-        MistralConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            sliding_window=None,
-        )
-    )
     rows = [torch.arange(6), torch.arange(6)]
     visual = [{"pixel_values": rows[0]}, None] if rank == 0 else None
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=visual)
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    return plan_tree(model, layout, plan, 1, ulysses=False, group=None)
+    return plan_tree(layout, plan, 1, group=None)
 
 
 def test_images_on_one_rank_run_one_level_on_both_without_a_hang():

@@ -76,11 +76,13 @@ class PrefixReuseConfig(BaseConfig):
             every rank with one ``UnsupportedModel`` error naming it.
         tree: run each rank's groups as a token trie (``docs/trees.md``): tokens that several groups' prompts
             share (a system block) run once per rank and mini-batch, not once per group. ``dormant_prefix``
-            applies per node; ``merged_varlen`` packs each node's forward (one row over its ancestors' K/V)
-            and the suffix rows as under one-level reuse; ``prefix_chunk_tokens`` runs longer nodes as chains
-            of chunks; a
-            model or setting the tree does not serve yet (Ulysses, sliding windows, recurrent layers, ranks
-            whose tries differ in shape) runs one-level reuse, counted as ``prefix/tree_fallback_<reason>``.
+            applies per node and ``merged_varlen`` packs each node's forward (one row over its ancestors' K/V)
+            as a chunk's; ``prefix_chunk_tokens`` runs longer nodes as chains of chunks; under Ulysses every node
+            and tail runs sliced over the SP group, tested in ``tests/backend/test_tree_ulysses_engine.py``;
+            sliding windows and recurrent layers are served; ranks whose tries differ in shape pad them with
+            zero-loss lockstep fillers; a mini-batch the tree does not serve (images in a group's prompt, ranks
+            whose nodes differ in kind, rows of different temperature under one loss-carrying node) runs one-level
+            reuse, counted as ``prefix/tree_fallback_<reason>``.
         min_shared_tokens: a trie node shorter than this on which no group's prompt ends is merged into its
             children (one more prefix forward's fixed cost would not pay).
     """

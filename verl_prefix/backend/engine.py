@@ -63,7 +63,8 @@ from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
 from verl_prefix.schedule.tree import infer_tree, train_tree
-from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node
+from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node, run_order
+from verl_prefix.schedule.tree_lockstep import filler_passes
 from verl_prefix.schedule.trie import TrieNode, trie_stats
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -426,11 +427,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         roots, tree_reason = None, None
         if self.reuse_config.tree:
             roots, tree_reason = plan_tree(
-                self.module,
                 layout,
                 plan,
                 self.reuse_config.min_shared_tokens,
-                self.use_ulysses_sp,
                 self._agreement_group(),
                 own_last=self._moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
                 chunk_tokens=self.reuse_config.prefix_chunk_tokens,
@@ -597,8 +596,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     def _node_policies(self, roots: list[TrieNode], device: torch.device, stats: DormantStats) -> NodePolicy:
         """Each trie node's ``dormant_prefix`` policy (``auto``: from its own estimate, recomputed nodes agreed
-        by every rank), counted per node in ``prefix/policy/<name>``."""
-        nodes = [node for root in roots for node, _ in root.walk()]
+        by every rank position by position, lockstep fillers included), counted per real node in
+        ``prefix/policy/<name>``."""
+        nodes = run_order(roots)
         chosen = agree_on_node_policies(
             self.dormant_prefix,
             self.dormant_prefix_budget_bytes,
@@ -613,7 +613,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         def policy(node: TrieNode) -> Dormant:
             name, why = by_node[id(node)]
-            return AgreedDormant(name, why, stats=stats, store_factory=factory, group=group)
+            counted = None if node.filler else stats  # a filler's policy is its position's, not counted
+            return AgreedDormant(name, why, stats=counted, store_factory=factory, group=group)
 
         return policy
 
@@ -621,8 +622,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """``prefix/tree_*`` of the mini-batch (zeros where it ran one-level) and its one-level reason, if any."""
         metrics = {f"prefix/tree_fallback_{r}": float(r == reason) for r in TREE_FALLBACKS}
         if roots is None:
-            return {**metrics, **tree_metrics(None)}
-        return {**metrics, **tree_metrics(trie_stats(roots))}
+            return {**metrics, **tree_metrics(None), "prefix/tree_lockstep_fillers": 0.0}
+        fillers = float(filler_passes(roots))
+        return {**metrics, **tree_metrics(trie_stats(roots)), "prefix/tree_lockstep_fillers": fillers}
 
     def _infer_group(
         self,

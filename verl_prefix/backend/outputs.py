@@ -85,6 +85,20 @@ class MiniBatchOutputs:
         self.outputs.append({"model_output": model_output, "loss": loss, "metrics": metrics})
         self.order.append(rows)
 
+    def collected(self, data: TensorDict) -> dict:
+        """verl's postprocessing of the recorded micro-batches, rows back in the batch's order."""
+        output = postprocess_batch_func(output_lst=self.outputs, indices=self.order, data=static_bsz(data))
+        if output["model_output"]:
+            output["model_output"] = {
+                k: restore_dynamic_batch(v, self.order) for k, v in output["model_output"].items()
+            }
+        return output
+
+    def replace(self, recorded: tuple[list[dict], list[list[int]]]) -> None:
+        """Take another rank's records (``(outputs, order)``): a pipeline stage that computed no loss returns the
+        last stage's (``titan_pipeline.StageLink.share``)."""
+        self.outputs, self.order = recorded
+
     def finish(
         self,
         data: TensorDict,
@@ -99,11 +113,7 @@ class MiniBatchOutputs:
     ) -> dict:
         """The mini-batch's output. ``extra_metrics`` go in before the phase metrics; ``saved_tokens`` are
         physical tokens a shared-prefix tree did not recompute (``prefix/tree_saved_tokens``)."""
-        output = postprocess_batch_func(output_lst=self.outputs, indices=self.order, data=static_bsz(data))
-        if output["model_output"]:
-            output["model_output"] = {
-                k: restore_dynamic_batch(v, self.order) for k, v in output["model_output"].items()
-            }
+        output = self.collected(data)
         output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
         fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
         logical, physical = token_counts(layout, plan, routed_last_token=routed_last_token)

@@ -43,11 +43,6 @@ class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
 
 # knob -> (value the schedule needs, why anything else is refused)
 _SERVED_VALUES: dict[str, tuple[Any, str]] = {
-    "pipeline_parallel_size": (
-        1,
-        "pipeline parallelism is not built yet: verl 0.9.1's TorchTitan engine has no pipelined forward step; "
-        "the schedule under PP is designed in docs/design.md",
-    ),
     "context_parallel_size": (
         1,
         "context parallelism would shard the prefix and the suffix rows over ranks; phase B's prefix leaves "
@@ -83,15 +78,47 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
 }
 
 
+# under pipeline_parallel_size > 1, what else must stay 1 and why (the engine pipelines every pass itself,
+# reuse on or off: verl 0.9.1's own TorchTitan engine has no pipelined forward step)
+_PIPELINE_ALONE: dict[str, str] = {
+    "tensor_parallel_size": "tensor x pipeline parallelism is not built (phase C's TP collectives inside a stage "
+    "are not verified across stages)",
+    "expert_parallel_size": "expert x pipeline parallelism is not built (MoE routing statistics per stage)",
+    "context_parallel_size": "context x pipeline parallelism is not built",
+    "data_parallel_shard_size": "FSDP x pipeline parallelism is not tested under reuse yet (each stage's "
+    "data-parallel lockstep)",
+    "data_parallel_replicate_size": "HSDP x pipeline parallelism is not tested under reuse yet",
+}
+
+
+def pipeline_refusal(config: Any) -> str | None:
+    """Why this config's pipeline parallelism is not served (one stage per rank, nothing else parallel), or None."""
+    size = getattr(config, "pipeline_parallel_size", 1)
+    if size == 1:
+        return None
+    for knob, why in _PIPELINE_ALONE.items():
+        got = getattr(config, knob, 1)
+        if got != 1:
+            return (
+                f"prefix_torchtitan: {knob}={got!r} with pipeline_parallel_size={size} is refused ({why}); set "
+                f"{knob}=1 or pipeline_parallel_size=1"
+            )
+    return None
+
+
 def refusal(config: Any) -> str | None:
     """Why this engine config cannot run the schedule (checked when the engine is built), or None.
 
     ``spmd_backend: default`` is torchtitan 0.3.0's ``partial_dtensor`` (``platform_titan``). Reuse switched off refuses
-    nothing: the engine is then verl's own TorchTitan engine.
+    nothing but pipeline combinations (``pipeline_refusal``): the engine is then verl's own TorchTitan engine, with
+    its passes pipelined by ``titan_pipeline`` under PP.
     """
     reuse = getattr(config, "prefix_reuse", None)
     if isinstance(reuse, Mapping):  # from YAML without a _target_
         reuse = PrefixReuseConfig(**reuse)
+    pipeline = pipeline_refusal(config)
+    if pipeline is not None:
+        return pipeline
     if reuse is not None and not reuse.enable:
         return None
     for knob, (value, why) in _SERVED_VALUES.items():

@@ -2,42 +2,26 @@
 data-parallel rank, and why not where it does not (``prefix/tree_fallback_<reason>``, one log line per reason).
 
 FSDP2 issues collectives in every forward and backward, so every rank must run the same sequence of model
-passes. The tree schedule's sequence (``trie.execution_signature``) depends on each rank's trie; ranks run the
-tree only where every rank's signature is the same, and one-level reuse (whose lockstep fillers make any
-shapes agree) otherwise, counted as ``lockstep``. Rows that take log-probs from one node but differ in temperature
-run one-level reuse too (``temperature``)."""
+passes. The tree schedule's sequence (``trie.execution_signature``) depends on each rank's trie; the ranks
+exchange their tries' shapes and pad them to their union with zero-loss fillers (``schedule.tree_lockstep``),
+and run one-level reuse together (``lockstep``) only where no union exists. Rows that take log-probs from one
+node but differ in temperature run one-level reuse too (``temperature``)."""
 
 from __future__ import annotations
 
 import logging
-import zlib
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-from verl_prefix.backend.fallbacks import attention_windows
-from verl_prefix.backend.lockstep import collective_device
-from verl_prefix.schedule import recurrent
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
-from verl_prefix.schedule.trie import TrieNode, build_trie, execution_signature
+from verl_prefix.schedule.tree_lockstep import pad_to, trie_shape, union_shapes
+from verl_prefix.schedule.trie import TrieNode, build_trie
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("ulysses", "sliding_window", "recurrent", "multimodal", "lockstep", "temperature")
-
-
-def tree_refusal(model: nn.Module, ulysses: bool) -> str | None:
-    """What the tree schedule does not serve yet for this model and setting (the same on every rank)."""
-    if ulysses:
-        return "ulysses"
-    if attention_windows(model):
-        return "sliding_window"
-    if recurrent.recurrent_layers(model):
-        return "recurrent"
-    return None
+TREE_FALLBACKS = ("multimodal", "lockstep", "temperature")
 
 
 def batch_refusal(layout: RowLayout, plan: BatchPlan) -> str | None:
@@ -49,19 +33,13 @@ def batch_refusal(layout: RowLayout, plan: BatchPlan) -> str | None:
     return None
 
 
-def signature_code(signature: str) -> int:
-    """A process-independent 63-bit code of an execution signature (``hash`` differs per process)."""
-    return (zlib.crc32(signature.encode()) << 31) ^ len(signature)
-
-
-def agree_on_signature(signature: str, group: dist.ProcessGroup | None) -> bool:
-    """Whether every rank's tree schedule runs the same sequence of passes (True without several ranks)."""
+def gather_shapes(shape: object, group: dist.ProcessGroup | None) -> list[object]:
+    """Every data-parallel rank's trie shape (``[shape]`` without several ranks)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return True
-    code = signature_code(signature)
-    both = torch.tensor([code, -code], dtype=torch.long, device=collective_device(group))
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return int(both[0]) == -int(both[1])
+        return [shape]
+    shapes: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shapes, shape, group=group)
+    return shapes
 
 
 def temperature_conflict(roots: list[TrieNode], layout: RowLayout) -> bool:
@@ -79,36 +57,36 @@ def temperature_conflict(roots: list[TrieNode], layout: RowLayout) -> bool:
 
 
 def plan_tree(
-    model: nn.Module,
     layout: RowLayout,
     plan: BatchPlan,
     min_shared_tokens: int,
-    ulysses: bool,
     group: dist.ProcessGroup | None,
     own_last: bool = False,
     chunk_tokens: int | None = None,
 ) -> tuple[list[TrieNode] | None, str | None]:
     """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
-    (the lockstep agreement) on every rank that reaches it, whatever its own trie: a rank whose own batch the
-    tree does not serve (``batch_refusal``, or rows of different temperatures under one loss-carrying node) still
-    takes part, with a signature no trie has, so every rank runs one-level reuse (its own reason there,
-    ``lockstep`` on the others). ``own_last`` (the MoE router aux loss on): each row's last loss position stays
-    in its tail, so its last token runs through the routers in its suffix forward; ``chunk_tokens``
-    (``prefix_chunk_tokens``): longer nodes run as chains of chunks (``trie.build_trie``)."""
-    reason = tree_refusal(model, ulysses)
-    if reason is None:
-        local = batch_refusal(layout, plan)
-        roots = (
-            build_trie(layout, plan.groups, min_shared_tokens, own_last=own_last, chunk_tokens=chunk_tokens)
-            if local is None
-            else None
-        )
-        if roots is not None and temperature_conflict(roots, layout):
-            local, roots = "temperature", None
-        signature = execution_signature(roots) if roots is not None else f"refused:{local}"
-        if agree_on_signature(signature, group) and roots is not None:
-            return roots, None
-        reason = local or "lockstep"
+    (the shape exchange) on every rank that reaches it, whatever its own trie: the ranks' tries are padded to
+    the union of their shapes with lockstep fillers (``schedule.tree_lockstep``; the filler roots come last in
+    ``roots``). A rank whose own batch the tree does not serve (``batch_refusal``, or rows of different
+    temperatures under one loss-carrying node) sends no shape, so every rank runs one-level reuse (its own
+    reason there, ``lockstep`` on the others), as when two ranks' nodes differ in kind at one position.
+    ``own_last`` (the MoE router aux loss on): each row's last loss position stays in its tail, so its last
+    token runs through the routers in its suffix forward; ``chunk_tokens`` (``prefix_chunk_tokens``): longer
+    nodes run as chains of chunks (``trie.build_trie``). No model is refused here: Ulysses, sliding windows and
+    recurrent layers are served."""
+    local = batch_refusal(layout, plan)
+    roots = (
+        build_trie(layout, plan.groups, min_shared_tokens, own_last=own_last, chunk_tokens=chunk_tokens)
+        if local is None
+        else None
+    )
+    if roots is not None and temperature_conflict(roots, layout):
+        local, roots = "temperature", None
+    shapes = gather_shapes(trie_shape(roots) if roots is not None else None, group)
+    union = union_shapes(shapes) if all(shape is not None for shape in shapes) else None
+    if union is not None and roots is not None:
+        return pad_to(roots, union), None
+    reason = local or "lockstep"
     if reason not in _LOGGED:
         _LOGGED.add(reason)
         logger.warning(

@@ -131,9 +131,11 @@ def prefix_forward(
     ``verl_prefix.schedule.chunked``) the tokens are a later chunk that attends to the earlier chunks' K/V
     the way phase B's rows do (``options.phase_b_attention``). With ``options.ulysses`` this rank runs its
     slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
-    over the slices. ``visual``: the group's visual inputs (``schedule.multimodal``), encoded here once; the
-    encoder's calls are counted as ``prefix/vision_encoder_calls`` on ``options.meter`` (a chunk of a prefix
-    whose images were encoded once, ``schedule.visual_chunks``, runs without a meter: the encoding counts)."""
+    over the slices (and ``options.keep_logits`` keeps the logits of this slice's share of its last that many positions,
+    ``Ulysses.kept_in_slice``: ``tree_loss.node_values`` gathers what it computes from them). ``visual``: the
+    group's visual inputs (``schedule.multimodal``), encoded here once; the encoder's calls are counted as
+    ``prefix/vision_encoder_calls`` on ``options.meter`` (a chunk of a prefix whose images were encoded once,
+    ``schedule.visual_chunks``, runs without a meter: the encoding counts)."""
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
@@ -173,8 +175,12 @@ def prefix_forward(
             )
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
-        # verl's vision-language forwards hand unknown keywords on to attention: no logits_to_keep there
-        keep = {} if is_visual_model(model) else {"logits_to_keep": options.keep_logits or 1}
+        # verl's vision-language forwards hand unknown keywords on to attention: no logits_to_keep there. Under
+        # Ulysses the last ``keep_logits`` positions are spread over the slices: this slice's share of them
+        to_keep = options.keep_logits or 1
+        if ulysses is not None and options.keep_logits:
+            to_keep = ulysses.kept_in_slice(length, options.keep_logits)
+        keep = {} if is_visual_model(model) else {"logits_to_keep": to_keep}
         encoder = counting_encoder_calls(model) if visual else text_only_call(model)
         with encoder as encoder_calls:
             try:
@@ -187,7 +193,7 @@ def prefix_forward(
                     **visual_kwargs(visual, prefix_ids.device),
                 )
                 if options.keep_logits:
-                    ctx.kv.logits = out.logits[0, -options.keep_logits :]
+                    ctx.kv.logits = out.logits[0, -to_keep:]
             except PrefixCaptured:
                 pass
         if visual and options.meter is not None and encoder_calls is not None:

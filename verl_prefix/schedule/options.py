@@ -49,7 +49,9 @@ class ScheduleOptions:
     ``layer_roles``: the model's KV-shared and recurrent layers (``structure.layer_roles``), decided once by the
     caller; ``None``: found from the model at every phase A. ``keep_logits``: phase A runs the whole model
     (no early exit) and keeps the logits of its last that many positions on the returned ``PrefixKV``
-    (``logits``): a tree node whose tokens carry loss (``schedule.tree_loss``); 0 for every other phase A.
+    (``logits``): a tree node whose tokens carry loss (``schedule.tree_loss``); 0 for every other phase A. Under
+    ``ulysses`` it keeps this rank's share of them (``Ulysses.kept_in_slice``: the positions are spread over the
+    slices).
     """
 
     device: torch.device

@@ -120,7 +120,8 @@ class PrefixKV:
         self.last_source: nn.Module | None = None
         # per layer: phase A captured its K/V with autograd on (a K/V without a graph is then a constant)
         self.captured_with_grad: list[bool] = [False] * num_layers
-        # phase A's logits of its last ``options.keep_logits`` positions (a loss-carrying tree node), or None
+        # phase A's logits of its last ``options.keep_logits`` positions (a loss-carrying tree node; under Ulysses
+        # this rank's share of them), or None
         self.logits: torch.Tensor | None = None
 
     def share(self, sources: dict[int, int]) -> None:

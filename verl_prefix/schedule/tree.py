@@ -19,14 +19,23 @@ response stem, a turn that is one sample's response and the next one's prompt) r
 log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
 with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
 
+Sliding windows need nothing of their own: a node's path K/V is a longer prefix, cut to the window as a chunked
+prefix's is (``schedule.windows``). Recurrent layers (gated delta-net, Mamba-2, short convolutions) carry state,
+not K/V: each node continues from its parent's end state (a leaf, ``join_path``), so every child's and every
+suffix's state gradient lands on its parent's leaves and reaches the parent's phase C, as a chunk's does.
+
+Under Ulysses (``options.ulysses``) each node's phase A and each tail micro-batch run as this rank's slice, the
+way one-level reuse runs a (chunked) prefix and its suffixes: a node's K/V leaves are this rank's head shard of
+the node, the path joins the shards, and a loss-carrying node's log-probs are gathered over the group
+(``tree_loss.sharded_node_values``). Lockstep fillers (``schedule.tree_lockstep``) keep data-parallel ranks whose
+tries differ in shape in step.
+
 Dormant-prefix policies apply per node (``schedule.tree_dormant``): under ``recompute`` a node's phase A keeps
 no graph and its phase C runs the node forward again, checked, before the seeded backward; under ``offload`` its
-graph waits in host memory.
-
-What it does not serve yet (the engine runs these one-level with ``tree`` on, ``tree_refusal``): Ulysses,
-recurrent layers, sliding windows. ``merged_varlen`` needs nothing of its own: a node's forward is one row over
-its ancestors' K/V, packed as a chunk of a chunked prefix is. Chunked long nodes
-(``prefix_chunk_tokens``) are chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
+graph waits in host memory. A filler node runs the policy agreed for its position, so recomputing ranks and
+filling ranks run the same passes. ``merged_varlen`` needs nothing of its own: a node's forward is one row over
+its ancestors' K/V, packed as a chunk of a chunked prefix is. Chunked long nodes (``prefix_chunk_tokens``) are
+chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import torch
 from torch import nn
 
 from verl_prefix.schedule import moe, tree_loss
+from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.executor import (
     LossFn,
     build_suffix_batch,
@@ -56,14 +66,22 @@ from verl_prefix.schedule.trie import TrieNode
 
 
 def join_path(path: list[PrefixKV]) -> PrefixKV | None:
-    """The K/V of a root-to-node path as one prefix: each layer's leaves concatenated along the sequence (a
-    graph back to every node's own leaves). No router statistics: ``path_stats`` counts them per row.
-    ``None`` for an empty path (a root)."""
+    """The K/V of a root-to-node path as one prefix: each attention layer's leaves concatenated along the
+    sequence (a graph back to every node's own leaves); a recurrent layer's state is the last node's end state
+    (each node continued from its parent's, so the path's state is where its last node stopped), its gradient
+    landing on that node's leaves. No router statistics: ``path_stats`` counts them per row. ``None`` for an
+    empty path (a root)."""
     if not path:
         return None
-    joined = PrefixKV(len(path[0].keys), path[0].recurrent_layers)
-    joined.keys = [torch.cat([p.keys[layer] for p in path], dim=2) for layer in range(len(joined.keys))]
-    joined.values = [torch.cat([p.values[layer] for p in path], dim=2) for layer in range(len(joined.values))]
+    last = path[-1]
+    joined = PrefixKV(len(last.keys), last.recurrent_layers)
+
+    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if parts[-1] is None else torch.cat(parts, dim=2)
+
+    joined.keys = [cat([p.keys[layer] for p in path]) for layer in range(len(joined.keys))]
+    joined.values = [cat([p.values[layer] for p in path]) for layer in range(len(joined.values))]
+    joined.recurrent = list(last.recurrent)
     return joined
 
 
@@ -76,6 +94,72 @@ def path_stats(path: list[PrefixKV], suffix: moe.RouterStats, copies: int) -> mo
     for node in path:
         stats = moe.logical_stats(node.router_stats, stats, copies)
     return stats
+
+
+FILLER_UID = "__tree_lockstep_filler__"
+
+
+def filler_suffix(path_len: int, options: ScheduleOptions) -> object:
+    """One zero-token suffix row at position ``path_len``: a lockstep filler micro-batch under a path of that
+    length (``schedule.tree_lockstep``)."""
+    length = path_len + 2
+    ids, positions = torch.zeros(length, dtype=torch.long), torch.arange(length)
+    layout = RowLayout([ids], [positions], [path_len + 1], [1], [FILLER_UID])
+    return build_suffix_batch(layout, [0], path_len + 1, options)
+
+
+def run_filler(
+    model: nn.Module,
+    node: TrieNode,
+    path: list[PrefixKV],
+    options: ScheduleOptions,
+    train: bool,
+    policies: NodePolicy = keep_every_node,
+) -> None:
+    """A filler subtree (``TrieNode.filler``): the passes its shape stands for, on one-token nodes and
+    one-token suffixes whose losses are zero, attending to filler ancestors only; ``options`` are the filler
+    options. Training: each node's backward is seeded with zeros where nothing below reached it, and a node
+    that runs the LM head seeds its logits with zeros, so every rank gives grads to the same parameters. Each
+    node runs under ``policies(node)``, the policy agreed for its position: where a peer rank's real node
+    recomputes, the filler too runs its forward again in phase C and joins the agreed check."""
+    meter = options.meter or NullMeter()
+    dormant = policies(node) if train else Dormant()
+    with meter.phase("lockstep"), options.autocast(), dormant.phase_a(model, options.device):
+        kv = _node_forward(model, node, path, options)
+    logits, kv.logits = kv.logits, None
+    below = [*path, kv.as_leaves(requires_grad=train, min_dtype=options.prefix_grad_dtype) if train else kv]
+    for child in node.children:
+        run_filler(model, child, below, options, train, policies)
+    run_filler_micro_batches(model, node, below, options, train)
+    if train:
+        with meter.phase("lockstep"):
+            rebuilt: list[torch.Tensor | None] = []
+
+            def take_logits(again: PrefixKV) -> list:
+                rebuilt.append(again.logits)
+                again.logits = None
+                return []
+
+            with options.autocast():
+                kv = dormant.phase_c_prefix(kv, lambda: _node_forward(model, node, path, options), take_logits)
+            logits = rebuilt[0] if rebuilt else logits
+            extra = [(logits, torch.zeros_like(logits))] if logits is not None else []
+            seeded_backward(kv, [leaf.grad for leaf in below[-1].tensors()], model, extra)
+            dormant.after_phase_c()
+
+
+def run_filler_micro_batches(
+    model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions, train: bool
+) -> None:
+    """``node.filler_micro_batches`` zero-loss suffix micro-batches under ``path`` (``node.end`` tokens)."""
+    meter = options.meter or NullMeter()
+    for _ in range(node.filler_micro_batches):
+        batch = filler_suffix(node.end, options)
+        with meter.phase("lockstep"):
+            with options.autocast():
+                log_probs, _ = suffix_forward(model, join_path(path), batch, options)
+            if train:
+                options.backward(log_probs[0].sum() * 0.0)
 
 
 def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions) -> PrefixKV:
@@ -115,6 +199,8 @@ def train_tree(
         below, values_below = [*path, leaves], [*values_path, value_leaves]
         for child in node.children:
             visit(child, below, values_below, held)
+        for child in node.filler_children:
+            run_filler(model, child, [], fillers, train=True, policies=policies)
         for group in node.groups:
             for rows in group.micro_batches:
                 batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
@@ -140,6 +226,7 @@ def train_tree(
                     with autocast():
                         log_probs, _ = suffix_forward(model, join_path(below), batch, fillers)
                     options.backward(log_probs[0].sum() * 0.0)
+        run_filler_micro_batches(model, node, below, fillers, train=True)
         for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
             if routers is not None:  # their last token would go unrouted: the engine builds the trie own_last
                 raise RuntimeError(f"rows {rows} have no tail to route their last token (trie.build_trie own_last)")
@@ -164,7 +251,10 @@ def train_tree(
 
     with prefix_attention_mode(model):
         for root in roots:
-            visit(root, [], [], [])
+            if root.filler:
+                run_filler(model, root, [], fillers, train=True, policies=policies)
+            else:
+                visit(root, [], [], [])
     return losses
 
 
@@ -175,6 +265,7 @@ def infer_tree(
     """Forward-only tree schedule (old/ref log-probs): ``{row: (response log-probs, entropy or None)}``."""
     options = options.forward_only()
     meter = options.meter or NullMeter()
+    fillers = options.for_fillers()
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
@@ -185,16 +276,22 @@ def infer_tree(
         below, values_below = [*path, kv], [*values_path, values]
         for child in node.children:
             visit(child, below, values_below)
+        for child in node.filler_children:
+            run_filler(model, child, [], fillers, train=False)
         for group in node.groups:
             tails: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
             infer_suffixes(model, layout, group, join_path(below), tails, options)
             for row, (log_probs, entropy) in tails.items():
                 results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (log_probs, entropy))
+        run_filler_micro_batches(model, node, below, fillers, train=False)
         for rows in node.ended:
             for row in rows:
                 results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (None, None))
 
     with prefix_attention_mode(model), options.autocast():
         for root in roots:
-            visit(root, [], [])
+            if root.filler:
+                run_filler(model, root, [], fillers, train=False)
+            else:
+                visit(root, [], [])
     return results

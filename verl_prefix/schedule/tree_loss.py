@@ -84,8 +84,30 @@ def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: Schedu
     if temperature != 1.0:  # as phase B divides: the fp32 temperature in the logits' dtype
         divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device).to(logits.dtype)
         logits = logits.div_(divisor)  # lm_head's backward needs no output
+    if options.ulysses is not None:
+        return sharded_node_values(logits, node, options)
     log_probs, entropy = token_outputs(logits, node.labels.to(logits.device), options)
     return NodeValues(node.logits_from, log_probs, entropy)
+
+
+def sharded_node_values(logits: torch.Tensor, node: TrieNode, options: ScheduleOptions) -> NodeValues:
+    """A node's values under Ulysses: ``logits`` cover the last positions of this rank's slice of the node (its
+    share of ``[logits_from, end)``, ``Ulysses.kept_in_slice``); its log-probs and entropies are computed there,
+    front-padded with zeros to the slice, gathered over the group as phase B's are (the gather's backward keeps
+    the local slice times the group size, verl's SP scaling) and cut to ``[logits_from, end)``. A position
+    before ``logits_from`` (the one a rank without any keeps) gets a placeholder label and is cut away."""
+    ulysses = options.ulysses
+    skip = node.logits_from - node.start
+    labels = torch.zeros(node.length, dtype=torch.long)
+    labels[skip:] = node.labels
+    kept = logits.shape[0]
+    log_probs, entropy = token_outputs(logits, ulysses.shard(labels)[-kept:].to(logits.device), options)
+
+    def gathered(values: torch.Tensor) -> torch.Tensor:
+        pad = values.new_zeros(ulysses.padded(node.length) // ulysses.size - kept)
+        return ulysses.gather(torch.cat([pad, values])[None], node.length)[0, skip:]
+
+    return NodeValues(node.logits_from, gathered(log_probs), gathered(entropy) if entropy is not None else None)
 
 
 def node_slice(values: NodeValues, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:

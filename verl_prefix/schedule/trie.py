@@ -73,6 +73,10 @@ class TrieNode:
     logits_from: int | None = None
     labels: torch.Tensor | None = None
     continues: bool = False  # a later chunk of a node split by ``chunk_tokens`` (its parent is the chunk before)
+    # lockstep (``schedule.tree_lockstep``): zero-loss work that keeps this rank's passes in step with the others'
+    filler: bool = False  # a node of no row (one token), run only for its passes
+    filler_micro_batches: int = 0  # suffix micro-batches run after this node's real ones
+    filler_children: list[TrieNode] = field(default_factory=list)  # filler subtrees run after the real children
 
     @property
     def length(self) -> int:
@@ -324,6 +328,8 @@ def trie_stats(roots: list[TrieNode]) -> TrieStats:
     prefixes: dict[str, int] = {}
     suffix_tokens = 0
     for root in roots:
+        if root.filler:
+            continue
         for node, d in _logical_walk(root):
             nodes += not node.continues
             chunks += node.continues + (not node.continues and any(c.continues for c in node.children))
@@ -367,14 +373,15 @@ def _logical_walk(root: TrieNode) -> list[tuple[TrieNode, int]]:
 def execution_signature(roots: list[TrieNode]) -> str:
     """The tree schedule's sequence of model passes (``F`` node forward, ``L`` one that runs the LM head too,
     ``B`` suffix micro-batch, ``E`` a micro-batch of rows without a tail (no model call), ``C`` node backward),
-    what data-parallel ranks must agree on for their FSDP collectives to match."""
+    in the order the schedule runs them, lockstep fillers included (``schedule.tree_lockstep``)."""
     parts: list[str] = []
 
     def visit(node: TrieNode) -> None:
         parts.append("F" if node.logits_from is None else "L")
-        for child in node.children:
+        for child in [*node.children, *node.filler_children]:
             visit(child)
-        parts.append("B" * sum(len(g.micro_batches) + g.filler_micro_batches for g in node.groups))
+        micro = sum(len(g.micro_batches) + g.filler_micro_batches for g in node.groups) + node.filler_micro_batches
+        parts.append("B" * micro)
         parts.append("E" * len(node.ended))
         parts.append("C")
 

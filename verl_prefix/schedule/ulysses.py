@@ -73,6 +73,14 @@ class Ulysses:
         part = self.padded(max(length, 1)) // self.size
         return torch.arange(self.rank * part, (self.rank + 1) * part, device=device) < length
 
+    def kept_in_slice(self, length: int, last: int) -> int:
+        """How many positions at the end of this rank's slice of a ``length``-token sequence reach into its last
+        ``last`` positions (padding after them included): what the rank's LM head must cover of them. At least 1,
+        since HF's ``logits_to_keep=0`` keeps every position (one more is cut away by the caller)."""
+        part = self.padded(max(length, 1)) // self.size
+        first = max(length - last, self.rank * part)
+        return min(max((self.rank + 1) * part - first, 1), part)
+
     def gather(self, x: torch.Tensor, length: int) -> torch.Tensor:
         """Every rank's slices of dim 1 joined and cut to ``length``; backward keeps the local slice times
         the group size (verl's ``Gather`` with ``grad_scaler``)."""

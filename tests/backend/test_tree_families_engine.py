@@ -1,0 +1,137 @@
+"""``prefix_reuse.tree`` on the families one-level reuse serves beyond plain attention (issue 25, "composes with
+the coverage matrix's families"): a Qwen3.5-style hybrid whose gated delta-net layers carry a state across every
+node boundary, and a Gemma-3-style model whose sliding windows are shorter than the shared system block. Against
+verl's stock fsdp2 engine on two groups sharing a 24-token system block (a trie of depth 2); each comparison asserts
+the tree ran; a Nemotron-H Mamba-2 hybrid takes the same path. The negative control continues a node from its
+root's state instead of its parent's."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from helpers.delta_rule import fp64_delta_net
+from helpers.precision import fp64_throughout, promote_fp32_upcasts
+from helpers.reuse import assert_infer_matches, reduced
+from test_engine_exactness import GRAD_TOL, engines
+from test_mamba_engine import NEMOTRON
+from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
+from transformers import AutoModelForCausalLM
+
+from verl_prefix.schedule import tree
+from verl_prefix.tools import model_zoo
+from verl_prefix.tools import testing as T
+
+HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
+QUESTIONS = (5, 9)  # two groups of G = 3 under the system block: depth 2, the CPU budget
+WINDOWED_LAYERS = ["sliding_attention", "full_attention"]  # a 16-token window: shorter than the system block
+
+
+@pytest.fixture(scope="module")
+def hybrid_engines(tmp_path_factory):
+    model_dir = T.write_tiny_model(
+        tmp_path_factory.mktemp("tree_qwen3_5_text"),
+        "qwen3_5_text",
+        num_layers=3,
+        hidden_size=32,
+        extra_config={"layer_types": HYBRID_LAYERS},
+    )
+    (dense, d_loss, _), (prefix, p_loss, _) = engines(
+        model_dir, dtype="float64", lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
+    )  # lr 0: each test starts from the same weights
+    prefix.reuse_config = tree_reuse()
+    return dense, d_loss, prefix, p_loss
+
+
+def fp64(*engines_):
+    """True fp64 through the delta rule and the fp32 upcasts (as the one-level hybrid tests run)."""
+    stack = contextlib.ExitStack()
+    for engine in engines_:
+        stack.enter_context(fp64_delta_net(engine.module))
+    stack.enter_context(promote_fp32_upcasts())
+    return stack
+
+
+def hybrid_grads(hybrid_engines) -> tuple[float, dict]:
+    dense, d_loss, prefix, p_loss = hybrid_engines
+    batch = system_batch(prompt_lens=QUESTIONS)
+    with fp64(dense, prefix):
+        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    return worst, got
+
+
+def test_hybrid_tree_carries_the_recurrent_state_across_nodes(hybrid_engines):
+    """Update and forward-only log-probs within 1e-10 of the stock engine in fp64; the tree ran (the system block
+    once, its delta-net state handed to each group's question node, whose end state starts the suffixes)."""
+    worst, got = hybrid_grads(hybrid_engines)
+    assert worst < 1e-10
+    assert_tree_ran(got["metrics"], groups=2)
+    dense, _, prefix, _ = hybrid_engines
+    with fp64(dense, prefix):
+        want_infer = T.run_infer(dense, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
+        got_infer = T.run_infer(prefix, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
+    assert_infer_matches(want_infer, got_infer, 1e-10, groups=2)
+    assert_tree_ran(got_infer["metrics"], groups=2)
+
+
+def test_negative_control_a_node_continuing_from_its_roots_state_fails(hybrid_engines, monkeypatch):
+    joined = tree.join_path
+
+    def from_root(path):
+        out = joined(path)
+        if out is not None:
+            out.recurrent = list(path[0].recurrent)  # skips every node between the root and the last one
+        return out
+
+    monkeypatch.setattr(tree, "join_path", from_root)
+    worst, got = hybrid_grads(hybrid_engines)
+    assert_tree_ran(got["metrics"], groups=2)
+    assert worst > 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_windowed_tree_matches_stock_engine(tmp_path_factory, dtype):
+    model_dir = T.write_tiny_model(
+        tmp_path_factory.mktemp("tree_gemma3_text"),
+        "gemma3_text",
+        hidden_size=32,
+        extra_config={"layer_types": WINDOWED_LAYERS},
+    )
+    (dense, d_loss, _), (prefix, p_loss, _) = engines(
+        model_dir, dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
+    )
+    prefix.reuse_config = tree_reuse()
+    batch = system_batch(prompt_lens=QUESTIONS)
+    with promote_fp32_upcasts():
+        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    assert worst < GRAD_TOL[dtype]
+    assert_tree_ran(got["metrics"], groups=2)
+    metrics = reduced(got["metrics"])
+    windowed = {k: v for k, v in metrics.items() if k.startswith("prefix/phase_b_layers/") and k.endswith("_window")}
+    assert sum(windowed.values()) > 0, metrics  # the window cut into the path's K/V in phase B
+
+
+def test_mamba2_hybrid_tree_matches_stock_engine(tmp_path_factory):
+    """Nemotron-H (Mamba-2, MLP, attention, Mamba-2 blocks): the SSM and conv states cross the node boundaries as
+    the delta-net's do; fp64 within 1e-10. One scan chunk covers the longest row (past it both engines' torch
+    scans differ from the recurrence, ``mamba_multichunk``)."""
+    model_dir = T.write_tokenizer(tmp_path_factory.mktemp("tree_nemotron_h"), NEMOTRON["vocab_size"])
+    torch.manual_seed(0)
+    config = model_zoo.tiny_config("nemotron_h", **{**NEMOTRON, "mamba_chunk_size": 48})
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    (dense, d_loss, _), (prefix, p_loss, _) = engines(
+        model_dir, dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
+    )
+    prefix.reuse_config = tree_reuse()
+    batch = system_batch(prompt_lens=QUESTIONS)
+    with fp64_throughout():
+        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    assert worst < 1e-10
+    assert_tree_ran(got["metrics"], groups=2)

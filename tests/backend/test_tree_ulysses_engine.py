@@ -1,0 +1,137 @@
+"""``prefix_reuse.tree`` under Ulysses sequence parallelism (issue 25, "composes with Ulysses"), two gloo ranks.
+
+As in ``test_ulysses_engine``: verl's stock Ulysses path wraps flash attention only, so on CPU the reference is
+verl's stock ``fsdp2`` engine without sequence parallelism on the same global batch, each of its two
+data-parallel ranks holding half the rows, while the SP=2 group holds the whole mini-batch on both ranks. Two
+batches, fp64 (1e-10) and fp32 (1e-5): groups sharing a system block (a trie of depth 2 whose nodes have odd
+lengths, so the SP slices are padded) and tree rollouts plus per-turn samples with loss on the shared stems
+(forward-only too, and nodes as chains of chunks, in fp64). Every comparison asserts the tree ran with its
+telemetry as without SP (nodes, depth, shared and saved tokens, fewer physical than logical tokens) and no
+``tree_fallback`` reason. The negative control (rank 1's slice of every node positioned as rank 0's: a shard
+that forgot its offset) fails."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers.ranks import run_ranks
+from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
+from test_tree_loss_engine import assert_shared_loss_ran, shared_loss_batch
+
+from verl_prefix import PrefixReuseConfig
+
+TOL = {"float64": 1e-10, "float32": 1e-5}
+SHARED_LOSS_REUSE = PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)
+
+
+def _worst(got: dict, want: dict) -> float:
+    return max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+
+
+def _infer_gap(got: dict, want: dict, offset: int) -> float:
+    """The largest gap of this reference rank's rows (at ``offset`` in the SP group's batch), relative to the
+    largest |value| (at least 1)."""
+    gap = 0.0
+    for key in ("response_log_probs", "response_entropy"):
+        mine = list(got[key].unbind())[offset : offset + len(want[key])]
+        for a, b in zip(mine, want[key].unbind(), strict=True):
+            gap = max(gap, ((a - b).abs().max() / b.abs().max().clamp(min=1)).item())
+    return gap
+
+
+def _misplaced_shards(prefix_forward, shifted: list[int]):
+    """``tree.prefix_forward`` whose node positions are rolled by half a node on SP rank 1: its slice (the second
+    half) then runs at the first half's positions, as a shard that forgot its offset would."""
+    import torch.distributed as dist
+
+    def forward(model, ids, positions, options, earlier=None):
+        if dist.get_rank() == 1 and positions.shape[-1] > 1:
+            shifted.append(positions.shape[-1])
+            positions = positions.roll(options.ulysses.padded(positions.shape[-1]) // 2, dims=-1)
+        return prefix_forward(model, ids, positions, options, earlier)
+
+    return forward
+
+
+def _body(rank: int, model_dir: str) -> dict:
+    from helpers.precision import promote_fp32_upcasts
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.schedule import tree
+    from verl_prefix.tools import testing as T
+
+    out: dict = {}
+    for dtype in ("float64", "float32"):
+        kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
+        kwargs.update(use_remove_padding=True, lr=0.0)  # lr 0: the control sees the same weights
+        ref, ref_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+        sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+        got_engine, got_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", overrides=sp, **kwargs)
+        assert got_engine.use_ulysses_sp and got_engine.get_data_parallel_size() == 1
+        for name, batch, reuse in (
+            ("system", system_batch(), tree_reuse()),
+            ("shared_loss", shared_loss_batch(), SHARED_LOSS_REUSE),
+        ):
+            half = len(batch) // 2
+            part = tu.index_select_tensor_dict(batch, list(range(rank * half, (rank + 1) * half)))
+            got_engine.reuse_config = reuse
+            with promote_fp32_upcasts():
+                want = T.run_train_step(ref, ref_loss, part, capture_grads=True)
+                got = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                key = f"{name}/{dtype}"
+                out[key] = {"worst": _worst(got, want), "metrics": got["reduced_metrics"]}
+                if dtype == "float64":  # forward-only once: it shares every line of phase A/B with training
+                    got_infer, want_infer = T.run_infer(got_engine, batch), T.run_infer(ref, part)
+                    out[key]["infer"] = _infer_gap(got_infer, want_infer, rank * half)
+                    out[key]["infer_metrics"] = T.reduce_step_metrics(got_infer["metrics"])
+                if dtype == "float64" and name == "shared_loss":  # nodes as chains of chunks of 3, sliced too
+                    got_engine.reuse_config = dataclasses.replace(reuse, prefix_chunk_tokens=3)
+                    chunked = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                    out["chunked"] = {"worst": _worst(chunked, want), "metrics": chunked["reduced_metrics"]}
+                if dtype == "float64" and name == "system":  # the control once (CPU budget)
+                    shifted: list[int] = []
+                    original = tree.prefix_forward
+                    tree.prefix_forward = _misplaced_shards(original, shifted)
+                    try:
+                        control = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                    finally:
+                        tree.prefix_forward = original
+                    out["control"] = {"worst": _worst(control, want), "shifted": len(shifted)}
+    return out
+
+
+def assert_no_tree_fallback(metrics: dict) -> None:
+    assert metrics["prefix/sp/size"] == 2 and metrics["prefix/sp/all_to_all_mib"] > 0
+    reasons = [k for k in metrics if k.startswith(("prefix/tree_fallback_", "prefix/fallback_")) and metrics[k]]
+    assert not reasons and "prefix/tree_fallback_ulysses" not in metrics, reasons
+
+
+def test_tree_under_ulysses_matches_stock_engine(tiny_model):
+    results = run_ranks(_body, str(tiny_model("qwen3")), world=2, timeout=540)
+    for rank in range(2):
+        r = results[rank]
+        for dtype in ("float64", "float32"):
+            system, shared = r[f"system/{dtype}"], r[f"shared_loss/{dtype}"]
+            assert system["worst"] < TOL[dtype] and shared["worst"] < TOL[dtype], (rank, dtype, system, shared)
+            assert_tree_ran(system["metrics"])
+            assert_shared_loss_ran(shared["metrics"])
+            for entry in (system, shared):
+                assert_no_tree_fallback(entry["metrics"])
+        assert_tree_ran(r["system/float64"]["infer_metrics"])
+        assert_shared_loss_ran(r["shared_loss/float64"]["infer_metrics"])
+        for name in ("system", "shared_loss"):
+            entry = r[f"{name}/float64"]
+            assert entry["infer"] < TOL["float64"], (rank, name, entry["infer"])
+            assert_no_tree_fallback(entry["infer_metrics"])
+        chunked = r["chunked"]
+        assert chunked["worst"] < TOL["float64"], (rank, chunked["worst"])
+        assert_shared_loss_ran(chunked["metrics"])
+        assert_no_tree_fallback(chunked["metrics"])
+        assert chunked["metrics"]["prefix/tree_node_chunks"] >= 8
+        # the control: rank 1 shifted every node's slice, and both ranks' gradients are off
+        assert results[1]["control"]["shifted"] >= 5, results[1]["control"]
+        assert r["control"]["worst"] > 1e-3, (rank, r["control"])
+
+
+pytestmark = pytest.mark.timeout(900)

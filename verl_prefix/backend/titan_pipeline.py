@@ -1,0 +1,231 @@
+"""The A/B/C schedule over torchtitan's pipeline stages: one rank holds one stage (a model part torchtitan split
+off: ``tok_embeddings`` and the first layers, then more layers, the last one ending with ``norm`` and
+``lm_head``), and activations and their gradients cross stages by point-to-point sends over the ``pp`` mesh.
+
+verl 0.9.1's TorchTitan engine has no pipelined forward step, and torchtitan's pipeline schedules run whole
+micro-batches forward and backward with a loss of their own; neither knows phase A's prefix, which is one
+forward with no backward of its own, or phase C's backward, which starts inside every stage at once. So the
+engine drives the stages itself (``docs/design.md``, "Pipeline parallelism"):
+
+- phase A: the prefix row through the stages once (``StageLink.forward``); each stage captures its own layers'
+  K/V and keeps the graph, and its output activation stays a root for phase C;
+- phase B: the suffix micro-batches in GPipe order (``run_micro_batches``): the non-last stages run every
+  forward and send it on, the last stage scores each micro-batch with verl's loss and backpropagates it at once,
+  then the gradients flow back micro-batch by micro-batch; each stage's prefix leaves accumulate dK/dV;
+- phase C (``backward_across``): last stage first, each stage backpropagates its captured K/V seeded with its
+  leaves' gradients plus, below the last stage, the gradient of its phase-A output received from the next stage,
+  and sends the gradient of its phase-A input to the previous stage.
+
+Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer that waits on it. At one stage
+(no pipeline parallelism) nothing is sent or received and every function is the plain schedule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_prefix.backend.inputs import uids_of
+from verl_prefix.schedule.executor import seeded_backward
+from verl_prefix.schedule.prefix_kv import PrefixKV
+
+# activation dtypes a header can name (index in this tuple)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 8  # ndim, up to 6 sizes, dtype index
+
+
+@dataclass
+class StageStep:
+    """One pipeline micro-batch on this rank's stage.
+
+    ``first_input``: what the first stage feeds its model part (token ids); ``forward``: this stage's model part
+    on its input, inside whatever contexts the step needs (serving prefix leaves, MoE counting); ``score``: on the
+    last stage, the micro-batch's loss from the output (recording its outputs), or None when nothing is
+    backpropagated."""
+
+    first_input: torch.Tensor
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    score: Callable[[torch.Tensor], torch.Tensor | None]
+
+
+@dataclass
+class StageLink:
+    """This rank's place in the pipeline and its point-to-point links to the neighbouring stages."""
+
+    stage: int = 0
+    num_stages: int = 1
+    group: Any = None
+    ranks: Sequence[int] = ()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    pending: list = field(default_factory=list)
+
+    @classmethod
+    def of_mesh(cls, mesh: Any, device: torch.device) -> StageLink:
+        """The link over torchtitan's ``pp`` device mesh (None: one stage, no pipeline)."""
+        if mesh is None or mesh.size() == 1:
+            return cls(device=device)
+        group = mesh.get_group()
+        return cls(mesh.get_local_rank(), mesh.size(), group, dist.get_process_group_ranks(group), device)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    # -- point to point -------------------------------------------------------------------------------
+
+    def _isend(self, tensor: torch.Tensor, stage: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self.pending.append((dist.isend(tensor, dst=self.ranks[stage], group=self.group), tensor))
+
+    def send_activation(self, tensor: torch.Tensor) -> None:
+        """To the next stage, behind a header with its shape and dtype (the receiver allocates from it)."""
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+            raise ValueError(
+                f"prefix_torchtitan: cannot send a {tensor.dtype} activation of shape {tuple(tensor.shape)}"
+            )
+        header = torch.zeros(_HEADER, dtype=torch.long, device=self.device)
+        header[0] = tensor.dim()
+        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+        header[-1] = _DTYPES.index(tensor.dtype)
+        self._isend(header, self.stage + 1)
+        self._isend(tensor, self.stage + 1)
+
+    def recv_activation(self, requires_grad: bool) -> torch.Tensor:
+        """From the previous stage: a leaf that collects this stage's gradient w.r.t. its input."""
+        src = self.ranks[self.stage - 1]
+        header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
+        dist.recv(header, src=src, group=self.group)
+        shape = header[1 : 1 + int(header[0])].tolist()
+        tensor = torch.empty(shape, dtype=_DTYPES[int(header[-1])], device=self.device)
+        dist.recv(tensor, src=src, group=self.group)
+        return tensor.requires_grad_(requires_grad)
+
+    def send_grad(self, received: torch.Tensor) -> None:
+        """The gradient this stage's backward left on ``received`` (its input), to the previous stage."""
+        grad = received.grad if received.grad is not None else torch.zeros_like(received)
+        self._isend(grad, self.stage - 1)
+
+    def recv_grad(self, output: torch.Tensor) -> torch.Tensor:
+        """The gradient of ``output`` (sent on to the next stage) that the next stage computed."""
+        grad = torch.empty_like(output, memory_format=torch.contiguous_format)
+        dist.recv(grad, src=self.ranks[self.stage + 1], group=self.group)
+        return grad
+
+    def flush(self) -> None:
+        """Wait for every send in flight (their tensors stay alive until then)."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+    # -- the schedule ---------------------------------------------------------------------------------
+
+    def forward(self, step: Callable[[torch.Tensor], Any], first_input: torch.Tensor, requires_grad: bool) -> tuple:
+        """One forward through this stage: the input (``first_input`` on the first stage, else received) and
+        what ``step`` returned, sent on to the next stage unless this is the last."""
+        inputs = first_input if self.is_first else self.recv_activation(requires_grad)
+        output = step(inputs)
+        if not self.is_last:
+            self.send_activation(output)
+        return inputs, output
+
+    def gather_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stage's ``(name, tensor)`` pairs on every stage, stage by stage, one tensor at a time: verl's
+        weight sync (``get_per_tensor_param``) yields the rank's own parameters only, and a rollout fed one
+        stage's weights would keep the other stages' old ones. A collective: every stage iterates to the end."""
+        if self.num_stages == 1:
+            yield from named
+            return
+        for stage in range(self.num_stages):
+            src = self.ranks[stage]
+            if stage == self.stage:
+                for name, tensor in named:
+                    tensor = tensor.detach().contiguous()
+                    meta = [(name, tuple(tensor.shape), tensor.dtype)]
+                    dist.broadcast_object_list(meta, src=src, group=self.group, device=self.device)
+                    dist.broadcast(tensor, src=src, group=self.group)
+                    yield name, tensor
+                dist.broadcast_object_list([None], src=src, group=self.group, device=self.device)
+                continue
+            while True:
+                box: list = [None]
+                dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
+                if box[0] is None:
+                    break
+                name, shape, dtype = box[0]
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(tensor, src=src, group=self.group)
+                yield name, tensor
+
+    def check_same(self, value: Any, what: str) -> None:
+        """Every stage must run the same plan (verl gives the ranks of a pipeline the same rows): a stage that
+        does not would send activations of other shapes, or wait forever. One object all-gather; every stage
+        raises together."""
+        if self.num_stages == 1:
+            return
+        values: list = [None] * self.num_stages
+        dist.all_gather_object(values, value, group=self.group)
+        if any(v != values[0] for v in values):
+            raise ValueError(f"prefix_torchtitan: the pipeline stages hold different {what}: {values}")
+
+    def share(self, payload: Any) -> Any:
+        """The last stage's ``payload`` on every stage (verl reads outputs from the last stage; tests and the
+        worker's metrics read them anywhere)."""
+        if self.num_stages == 1:
+            return payload
+        box = [payload if self.is_last else None]
+        dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group, device=self.device)
+        return box[0]
+
+
+def batch_fingerprint(data: Any) -> str:
+    """A short hash of a mini-batch's rows (token ids, row lengths, uids), for ``StageLink.check_same``."""
+    ids = data["input_ids"]
+    digest = hashlib.sha1()
+    for tensor in (ids.values(), ids.offsets()) if ids.is_nested else (ids,):
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    if "uid" in data.keys():
+        digest.update(repr(uids_of(data)).encode())
+    return digest.hexdigest()[:16]
+
+
+def run_micro_batches(link: StageLink, steps: Sequence[StageStep], backward: bool) -> None:
+    """Pipeline micro-batches in GPipe order: every forward, then (``backward``) every backward in the same
+    order. The last stage backpropagates each micro-batch's loss as soon as it has it."""
+    kept = []
+    for step in steps:
+        inputs, output = link.forward(step.forward, step.first_input, backward)
+        if link.is_last:
+            loss = step.score(output)
+            if backward and loss is not None:
+                loss.backward()
+                if not link.is_first:
+                    link.send_grad(inputs)
+        elif backward:
+            kept.append((inputs, output))
+    for inputs, output in kept:
+        torch.autograd.backward(output, link.recv_grad(output))
+        if not link.is_first:
+            link.send_grad(inputs)
+    link.flush()
+
+
+def backward_across(
+    link: StageLink, prefix: PrefixKV, leaves: PrefixKV, model: torch.nn.Module, inputs: torch.Tensor, output: Any
+) -> None:
+    """Phase C on this stage, last stage first: its captured K/V seeded with its leaves' dK/dV and, below the
+    last stage, its phase-A ``output`` seeded with the gradient the next stage sent back; then the gradient of
+    its phase-A ``inputs`` goes to the previous stage (stage 0 ends at the embedding)."""
+    extra = () if link.is_last else ((output, link.recv_grad(output)),)
+    seeded_backward(prefix, [leaf.grad for leaf in leaves.tensors()], model, extra=extra)
+    if not link.is_first:
+        link.send_grad(inputs)
+    link.flush()
