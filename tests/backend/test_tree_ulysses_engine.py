@@ -5,10 +5,10 @@ verl's stock ``fsdp2`` engine without sequence parallelism on the same global ba
 data-parallel ranks holding half the rows, while the SP=2 group holds the whole mini-batch on both ranks. Two
 batches, fp64 (1e-10) and fp32 (1e-5): groups sharing a system block (a trie of depth 2 whose nodes have odd
 lengths, so the SP slices are padded) and tree rollouts plus per-turn samples with loss on the shared stems
-(forward-only too, and nodes as chains of chunks, in fp64). Every comparison asserts the tree ran with its
-telemetry as without SP (nodes, depth, shared and saved tokens, fewer physical than logical tokens) and no
-``tree_fallback`` reason. The negative control (rank 1's slice of every node positioned as rank 0's: a shard
-that forgot its offset) fails."""
+(forward-only too, nodes as chains of chunks, and ``dormant_prefix=recompute`` per node, in fp64). Every comparison
+asserts the tree ran with its telemetry as without SP (nodes, depth, shared and saved tokens, fewer physical than
+logical tokens) and no ``tree_fallback`` reason. The negative control (rank 1's slice of every node positioned as
+rank 0's: a shard that forgot its offset) fails."""
 
 from __future__ import annotations
 
@@ -89,6 +89,11 @@ def _body(rank: int, model_dir: str) -> dict:
                     got_engine.reuse_config = dataclasses.replace(reuse, prefix_chunk_tokens=3)
                     chunked = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
                     out["chunked"] = {"worst": _worst(chunked, want), "metrics": chunked["reduced_metrics"]}
+                    # dormant_prefix=recompute per node (test_tree_dormant_engine): each rebuilt slice checked
+                    got_engine.reuse_config, got_engine.dormant_prefix = reuse, "recompute"
+                    rebuilt = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                    got_engine.dormant_prefix = "keep"
+                    out["recompute"] = {"worst": _worst(rebuilt, want), "metrics": rebuilt["reduced_metrics"]}
                 if dtype == "float64" and name == "system":  # the control once (CPU budget)
                     shifted: list[int] = []
                     original = tree.prefix_forward
@@ -129,6 +134,12 @@ def test_tree_under_ulysses_matches_stock_engine(tiny_model):
         assert_shared_loss_ran(chunked["metrics"])
         assert_no_tree_fallback(chunked["metrics"])
         assert chunked["metrics"]["prefix/tree_node_chunks"] >= 8
+        rebuilt = r["recompute"]
+        assert rebuilt["worst"] < TOL["float64"], (rank, rebuilt["worst"])
+        assert_shared_loss_ran(rebuilt["metrics"])
+        assert_no_tree_fallback(rebuilt["metrics"])
+        m = rebuilt["metrics"]
+        assert m["prefix/policy/recompute"] == m["prefix/tree_nodes"] > 0 and m["prefix/max_recompute_kv_diff"] == 0
         # the control: rank 1 shifted every node's slice, and both ranks' gradients are off
         assert results[1]["control"]["shifted"] >= 5, results[1]["control"]
         assert r["control"]["worst"] > 1e-3, (rank, r["control"])
