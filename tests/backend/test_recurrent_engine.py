@@ -46,7 +46,7 @@ def hybrid_dir(tmp_path_factory):
     )
 
 
-def _fp64(*engines_):
+def fp64_engines(*engines_):
     """True fp64 on these engines' models: the delta rule and its norms (``fp64_delta_net``), routers' softmax."""
     stack = contextlib.ExitStack()
     for engine in engines_:
@@ -66,13 +66,13 @@ def test_update_and_infer_match_stock_engine_fp64(hybrid_dir, monkeypatch):
     monkeypatch.setattr(engine_module, "layer_roles", counted)
     monkeypatch.setattr(executor, "layer_roles", counted)
     batch = grpo_batch()
-    with _fp64(d_engine, p_engine):
+    with fp64_engines(d_engine, p_engine):
         dense = T.run_infer(d_engine, batch, calculate_entropy=True)
         prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
     assert_infer_matches(dense, prefix, 1e-10, groups=3)
 
     before = T.params_of(d_engine)
-    with _fp64(d_engine, p_engine):
+    with fp64_engines(d_engine, p_engine):
         dense = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
         prefix = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
     assert_reuse_ran(prefix["metrics"], groups=3)
@@ -149,7 +149,7 @@ def test_moe_hybrids_match_stock_engine_fp64(tmp_path, family):
     (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(
         model_dir, dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0
     )
-    with _fp64(d_engine, p_engine):
+    with fp64_engines(d_engine, p_engine):
         dense = T.run_infer(d_engine, grpo_batch(), calculate_entropy=True)
         prefix = T.run_infer(p_engine, grpo_batch(), calculate_entropy=True)
         assert_infer_matches(dense, prefix, 1e-10, groups=3)
@@ -195,7 +195,7 @@ def two_rank_step(rank: int, model_dir: str, fp64: Callable) -> dict:
 
 
 def _two_rank_body(rank: int, model_dir: str) -> dict:
-    return two_rank_step(rank, model_dir, _fp64)
+    return two_rank_step(rank, model_dir, fp64_engines)
 
 
 def test_two_ranks_match_stock_engine_fp64(hybrid_dir):
@@ -220,7 +220,7 @@ def test_fp32_and_bf16_within_the_stock_engines_own_rounding(hybrid_dir):
     likewise (mean |log-prob| error and the gradients' relative error), as ``test_cuda`` judges bf16 on a GPU."""
     batch = grpo_batch(num_groups=1, group_size=16, prompt_lens=[40], response_len_range=(4, 12), use_kl=False)
     truth, t_loss, _ = T.build_verl_engine(hybrid_dir, dtype="float64", micro_batch_size_per_gpu=1)
-    with _fp64(truth):
+    with fp64_engines(truth):
         truth_grads = T.run_train_step(truth, t_loss, batch, capture_grads=True)["grads"]
     reference = bf16_outputs(hybrid_dir, "fsdp2", batch, bf16=False)
     fp32 = bf16_outputs(hybrid_dir, "prefix_fsdp2", batch, bf16=False)
@@ -263,7 +263,7 @@ def test_verl_patched_forward_serves_with_hf_forwards(hybrid_dir, monkeypatch):
     (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(hybrid_dir, **args)
     assert all(hf_forwards.patched_by_verl(cls) for cls in hf_forwards.PATCHED_CLASSES), "verl's patch is in"
     batch = grpo_batch(num_groups=2, prompt_lens=[9, 12])
-    with _fp64(d_engine, p_engine):
+    with fp64_engines(d_engine, p_engine):
         dense = T.run_infer(d_engine, batch, calculate_entropy=True)
         assert calls, "the stock engine did not run verl's forwards"
         calls.clear()

@@ -7,15 +7,13 @@ root's state instead of its parent's."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from helpers.delta_rule import fp64_delta_net
 from helpers.precision import fp64_throughout, promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, reduced
 from test_engine_exactness import GRAD_TOL, engines
 from test_mamba_engine import NEMOTRON
+from test_recurrent_engine import fp64_engines
 from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
 from transformers import AutoModelForCausalLM
 
@@ -44,23 +42,20 @@ def hybrid_engines(tmp_path_factory):
     return dense, d_loss, prefix, p_loss
 
 
-def fp64(*engines_):
-    """True fp64 through the delta rule and the fp32 upcasts (as the one-level hybrid tests run)."""
-    stack = contextlib.ExitStack()
-    for engine in engines_:
-        stack.enter_context(fp64_delta_net(engine.module))
-    stack.enter_context(promote_fp32_upcasts())
-    return stack
-
-
-def hybrid_grads(hybrid_engines) -> tuple[float, dict]:
-    dense, d_loss, prefix, p_loss = hybrid_engines
+def tree_step(dense, d_loss, prefix, p_loss, precision) -> tuple[float, dict]:
+    """One update of the two-group system batch through both engines under ``precision`` (a context): the worst
+    relative gradient difference and the prefix engine's result."""
     batch = system_batch(prompt_lens=QUESTIONS)
-    with fp64(dense, prefix):
+    with precision:
         want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     return worst, got
+
+
+def hybrid_grads(hybrid_engines) -> tuple[float, dict]:
+    dense, _, prefix, _ = hybrid_engines
+    return tree_step(*hybrid_engines, fp64_engines(dense, prefix))
 
 
 def test_hybrid_tree_carries_the_recurrent_state_across_nodes(hybrid_engines):
@@ -70,7 +65,7 @@ def test_hybrid_tree_carries_the_recurrent_state_across_nodes(hybrid_engines):
     assert worst < 1e-10
     assert_tree_ran(got["metrics"], groups=2)
     dense, _, prefix, _ = hybrid_engines
-    with fp64(dense, prefix):
+    with fp64_engines(dense, prefix):
         want_infer = T.run_infer(dense, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
         got_infer = T.run_infer(prefix, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
     assert_infer_matches(want_infer, got_infer, 1e-10, groups=2)
@@ -104,11 +99,7 @@ def test_windowed_tree_matches_stock_engine(tmp_path_factory, dtype):
         model_dir, dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
     )
     prefix.reuse_config = tree_reuse()
-    batch = system_batch(prompt_lens=QUESTIONS)
-    with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    worst, got = tree_step(dense, d_loss, prefix, p_loss, promote_fp32_upcasts())
     assert worst < GRAD_TOL[dtype]
     assert_tree_ran(got["metrics"], groups=2)
     metrics = reduced(got["metrics"])
@@ -128,10 +119,6 @@ def test_mamba2_hybrid_tree_matches_stock_engine(tmp_path_factory):
         model_dir, dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
     )
     prefix.reuse_config = tree_reuse()
-    batch = system_batch(prompt_lens=QUESTIONS)
-    with fp64_throughout():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    worst, got = tree_step(dense, d_loss, prefix, p_loss, fp64_throughout())
     assert worst < 1e-10
     assert_tree_ran(got["metrics"], groups=2)

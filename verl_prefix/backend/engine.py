@@ -44,6 +44,7 @@ from verl_prefix.backend.outputs import (
     dense_batch_output,
     dense_chunk,
     full_length,
+    micro_batch_loss,
 )
 from verl_prefix.backend.trees import TREE_FALLBACKS, plan_tree
 from verl_prefix.backend.validation import agree_on_validity, check_batch
@@ -645,15 +646,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             model_output = {"log_probs": full_length(log_probs, layout, rows)}
             if options.calculate_entropy:
                 model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
-            metrics: dict = {}
-            loss = 1.0
-            if loss_function is not None:
-                micro = tu.index_select_tensor_dict(data, rows)
-                loss_t, metrics = loss_function(
-                    model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
-                )
-                loss = loss_t.detach().item()
-            record(rows, model_output, loss, metrics)
+            loss, metrics = micro_batch_loss(loss_function, model_output, data, rows, self.get_data_parallel_group())
+            record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
 
     # -- lockstep fillers: FSDP collectives must match across ranks -----------------------------------
 

@@ -36,6 +36,17 @@ def full_length(values: list[torch.Tensor], layout: RowLayout, rows: list[int]) 
     return torch.nested.nested_tensor_from_jagged(flat, offsets)
 
 
+def micro_batch_loss(
+    loss_function: Callable | None, model_output: dict, data: TensorDict, rows: list[int], dp_group: Any
+) -> tuple[torch.Tensor | None, dict]:
+    """verl's loss (and its metrics) on the outputs of ``rows``, as ``TrainingWorker`` computes it per
+    micro-batch; ``(None, {})`` where the pass has no loss function (forward-only without one)."""
+    if loss_function is None:
+        return None, {}
+    micro = tu.index_select_tensor_dict(data, rows)
+    return loss_function(model_output=model_output, data=micro, dp_group=dp_group)
+
+
 def static_bsz(data: TensorDict) -> TensorDict:
     """postprocess_batch_func reorders only under dynamic bsz; we always reorder ourselves."""
     view = data.select()  # empty view keeps batch size; carry only the flags postprocess reads

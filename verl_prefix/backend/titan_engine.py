@@ -46,6 +46,7 @@ from verl_prefix.backend.outputs import (
     dense_batch_output,
     dense_chunk,
     full_length,
+    micro_batch_loss,
 )
 from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
 from verl_prefix.backend.titan_config import refusal
@@ -329,15 +330,8 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         model_output = {"log_probs": full_length(log_probs, layout, rows)}
         if calculate_entropy:
             model_output["entropy"] = full_length(entropy, layout, rows)
-        metrics: dict = {}
-        loss_value, loss = 1.0, None
-        if loss_function is not None:
-            micro = tu.index_select_tensor_dict(data, rows)
-            loss, metrics = loss_function(
-                model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
-            )
-            loss_value = loss.detach().item()
-        record(rows, model_output, loss_value, metrics)
+        loss, metrics = micro_batch_loss(loss_function, model_output, data, rows, self.get_data_parallel_group())
+        record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
         return None if forward_only else loss
 
     def _filler_step(
