@@ -60,7 +60,8 @@ def hybrid_grads(hybrid_engines) -> tuple[float, dict]:
 
 def test_hybrid_tree_carries_the_recurrent_state_across_nodes(hybrid_engines):
     """Update and forward-only log-probs within 1e-10 of the stock engine in fp64; the tree ran (the system block
-    once, its delta-net state handed to each group's question node, whose end state starts the suffixes)."""
+    once, its delta-net state handed to each group's question node, whose end state starts the suffixes); then
+    the update with ``dormant_prefix=recompute`` per node (states rebuilt in phase C and checked)."""
     worst, got = hybrid_grads(hybrid_engines)
     assert worst < 1e-10
     assert_tree_ran(got["metrics"], groups=2)
@@ -70,6 +71,14 @@ def test_hybrid_tree_carries_the_recurrent_state_across_nodes(hybrid_engines):
         got_infer = T.run_infer(prefix, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
     assert_infer_matches(want_infer, got_infer, 1e-10, groups=2)
     assert_tree_ran(got_infer["metrics"], groups=2)
+    prefix.dormant_prefix = "recompute"  # each node rebuilt in phase C from its parent's state leaf, and checked
+    try:
+        worst, got = hybrid_grads(hybrid_engines)
+    finally:
+        prefix.dormant_prefix = "keep"
+    assert worst < 1e-10
+    assert_tree_ran(got["metrics"], groups=2)
+    assert reduced(got["metrics"])["prefix/policy/recompute"] == 3.0  # the system block and both questions
 
 
 def test_negative_control_a_node_continuing_from_its_roots_state_fails(hybrid_engines, monkeypatch):

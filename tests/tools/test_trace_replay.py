@@ -410,5 +410,5 @@ def test_a_recorded_tree_batch_replays_with_the_same_result(tmp_path, tiny_model
             prefix_len=4,
             suffix_len=2,
             vocab_size=64,
-            prefix_reuse={"tree": True, "phase_b_attention": "merged_varlen"},
+            prefix_reuse={"tree": True, "min_shared_tokens": 0},  # a trie node of no token
         )
