@@ -220,12 +220,6 @@ def train_tree(
                 if saved_b is not None:
                     dormant.note_held_in_b(sum(held), saved_b.total)
                 losses.append(loss.detach())
-            for _ in range(group.filler_micro_batches):
-                batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-                with meter.phase("B"):
-                    with autocast():
-                        log_probs, _ = suffix_forward(model, join_path(below), batch, fillers)
-                    options.backward(log_probs[0].sum() * 0.0)
         run_filler_micro_batches(model, node, below, fillers, train=True)
         for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
             if routers is not None:  # their last token would go unrouted: the engine builds the trie own_last

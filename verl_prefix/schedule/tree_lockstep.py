@@ -28,7 +28,7 @@ Shape = tuple[str, int, tuple["Shape", ...]]
 def node_shape(node: TrieNode) -> Shape:
     """The passes ``node``'s subtree runs (fillers included)."""
     kind = "F" if node.logits_from is None else "L"
-    micro = sum(len(g.micro_batches) + g.filler_micro_batches for g in node.groups) + node.filler_micro_batches
+    micro = sum(len(g.micro_batches) for g in node.groups) + node.filler_micro_batches
     return kind, micro, tuple(node_shape(child) for child in [*node.children, *node.filler_children])
 
 

@@ -282,7 +282,9 @@ def _attach_micro_batches(roots: list[TrieNode], groups: list[GroupPlan]) -> Non
                     node.ended.append(part)
                     continue
                 if id(node) not in views:
-                    views[id(node)] = dataclasses.replace(group, rows=[], prompt_len=node.end + 1, micro_batches=[])
+                    views[id(node)] = dataclasses.replace(
+                        group, rows=[], prompt_len=node.end + 1, micro_batches=[], filler_micro_batches=0
+                    )  # the tree's lockstep fillers are per node (``TrieNode.filler_micro_batches``)
                     node.groups.append(views[id(node)])
                 views[id(node)].rows.extend(part)
                 views[id(node)].micro_batches.append(part)
@@ -380,7 +382,7 @@ def execution_signature(roots: list[TrieNode]) -> str:
         parts.append("F" if node.logits_from is None else "L")
         for child in [*node.children, *node.filler_children]:
             visit(child)
-        micro = sum(len(g.micro_batches) + g.filler_micro_batches for g in node.groups) + node.filler_micro_batches
+        micro = sum(len(g.micro_batches) for g in node.groups) + node.filler_micro_batches
         parts.append("B" * micro)
         parts.append("E" * len(node.ended))
         parts.append("C")
