@@ -180,10 +180,10 @@ def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_diffe
     assert zero["prefix/tree_lockstep_fillers"] > 0 and one["prefix/tree_lockstep_fillers"] > 0
 
 
-def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
+def test_no_model_or_batch_is_refused_by_the_planner():
     """No model is refused (Ulysses: ``test_tree_ulysses_engine.py``; sliding windows and recurrent layers:
-    ``test_tree_families_engine.py``); a batch with images in a group's prompt runs one-level reuse, named (a
-    node's forward takes token ids only and every image's placeholder tokens are the same)."""
+    ``test_tree_families_engine.py``; images: ``test_tree_multimodal_engine.py``). A batch with visual inputs
+    for a model without a vision encoder is an error, not a trie over placeholder tokens."""
     rows = [torch.arange(6), torch.arange(6)]
     layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"])
     plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
@@ -192,24 +192,5 @@ def test_what_the_tree_does_not_serve_runs_one_level_with_its_reason():
     visual = RowLayout(
         rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=[{"pixel_values": rows[0]}, None]
     )
-    assert plan_tree(visual, plan, 1, group=None) == (None, "multimodal")
-
-
-def _images_on_one_rank(rank: int) -> tuple:
-    from verl_prefix.backend.trees import plan_tree
-    from verl_prefix.schedule.grouping import RowLayout, plan_batch
-
-    rows = [torch.arange(6), torch.arange(6)]
-    visual = [{"pixel_values": rows[0]}, None] if rank == 0 else None
-    layout = RowLayout(rows, [torch.arange(6)] * 2, [4, 4], [2, 2], ["a", "b"], visual=visual)
-    plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-    return plan_tree(layout, plan, 1, group=None)
-
-
-def test_images_on_one_rank_run_one_level_on_both_without_a_hang():
-    """The multimodal reason is rank-local: the rank with images still takes part in the signature agreement,
-    so neither rank waits on a collective the other skipped."""
-    from helpers.ranks import run_two_ranks
-
-    results = run_two_ranks(_images_on_one_rank, timeout=120)
-    assert results[0] == (None, "multimodal") and results[1] == (None, "lockstep")
+    with pytest.raises(ValueError, match="no vision encoder"):
+        plan_tree(visual, plan, 1, group=None)

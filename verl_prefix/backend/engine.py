@@ -66,6 +66,7 @@ from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
 from verl_prefix.schedule.tree import infer_tree, train_tree
 from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node, run_order
 from verl_prefix.schedule.tree_lockstep import filler_passes
+from verl_prefix.schedule.tree_visuals import VisualTokens
 from verl_prefix.schedule.trie import TrieNode, trie_stats
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -434,6 +435,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 self._agreement_group(),
                 own_last=self._moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
                 chunk_tokens=self.reuse_config.prefix_chunk_tokens,
+                visual=VisualTokens.of(self.module),  # images keyed by content in the trie (tree_visuals)
             )
         if roots is not None:
             self._run_tree(

@@ -5,7 +5,8 @@ FSDP2 issues collectives in every forward and backward, so every rank must run t
 passes. The tree schedule's sequence (``trie.execution_signature``) depends on each rank's trie; the ranks
 exchange their tries' shapes and pad them to their union with zero-loss fillers (``schedule.tree_lockstep``),
 and run one-level reuse together (``lockstep``) only where no union exists. Rows that take log-probs from one
-node but differ in temperature run one-level reuse too (``temperature``)."""
+node but differ in temperature run one-level reuse too (``temperature``). Images are served: the trie keys a
+visual token by its image's content (``schedule.tree_visuals``)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,14 @@ import torch.distributed as dist
 
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
 from verl_prefix.schedule.tree_lockstep import pad_to, trie_shape, union_shapes
+from verl_prefix.schedule.tree_visuals import VisualTokens, visual_token_keys
 from verl_prefix.schedule.trie import TrieNode, build_trie
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
 # why a mini-batch ran one-level reuse with ``prefix_reuse.tree`` on
-TREE_FALLBACKS = ("multimodal", "lockstep", "temperature")
-
-
-def batch_refusal(layout: RowLayout, plan: BatchPlan) -> str | None:
-    """What the tree does not serve in this rank's mini-batch (may differ between ranks): reuse groups with
-    visual inputs. A node's forward takes token ids only, and image placeholder tokens are the same for every
-    image, so a trie over them would share the prompts of groups whose images differ."""
-    if any(layout.visual_of(group.rows[0]) for group in plan.groups):
-        return "multimodal"
-    return None
+TREE_FALLBACKS = ("lockstep", "temperature")
 
 
 def gather_shapes(shape: object, group: dist.ProcessGroup | None) -> list[object]:
@@ -63,25 +56,29 @@ def plan_tree(
     group: dist.ProcessGroup | None,
     own_last: bool = False,
     chunk_tokens: int | None = None,
+    visual: VisualTokens | None = None,
 ) -> tuple[list[TrieNode] | None, str | None]:
     """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
     (the shape exchange) on every rank that reaches it, whatever its own trie: the ranks' tries are padded to
     the union of their shapes with lockstep fillers (``schedule.tree_lockstep``; the filler roots come last in
-    ``roots``). A rank whose own batch the tree does not serve (``batch_refusal``, or rows of different
-    temperatures under one loss-carrying node) sends no shape, so every rank runs one-level reuse (its own
-    reason there, ``lockstep`` on the others), as when two ranks' nodes differ in kind at one position.
-    ``own_last`` (the MoE router aux loss on): each row's last loss position stays in its tail, so its last
-    token runs through the routers in its suffix forward; ``chunk_tokens`` (``prefix_chunk_tokens``): longer
-    nodes run as chains of chunks (``trie.build_trie``). No model is refused here: Ulysses, sliding windows and
-    recurrent layers are served."""
-    local = batch_refusal(layout, plan)
-    roots = (
-        build_trie(layout, plan.groups, min_shared_tokens, own_last=own_last, chunk_tokens=chunk_tokens)
-        if local is None
-        else None
+    ``roots``). A rank whose rows of different temperatures take log-probs from one node sends no shape, so
+    every rank runs one-level reuse (``temperature`` there, ``lockstep`` on the others), as when two ranks'
+    nodes differ in kind at one position. ``own_last`` (the MoE router aux loss on): each row's last loss
+    position stays in its tail, so its last token runs through the routers in its suffix forward;
+    ``chunk_tokens`` (``prefix_chunk_tokens``): longer nodes run as chains of chunks (``trie.build_trie``);
+    ``visual`` (a vision-language model, ``VisualTokens.of``): the trie keys visual tokens by their image's
+    content (``schedule.tree_visuals``). No model is refused here: Ulysses, sliding windows, recurrent layers
+    and images are served."""
+    roots = build_trie(
+        layout,
+        plan.groups,
+        min_shared_tokens,
+        own_last=own_last,
+        chunk_tokens=chunk_tokens,
+        visual_keys=_visual_keys(layout, plan, visual),
     )
-    if roots is not None and temperature_conflict(roots, layout):
-        local, roots = "temperature", None
+    local = "temperature" if temperature_conflict(roots, layout) else None
+    roots = None if local else roots
     shapes = gather_shapes(trie_shape(roots) if roots is not None else None, group)
     union = union_shapes(shapes) if all(shape is not None for shape in shapes) else None
     if union is not None and roots is not None:
@@ -95,3 +92,12 @@ def plan_tree(
             reason,
         )
     return None, reason
+
+
+def _visual_keys(layout: RowLayout, plan: BatchPlan, visual: VisualTokens | None) -> dict | None:
+    """Each reuse row's visual token keys where a group holds images (None for a text mini-batch)."""
+    if not any(layout.visual_of(group.rows[0]) for group in plan.groups):
+        return None
+    if visual is None:
+        raise ValueError("the mini-batch holds visual inputs but the model has no vision encoder (vision_config)")
+    return visual_token_keys(layout, plan.groups, visual)

@@ -375,8 +375,9 @@ def tree_metrics(stats: TrieStats | None) -> dict[str, float]:
     the tokens shared by more than one group per level, the tokens it computed fewer than one-level reuse
     would have (already subtracted from ``prefix/physical_tokens``), its nodes that run the LM head and their
     log-prob positions shared by several rows (loss on shared tokens), and the chunks its nodes longer than
-    ``prefix_chunk_tokens`` ran as. ``None``: the mini-batch ran one-level
-    (every metric 0)."""
+    ``prefix_chunk_tokens`` ran as; with images, the images and videos it encoded and how many fewer than
+    one-level reuse would have (an image that several groups' prompts share: ``schedule.tree_visuals``).
+    ``None``: the mini-batch ran one-level (every metric 0)."""
     stats = stats or TrieStats(0, 0, (), 0, 0)
     levels = [*stats.shared_tokens[:2], sum(stats.shared_tokens[2:])]
     levels += [0] * (len(TREE_LEVELS) - len(levels))
@@ -386,4 +387,6 @@ def tree_metrics(stats: TrieStats | None) -> dict[str, float]:
     metrics["prefix/tree_loss_nodes"] = float(stats.loss_nodes)
     metrics["prefix/tree_shared_loss_tokens"] = float(stats.shared_loss_tokens)
     metrics["prefix/tree_node_chunks"] = float(stats.node_chunks)
+    metrics["prefix/tree_visual_items"] = float(stats.visual_items)
+    metrics["prefix/tree_saved_visual_items"] = float(stats.group_visual_items - stats.visual_items)
     return metrics

@@ -36,10 +36,15 @@ graph waits in host memory. A filler node runs the policy agreed for its positio
 filling ranks run the same passes. ``merged_varlen`` needs nothing of its own: a node's forward is one row over
 its ancestors' K/V, packed as a chunk of a chunked prefix is. Chunked long nodes (``prefix_chunk_tokens``) are
 chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
+
+Images and videos (``schedule.tree_visuals``): the topmost node on a path that holds an item's tokens encodes
+it in its own model call and keeps the embeddings as leaves; its descendants that hold more of the item take
+slices; the owner's phase C, after theirs, runs the encoder's backward once with everything they left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -62,6 +67,7 @@ from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
 from verl_prefix.schedule.telemetry import NullMeter
 from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node, node_phase_c
 from verl_prefix.schedule.tree_loss import NodeValues
+from verl_prefix.schedule.tree_visuals import PathImages, VisualItem
 from verl_prefix.schedule.trie import TrieNode
 
 
@@ -162,11 +168,33 @@ def run_filler_micro_batches(
                 options.backward(log_probs[0].sum() * 0.0)
 
 
-def _node_forward(model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions) -> PrefixKV:
+def _node_forward(
+    model: nn.Module,
+    node: TrieNode,
+    path: list[PrefixKV],
+    options: ScheduleOptions,
+    images: tuple[PathImages, list[VisualItem]] | None = None,
+) -> PrefixKV:
     """Phase A of one node: its tokens, attending to its path's K/V (a root: plain capture); a node that
-    carries loss runs the whole model and keeps its logits (``tree_loss.node_options``)."""
+    carries loss runs the whole model and keeps its logits (``tree_loss.node_options``). ``images``: the
+    path's encoded items and the ones this node owns (``tree_visuals``), for a node that holds visual tokens."""
     ids, positions = node.ids.to(options.device), node.positions.to(options.device)
-    return prefix_forward(model, ids, positions, tree_loss.node_options(options, node), join_path(path))
+    node_options = tree_loss.node_options(options, node)
+    if images is None or not node.images:
+        return prefix_forward(model, ids, positions, node_options, join_path(path))
+    path_images, owned = images
+    with path_images.node_call(node.images, owned, options.device) as visual:
+        # the encoder's runs are counted once per tree (``PathImages.calls``), not per call
+        return prefix_forward(
+            model, ids, positions, dataclasses.replace(node_options, meter=None), join_path(path), visual
+        )
+
+
+def _path_images(model: nn.Module, roots: list[TrieNode], train: bool) -> PathImages | None:
+    """The tree's image bookkeeping where a node holds visual tokens (None for a text batch)."""
+    if any(node.images for root in roots for node, _ in root.walk()):
+        return PathImages(model, train)
+    return None
 
 
 def train_tree(
@@ -185,11 +213,13 @@ def train_tree(
     routers, autocast = options.routers, options.autocast
     fillers = options.for_fillers()
     losses: list[torch.Tensor] = []
+    path_images = _path_images(model, roots, train=True)
 
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None], held: list[int]) -> None:
         dormant = policies(node)
+        images = (path_images, path_images.enter(node.images)) if path_images is not None else None
         with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, options.device):
-            kv = _node_forward(model, node, path, options)
+            kv = _node_forward(model, node, path, options, images)
             values = tree_loss.node_values(kv, node, layout, options)
         held = [*held, saved_a.total if saved_a is not None else 0]  # the path's graphs, as the policies left them
         meter.note_prefix_kv(kv.tensors())
@@ -236,12 +266,14 @@ def train_tree(
                     dormant,
                     kv,
                     values,
-                    lambda: _node_forward(model, node, path, options),
+                    lambda: _node_forward(model, node, path, options, images),
                     lambda again: tree_loss.node_values(again, node, layout, options),
                 )
             extra = values.seeds(value_leaves) if values is not None else []
             seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
             dormant.after_phase_c()
+        if images is not None:
+            images[0].leave(images[1])
 
     with prefix_attention_mode(model):
         for root in roots:
@@ -249,6 +281,8 @@ def train_tree(
                 run_filler(model, root, [], fillers, train=True, policies=policies)
             else:
                 visit(root, [], [], [])
+    if path_images is not None:
+        meter.count("prefix/vision_encoder_calls", path_images.calls)
     return losses
 
 
@@ -261,10 +295,12 @@ def infer_tree(
     meter = options.meter or NullMeter()
     fillers = options.for_fillers()
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    path_images = _path_images(model, roots, train=False)
 
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
+        images = (path_images, path_images.enter(node.images)) if path_images is not None else None
         with meter.phase("A"):
-            kv = _node_forward(model, node, path, options)
+            kv = _node_forward(model, node, path, options, images)
             values = tree_loss.node_values(kv, node, layout, options)
         meter.note_prefix_kv(kv.tensors())
         below, values_below = [*path, kv], [*values_path, values]
@@ -281,6 +317,8 @@ def infer_tree(
         for rows in node.ended:
             for row in rows:
                 results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (None, None))
+        if images is not None:
+            images[0].leave(images[1])
 
     with prefix_attention_mode(model), options.autocast():
         for root in roots:
@@ -288,4 +326,6 @@ def infer_tree(
                 run_filler(model, root, [], fillers, train=False)
             else:
                 visit(root, [], [])
+    if path_images is not None:
+        meter.count("prefix/vision_encoder_calls", path_images.calls)
     return results

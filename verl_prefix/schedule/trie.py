@@ -24,8 +24,9 @@ loss positions only): a node is one more forward (and backward), a fixed cost th
 exactly as ``min_prefix_len`` decides for a whole prefix. With ``chunk_tokens`` (``prefix_chunk_tokens``) a
 longer node runs as a chain of chunks of at most that many tokens, each a node of its own (``continues``) that
 attends to the earlier chunks' K/V as leaves, the way a chunked prefix runs under one-level reuse: the chain is
-the same causal attention split at more boundaries. What the tree schedule runs over this trie is
-``schedule.tree``.
+the same causal attention split at more boundaries. With images (``visual_keys``) a visual placeholder
+token's key holds its item too (``schedule.tree_visuals``): every image's placeholder ids are the same, so the
+content decides where groups branch. What the tree schedule runs over this trie is ``schedule.tree``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
+from verl_prefix.schedule.tree_visuals import Segment, TokenKey, node_segments
 
 # the default ``min_shared_tokens``: a shared node pays one more forward's fixed cost, as a group's prefix
 # does (``prefix_reuse.min_prefix_len``'s default); by FLOPs alone any shared token pays
@@ -77,6 +79,7 @@ class TrieNode:
     filler: bool = False  # a node of no row (one token), run only for its passes
     filler_micro_batches: int = 0  # suffix micro-batches run after this node's real ones
     filler_children: list[TrieNode] = field(default_factory=list)  # filler subtrees run after the real children
+    images: list[Segment] = field(default_factory=list)  # the visual tokens it holds (``schedule.tree_visuals``)
 
     @property
     def length(self) -> int:
@@ -112,7 +115,9 @@ class TrieStats:
     ``loss_nodes`` (nodes that run the LM head) and ``shared_loss_tokens`` (their log-prob positions in nodes
     with more than one row below: loss-carrying tokens computed once for several rows). A node split into
     chunks counts as one node at one depth (``loss_nodes``: each chunk that runs the LM head);
-    ``node_chunks`` counts the chunks such nodes ran as."""
+    ``node_chunks`` counts the chunks such nodes ran as. ``visual_items``: the images and videos the tree
+    encodes (each once per subtree that holds it, ``schedule.tree_visuals``); ``group_visual_items``: what
+    one-level reuse encodes (each group's own)."""
 
     nodes: int
     depth: int
@@ -124,6 +129,8 @@ class TrieStats:
     loss_nodes: int = 0
     shared_loss_tokens: int = 0
     node_chunks: int = 0
+    visual_items: int = 0
+    group_visual_items: int = 0
 
     @property
     def saved_tokens(self) -> int:
@@ -143,14 +150,15 @@ class _Row:
     ids: list[int]
 
 
-def _row(layout: RowLayout, row: int, share_loss: bool, own_last: bool) -> _Row:
+def _row(layout: RowLayout, row: int, share_loss: bool, own_last: bool, visual: list[TokenKey] | None) -> _Row:
     prompt_len = layout.prompt_lens[row]
     ids = layout.input_ids[row].tolist()
     n = max(len(ids) - 1 - own_last, prompt_len - 1) if share_loss else prompt_len - 1
     pos = layout.position_ids[row][..., :n].reshape(-1, n).tolist()
     labels = [ids[t + 1] if t >= prompt_len - 1 else None for t in range(n)]
     span = RowSpan(str(layout.uids[row]), prompt_len, len(ids))
-    return _Row(row, span, list(zip(ids[:n], *pos)), labels, ids)
+    extra = [] if visual is None else [visual[:n]]  # a visual token's item and index (``tree_visuals``)
+    return _Row(row, span, list(zip(ids[:n], *pos, *extra)), labels, ids)
 
 
 def _conflict(members: list[_Row], t: int) -> bool:
@@ -297,11 +305,14 @@ def build_trie(
     share_loss: bool = True,
     own_last: bool = False,
     chunk_tokens: int | None = None,
+    visual_keys: dict[int, list[TokenKey]] | None = None,
 ) -> list[TrieNode]:
     """The roots of the trie over ``groups``' rows, in the rows' first-appearance order. ``share_loss`` off:
     over their prompts only (``prompt[:-1]``; every row's tail is its suffix). ``own_last``: each row's last
     loss position stays in its tail (the MoE router aux loss: every row's last token runs in a suffix forward).
-    ``chunk_tokens``: nodes longer than that run as chains of chunks (``prefix_chunk_tokens``)."""
+    ``chunk_tokens``: nodes longer than that run as chains of chunks (``prefix_chunk_tokens``). ``visual_keys``
+    (``tree_visuals.visual_token_keys``, a batch with images): each row's visual tokens keyed by their item too,
+    and each node's ``images`` its items' token ranges."""
     if min_shared_tokens < 1:
         raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
     if chunk_tokens is not None and chunk_tokens < 1:
@@ -309,7 +320,11 @@ def build_trie(
     empty = [g.uid for g in groups if g.prefix_len < 1]
     if empty:
         raise ValueError(f"groups {empty[:8]} have no prefix to share (prompt of one token)")
-    items = [_row(layout, row, share_loss, own_last) for group in groups for row in group.rows]
+    items = [
+        _row(layout, row, share_loss, own_last, None if visual_keys is None else visual_keys[row])
+        for group in groups
+        for row in group.rows
+    ]
     roots, alone = _build(layout, items, 0)
     assert not alone, "a row alone from position 0 is a node of its own prefix"
     roots, up = _merge_short(layout, roots, min_shared_tokens)
@@ -319,6 +334,8 @@ def build_trie(
     for root in roots:
         for node, _ in root.walk():
             _logits(layout, node)
+            if visual_keys is not None:
+                node.images = node_segments(visual_keys[next(iter(node.rows_below()))], node.start, node.end)
     _attach_micro_batches(roots, groups)
     return roots
 
@@ -348,6 +365,7 @@ def trie_stats(roots: list[TrieNode]) -> TrieStats:
                 suffix_tokens += span.length - span.prompt_len
                 tail_tokens += span.length - 1 - node.end
     levels = tuple(shared.get(d, 0) for d in range(1, depth + 1))
+    visual_items, group_visual_items = _visual_item_counts(roots)
     return TrieStats(
         nodes,
         depth,
@@ -359,7 +377,26 @@ def trie_stats(roots: list[TrieNode]) -> TrieStats:
         loss_nodes,
         shared_loss,
         chunks,
+        visual_items,
+        group_visual_items,
     )
+
+
+def _visual_item_counts(roots: list[TrieNode]) -> tuple[int, int]:
+    """(items the tree encodes: each where the path above holds it not yet; items one-level reuse encodes: the
+    distinct items on each group's path)."""
+    encoded = 0
+    per_group: dict[str, set[int]] = {}
+    stack = [(root, frozenset()) for root in roots if not root.filler]
+    while stack:
+        node, held = stack.pop()
+        here = {id(item) for item, _, _ in node.images}
+        encoded += len(here - held)
+        held = held | here
+        for span in node.hanging.values():
+            per_group.setdefault(span.uid, set()).update(held)
+        stack.extend((child, held) for child in node.children)
+    return encoded, sum(len(items) for items in per_group.values())
 
 
 def _logical_walk(root: TrieNode) -> list[tuple[TrieNode, int]]:

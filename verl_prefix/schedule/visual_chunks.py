@@ -31,13 +31,13 @@ from verl.utils.transformers_compat import unpack_visual_output
 from verl_prefix.schedule.multimodal import VisualInputs, vision_encoder
 
 # verl's forward keywords: (pixel key, grid key, config field of the placeholder token), in the order it encodes
-_KINDS = (
+VISUAL_KINDS = (
     ("pixel_values", "image_grid_thw", "image_token_id"),
     ("pixel_values_videos", "video_grid_thw", "video_token_id"),
 )
 
 
-def _encoder_owner(model: nn.Module) -> nn.Module:
+def encoder_owner(model: nn.Module) -> nn.Module:
     """The module whose ``visual`` attribute verl's forward calls (the inner model, or the model itself)."""
     inner = getattr(model, "model", None)
     return inner if inner is not None and isinstance(getattr(inner, "visual", None), nn.Module) else model
@@ -65,17 +65,17 @@ def placeholder_embeddings(tower: nn.Module, like: torch.Tensor) -> list[torch.T
     patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
     pixels = torch.zeros((16, patch_dim), dtype=tower.dtype, device=like.device)
     grid = torch.tensor([[1, 4, 4]], dtype=torch.long, device=like.device)
-    return _parts(tower(pixels, grid_thw=grid))
+    return encoder_parts(tower(pixels, grid_thw=grid))
 
 
-def _parts(output: object) -> list[torch.Tensor]:
+def encoder_parts(output: object) -> list[torch.Tensor]:
     """An encoder output as a list: the embeddings, then each deepstack feature (one row per visual token)."""
     embeds, deepstack = unpack_visual_output(output)
     return [embeds, *(deepstack or [])]
 
 
-def _output(parts: list[torch.Tensor], deepstack: bool) -> BaseModelOutputWithPooling:
-    """The encoder's output object again, from ``_parts`` (verl's forwards unpack it or read its fields)."""
+def encoder_output(parts: list[torch.Tensor], deepstack: bool) -> BaseModelOutputWithPooling:
+    """The encoder's output object again, from ``encoder_parts`` (verl's forwards unpack it or read its fields)."""
     out = BaseModelOutputWithPooling(pooler_output=parts[0])
     if deepstack:
         out.deepstack_features = list(parts[1:])
@@ -88,11 +88,11 @@ class EncodedVisuals:
 
     def __init__(self, model: nn.Module, visual: VisualInputs, prefix_ids: torch.Tensor, requires_grad: bool) -> None:
         self.model = model
-        self.owner = _encoder_owner(model)
+        self.owner = encoder_owner(model)
         self.tower = vision_encoder(model)
         self.visual = visual
         self.prefix_ids = prefix_ids
-        self.kinds = [(pixels, grid, field) for pixels, grid, field in _KINDS if visual.get(pixels) is not None]
+        self.kinds = [(pixels, grid, field) for pixels, grid, field in VISUAL_KINDS if visual.get(pixels) is not None]
         self.leaves: list[list[torch.Tensor]] = []  # per kind: the embeddings, then each deepstack feature
         self.calls = 0
         # a leaf needs grad whenever the tower trains, even where phase A ran without a graph (``recompute``):
@@ -109,7 +109,7 @@ class EncodedVisuals:
     ) -> list[torch.Tensor]:
         """The first chunk's encoder output for ``kind`` (embeddings and deepstack features, each row a visual
         token): the real encoder, its leaves kept for later chunks."""
-        roots = _parts(self.tower(pixel_values, grid_thw=grid_thw))
+        roots = encoder_parts(self.tower(pixel_values, grid_thw=grid_thw))
         self.calls += 1
         leaves = [root.detach().requires_grad_(self.leaf_grad) for root in roots]
         if len(self.leaves) == kind:
@@ -144,7 +144,7 @@ class EncodedVisuals:
                     parts = [parts[0] + zero, *parts[1:]]
             # the encoder's output object: verl's Qwen2-VL and Qwen3-VL forwards unpack it, its Qwen3.5 one reads
             # the field
-            return _output(parts, deepstack=len(parts) > 1)
+            return encoder_output(parts, deepstack=len(parts) > 1)
 
         stand_in.dtype = self.tower.dtype
         object.__setattr__(self.owner, "visual", stand_in)  # an instance attribute shadows the submodule

@@ -234,6 +234,7 @@ def make_vl_grpo_batch(
     response_len_range: tuple[int, int] = (2, 7),
     seed: int = 0,
     family: str = "qwen2_5_vl",
+    pixel_seeds: list[int] | None = None,
     **kwargs: Any,
 ) -> TensorDict:
     """A GRPO mini-batch whose prompts hold images: group ``g`` has ``images[g]`` (patch grids ``(h, w)`` of
@@ -241,7 +242,9 @@ def make_vl_grpo_batch(
     ``multi_modal_inputs``). A prompt is ``text_before`` text tokens, each image (then each video) as
     ``<|vision_start|>`` + its merged patches' ``<|image_pad|>`` (``<|video_pad|>``) tokens + ``<|vision_end|>``
     (for Qwen3-VL and Qwen3.5 each video frame so),
-    then ``text_after`` text tokens. Every row carries its group's pixel values (the same tensors' contents);
+    then ``text_after`` text tokens. Every row carries its group's pixel values (the same tensors' contents),
+    drawn from ``pixel_seeds[g]`` where given (groups with one seed and the same first items hold the same first
+    images, by content: what ``prefix_reuse.tree`` shares across groups);
     ``kwargs`` go to ``make_grpo_batch`` (losses, temperature...), which draws responses and advantages."""
     base = make_grpo_batch(
         num_groups=len(images),
@@ -257,7 +260,8 @@ def make_vl_grpo_batch(
         items = images[i // group_size]
         stills = [(1, *size) for size in items if len(size) == 2]
         videos = [size for size in items if len(size) == 3]
-        inputs = visual_inputs(stills, videos, 1000 * seed + i // group_size, family) if items else None
+        pixel_seed = pixel_seeds[i // group_size] if pixel_seeds is not None else 1000 * seed + i // group_size
+        inputs = visual_inputs(stills, videos, pixel_seed, family) if items else None
         # Qwen3-VL and Qwen3.5 mark each video frame on its own (their rotary index splits a video per frame)
         frames = [(1, h, w) for t, h, w in videos for _ in range(t)] if family in QWEN3_VL_ROPE else videos
         vision = [
