@@ -54,6 +54,17 @@ class VisualItem:
     grid: torch.Tensor
     tokens: int
 
+    def fingerprint(self) -> tuple:
+        """Equal for items of equal content (the same sum over the same values in the same order), so only
+        items sharing one are compared whole: a rank's distinct images are not compared pairwise."""
+        return (
+            self.kind,
+            tuple(self.grid.reshape(-1).tolist()),
+            self.pixels.shape,
+            self.pixels.dtype,
+            float(self.pixels.sum(dtype=torch.float64)),
+        )
+
     def same_content(self, other: VisualItem) -> bool:
         return (
             self.kind == other.kind
@@ -112,13 +123,14 @@ def visual_token_keys(layout: RowLayout, groups: list[GroupPlan], spec: VisualTo
     """Each row's per-position trie key extension: ``(item, index)`` at a visual placeholder token, None
     elsewhere. Items are made once per distinct content over the groups (a group's rows hold identical visual
     inputs, which grouping checked), so equal images in different groups are one item."""
-    catalog: list[VisualItem] = []
+    catalog: dict[tuple, list[VisualItem]] = {}
 
     def canonical(item: VisualItem) -> VisualItem:
-        for known in catalog:
+        alike = catalog.setdefault(item.fingerprint(), [])
+        for known in alike:
             if known.same_content(item):
                 return known
-        catalog.append(item)
+        alike.append(item)
         return item
 
     keys: dict[int, list[TokenKey]] = {}
