@@ -1,6 +1,7 @@
 """The coverage matrix's per-family checks (``tests/tools/test_model_matrix_*.py``): each family of the installed
 transformers lands in one column (``verl_prefix.tools.model_zoo``). Served families train under reuse against plain
-HF dense gradients; the others are refused by the capability check with a reason naming a module.
+HF dense gradients, under one-level reuse and under the tree schedule (``prefix_reuse.tree``: two groups behind one
+system block); the others are refused by the capability check with a reason naming a module.
 
 Families are split between test files by a stable hash, so xdist (``--dist loadfile``) spreads them; models are
 built once per family and dtype and cached for the module."""
@@ -17,6 +18,10 @@ from helpers.layouts import make_layout, token_weights
 from helpers.precision import fp64_throughout
 from helpers.schedule_runs import reused_grads
 from verl_prefix.schedule.capability import structure_refusal
+from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.options import ScheduleOptions
+from verl_prefix.schedule.tree import train_tree
+from verl_prefix.schedule.trie import build_trie, trie_stats
 from verl_prefix.tools import model_zoo as Z
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -87,6 +92,46 @@ def reuse_grads(net: torch.nn.Module, layout, weights) -> dict[str, torch.Tensor
     return reused_grads(net, layout, loss_fn, rows=ROWS)
 
 
+def system_block_layout(vocab: int = 100) -> RowLayout:
+    """Two groups (G = 2) whose prompts are one system block of ``Z.PROMPT_LEN`` tokens (longer than the
+    window) and 4 tokens of their own: a trie of depth 2, the block computed once."""
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(0, vocab, (Z.PROMPT_LEN,), generator=gen)
+    ids, p_lens, r_lens, uids = [], [], [], []
+    for g, responses in enumerate(([5, 3], [2, 4])):
+        prompt = torch.cat([system, torch.randint(0, vocab, (4,), generator=gen)])
+        for s in responses:
+            ids.append(torch.cat([prompt, torch.randint(0, vocab, (s,), generator=gen)]))
+            p_lens.append(len(prompt))
+            r_lens.append(s)
+            uids.append(f"g{g}")
+    return RowLayout(ids, [torch.arange(len(row)) for row in ids], p_lens, r_lens, uids)
+
+
+def tree_grads(net: torch.nn.Module, layout: RowLayout, weights) -> dict[str, torch.Tensor]:
+    """The tree schedule's gradients over ``layout``, after asserting the trie shares the system block."""
+
+    def loss_fn(rows, log_probs, entropy):
+        return sum((lp * weights[i]).sum() for i, lp in zip(rows, log_probs))
+
+    net.zero_grad()
+    plan = plan_batch(layout, max_rows=ROWS, max_tokens=None, min_prefix_len=1, min_group_size=1)
+    roots = build_trie(layout, plan.groups, min_shared_tokens=2)
+    stats = trie_stats(roots)
+    assert not plan.dense_rows and stats.depth == 2 and stats.node_tokens < stats.prefix_tokens, stats
+    train_tree(net, layout, roots, loss_fn, ScheduleOptions(device=torch.device("cpu")))
+    return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+def tree_exactness(family: str, window: int | None) -> float:
+    """The tree schedule against dense on ``system_block_layout``, fp64."""
+    net = model(family, torch.float64, window)
+    layout = system_block_layout()
+    weights = token_weights(layout, torch.float64)
+    with fp64_throughout():
+        return relative_errors(tree_grads(net, layout, weights), dense_grads(net, layout, weights))
+
+
 def exactness(family: str, dtype: torch.dtype, window: int | None) -> float:
     """Reuse against dense on the matrix's group, in ``dtype`` (fp64 under ``fp64_throughout``)."""
     net = model(family, dtype, window)
@@ -99,10 +144,12 @@ def exactness(family: str, dtype: torch.dtype, window: int | None) -> float:
 
 
 def check_exact(family: str, window: int | None) -> None:
-    """fp64 within 1e-10, fp32 within 1e-5 (or, where dense fp32 rounds past that on its own, within 1.5x of
-    dense fp32's own error against fp64)."""
+    """fp64 within 1e-10 (one-level reuse and the tree), fp32 within 1e-5 (or, where dense fp32 rounds past that
+    on its own, within 1.5x of dense fp32's own error against fp64)."""
     error = exactness(family, torch.float64, window)
     assert error < TOLERANCE[torch.float64], f"{family} fp64: worst relative gradient error {error:.3g}"
+    error = tree_exactness(family, window)
+    assert error < TOLERANCE[torch.float64], f"{family} tree fp64: worst relative gradient error {error:.3g}"
     error = exactness(family, torch.float32, window)
     if error >= TOLERANCE[torch.float32]:
         check_fp32_against_own_rounding(family, window, error)

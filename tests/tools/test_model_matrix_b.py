@@ -1,13 +1,16 @@
 """The coverage matrix, second half of the families (``helpers.model_matrix``; the split lets xdist spread them):
 every decoder family of the installed transformers lands in one column of ``docs/models.md``, and that column
 holds: exact under reuse (fp32 1e-5, fp64 1e-10 against plain HF dense, prompts longer than the window, a group
-that reuses), dense with a reason decided by the capability check (and refused under ``unsupported_model=raise``),
-or not built, with the reason. A family that crashes or differs from dense fails."""
+that reuses; the tree schedule in fp64 with a system block two groups share), dense with a reason decided by the
+capability check (and refused under ``unsupported_model=raise``), or not built, with the reason. A family that
+crashes or differs from dense fails."""
 
 from __future__ import annotations
 
 import pytest
 from helpers import model_matrix as M
+
+from verl_prefix.tools import model_zoo as Z
 
 SHARD, SHARDS = 1, 2
 
@@ -15,3 +18,18 @@ SHARD, SHARDS = 1, 2
 @pytest.mark.parametrize("family", M.shard_families(SHARD, SHARDS))
 def test_family_lands_in_its_column(family):
     M.check_family(family)
+
+
+def test_negative_control_the_tree_without_its_system_blocks_backward_fails(monkeypatch):
+    """The tree comparison can fail: a root whose phase C never runs (the children's and suffixes' dK/dV left
+    on its leaves) differs from dense by far more than the tolerance on a served family."""
+    from verl_prefix.schedule import tree
+
+    seeded = tree.seeded_backward
+
+    def skip_roots(kv, grads, model, extra=()):
+        if kv.keys[0].shape[-2] != Z.PROMPT_LEN:  # the root holds the system block, a child its 4 tokens
+            seeded(kv, grads, model, extra)
+
+    monkeypatch.setattr(tree, "seeded_backward", skip_roots)
+    assert M.tree_exactness("llama", Z.WINDOW) > 1e-3

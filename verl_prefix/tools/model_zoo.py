@@ -361,7 +361,9 @@ def render(rows: list[MatrixRow]) -> str:
         "The capability check (`verl_prefix.schedule.capability`) decides at engine initialisation whether reuse "
         "serves it; *exact under reuse* families are trained under reuse against plain HF dense gradients in fp32 "
         f"(1e-5) and fp64 (1e-10) with a {PROMPT_LEN}-token prompt (longer than the window) and a group that "
-        "reuses (`tests/tools/test_model_matrix_a.py`, `_b.py`); a family that crashes or differs fails the tests.",
+        "reuses, and under the tree schedule (`prefix_reuse.tree`) in fp64 (1e-10) with two groups behind a "
+        f"{PROMPT_LEN}-token system block computed once (`tests/tools/test_model_matrix_a.py`, `_b.py`); a family "
+        "that crashes or differs fails the tests.",
         "",
         "*Dense with a reason* is what the engine does under `prefix_reuse.unsupported_model: dense` (the default): "
         "every mini-batch runs through the stock path, counted as `prefix/fallback_<reason>`, one log line at "
