@@ -91,7 +91,8 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
 
     from verl_prefix.tools import testing as T
 
-    kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
+    # lr 0: every step starts from the same weights, so the last steps compare with one stock step
+    kwargs = dict(dtype="float64", lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
     dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
     prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = tree_reuse()
@@ -126,10 +127,32 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
         # recompute per node (test_tree_dormant_engine) on tries of different shapes: a filler standing where the
         # peer's real node recomputes runs its forward again too and joins that node's agreed check
         prefix.dormant_prefix = "recompute"
-        want = T.run_train_step(dense, d_loss, differ, capture_grads=True)
         got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
         out["worst_recompute"], out["recompute"] = worst(got, want), got["reduced_metrics"]
+        # auto, with estimates that differ between the ranks (``auto_budget``): on its own rank 0 keeps every node,
+        # rank 1 recomputes both roots; the per-position agreement makes rank 0 recompute its root and the filler
+        # root at rank 1's second root's position. Both ranks count their model passes (input embeddings).
+        prefix.dormant_prefix, prefix.dormant_prefix_budget_bytes = "auto", auto_budget(prefix.module)
+        passes = []
+        hook = prefix.module.get_input_embeddings().register_forward_hook(lambda *_: passes.append(1))
+        try:
+            got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
+        finally:
+            hook.remove()
+        out["worst_auto"], out["auto"], out["auto_passes"] = worst(got, want), got["reduced_metrics"], len(passes)
     return out
+
+
+def auto_budget(model) -> int:
+    """A ``dormant_prefix_budget_bytes`` between the estimates of the two-rank test's nodes: rank 0's system block
+    (24 tokens) and its questions (4 and 8 tokens, after it) fit; rank 1's roots (its two 28- and 32-token
+    prompts, without their last token) do not."""
+    from verl_prefix.schedule.dormant import estimate_prefix_graph
+
+    fits = max(estimate_prefix_graph(model, SYSTEM).total, estimate_prefix_graph(model, 8, context=SYSTEM).total)
+    over = estimate_prefix_graph(model, 28).total
+    assert fits < over
+    return (fits + over) // 2
 
 
 def placed_family_seeds() -> list[int]:
@@ -157,7 +180,9 @@ def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_diffe
     """Placement and lockstep: each rank gets one system prompt's groups (the balancer), computes that block
     once (``tree_shared_tokens/level1`` is one block, the trie one root) and matches the stock engine; then
     tries of different shapes run the tree on both ranks, padded with zero-loss fillers, and match too, under
-    ``keep`` and under ``dormant_prefix=recompute`` per node (fillers recomputing where the peer's nodes do)."""
+    ``keep``, under ``dormant_prefix=recompute`` per node (fillers recomputing where the peer's nodes do) and
+    under ``auto`` with a budget one rank's roots exceed and the other's nodes fit: the agreed positions, not
+    each rank's own estimates, decide, so both run the same passes (counted)."""
     from helpers.ranks import run_two_ranks
 
     results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")), placed_family_seeds())
@@ -178,6 +203,18 @@ def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_diffe
     assert zero["prefix/tree_nodes"] == 3 and zero["prefix/tree_depth"] == 2, zero
     assert one["prefix/tree_nodes"] == 2 and one["prefix/tree_depth"] == 1, one
     assert zero["prefix/tree_lockstep_fillers"] > 0 and one["prefix/tree_lockstep_fillers"] > 0
+    # auto: rank 0's estimates all fit, rank 1's two roots do not; the agreed positions make rank 0 recompute its
+    # root (a peer recomputes that position) and run its filler root's forward again, so both ran the same passes
+    zero, one = results[0]["auto"], results[1]["auto"]
+    assert results[0]["worst_auto"] < 1e-10 and results[1]["worst_auto"] < 1e-10
+    assert zero["prefix/policy/recompute"] == 1 and zero["prefix/policy/keep"] == 2, zero
+    assert zero["prefix/policy_reason/peer_recompute"] == 1 and "prefix/policy_reason/over_budget_cpu" not in zero
+    assert one["prefix/policy/recompute"] == 2 and one["prefix/policy_reason/over_budget_cpu"] == 2, one
+    assert "prefix/policy/keep" not in one and zero["prefix/max_recompute_kv_diff"] == 0.0, one
+    assert results[0]["auto_passes"] == results[1]["auto_passes"] > 0
+    for m in (zero, one):
+        assert m["prefix/tree_fallback_lockstep"] == 0.0 and m["prefix/tree_lockstep_fillers"] > 0, m
+        assert_reuse_ran(m)
 
 
 def test_no_model_or_batch_is_refused_by_the_planner():

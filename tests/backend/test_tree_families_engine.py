@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import offload as O
 from helpers.precision import fp64_throughout, promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, reduced
 from test_engine_exactness import GRAD_TOL, engines
@@ -17,7 +18,8 @@ from test_recurrent_engine import fp64_engines
 from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
 from transformers import AutoModelForCausalLM
 
-from verl_prefix.schedule import tree
+from verl_prefix.schedule import merged_attention, tree
+from verl_prefix.schedule.dormant import default_store
 from verl_prefix.tools import model_zoo
 from verl_prefix.tools import testing as T
 
@@ -74,11 +76,26 @@ def test_hybrid_tree_carries_the_recurrent_state_across_nodes(hybrid_engines):
     prefix.dormant_prefix = "recompute"  # each node rebuilt in phase C from its parent's state leaf, and checked
     try:
         worst, got = hybrid_grads(hybrid_engines)
+        recomputed = reduced(got["metrics"])
+        assert worst < 1e-10
+        # offload per node (the CPU stand-in store): each node's phase A, its delta-net layers' saved tensors
+        # included, waits in a store of its own and is restored layer by layer in its phase C
+        prefix.dormant_prefix, prefix.offload_store_factory = "offload", O.RecordingStore
+        O.RecordingStore.instances.clear()
+        worst, got = hybrid_grads(hybrid_engines)
     finally:
-        prefix.dormant_prefix = "keep"
-    assert worst < 1e-10
+        prefix.dormant_prefix, prefix.offload_store_factory = "keep", default_store
+    assert_tree_ran(recomputed, groups=2)
+    assert recomputed["prefix/policy/recompute"] == 3.0  # the system block and both questions
+    assert recomputed["prefix/max_recompute_kv_diff"] == 0.0, recomputed
+    assert worst < 1e-10, worst
     assert_tree_ran(got["metrics"], groups=2)
-    assert reduced(got["metrics"])["prefix/policy/recompute"] == 3.0  # the system block and both questions
+    m = reduced(got["metrics"])
+    assert m["prefix/policy/offload"] == 3.0 == len(O.RecordingStore.instances), m
+    assert m["prefix/offloaded_mib"] >= m["prefix/offload_restored_mib"] > 0, m
+    for store in O.RecordingStore.instances:  # no parameter moved, nothing resident while phase B ran
+        found = O.claims(store, prefix.module)
+        assert found["parameter_bytes_moved"] == found["storages_moved_twice"] == found["resident_in_b"] == 0
 
 
 def test_negative_control_a_node_continuing_from_its_roots_state_fails(hybrid_engines, monkeypatch):
@@ -96,8 +113,25 @@ def test_negative_control_a_node_continuing_from_its_roots_state_fails(hybrid_en
     assert worst > 1e-3
 
 
+def cut_one_more(cut_prefix):
+    """``windows.cut_prefix`` that drops one more position: every query's earliest visible prefix key (the
+    first row position's ``W - 1``-th) is lost, a window one token short on the path's K/V."""
+
+    def cut(prefix: torch.Tensor, window: int) -> torch.Tensor:
+        return cut_prefix(prefix, window)[..., 1:, :]
+
+    return cut
+
+
+def windowed_layers(metrics: dict) -> float:
+    """Phase-B layer calls a window cut into (``prefix/phase_b_layers/<path>_window``)."""
+    return sum(v for k, v in metrics.items() if k.startswith("prefix/phase_b_layers/") and k.endswith("_window"))
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_windowed_tree_matches_stock_engine(tmp_path_factory, dtype):
+def test_windowed_tree_matches_stock_engine(tmp_path_factory, dtype, monkeypatch):
+    """fp64 also runs the negative control on the same engines: the path's K/V cut one position short of the
+    window (in phase A's node forwards and phase B's suffixes alike) gives wrong gradients, the tree running."""
     model_dir = T.write_tiny_model(
         tmp_path_factory.mktemp("tree_gemma3_text"),
         "gemma3_text",
@@ -105,15 +139,20 @@ def test_windowed_tree_matches_stock_engine(tmp_path_factory, dtype):
         extra_config={"layer_types": WINDOWED_LAYERS},
     )
     (dense, d_loss, _), (prefix, p_loss, _) = engines(
-        model_dir, dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
-    )
+        model_dir, dtype=dtype, lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
+    )  # lr 0: the control starts from the same weights
     prefix.reuse_config = tree_reuse()
     worst, got = tree_step(dense, d_loss, prefix, p_loss, promote_fp32_upcasts())
     assert worst < GRAD_TOL[dtype]
     assert_tree_ran(got["metrics"], groups=2)
     metrics = reduced(got["metrics"])
-    windowed = {k: v for k, v in metrics.items() if k.startswith("prefix/phase_b_layers/") and k.endswith("_window")}
-    assert sum(windowed.values()) > 0, metrics  # the window cut into the path's K/V in phase B
+    assert windowed_layers(metrics) > 0, metrics  # the window cut into the path's K/V in phase B
+    if dtype == "float64":
+        monkeypatch.setattr(merged_attention, "cut_prefix", cut_one_more(merged_attention.cut_prefix))
+        worst, got = tree_step(dense, d_loss, prefix, p_loss, promote_fp32_upcasts())
+        assert_tree_ran(got["metrics"], groups=2)
+        assert windowed_layers(reduced(got["metrics"])) == windowed_layers(metrics)
+        assert worst > 1e-4, worst
 
 
 def test_mamba2_hybrid_tree_matches_stock_engine(tmp_path_factory):

@@ -8,7 +8,8 @@ lengths, so the SP slices are padded) and tree rollouts plus per-turn samples wi
 (forward-only too, nodes as chains of chunks, and ``dormant_prefix=recompute`` per node, in fp64). Every comparison
 asserts the tree ran with its telemetry as without SP (nodes, depth, shared and saved tokens, fewer physical than
 logical tokens) and no ``tree_fallback`` reason. The negative control (rank 1's slice of every node positioned as
-rank 0's: a shard that forgot its offset) fails."""
+rank 0's: a shard that forgot its offset) fails. On four ranks (DP = 2 x SP = 2) the two SP groups' tries differ
+in shape and run padded with lockstep fillers, against the stock engine at DP = 4 in fp64."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import dataclasses
 
 import pytest
 from helpers.ranks import run_ranks
-from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
+from test_tree_engine import SYSTEM, VOCAB, assert_tree_ran, system_batch, tree_reuse
 from test_tree_loss_engine import assert_shared_loss_ran, shared_loss_batch
 
 from verl_prefix import PrefixReuseConfig
@@ -143,6 +144,69 @@ def test_tree_under_ulysses_matches_stock_engine(tiny_model):
         # the control: rank 1 shifted every node's slice, and both ranks' gradients are off
         assert results[1]["control"]["shifted"] >= 5, results[1]["control"]
         assert r["control"]["worst"] > 1e-3, (rank, r["control"])
+
+
+def mesh_batch(dp_rank: int):
+    """One SP group's mini-batch on the data-parallel x Ulysses mesh: two groups of G = 3 behind a system block
+    (a root with two children, two micro-batches each) on DP rank 0, three groups of G = 2 behind another (a root
+    with three children, one micro-batch each) on DP rank 1. Six rows each, so the reference's four ranks hold
+    three rows each; the tries differ in shape, so each SP group pads to their union with lockstep fillers."""
+    from verl_prefix.tools import testing as T
+
+    if dp_rank == 0:
+        return system_batch(seed=3, prompt_lens=(5, 9))
+    return T.make_grpo_batch(
+        num_groups=3,
+        group_size=2,
+        prompt_lens=[4, 7, 6],
+        response_len_range=(1, 6),
+        vocab_size=VOCAB,
+        seed=4,
+        use_kl=True,
+        calculate_entropy=True,
+        shared_system=SYSTEM,
+    )
+
+
+def _mesh_body(rank: int, model_dir: str) -> dict:
+    """DP = 2 x SP = 2 against the stock engine without SP at DP = 4 (each of its ranks half an SP group's rows)."""
+    from helpers.precision import promote_fp32_upcasts
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.tools import testing as T
+
+    kwargs = dict(dtype="float64", use_kl_loss=True, entropy_coeff=0.01, use_remove_padding=True)
+    # the reference's three rows in micro-batches of one (token-mean: the split does not change its gradient)
+    ref, ref_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", micro_batch_size_per_gpu=1, **kwargs)
+    sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+    got_engine, got_loss, _ = T.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", overrides=sp, micro_batch_size_per_gpu=2, **kwargs
+    )
+    assert got_engine.use_ulysses_sp and got_engine.get_data_parallel_size() == 2
+    got_engine.reuse_config = tree_reuse()
+    batch = mesh_batch(rank // 2)
+    half = len(batch) // 2
+    part = tu.index_select_tensor_dict(batch, list(range((rank % 2) * half, (rank % 2 + 1) * half)))
+    with promote_fp32_upcasts():
+        want = T.run_train_step(ref, ref_loss, part, capture_grads=True)
+        got = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+    return {"worst": _worst(got, want), "metrics": got["reduced_metrics"]}
+
+
+def test_tree_on_a_data_parallel_by_ulysses_mesh_matches_stock_engine(tiny_model):
+    """Four gloo ranks, DP = 2 x SP = 2, the two SP groups holding tries of different shapes: every rank agrees
+    on the union (the agreement spans the whole mesh), each SP group runs its padded trie sliced over its two
+    ranks, fillers included; fp64 within 1e-10 of the stock engine without SP at DP = 4."""
+    results = run_ranks(_mesh_body, str(tiny_model("qwen3")), world=4, timeout=300)
+    for rank in range(4):
+        r = results[rank]
+        assert r["worst"] < TOL["float64"], (rank, r["worst"])
+        m = r["metrics"]
+        assert_tree_ran(m, groups=(2, 3)[rank // 2])
+        assert_no_tree_fallback(m)
+        # DP rank 0 a filler child (the peer's third question) with its micro-batch; DP rank 1 a filler
+        # micro-batch under each of its first two questions (the peer's groups run two each)
+        assert m["prefix/tree_lockstep_fillers"] == (2, 2)[rank // 2], (rank, m["prefix/tree_lockstep_fillers"])
 
 
 pytestmark = pytest.mark.timeout(900)
