@@ -140,6 +140,25 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
         finally:
             hook.remove()
         out["worst_auto"], out["auto"], out["auto_passes"] = worst(got, want), got["reduced_metrics"], len(passes)
+        # nodes that differ in kind at one position: rank 0's groups share a 10-token response stem (their nodes
+        # run the LM head), rank 1's do not; rank 1's nodes there run it too, seeded with zeros, and both run
+        # the tree (before, the mini-batch ran one-level reuse as ``tree_fallback_lockstep``)
+        prefix.dormant_prefix = "keep"
+        kinds = T.make_grpo_batch(
+            num_groups=2,
+            group_size=3,
+            prompt_lens=[5, 9],
+            response_len_range=(1, 6),
+            vocab_size=VOCAB,
+            seed=8,
+            use_kl=True,
+            calculate_entropy=True,
+            shared_system=SYSTEM,
+            response_stems=(10,) if rank == 0 else (),
+        )
+        want = T.run_train_step(dense, d_loss, kinds, capture_grads=True)
+        got = T.run_train_step(prefix, p_loss, kinds, capture_grads=True)
+        out["worst_kinds"], out["kinds"] = worst(got, want), got["reduced_metrics"]
     return out
 
 
@@ -182,7 +201,8 @@ def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_diffe
     tries of different shapes run the tree on both ranks, padded with zero-loss fillers, and match too, under
     ``keep``, under ``dormant_prefix=recompute`` per node (fillers recomputing where the peer's nodes do) and
     under ``auto`` with a budget one rank's roots exceed and the other's nodes fit: the agreed positions, not
-    each rank's own estimates, decide, so both run the same passes (counted)."""
+    each rank's own estimates, decide, so both run the same passes (counted); and tries whose nodes differ in
+    kind at one position (one rank's run the LM head over a shared response stem), exact on both ranks."""
     from helpers.ranks import run_two_ranks
 
     results = run_two_ranks(_two_rank_body, str(tiny_model("qwen3")), placed_family_seeds())
@@ -197,6 +217,13 @@ def test_two_ranks_run_the_tree_in_lockstep_with_fillers_where_their_tries_diffe
         metrics = results[rank]["differ"]
         assert metrics["prefix/tree_fallback_lockstep"] == 0.0
         assert_reuse_ran(metrics)
+    for rank, loss_nodes in ((0, 2), (1, 0)):
+        kinds = results[rank]["kinds"]
+        assert results[rank]["worst_kinds"] < 1e-10, rank
+        assert_reuse_ran(kinds, groups=2)  # the stems are saved too on rank 0: no assert_tree_ran's token count
+        assert kinds["prefix/tree_depth"] == 2 and kinds["prefix/tree_shared_tokens/level1"] == SYSTEM, kinds
+        assert kinds["prefix/tree_loss_nodes"] == loss_nodes and kinds["prefix/tree_fallback_lockstep"] == 0.0, kinds
+    assert results[1]["kinds"]["prefix/tree_lockstep_fillers"] >= 2  # its two question nodes ran the LM head too
     # rank 0: one root with two children, plus a filler root of two filler children (rank 1's second root and
     # its micro-batches); rank 1: two roots, the first padded with rank 0's two children as fillers
     zero, one = results[0]["differ"], results[1]["differ"]

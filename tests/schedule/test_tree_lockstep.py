@@ -36,14 +36,14 @@ def passes(roots) -> str:
 def test_every_rank_pads_to_the_same_passes_and_its_rows_see_the_same_trie(ranks, chunk):
     tries = [trie_of(p, shared, chunk_tokens=chunk, own_last=last)[2] for p, shared, last in ranks]
     union = union_shapes([trie_shape(roots) for roots in tries])
-    if union is None:  # two ranks' nodes at one position differ in kind (LM head or not): no union exists
-        kinds = [execution_signature(roots) for roots in tries]
-        assert any("L" in k for k in kinds), kinds
-        return
     before = [(trie_stats(roots), row_paths(roots), passes(roots), list(roots)) for roots in tries]
+    plain = [{id(n) for root in roots for n, _ in root.walk() if n.logits_from is None} for roots in tries]
     padded = [pad_to(roots, union) for roots in tries]
     assert len({passes(roots) for roots in padded}) == 1  # one sequence of passes on every rank
-    for (stats, rows, own, original), roots in zip(before, padded):
+    for (stats, rows, own, original), roots, no_loss in zip(before, padded, plain):
+        # a node without loss runs the LM head only where a peer's node does: the same passes, F turned L
+        promoted = [n for root in original for n, _ in root.walk() if n.lockstep_logits]
+        assert all(id(n) in no_loss and n.logits_from == n.end - 1 for n in promoted)
         assert roots[: len(original)] == original and all(root.filler for root in roots[len(original) :])
         assert trie_stats(roots) == stats and row_paths(roots) == rows  # fillers are invisible to real rows
         fillers = [n for root in roots[len(original) :] for n, _ in root.walk()]
@@ -52,22 +52,23 @@ def test_every_rank_pads_to_the_same_passes_and_its_rows_see_the_same_trie(ranks
         micro = sum(n.filler_micro_batches for n in fillers) + sum(
             n.filler_micro_batches for root in original for n, _ in root.walk()
         )
-        assert filler_passes(roots) == len(fillers) + micro
+        assert filler_passes(roots) == len(fillers) + micro + len(promoted)
         assert len(passes(roots)) == len(own) + 2 * len(fillers) + micro  # each filler node: a forward, a backward
 
 
-def padded_grads(model, layout, weights, monkeypatch=None):
+def padded_grads(model, layout, weights, promote: bool = False):
     """The tree schedule over ``layout``'s trie padded to a larger union (more micro-batches per node, a filler
-    child under the root, a filler root with children), as a rank whose trie is the smaller one runs it."""
+    child under the root, a filler root with children), as a rank whose trie is the smaller one runs it.
+    ``promote``: the peer's root runs the LM head, so this rank's root (no loss) runs it too, seeded with zeros."""
     roots = tree_plan(layout)
     own = trie_shape(roots)
     kind, micro, children = own[0]
-    larger = ((kind, micro + 2, (*children, ("F", 1, ()))), ("F", 2, (("F", 1, ()), ("F", 0, ()))))
-    union = union_shapes([own, larger])
-    assert union is not None
-    padded = pad_to(roots, union)
+    assert kind == "F"
+    larger = (("L" if promote else kind, micro + 2, (*children, ("F", 1, ()))), ("F", 2, (("F", 1, ()), ("F", 0, ()))))
+    padded = pad_to(roots, union_shapes([own, larger]))
+    assert padded[0].lockstep_logits == promote and execution_signature(padded)[0] == ("L" if promote else "F")
     # the root's 2 micro-batches, its filler child (a node, 1 micro-batch), the filler root (2), its children (1+1, 1)
-    assert filler_passes(padded) == 2 + (1 + 1) + (1 + 2) + (1 + 1) + 1
+    assert filler_passes(padded) == 2 + (1 + 1) + (1 + 2) + (1 + 1) + 1 + promote
     model.zero_grad()
     train_tree(model, layout, padded, weighted_loss(weights), ScheduleOptions(device=torch.device("cpu")))
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -88,6 +89,26 @@ def test_fillers_add_nothing_to_the_gradients(case):
         want = dense_grads(model, layout, weights, with_entropy=False)
         got = padded_grads(model, layout, weights)
     assert worst_relative(got, want) < 1e-10
+
+
+def test_a_node_running_the_lm_head_for_a_peer_adds_nothing(case, monkeypatch):
+    """A real node without loss at a position where a peer rank's node runs the LM head runs it too (over its
+    last position, seeded with zeros): the gradients are still plain HF's, and the LM head's gradient is
+    there on both ranks' terms. Control: the same logits seeded with ones instead of zeros."""
+    model, layout, weights = case
+    with promote_fp32_upcasts():
+        want = dense_grads(model, layout, weights, with_entropy=False)
+        got = padded_grads(model, layout, weights, promote=True)
+    assert worst_relative(got, want) < 1e-10
+    seeded = tree.seeded_backward
+
+    def ones(kv, seeds, model_, extra=()):
+        return seeded(kv, seeds, model_, [(root, torch.ones_like(root)) for root, _ in extra])
+
+    monkeypatch.setattr(tree, "seeded_backward", ones)
+    with promote_fp32_upcasts():
+        wrong = padded_grads(model, layout, weights, promote=True)
+    assert worst_relative(wrong, want) > 1e-3
 
 
 def test_negative_control_filler_micro_batches_with_a_loss_fail(case, monkeypatch):

@@ -3,10 +3,10 @@ data-parallel rank, and why not where it does not (``prefix/tree_fallback_<reaso
 
 FSDP2 issues collectives in every forward and backward, so every rank must run the same sequence of model
 passes. The tree schedule's sequence (``trie.execution_signature``) depends on each rank's trie; the ranks
-exchange their tries' shapes and pad them to their union with zero-loss fillers (``schedule.tree_lockstep``),
-and run one-level reuse together (``lockstep``) only where no union exists. Rows that take log-probs from one
-node but differ in temperature run one-level reuse too (``temperature``). Images are served: the trie keys a
-visual token by its image's content (``schedule.tree_visuals``)."""
+exchange their tries' shapes and pad them to their union with zero-loss fillers (``schedule.tree_lockstep``).
+Rows that take log-probs from one node but differ in temperature run one-level reuse (``temperature``; every
+other rank: ``lockstep``). Images are served: the trie keys a visual token by its image's content
+(``schedule.tree_visuals``)."""
 
 from __future__ import annotations
 
@@ -58,17 +58,16 @@ def plan_tree(
     chunk_tokens: int | None = None,
     visual: VisualTokens | None = None,
 ) -> tuple[list[TrieNode] | None, str | None]:
-    """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective
-    (the shape exchange) on every rank that reaches it, whatever its own trie: the ranks' tries are padded to
-    the union of their shapes with lockstep fillers (``schedule.tree_lockstep``; the filler roots come last in
+    """``(roots, None)`` where the mini-batch runs the tree schedule, else ``(None, reason)``. Collective (the
+    shape exchange) on every rank that reaches it, whatever its own trie: the ranks' tries are padded to the
+    union of their shapes with lockstep fillers (``schedule.tree_lockstep``; the filler roots come last in
     ``roots``). A rank whose rows of different temperatures take log-probs from one node sends no shape, so
-    every rank runs one-level reuse (``temperature`` there, ``lockstep`` on the others), as when two ranks'
-    nodes differ in kind at one position. ``own_last`` (the MoE router aux loss on): each row's last loss
-    position stays in its tail, so its last token runs through the routers in its suffix forward;
-    ``chunk_tokens`` (``prefix_chunk_tokens``): longer nodes run as chains of chunks (``trie.build_trie``);
-    ``visual`` (a vision-language model, ``VisualTokens.of``): the trie keys visual tokens by their image's
-    content (``schedule.tree_visuals``). No model is refused here: Ulysses, sliding windows, recurrent layers
-    and images are served."""
+    every rank runs one-level reuse (``temperature`` there, ``lockstep`` on the others). ``own_last`` (the MoE
+    router aux loss on): each row's last loss position stays in its tail, so its last token runs through the
+    routers in its suffix forward; ``chunk_tokens`` (``prefix_chunk_tokens``): longer nodes run as chains of
+    chunks (``trie.build_trie``); ``visual`` (a vision-language model, ``VisualTokens.of``): the trie keys
+    visual tokens by their image's content (``schedule.tree_visuals``). No model is refused here: Ulysses,
+    sliding windows, recurrent layers and images are served."""
     roots = build_trie(
         layout,
         plan.groups,

@@ -270,6 +270,8 @@ def train_tree(
                     lambda again: tree_loss.node_values(again, node, layout, options),
                 )
             extra = values.seeds(value_leaves) if values is not None else []
+            if node.lockstep_logits:  # the LM head joins this rank's backward as it joins the peer's
+                extra.append((values.log_probs, torch.zeros_like(values.log_probs)))
             seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
             dormant.after_phase_c()
         if images is not None:

@@ -5,9 +5,11 @@ passes. A trie's passes follow its shape: per node a forward (``F``, or ``L`` wh
 children, its suffix micro-batches (each a forward and a backward), its backward. The ranks exchange their
 shapes, take their union (children paired by position, micro-batch counts maxed) and each pads its own trie to
 it with zero-loss work: filler micro-batches after a node's real ones, and filler nodes (one token, no row,
-attending only to filler ancestors) after its real children. Every rank then runs the union's passes; the
-fillers add zero to every gradient. Ranks whose nodes differ in kind at one position (one runs the LM head,
-the other does not) have no union: the mini-batch runs one-level reuse (``lockstep``, counted).
+attending only to filler ancestors) after its real children. Where the ranks' nodes at one position differ
+in kind (one runs the LM head, the other does not), the union's node runs it: the other rank's node runs the
+LM head too, over its last position, its logits seeded with zeros (``TrieNode.lockstep_logits``), so the LM
+head and final norm take part in every rank's passes. Every rank then runs the union's passes; the fillers
+add zero to every gradient.
 
 Rows without a tail (``E``) run no model call, so they are not part of the shape.
 """
@@ -39,28 +41,19 @@ def trie_shape(roots: Sequence[TrieNode]) -> tuple[Shape, ...]:
 def _union(a: Shape | None, b: Shape | None) -> Shape | None:
     if a is None or b is None:
         return a or b
-    if a[0] != b[0]:
-        raise _KindMismatch
-    return a[0], max(a[1], b[1]), _union_list(a[2], b[2])
+    kind = "L" if "L" in (a[0], b[0]) else "F"  # a node without loss runs the LM head where a peer's does
+    return kind, max(a[1], b[1]), _union_list(a[2], b[2])
 
 
 def _union_list(a: Sequence[Shape], b: Sequence[Shape]) -> tuple[Shape, ...]:
     return tuple(_union(x, y) for x, y in zip_longest(a, b))
 
 
-class _KindMismatch(Exception):
-    pass
-
-
-def union_shapes(shapes: Sequence[tuple[Shape, ...]]) -> tuple[Shape, ...] | None:
-    """The smallest shape every rank's trie pads to, or None where two ranks' nodes at one position differ in
-    kind (a filler cannot stand in for a pass that runs different modules)."""
+def union_shapes(shapes: Sequence[tuple[Shape, ...]]) -> tuple[Shape, ...]:
+    """The smallest shape every rank's trie pads to."""
     out: tuple[Shape, ...] = ()
-    try:
-        for shape in shapes:
-            out = _union_list(out, shape)
-    except _KindMismatch:
-        return None
+    for shape in shapes:
+        out = _union_list(out, shape)
     return out
 
 
@@ -82,7 +75,9 @@ def filler_node(shape: Shape, start: int) -> TrieNode:
 
 
 def _pad_node(node: TrieNode, shape: Shape) -> None:
-    _, micro, children = shape
+    kind, micro, children = shape
+    if kind == "L" and node.logits_from is None:  # a peer's node here runs the LM head: this one does too
+        node.logits_from, node.labels, node.lockstep_logits = node.end - 1, torch.zeros(1, dtype=torch.long), True
     node.filler_micro_batches += micro - node_shape(node)[1]
     for index, child_shape in enumerate(children):
         if index < len(node.children):
@@ -106,10 +101,11 @@ def pad_to(roots: list[TrieNode], union: tuple[Shape, ...]) -> list[TrieNode]:
 
 
 def filler_passes(roots: Sequence[TrieNode]) -> int:
-    """Filler nodes and filler micro-batches in a padded trie (``prefix/tree_lockstep_fillers``)."""
+    """Filler nodes, filler micro-batches and real nodes running the LM head for lockstep only, in a padded
+    trie (``prefix/tree_lockstep_fillers``)."""
 
     def count(node: TrieNode) -> int:
-        own = node.filler + node.filler_micro_batches
+        own = node.filler + node.filler_micro_batches + node.lockstep_logits
         return own + sum(count(child) for child in [*node.children, *node.filler_children])
 
     return sum(count(root) for root in roots)

@@ -61,9 +61,9 @@ def node_options(options: ScheduleOptions, node: TrieNode) -> ScheduleOptions:
 def node_temperature(node: TrieNode, layout: RowLayout) -> float:
     """The temperature that divides a node's logits: every row that takes a log-prob from it must agree
     (a row's logits are divided before the log-softmax), else a clear error."""
-    if layout.temperature is None or node.logits_from is None:
-        return 1.0
     rows = node.loss_rows()
+    if layout.temperature is None or node.logits_from is None or not rows:  # lockstep logits: seeded with zeros
+        return 1.0
     values = {float(layout.temperature[row]) for row in rows}
     if len(values) > 1:
         raise ValueError(

@@ -79,6 +79,7 @@ class TrieNode:
     filler: bool = False  # a node of no row (one token), run only for its passes
     filler_micro_batches: int = 0  # suffix micro-batches run after this node's real ones
     filler_children: list[TrieNode] = field(default_factory=list)  # filler subtrees run after the real children
+    lockstep_logits: bool = False  # no loss, but runs the LM head (seeded with zeros) where a peer's node does
     images: list[Segment] = field(default_factory=list)  # the visual tokens it holds (``schedule.tree_visuals``)
 
     @property
@@ -357,7 +358,7 @@ def trie_stats(roots: list[TrieNode]) -> TrieStats:
             below = node.rows_below()
             if len({span.uid for span in below.values()}) > 1:
                 shared[d] = shared.get(d, 0) + node.length
-            if node.logits_from is not None:
+            if node.logits_from is not None and not node.lockstep_logits:
                 loss_nodes += 1
                 shared_loss += (node.end - node.logits_from) if len(below) > 1 else 0
             for span in node.hanging.values():
