@@ -7,13 +7,15 @@
 #   STEPS=2 SAVE_AT=1 bash recipes/grpo_cpu_smoke.sh    # what tests/tools/test_main_ppo_cpu.py runs
 #   MODE=dense bash recipes/grpo_cpu_smoke.sh           # the dense twin: sync trainer, stock fsdp2
 #   TASK=vl bash recipes/grpo_cpu_smoke.sh              # image prompts on a tiny Qwen2.5-VL (docs/multimodal.md)
+#   TASK=agentic bash recipes/grpo_cpu_smoke.sh         # prompts behind one shared system message, prefix_reuse.tree
+#                                                       # on (docs/trees.md); MODE=dense: the stock twin
 #   ENGINE=torchtitan bash recipes/grpo_cpu_smoke.sh    # prefix_torchtitan at TP=2 on a tiny Qwen3 (docs/torchtitan.md);
 #                                                       # MODE=dense: verl's own TorchTitan engine
 #
 # Two launches of main_ppo: steps 1..SAVE_AT saving a checkpoint at SAVE_AT, then a resumed run to STEPS.
 # Metrics go to the console and to $OUT/metrics_{first,resumed}.jsonl (verl's file logger).
 # Env: OUT (outputs/grpo_cpu_smoke), STEPS (3), SAVE_AT (STEPS-1), MODE (prefix|dense), NNODES (1),
-# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|vl), ENGINE (fsdp2|torchtitan), TP (torchtitan's
+# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|agentic|vl), ENGINE (fsdp2|torchtitan), TP (torchtitan's
 # tensor-parallel size, 2; the other ranks shard data). With RAY_ADDRESS set, main_ppo joins that cluster instead of
 # starting one (docs/multinode.md). Extra arguments are passed to both launches.
 set -euo pipefail
@@ -71,12 +73,17 @@ if [[ "$ENGINE" == torchtitan && "$TASK" != text ]]; then
 fi
 case "$TASK" in
   text) task=() ;;
+  # the tree computes the shared system message once per rank and mini-batch (trie nodes of 16 tokens and up)
+  agentic) task=()
+    if [[ "$MODE" == prefix ]]; then
+      task=(actor_rollout_ref.actor.prefix_reuse.tree=true actor_rollout_ref.actor.prefix_reuse.min_shared_tokens=16)
+    fi ;;
   # the tiny Qwen2.5-VL's image-only processor is remote code; the data set opens the PNGs itself (no
   # qwen_vl_utils on CPU); the reward is the same rule-plus-shaping kind as the text task's
   vl) task=(actor_rollout_ref.model.trust_remote_code=true data.trust_remote_code=true
     data.custom_cls.path=pkg://verl_prefix.tools.smoke_vl data.custom_cls.name=SmokeVLDataset
     reward.custom_reward_function.path=pkg://verl_prefix.tools.smoke_vl) ;;
-  *) echo "TASK must be text or vl, got $TASK" >&2; exit 2 ;;
+  *) echo "TASK must be text, agentic or vl, got $TASK" >&2; exit 2 ;;
 esac
 cluster=()
 if [[ -n "${RAY_ADDRESS:-}" ]]; then

@@ -43,6 +43,22 @@ def test_prefix_grpo_config(tiny_qwen3_dir):
     assert config.algorithm.adv_estimator == "grpo"
 
 
+def test_every_reuse_knob_is_in_the_shipped_yaml(tiny_qwen3_dir):
+    """``actor_rollout_ref.actor.prefix_reuse.<knob>=value`` works without Hydra's ``+`` for every knob of
+    ``PrefixReuseConfig`` (a key missing from the YAML is "not in struct"), the tree's included."""
+    import dataclasses
+
+    config = compose_shipped(
+        tiny_qwen3_dir,
+        "actor_rollout_ref.actor.prefix_reuse.tree=true",
+        "actor_rollout_ref.actor.prefix_reuse.min_shared_tokens=64",
+    )
+    knobs = {f.name for f in dataclasses.fields(PrefixReuseConfig) if not f.name.startswith("_")}
+    assert set(config.actor_rollout_ref.actor.prefix_reuse) == knobs
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert actor.prefix_reuse == PrefixReuseConfig(tree=True, min_shared_tokens=64)
+
+
 def test_the_reference_policy_obeys_the_actors_reuse_knobs(tiny_qwen3_dir):
     """The ref engine is prefix_fsdp2 too (ref.strategy follows the actor): it must read the same knobs,
     not ``PrefixReuseConfig()`` defaults (with reuse off on the actor, the ref pass reused)."""

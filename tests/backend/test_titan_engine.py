@@ -552,6 +552,15 @@ def test_refusals_at_config_time():
     ):
         reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
         assert reason is not None and knob in reason and words in reason, (knob, reason)
+    # reuse knobs built for prefix_fsdp2 only: refused, never ignored
+    for reuse, words in (
+        (PrefixReuseConfig(tree=True), "prefix_reuse.tree"),
+        (PrefixReuseConfig(prefix_chunk_tokens=64), "prefix_chunk_tokens"),
+        (PrefixReuseConfig(phase_b_attention="merged"), "phase_b_attention"),
+    ):
+        reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse))
+        assert reason is not None and words in reason, (reuse, reason)
+    assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False, tree=True))) is None
     # pipeline parallelism is served alone (one stage per rank), reuse on or off: the engine pipelines every pass
     assert refusal(PrefixTorchtitanEngineConfig(pipeline_parallel_size=2)) is None
     for knob in ("tensor_parallel_size", "expert_parallel_size", "context_parallel_size", "data_parallel_shard_size"):

@@ -128,6 +128,11 @@ def refusal(config: Any) -> str | None:
     if reuse is not None:
         if reuse.prefix_chunk_tokens is not None:
             return "prefix_torchtitan: prefix_chunk_tokens (chunked prefix) is not built for torchtitan yet"
+        if reuse.tree:
+            return (
+                "prefix_torchtitan: prefix_reuse.tree (the token trie) is not built for torchtitan yet; it runs on "
+                "prefix_fsdp2 (docs/trees.md), or set prefix_reuse.tree=false for one-level reuse"
+            )
         if reuse.phase_b_attention not in ("auto", "concat"):
             return (
                 f"prefix_torchtitan: phase_b_attention={reuse.phase_b_attention!r} is not built for torchtitan "

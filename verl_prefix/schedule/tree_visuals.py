@@ -204,10 +204,9 @@ class PathImages:
         grid = torch.stack([item.grid.reshape(3) for item in owned]).to(device)
         roots = encoder_parts(self.tower(pixels, grid_thw=grid))
         self.calls += 1
-        sizes = [item.tokens for item in owned]
+        per_item = zip(*(root.split([item.tokens for item in owned]) for root in roots))
         joined: dict[VisualItem, list[torch.Tensor]] = {}
-        for k, item in enumerate(owned):
-            parts = [root.split(sizes)[k] for root in roots]
+        for item, parts in zip(owned, per_item):
             if self.leaves[item] is None:
                 self.leaves[item] = [part.detach().requires_grad_(self.leaf_grad) for part in parts]
             # recompute: the owner's rebuild in phase C encodes again; the leaves (and their gradients) stay

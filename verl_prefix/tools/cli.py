@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     smoke.add_argument("--out", type=Path, required=True, help="directory to write model/ and data/ into")
     smoke.add_argument(
-        "--task", choices=("text", "vl"), default="text", help="text (GSM8K-shaped, default) or vl (image prompts)"
+        "--task",
+        choices=("text", "agentic", "vl"),
+        default="text",
+        help="text (GSM8K-shaped, default), agentic (the same behind one shared system message, for "
+        "prefix_reuse.tree) or vl (image prompts)",
     )
     smoke.add_argument(
         "--family",
@@ -281,9 +285,12 @@ def _smoke_data(args: argparse.Namespace) -> int:
 
         paths = write_smoke_vl(args.out, train=args.train, test=args.test, seed=args.seed)
     else:
-        from verl_prefix.tools.smoke import write_smoke
+        from verl_prefix.tools.smoke import AGENTIC_SYSTEM_WORDS, write_smoke
 
-        paths = write_smoke(args.out, train=args.train, test=args.test, seed=args.seed, family=args.family)
+        system_words = AGENTIC_SYSTEM_WORDS if args.task == "agentic" else 0
+        paths = write_smoke(
+            args.out, train=args.train, test=args.test, seed=args.seed, family=args.family, system_words=system_words
+        )
     print(f"model: {paths['model']}\ndata: {paths['data']}")
     return 0
 

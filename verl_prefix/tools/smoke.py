@@ -10,6 +10,8 @@
   ``examples/data_preprocess/gsm8k.py`` writes: ``data_source``, ``prompt`` (chat messages), ``ability``,
   ``reward_model`` (``{"style": "rule", "ground_truth": ...}``) and ``extra_info``
   (``split``, ``index``, ``question``, ``answer``). Questions are a few hundred tokens of the tokenizer's words.
+  ``--task agentic``: every prompt opens with one system message of ``AGENTIC_SYSTEM_WORDS`` words (a system
+  prompt and tool schemas every question shares: what ``prefix_reuse.tree`` computes once per rank).
 
 The reward is rule-based, ``compute_score`` here (``reward.custom_reward_function.path`` points at this file):
 verl's own GSM8K rule (``verl.utils.reward_score.gsm8k``, 1.0 for a ``#### <answer>`` line matching the ground
@@ -33,6 +35,8 @@ DATA_SOURCE = "verl_prefix/gsm8k_smoke"
 CHAT_TEMPLATE = "{% for message in messages %}{{ '<s> ' + message['content'] + ' ' }}{% endfor %}"
 INSTRUCTION = "t4 t5 t6 t7"  # stands in for GSM8K's "Let's think step by step and output ..." suffix
 VOCAB_SIZE = 128
+# the ``agentic`` task's shared system message, in words (one token each)
+AGENTIC_SYSTEM_WORDS = 64
 
 
 def newline_tokenizer(dir: str | os.PathLike, vocab_size: int) -> Path:
@@ -81,10 +85,20 @@ def write_smoke_model(out: str | os.PathLike, *, seed: int = 0, family: str = "l
 
 
 def smoke_rows(
-    num: int, *, split: str, vocab_size: int = VOCAB_SIZE, question_len: tuple[int, int] = (200, 320), seed: int = 0
+    num: int,
+    *,
+    split: str,
+    vocab_size: int = VOCAB_SIZE,
+    question_len: tuple[int, int] = (200, 320),
+    seed: int = 0,
+    system_words: int = 0,
 ) -> list[dict[str, Any]]:
-    """``num`` GSM8K-shaped rows of random words (ids 8 and up; 4..7 spell the instruction)."""
+    """``num`` GSM8K-shaped rows of random words (ids 8 and up; 4..7 spell the instruction); with
+    ``system_words``, each prompt opens with one system message of that many words, the same in every row and
+    split (drawn from its own seed)."""
     rng = np.random.default_rng(seed)
+    words = np.random.default_rng(10_000).integers(8, vocab_size, size=system_words)
+    system = [{"role": "system", "content": " ".join(f"t{w}" for w in words)}] if system_words else []
     rows = []
     for index in range(num):
         length = int(rng.integers(question_len[0], question_len[1] + 1))
@@ -93,7 +107,7 @@ def smoke_rows(
         rows.append(
             {
                 "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                "prompt": [*system, {"role": "user", "content": f"{question} {INSTRUCTION}"}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": answer},
                 "extra_info": {"split": split, "index": index, "question": question, "answer": f"#### {answer}"},
@@ -117,24 +131,37 @@ def write_splits(
 
 
 def write_smoke_data(
-    out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0, vocab_size: int = VOCAB_SIZE
+    out: str | os.PathLike,
+    *,
+    train: int = 64,
+    test: int = 8,
+    seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
+    system_words: int = 0,
 ) -> Path:
-    """``train.parquet`` / ``test.parquet`` under ``out`` (verl's RL dataset columns), words below ``vocab_size``."""
-    rows = functools.partial(smoke_rows, vocab_size=vocab_size)
+    """``train.parquet`` / ``test.parquet`` under ``out`` (verl's RL dataset columns), words below ``vocab_size``;
+    ``system_words``: a system message every prompt shares (``smoke_rows``)."""
+    rows = functools.partial(smoke_rows, vocab_size=vocab_size, system_words=system_words)
     return write_splits(out, rows, train=train, test=test, seed=seed)
 
 
 def write_smoke(
-    out: str | os.PathLike, *, train: int = 64, test: int = 8, seed: int = 0, family: str = "llama"
+    out: str | os.PathLike,
+    *,
+    train: int = 64,
+    test: int = 8,
+    seed: int = 0,
+    family: str = "llama",
+    system_words: int = 0,
 ) -> dict[str, Path]:
     """Model and data for the CPU recipe under ``out``: ``{"model": out/model, "data": out/data}``. The qwen3
     model's last id is the newline, which the questions then leave out."""
     root = Path(out)
     words = VOCAB_SIZE - 1 if family == "qwen3" else VOCAB_SIZE
-    return {
-        "model": write_smoke_model(root / "model", seed=seed, family=family),
-        "data": write_smoke_data(root / "data", train=train, test=test, seed=seed, vocab_size=words),
-    }
+    data = write_smoke_data(
+        root / "data", train=train, test=test, seed=seed, vocab_size=words, system_words=system_words
+    )
+    return {"model": write_smoke_model(root / "model", seed=seed, family=family), "data": data}
 
 
 def compute_score(
