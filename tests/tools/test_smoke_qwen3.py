@@ -35,3 +35,18 @@ def test_qwen3_smoke_model_takes_verls_qwen_token_builder(tmp_path):
     with pytest.raises(ValueError, match="newline"):
         create_continuous_token_builder(llama, hf_model_type="qwen3")
     assert main(["smoke-data", "--task", "vl", "--family", "qwen3", "--out", str(tmp_path / "vl")]) == 2
+
+
+def test_agentic_smoke_data_shares_one_system_message(tmp_path):
+    """``smoke-data --task agentic``: every prompt (train and test) opens with the same system message of
+    ``AGENTIC_SYSTEM_WORDS`` words, then its own question, as ``TASK=agentic`` feeds the tree."""
+    from verl_prefix.tools.cli import main
+    from verl_prefix.tools.smoke import AGENTIC_SYSTEM_WORDS
+
+    out = tmp_path / "agentic"
+    assert main(["smoke-data", "--task", "agentic", "--out", str(out), "--train", "3", "--test", "2"]) == 0
+    prompts = [p for split in ("train", "test") for p in pd.read_parquet(out / "data" / f"{split}.parquet").prompt]
+    systems = {p[0]["content"] for p in prompts}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) == AGENTIC_SYSTEM_WORDS
+    assert all([m["role"] for m in p] == ["system", "user"] for p in prompts)
+    assert len({p[1]["content"] for p in prompts}) == len(prompts)
