@@ -226,8 +226,8 @@ def counted_once(monkeypatch) -> dict:
     seen: dict[int, object] = {}  # holding the values: ids of freed ones would be reused
     real = tree_loss.node_slice
 
-    def once(values, first):
-        log_probs, entropy = real(values, first)
+    def once(values, first, temperature=1.0):
+        log_probs, entropy = real(values, first, temperature)
         if id(values) not in seen:
             seen[id(values)] = values
             return log_probs, entropy
@@ -237,16 +237,17 @@ def counted_once(monkeypatch) -> dict:
     return seen
 
 
-def test_rows_of_different_temperatures_under_one_node_run_one_level():
-    """A node's logits are divided by one temperature: rows that take log-probs from it and differ in
-    temperature run one-level reuse, named (``prefix/tree_fallback_temperature``)."""
+def test_rows_of_different_temperatures_under_one_node_run_the_tree():
+    """A node whose rows were sampled at different temperatures runs the tree: its values are kept per
+    temperature (the exactness against plain HF: ``tests/schedule/test_tree_loss.py``)."""
 
     from verl_prefix.backend.trees import plan_tree
     from verl_prefix.schedule.grouping import RowLayout, plan_batch
 
     rows = [torch.tensor([1, 2, 3, 4, 9, 9, 9, 5]), torch.tensor([1, 2, 3, 4, 9, 9, 9, 6])]
-    for temperature, want in ((torch.tensor([1.0, 1.0]), None), (torch.tensor([1.0, 0.7]), "temperature")):
+    for temperature in (torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.7])):
         layout = RowLayout(rows, [torch.arange(8)] * 2, [4, 4], [4, 4], ["a", "a"], temperature=temperature)
         plan = plan_batch(layout, max_rows=None, max_tokens=None, min_prefix_len=1, min_group_size=1)
-        roots, reason = plan_tree(layout, plan, 2, group=None)
-        assert reason == want and (roots is None) == (want is not None)
+        (root,) = plan_tree(layout, plan, 2, group=None)
+        assert root.logits_from is not None  # the shared stem 9 9 9 carries loss for both rows
+        assert tree_loss.node_temperatures(root, layout) == tuple(sorted({float(t) for t in temperature}))

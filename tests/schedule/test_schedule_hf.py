@@ -53,10 +53,13 @@ def weighted_loss(weights: list[torch.Tensor]):
 
 
 def dense_response_outputs(model, layout: RowLayout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Plain HF: each full sequence on its own, log-probs and entropy of its response tokens."""
+    """Plain HF: each full sequence on its own, log-probs and entropy of its response tokens (the logits
+    divided by the row's temperature where the layout has them, the fp32 value in the logits' dtype, as verl)."""
     log_probs, entropy = [], []
-    for ids, p, s in zip(layout.input_ids, layout.prompt_lens, layout.response_lens):
+    for i, (ids, p, s) in enumerate(zip(layout.input_ids, layout.prompt_lens, layout.response_lens)):
         logits = model(input_ids=ids[None], use_cache=False).logits[0, p - 1 : p - 1 + s]
+        if layout.temperature is not None:
+            logits = logits / layout.temperature[i].to(torch.float32).to(logits.dtype)
         lsm = torch.log_softmax(logits, dim=-1)
         log_probs.append(lsm.gather(-1, ids[p:, None]).squeeze(-1))
         entropy.append(-(lsm.exp() * lsm).sum(-1))

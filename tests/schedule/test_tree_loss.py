@@ -109,3 +109,44 @@ def test_a_temperature_divides_the_nodes_logits_as_the_tails(case):
             logits = model(input_ids=ids[None], use_cache=False).logits[0, p - 1 : -1] / float(hot.temperature[i])
             want = torch.log_softmax(logits, dim=-1).gather(-1, ids[p:, None]).squeeze(-1)
             torch.testing.assert_close(got[i][0], want, rtol=1e-10, atol=1e-10)
+
+
+def test_rows_of_different_temperatures_under_one_node(case):
+    """Rows sampled at different temperatures share stems (rows 0 and 1 at 0.7 and 1.3 under one 3-token stem,
+    every tree-rollout row under the 4-token one): each node keeps its values per temperature and each row
+    takes its own, training (entropy in the loss) and forward-only against plain HF in fp64. Control: a node
+    dividing by its first row's temperature only."""
+    import dataclasses
+
+    from verl_prefix.schedule import tree_loss
+
+    model, layout, weights, _ = case
+    mixed = dataclasses.replace(layout, temperature=torch.tensor([0.7, 1.3, 1.0, 0.7, 1.0, 0.9, 1.0]))
+    with promote_fp32_upcasts():
+        want = dense_grads(model, mixed, weights, with_entropy=True)
+        assert worst_relative(tree_grads(model, mixed, weights), want) < 1e-10
+        with torch.no_grad():
+            want_lp, want_ent = dense_response_outputs(model, mixed)
+            got = tree_schedule.infer_tree(model, mixed, tree_plan(mixed), ScheduleOptions(CPU, True))
+    for i in range(len(mixed)):
+        torch.testing.assert_close(got[i][0], want_lp[i], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got[i][1], want_ent[i], rtol=1e-10, atol=1e-10)
+    temperatures = [tree_loss.node_temperatures(n, mixed) for r in tree_plan(mixed) for n, _ in r.walk()]
+    assert max(len(t) for t in temperatures) == 3, temperatures  # the 4-token stem: 0.7, 1.0 and 1.3
+
+    original = tree_loss.node_temperatures
+    try:
+        tree_loss.node_temperatures = lambda node, lay: original(node, lay)[:1]  # every row takes the first's
+        tree_loss.node_slice = _first_temperature(tree_loss.node_slice)
+        with promote_fp32_upcasts():
+            wrong = tree_grads(model, mixed, weights)
+    finally:
+        tree_loss.node_temperatures = original
+        tree_loss.node_slice = _first_temperature.original
+    assert worst_relative(wrong, want) > 1e-4
+
+
+def _first_temperature(node_slice):
+    """``node_slice`` that hands every row the node's first temperature's values (the control)."""
+    _first_temperature.original = node_slice
+    return lambda values, first, temperature=1.0: node_slice(values, first, values.temperatures[0])

@@ -43,4 +43,3 @@ def test_tree_main_ppo_matches_the_stock_twin_and_computes_the_system_message_on
             # the system message (and the template's opening) is one root shared by both groups
             assert t[f"{space}tree_shared_tokens/level1"] >= AGENTIC_SYSTEM_WORDS, (step, space, t)
             assert t[f"{space}tree_saved_tokens"] >= AGENTIC_SYSTEM_WORDS, (step, space, t)
-            assert t[f"{space}tree_fallback_lockstep"] == t[f"{space}tree_fallback_temperature"] == 0.0

@@ -79,9 +79,9 @@ class PrefixReuseConfig(BaseConfig):
             applies per node and ``merged_varlen`` packs each node's forward (one row over its ancestors' K/V)
             as a chunk's; ``prefix_chunk_tokens`` runs longer nodes as chains of chunks; under Ulysses every node
             and tail runs sliced over the SP group, tested in ``tests/backend/test_tree_ulysses_engine.py``;
-            sliding windows, recurrent layers and images are served; ranks whose tries differ in shape pad them
-            with zero-loss lockstep fillers; a mini-batch the tree does not serve (rows of different temperature
-            under one loss-carrying node) runs one-level reuse, counted as ``prefix/tree_fallback_<reason>``.
+            sliding windows, recurrent layers, images and per-row temperatures are served; ranks whose tries
+            differ in shape pad them with zero-loss lockstep fillers: every mini-batch one-level reuse serves
+            runs the tree.
         min_shared_tokens: a trie node shorter than this on which no group's prompt ends is merged into its
             children (one more prefix forward's fixed cost would not pay).
     """

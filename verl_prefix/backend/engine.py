@@ -46,7 +46,7 @@ from verl_prefix.backend.outputs import (
     full_length,
     micro_batch_loss,
 )
-from verl_prefix.backend.trees import TREE_FALLBACKS, plan_tree
+from verl_prefix.backend.trees import plan_tree
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
@@ -426,9 +426,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only)
         filler_options = options.for_fillers()
 
-        roots, tree_reason = None, None
+        roots = None
         if self.reuse_config.tree:
-            roots, tree_reason = plan_tree(
+            roots = plan_tree(
                 layout,
                 plan,
                 self.reuse_config.min_shared_tokens,
@@ -497,7 +497,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 _, meta = dense_chunk(self.forward_step, micro, loss_function, forward_only, self._backward)
             record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
 
-        tree = self._tree_metrics(roots, tree_reason) if self.reuse_config.tree else {}
+        tree = self._tree_metrics(roots) if roots is not None else {}
         output = outputs.finish(
             data,
             layout,
@@ -621,13 +621,9 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         return policy
 
-    def _tree_metrics(self, roots: list[TrieNode] | None, reason: str | None) -> dict[str, float]:
-        """``prefix/tree_*`` of the mini-batch (zeros where it ran one-level) and its one-level reason, if any."""
-        metrics = {f"prefix/tree_fallback_{r}": float(r == reason) for r in TREE_FALLBACKS}
-        if roots is None:
-            return {**metrics, **tree_metrics(None), "prefix/tree_lockstep_fillers": 0.0}
-        fillers = float(filler_passes(roots))
-        return {**metrics, **tree_metrics(trie_stats(roots)), "prefix/tree_lockstep_fillers": fillers}
+    def _tree_metrics(self, roots: list[TrieNode]) -> dict[str, float]:
+        """``prefix/tree_*`` of the mini-batch."""
+        return {**tree_metrics(trie_stats(roots)), "prefix/tree_lockstep_fillers": float(filler_passes(roots))}
 
     def _infer_group(
         self,

@@ -313,12 +313,14 @@ def infer_tree(
         for group in node.groups:
             tails: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
             infer_suffixes(model, layout, group, join_path(below), tails, options)
-            for row, (log_probs, entropy) in tails.items():
-                results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (log_probs, entropy))
+            for row, tail in tails.items():
+                first, temperature = layout.prompt_lens[row] - 1, tree_loss.row_temperature(layout, row)
+                results[row] = tree_loss.row_values(values_below, first, tail, temperature)
         run_filler_micro_batches(model, node, below, fillers, train=False)
         for rows in node.ended:
             for row in rows:
-                results[row] = tree_loss.row_values(values_below, layout.prompt_lens[row] - 1, (None, None))
+                first, temperature = layout.prompt_lens[row] - 1, tree_loss.row_temperature(layout, row)
+                results[row] = tree_loss.row_values(values_below, first, (None, None), temperature)
         if images is not None:
             images[0].leave(images[1])
 

@@ -9,6 +9,10 @@ values are the slices of its path's leaves that cover its response, followed by 
 and verl's loss runs on them unchanged, each row with its own advantage, old log-prob, clipping, KL, entropy
 and ``loss_agg_mode`` normalisation. A shared position therefore counts once per row, as in dense training,
 and its gradient (the sum of every row's) reaches the LM head once, in the node's phase C.
+
+Rows below one node may have been sampled at different temperatures (verl's per-sample ``temperature``): the
+node runs the LM head once and divides its logits by each temperature its rows have, one row of values per
+temperature; a row takes the values of its own.
 """
 
 from __future__ import annotations
@@ -27,20 +31,22 @@ from verl_prefix.schedule.trie import TrieNode
 
 @dataclass
 class NodeValues:
-    """A loss-carrying node's log-probs (and entropies, or None) of positions ``[start, start + len)``."""
+    """A loss-carrying node's log-probs (and entropies, or None) of positions ``[start, end)``, one row per
+    temperature of ``temperatures`` (``[len(temperatures), end - start]``)."""
 
     start: int
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
+    temperatures: tuple[float, ...] = (1.0,)
 
     @property
     def end(self) -> int:
-        return self.start + self.log_probs.shape[0]
+        return self.start + self.log_probs.shape[-1]
 
     def as_leaves(self) -> NodeValues:
         """Detached copies that collect every row's gradient (phase C seeds the node's graph with them)."""
         entropy = self.entropy.detach().requires_grad_(True) if self.entropy is not None else None
-        return NodeValues(self.start, self.log_probs.detach().requires_grad_(True), entropy)
+        return NodeValues(self.start, self.log_probs.detach().requires_grad_(True), entropy, self.temperatures)
 
     def seeds(self, leaves: NodeValues) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(root, gradient) pairs for phase C: the values whose leaves some row's loss reached."""
@@ -58,36 +64,49 @@ def node_options(options: ScheduleOptions, node: TrieNode) -> ScheduleOptions:
     return dataclasses.replace(options, keep_logits=node.end - node.logits_from)
 
 
-def node_temperature(node: TrieNode, layout: RowLayout) -> float:
-    """The temperature that divides a node's logits: every row that takes a log-prob from it must agree
-    (a row's logits are divided before the log-softmax), else a clear error."""
+def node_temperatures(node: TrieNode, layout: RowLayout) -> tuple[float, ...]:
+    """The temperatures that divide a node's logits: those of the rows that take log-probs from it (a row's
+    logits are divided before the log-softmax), sorted; ``(1.0,)`` without any (a node running the LM head
+    for lockstep only)."""
     rows = node.loss_rows()
-    if layout.temperature is None or node.logits_from is None or not rows:  # lockstep logits: seeded with zeros
-        return 1.0
-    values = {float(layout.temperature[row]) for row in rows}
-    if len(values) > 1:
-        raise ValueError(
-            f"prefix_reuse.tree: rows {rows[:8]} share loss-carrying tokens but differ in temperature {sorted(values)}"
-        )
-    return values.pop()
+    if layout.temperature is None or not rows:
+        return (1.0,)
+    return tuple(sorted({float(layout.temperature[row]) for row in rows}))
+
+
+def row_temperature(layout: RowLayout, row: int) -> float:
+    """The temperature row ``row`` was sampled at (1 without per-row temperatures)."""
+    return 1.0 if layout.temperature is None else float(layout.temperature[row])
+
+
+def _divided(logits: torch.Tensor, temperature: float, in_place: bool) -> torch.Tensor:
+    """``logits`` divided as phase B divides them: by the fp32 temperature in the logits' dtype."""
+    if temperature == 1.0:
+        return logits
+    divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device).to(logits.dtype)
+    return logits.div_(divisor) if in_place else logits / divisor  # lm_head's backward needs no output
 
 
 def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: ScheduleOptions) -> NodeValues | None:
-    """The node's log-probs and entropies from the logits its phase A kept (None for a node without loss);
-    the logits are released from ``kv``."""
+    """The node's log-probs and entropies from the logits its phase A kept, per temperature of its rows (None
+    for a node without loss); the logits are released from ``kv``."""
     if node.logits_from is None:
         return None
     logits, kv.logits = kv.logits, None
     if logits is None:
         raise RuntimeError("phase A of a loss-carrying tree node kept no logits (options.keep_logits)")
-    temperature = node_temperature(node, layout)
-    if temperature != 1.0:  # as phase B divides: the fp32 temperature in the logits' dtype
-        divisor = torch.tensor(temperature, dtype=torch.float32, device=logits.device).to(logits.dtype)
-        logits = logits.div_(divisor)  # lm_head's backward needs no output
-    if options.ulysses is not None:
-        return sharded_node_values(logits, node, options)
-    log_probs, entropy = token_outputs(logits, node.labels.to(logits.device), options)
-    return NodeValues(node.logits_from, log_probs, entropy)
+    temperatures = node_temperatures(node, layout)
+    log_probs, entropies = [], []
+    for temperature in temperatures:
+        scaled = _divided(logits, temperature, in_place=len(temperatures) == 1)
+        if options.ulysses is not None:
+            values = sharded_node_values(scaled, node, options)
+        else:
+            values = NodeValues(node.logits_from, *token_outputs(scaled, node.labels.to(logits.device), options))
+        log_probs.append(values.log_probs)
+        entropies.append(values.entropy)
+    entropy = torch.stack(entropies) if entropies[0] is not None else None
+    return NodeValues(node.logits_from, torch.stack(log_probs), entropy, temperatures)
 
 
 def sharded_node_values(logits: torch.Tensor, node: TrieNode, options: ScheduleOptions) -> NodeValues:
@@ -110,24 +129,26 @@ def sharded_node_values(logits: torch.Tensor, node: TrieNode, options: ScheduleO
     return NodeValues(node.logits_from, gathered(log_probs), gathered(entropy) if entropy is not None else None)
 
 
-def node_slice(values: NodeValues, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A row's share of a node's values: positions ``[max(first, start), end)``, ``first`` being the row's
-    first loss position (``prompt_len - 1``)."""
+def node_slice(values: NodeValues, first: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row's share of a node's values: positions ``[max(first, start), end)`` at the row's ``temperature``,
+    ``first`` being the row's first loss position (``prompt_len - 1``)."""
     lo = max(first, values.start) - values.start
-    return values.log_probs[lo:], values.entropy[lo:] if values.entropy is not None else None
+    k = values.temperatures.index(temperature)
+    return values.log_probs[k, lo:], values.entropy[k, lo:] if values.entropy is not None else None
 
 
 def row_values(
     path: list[NodeValues | None],
     first: int,
     tail: tuple[torch.Tensor | None, torch.Tensor | None],
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A row's response log-probs and entropies: its path's node slices from ``first``, then its tail's
-    (``(None, None)`` for a row without a tail)."""
+    """A row's response log-probs and entropies: its path's node slices from ``first`` at its ``temperature``,
+    then its tail's (``(None, None)`` for a row without a tail)."""
     pieces, entropies = [], []
     for values in path:
         if values is not None and values.end > first:
-            log_probs, entropy = node_slice(values, first)
+            log_probs, entropy = node_slice(values, first, temperature)
             pieces.append(log_probs)
             entropies.append(entropy)
     tail_log_probs, tail_entropy = tail
@@ -156,7 +177,7 @@ def with_path(
     out_lp, out_ent = [], []
     for k, row in enumerate(rows):
         tail = (log_probs[k], entropy[k] if entropy is not None else None) if log_probs is not None else (None, None)
-        lp, ent = row_values(path, layout.prompt_lens[row] - 1, tail)
+        lp, ent = row_values(path, layout.prompt_lens[row] - 1, tail, row_temperature(layout, row))
         out_lp.append(lp)
         out_ent.append(ent)
     if any(e is None for e in out_ent):
