@@ -1,6 +1,6 @@
 """The CUDA paths CPU cannot reach: phase B's bottom-right causal bias on torch's fused kernels, merged and
 merged_varlen on torch's flash kernels in bf16 (each case asserts which attention ran; the tree schedule too,
-with recompute and with offload's real store per node), the allocator's
+with recompute and with offload's real store per node, and over image prompts), the allocator's
 per-phase peaks, NCCL. Skipped without a GPU; ``bench/gpu_check.sh`` runs this file on a
 lent one (``VERL_PLATFORM=nvidia``: the test suite otherwise puts verl on its CPU platform).
 """
@@ -16,6 +16,7 @@ from test_engine_exactness import compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.agreement import KernelRefused
+from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.tools import testing as T
 from verl_prefix.tools.bench_presets import BF16
@@ -69,21 +70,34 @@ def test_explicit_two_part_attention_in_fp32_is_refused_before_it_runs(tiny_mode
 
 
 def bf16_outputs(
-    model_dir, backend: str, batch, bf16: bool, attention: str = "auto", tree: bool = False, dormant: str = "keep"
+    model_dir,
+    backend: str,
+    batch,
+    bf16: bool,
+    attention: str = "auto",
+    tree: bool = False,
+    dormant: str = "keep",
+    min_shared_tokens: int = 8,
 ) -> tuple:
     """``(response log-probs, parameter grads, reduced metrics)`` of one engine: a forward-only pass, then one
     update. ``bf16``: verl's mixed precision (bf16 compute, fp32 master weights and reduction); else fp32.
-    ``tree`` and ``dormant``: the prefix engine's ``prefix_reuse.tree`` and ``dormant_prefix``."""
+    ``tree``, ``min_shared_tokens`` and ``dormant``: the prefix engine's ``prefix_reuse.tree``,
+    ``prefix_reuse.min_shared_tokens`` and ``dormant_prefix``."""
     engine, loss_fn, _ = T.build_verl_engine(
         model_dir, backend=backend, micro_batch_size_per_gpu=1, overrides=BF16 if bf16 else ()
     )
     if backend == "prefix_fsdp2":
         engine.reuse_config = PrefixReuseConfig(
-            min_prefix_len=2, suffix_micro_batch_size=1, phase_b_attention=attention, tree=tree, min_shared_tokens=8
+            min_prefix_len=2,
+            suffix_micro_batch_size=1,
+            phase_b_attention=attention,
+            tree=tree,
+            min_shared_tokens=min_shared_tokens,
         )
         engine.dormant_prefix = dormant
-    log_probs = T.run_infer(engine, batch)["response_log_probs"]  # HF's own fp32 upcasts, as bf16 training has
-    step = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    with text_only_call(engine.module):  # a vision-language model's text-only micro-batches (a no-op for text)
+        log_probs = T.run_infer(engine, batch)["response_log_probs"]  # HF's own fp32 upcasts, as bf16 training has
+        step = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
     log_probs = log_probs.values() if log_probs.is_nested else log_probs
     return log_probs.float().cpu(), {n: g.float().cpu() for n, g in step["grads"].items()}, step["reduced_metrics"]
 
@@ -103,7 +117,7 @@ def assert_bf16_within_stocks_own(
     """bf16 through the stock engine and through reuse, each judged against ``reference`` (an fp32 run of the
     stock engine): reuse's mean |log-prob| error and gradient error within 1.5x the stock engine's own (DESIGN
     trap 18), bf16 really ran, reuse ran in ``groups`` groups. Returns reuse's reduced metrics. ``prefix_knobs``:
-    ``bf16_outputs``'s ``tree`` and ``dormant``."""
+    ``bf16_outputs``'s ``tree``, ``min_shared_tokens`` and ``dormant``."""
     dense = bf16_outputs(model_dir, "fsdp2", batch, bf16=True)
     reuse = bf16_outputs(model_dir, "prefix_fsdp2", batch, bf16=True, attention=attention, **prefix_knobs)
     dense_err, reuse_err = bf16_errors(dense, reference), bf16_errors(reuse, reference)
@@ -169,6 +183,22 @@ def test_tree_bf16_error_within_the_stock_engines_own(tiny_model, attention, dor
     assert metrics[f"prefix/policy/{dormant}"] == 5, metrics
     if dormant == "offload":
         assert metrics["prefix/offloaded_mib"] > 0 and metrics["prefix/max_offload_resident_mib/B"] == 0, metrics
+
+
+def test_tree_with_images_bf16_error_within_the_stock_engines_own(tmp_path):
+    """``prefix_reuse.tree`` over image prompts in bf16 on CUDA (``test_tree_multimodal_engine``'s batch: a
+    system block, one image shared by two groups, another by two more, a text group; Qwen2.5-VL's tower on the
+    device): reuse's error within 1.5x the stock engine's own, the tree ran and each shared image was encoded
+    once."""
+    from test_tree_multimodal_engine import GROUPS, ITEMS, vl_batch
+
+    from verl_prefix.tools import testing_vl as V
+
+    model_dir = V.write_tiny_vl_model(tmp_path / "tree_vl")
+    batch = vl_batch()
+    reference = bf16_outputs(model_dir, "fsdp2", batch, bf16=False)
+    metrics = assert_bf16_within_stocks_own(model_dir, batch, reference, groups=GROUPS, tree=True, min_shared_tokens=4)
+    assert metrics["prefix/tree_depth"] >= 2 and metrics["prefix/tree_visual_items"] == ITEMS, metrics
 
 
 def test_allocator_peak_is_per_phase():
