@@ -16,6 +16,7 @@ import pytest
 from helpers.delta_rule import fp64_delta_net
 from helpers.precision import fp64_throughout
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+from helpers.vl_steps import step, worst
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
@@ -57,22 +58,6 @@ def fp64(vl_model):
 @pytest.fixture(scope="module")
 def fp32(vl_model):
     return build(vl_model, "float32")
-
-
-def step(engine_and_loss, batch, precision):
-    """One update on the stock engine's terms. ``text_only_call`` lets verl's placeholder vision pass of a
-    text-only micro-batch run under transformers 5 (the stock engine needs it as much as ours). In fp64 Qwen3.5's
-    gated delta-nets run the delta rule token by token in fp64 (``fp64_delta_net``; transformers' chunked kernel
-    computes in fp32 whatever the dtype), a no-op for the other families."""
-    engine, loss_fn, _ = engine_and_loss
-    delta_rule = fp64_delta_net(engine.module) if precision is fp64_throughout else nullcontext()
-    with precision(), delta_rule, text_only_call(engine.module):
-        return T.run_train_step(engine, loss_fn, batch, capture_grads=True)
-
-
-def worst(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    return max(((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want)
 
 
 def compare(engines, batch, dtype, reuse=None):

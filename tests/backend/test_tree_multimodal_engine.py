@@ -19,9 +19,9 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import pytest
-from helpers.delta_rule import fp64_delta_net
 from helpers.precision import fp64_throughout
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+from helpers.vl_steps import step, worst
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.schedule import tree_visuals
@@ -74,18 +74,6 @@ def vl_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp64(vl_model):
     return build(vl_model, "float64")
-
-
-def step(engine_and_loss, batch, precision=fp64_throughout):
-    engine, loss_fn, _ = engine_and_loss
-    delta_rule = fp64_delta_net(engine.module) if precision is fp64_throughout else nullcontext()
-    with precision(), delta_rule, text_only_call(engine.module):
-        return T.run_train_step(engine, loss_fn, batch, capture_grads=True)
-
-
-def worst(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    return max(((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want)
 
 
 def assert_tree_ran(metrics, groups: int = GROUPS, items: int = ITEMS, group_items: int = GROUP_ITEMS) -> dict:

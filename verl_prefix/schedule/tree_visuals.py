@@ -39,6 +39,7 @@ from verl_prefix.schedule.visual_chunks import (
     encoder_output,
     encoder_owner,
     encoder_parts,
+    encoder_stand_in,
     placeholder_embeddings,
 )
 
@@ -247,9 +248,5 @@ class PathImages:
                 parts = [parts[0] + zero, *parts[1:]]
             return encoder_output(parts, deepstack=len(parts) > 1)
 
-        stand_in.dtype = self.tower.dtype
-        object.__setattr__(self.owner, "visual", stand_in)  # an instance attribute shadows the submodule
-        try:
+        with encoder_stand_in(self.owner, stand_in, self.tower.dtype):
             yield kwargs
-        finally:
-            del self.owner.__dict__["visual"]

@@ -20,7 +20,7 @@ Qwen3-VL's unpack it, Qwen3.5's reads ``pooler_output``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -146,9 +146,17 @@ class EncodedVisuals:
             # the field
             return encoder_output(parts, deepstack=len(parts) > 1)
 
-        stand_in.dtype = self.tower.dtype
-        object.__setattr__(self.owner, "visual", stand_in)  # an instance attribute shadows the submodule
-        try:
+        with encoder_stand_in(self.owner, stand_in, self.tower.dtype):
             yield
-        finally:
-            del self.owner.__dict__["visual"]
+
+
+@contextmanager
+def encoder_stand_in(owner: nn.Module, stand_in: Callable, dtype: torch.dtype) -> Iterator[None]:
+    """Inside the block verl's forward calls ``stand_in`` where it calls ``owner.visual`` (an instance attribute
+    shadows the submodule; verl casts the pixels to its ``dtype``)."""
+    stand_in.dtype = dtype
+    object.__setattr__(owner, "visual", stand_in)
+    try:
+        yield
+    finally:
+        del owner.__dict__["visual"]
