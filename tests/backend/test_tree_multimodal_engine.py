@@ -186,10 +186,12 @@ def test_videos_match_the_stock_engine(fp64):
     assert m["prefix/vision_encoder_calls"] == 2
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen2_vl", "qwen3_vl_moe"])
 def test_other_families_match_the_stock_engine(tmp_path, family):
-    """Qwen3-VL (deepstack features per visual token, sliced with the embeddings) and Qwen3.5 (a hybrid whose
-    gated delta-nets continue from their parent node's state), chunked so images straddle nodes."""
+    """Qwen3-VL (deepstack features per visual token, sliced with the embeddings; also its videos, each frame
+    between markers of its own, so a video's tokens are not one run), Qwen3.5 (a hybrid whose gated delta-nets
+    continue from their parent node's state), Qwen2-VL and Qwen3-VL-MoE (the forwards they share with verl's
+    Qwen2.5-VL and Qwen3-VL ones), chunked so images straddle nodes."""
     dense, prefix = build(V.write_tiny_vl_model(tmp_path / family, family), "float64")
     prefix[0].reuse_config = tree(prefix_chunk_tokens=5)
     batch = vl_batch(family)
@@ -198,6 +200,12 @@ def test_other_families_match_the_stock_engine(tmp_path, family):
     assert worst(got["grads"], want["grads"]) < GRAD_TOL["float64"]
     assert any("visual" in n for n in got["grads"])
     assert_tree_ran(got["metrics"])
+    if family == "qwen3_vl":
+        videos = vl_batch(family, images=[[(2, 4, 4)], [(4, 4), (2, 4, 8)], [(2, 4, 4)]], seeds=[1, 2, 1])
+        want = step(dense, videos)
+        got = step(prefix, videos)
+        assert worst(got["grads"], want["grads"]) < GRAD_TOL["float64"]
+        assert_tree_ran(got["metrics"], groups=3, items=3, group_items=4)
 
 
 def _two_rank_body(rank: int, model_dir: str) -> dict:
