@@ -64,10 +64,10 @@ from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
 from verl_prefix.schedule.tree import infer_tree, train_tree
-from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node, run_order
+from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node
 from verl_prefix.schedule.tree_lockstep import filler_passes
 from verl_prefix.schedule.tree_visuals import VisualTokens
-from verl_prefix.schedule.trie import TrieNode, trie_stats
+from verl_prefix.schedule.trie import TrieNode, run_order, trie_stats
 from verl_prefix.schedule.ulysses import Ulysses
 
 logger = logging.getLogger(__name__)

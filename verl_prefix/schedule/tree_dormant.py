@@ -66,22 +66,6 @@ def node_phase_c(
     return kv, (rebuilt[0] if rebuilt else values)
 
 
-def run_order(roots: list[TrieNode]) -> list[TrieNode]:
-    """Every node (lockstep fillers included) in the order the tree schedule runs their phase A: after lockstep
-    padding (``schedule.tree_lockstep``) every data-parallel rank's i-th node stands at the same position of the
-    agreed shape, so per-node decisions can be agreed position by position."""
-    out: list[TrieNode] = []
-
-    def visit(node: TrieNode) -> None:
-        out.append(node)
-        for child in [*node.children, *node.filler_children]:
-            visit(child)
-
-    for root in roots:
-        visit(root)
-    return out
-
-
 def node_estimate(model: nn.Module, node: TrieNode, dtype: torch.dtype | None = None) -> GraphEstimate:
     """A node's phase-A graph (``estimate_prefix_graph`` over its tokens, attending to its ancestors' ``start``
     tokens); a loss-carrying node runs every layer whole and the LM head over its log-prob positions."""

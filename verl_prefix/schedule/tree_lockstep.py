@@ -21,7 +21,7 @@ from itertools import zip_longest
 
 import torch
 
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.trie import TrieNode, run_order
 
 # (kind "F"/"L", suffix micro-batches, children's shapes): what a node's passes are
 Shape = tuple[str, int, tuple["Shape", ...]]
@@ -103,9 +103,4 @@ def pad_to(roots: list[TrieNode], union: tuple[Shape, ...]) -> list[TrieNode]:
 def filler_passes(roots: Sequence[TrieNode]) -> int:
     """Filler nodes, filler micro-batches and real nodes running the LM head for lockstep only, in a padded
     trie (``prefix/tree_lockstep_fillers``)."""
-
-    def count(node: TrieNode) -> int:
-        own = node.filler + node.filler_micro_batches + node.lockstep_logits
-        return own + sum(count(child) for child in [*node.children, *node.filler_children])
-
-    return sum(count(root) for root in roots)
+    return sum(node.filler + node.filler_micro_batches + node.lockstep_logits for node in run_order(roots))

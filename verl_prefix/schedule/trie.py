@@ -410,6 +410,22 @@ def _logical_walk(root: TrieNode) -> list[tuple[TrieNode, int]]:
     return out
 
 
+def run_order(roots: list[TrieNode]) -> list[TrieNode]:
+    """Every node (lockstep fillers included) in the order the tree schedule runs their phase A: after lockstep
+    padding (``schedule.tree_lockstep``) every data-parallel rank's i-th node stands at the same position of the
+    agreed shape, so per-node decisions can be agreed position by position."""
+    out: list[TrieNode] = []
+
+    def visit(node: TrieNode) -> None:
+        out.append(node)
+        for child in [*node.children, *node.filler_children]:
+            visit(child)
+
+    for root in roots:
+        visit(root)
+    return out
+
+
 def execution_signature(roots: list[TrieNode]) -> str:
     """The tree schedule's sequence of model passes (``F`` node forward, ``L`` one that runs the LM head too,
     ``B`` suffix micro-batch, ``E`` a micro-batch of rows without a tail (no model call), ``C`` node backward),
