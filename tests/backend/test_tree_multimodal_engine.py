@@ -24,7 +24,7 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from helpers.vl_steps import step, worst
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.schedule import tree_visuals
+from verl_prefix.schedule import tree_visuals, visual_chunks
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.tools import testing as T
 from verl_prefix.tools import testing_vl as V
@@ -148,7 +148,7 @@ def test_negative_controls_fail(fp64, monkeypatch):
 
     prefix[0].reuse_config = tree(prefix_chunk_tokens=5)
     with monkeypatch.context() as patch:
-        patch.setattr(tree_visuals, "JoinLeafGrad", ForgetLeaf)
+        patch.setattr(visual_chunks, "JoinLeafGrad", ForgetLeaf)
         got = step(prefix, vl_batch())
     assert_tree_ran(got["metrics"])
     visual = {n: g for n, g in want["grads"].items() if "visual" in n}

@@ -35,12 +35,13 @@ from verl_prefix.schedule.grouping import GroupPlan, RowLayout
 from verl_prefix.schedule.multimodal import vision_encoder
 from verl_prefix.schedule.visual_chunks import (
     VISUAL_KINDS,
-    JoinLeafGrad,
     encoder_output,
     encoder_owner,
     encoder_parts,
     encoder_stand_in,
-    placeholder_embeddings,
+    joined_with_leaves,
+    leaves_need_grad,
+    with_placeholder_pass,
 )
 
 
@@ -179,9 +180,7 @@ class PathImages:
     def __init__(self, model: nn.Module, train: bool) -> None:
         self.owner = encoder_owner(model)
         self.tower = vision_encoder(model)
-        # a leaf needs grad whenever the tower trains, even where the owner's phase A ran without a graph
-        # (``recompute``): its descendants leave their gradient on it before the owner's rebuilt backward
-        self.leaf_grad = train and any(p.requires_grad for p in self.tower.parameters())
+        self.leaf_grad = leaves_need_grad(self.tower, train)
         self.leaves: dict[VisualItem, list[torch.Tensor] | None] = {}
         self.calls = 0
 
@@ -211,10 +210,7 @@ class PathImages:
             if self.leaves[item] is None:
                 self.leaves[item] = [part.detach().requires_grad_(self.leaf_grad) for part in parts]
             # recompute: the owner's rebuild in phase C encodes again; the leaves (and their gradients) stay
-            joined[item] = [
-                JoinLeafGrad.apply(part, leaf) if part.requires_grad and self.leaf_grad else part
-                for part, leaf in zip(parts, self.leaves[item])
-            ]
+            joined[item] = joined_with_leaves(list(parts), self.leaves[item], self.leaf_grad)
         return joined
 
     @contextmanager
@@ -243,9 +239,8 @@ class PathImages:
                 if item.kind == kind
             ]
             parts = [torch.cat(column) for column in zip(*pieces)]
-            if first_call and not owned:  # one encoder run per call, as verl's text call: 0 times the placeholder's
-                zero = sum(0.0 * p.mean() for p in placeholder_embeddings(self.tower, parts[0]))
-                parts = [parts[0] + zero, *parts[1:]]
+            if first_call and not owned:  # one encoder run per call, as verl's text call
+                parts = with_placeholder_pass(self.tower, parts)
             return encoder_output(parts, deepstack=len(parts) > 1)
 
         with encoder_stand_in(self.owner, stand_in, self.tower.dtype):

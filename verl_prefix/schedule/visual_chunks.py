@@ -58,6 +58,30 @@ class JoinLeafGrad(torch.autograd.Function):
         return (grad if later is None else grad + later.to(grad.dtype)), None
 
 
+def leaves_need_grad(tower: nn.Module, train: bool) -> bool:
+    """Whether the encoder's output leaves take gradients: whenever the tower trains, even where the owning call
+    ran without a graph (``recompute``): the later calls leave their gradient on them before the owner's
+    rebuilt backward."""
+    return train and any(p.requires_grad for p in tower.parameters())
+
+
+def joined_with_leaves(roots: list[torch.Tensor], leaves: list[torch.Tensor], leaf_grad: bool) -> list[torch.Tensor]:
+    """The encoder's outputs as the owning call uses them: through ``JoinLeafGrad`` where they have a graph and
+    the leaves take gradients, so their backward adds what the later calls left on the leaves."""
+    return [
+        JoinLeafGrad.apply(root, leaf) if root.requires_grad and leaf_grad else root
+        for root, leaf in zip(roots, leaves)
+    ]
+
+
+def with_placeholder_pass(tower: nn.Module, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` (embeddings first) plus 0 times the mean of every output of verl's placeholder image: a call
+    that encodes nothing itself runs the encoder once, as verl's text call does, so data-parallel ranks issue
+    the same encoder collectives."""
+    zero = sum(0.0 * p.mean() for p in placeholder_embeddings(tower, parts[0]))
+    return [parts[0] + zero, *parts[1:]]
+
+
 def placeholder_embeddings(tower: nn.Module, like: torch.Tensor) -> list[torch.Tensor]:
     """The encoder on verl's zero placeholder image (16 patches, grid 1 x 4 x 4), as verl's text call runs it:
     its embeddings, then its deepstack features (Qwen3-VL; none for the other families)."""
@@ -95,9 +119,7 @@ class EncodedVisuals:
         self.kinds = [(pixels, grid, field) for pixels, grid, field in VISUAL_KINDS if visual.get(pixels) is not None]
         self.leaves: list[list[torch.Tensor]] = []  # per kind: the embeddings, then each deepstack feature
         self.calls = 0
-        # a leaf needs grad whenever the tower trains, even where phase A ran without a graph (``recompute``):
-        # the later chunks rebuilt in phase C leave their gradient on it before the first chunk's backward
-        self.leaf_grad = requires_grad and any(p.requires_grad for p in self.tower.parameters())
+        self.leaf_grad = leaves_need_grad(self.tower, requires_grad)
 
     def token_range(self, kind: int, start: int, end: int) -> tuple[int, int]:
         """Which rows of ``kind``'s embeddings the prefix tokens ``[start, end)`` hold."""
@@ -117,10 +139,7 @@ class EncodedVisuals:
         else:  # recompute: phase C rebuilds the first chunk; the leaves (and their gradients) stay
             leaves = self.leaves[kind]
         first, last = self.token_range(kind, start, end)
-        return [
-            (JoinLeafGrad.apply(root, leaf) if root.requires_grad and self.leaf_grad else root)[first:last]
-            for root, leaf in zip(roots, leaves)
-        ]
+        return [part[first:last] for part in joined_with_leaves(roots, leaves, self.leaf_grad)]
 
     def chunk_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The visual keywords every chunk's call takes (the pixels select verl's encode branch)."""
@@ -139,9 +158,8 @@ class EncodedVisuals:
             else:
                 first, last = self.token_range(kind, start, end)
                 parts = [leaf[first:last] for leaf in self.leaves[kind]]
-                if kind == 0:  # once per chunk, as verl's text call: 0 times each placeholder output's mean
-                    zero = sum(0.0 * p.mean() for p in placeholder_embeddings(self.tower, parts[0]))
-                    parts = [parts[0] + zero, *parts[1:]]
+                if kind == 0:  # once per chunk, as verl's text call
+                    parts = with_placeholder_pass(self.tower, parts)
             # the encoder's output object: verl's Qwen2-VL and Qwen3-VL forwards unpack it, its Qwen3.5 one reads
             # the field
             return encoder_output(parts, deepstack=len(parts) > 1)
