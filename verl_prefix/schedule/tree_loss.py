@@ -68,10 +68,9 @@ def node_temperatures(node: TrieNode, layout: RowLayout) -> tuple[float, ...]:
     """The temperatures that divide a node's logits: those of the rows that take log-probs from it (a row's
     logits are divided before the log-softmax), sorted; ``(1.0,)`` without any (a node running the LM head
     for lockstep only)."""
-    rows = node.loss_rows()
-    if layout.temperature is None or not rows:
+    if layout.temperature is None:
         return (1.0,)
-    return tuple(sorted({float(layout.temperature[row]) for row in rows}))
+    return tuple(sorted({row_temperature(layout, row) for row in node.loss_rows()})) or (1.0,)
 
 
 def row_temperature(layout: RowLayout, row: int) -> float:
