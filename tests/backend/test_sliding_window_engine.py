@@ -16,6 +16,7 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from test_engine_exactness import GRAD_TOL, compare_update, engines
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.tools import testing as T
 
 LAYERS = ["sliding_attention", "full_attention"]  # one windowed layer, one full layer
@@ -59,7 +60,7 @@ def windowed_model(tmp_path_factory):
 def layer_paths(metrics) -> dict[str, float]:
     """Layer-calls by the phase-B path that served them (every rank reports every path, zero where none ran)."""
     layers = {k.rsplit("/", 1)[-1]: v for k, v in reduced(metrics).items() if k.startswith("prefix/phase_b_layers/")}
-    assert set(layers) == {"merged", "merged_window", "concat", "concat_window", "merged_varlen"}
+    assert set(layers) == set(LAYER_PATHS)  # merged, concat, each also _window and _chunk, merged_varlen
     return {path: n for path, n in layers.items() if n}
 
 

@@ -270,7 +270,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 self._model_fallback_reason(forward_only)
                 or fallbacks.batch_fallback_reason(data)
                 or fallbacks.multimodal_fallback_reason(self.module, self.reuse_config, data)
-                or fallbacks.length_fallback_reason(self.module, data)
+                or fallbacks.length_fallback_reason(self.module, data, ulysses=self.use_ulysses_sp)
             )
             if reason == "disabled":  # reuse off: the stock engine, which checks nothing
                 return reason, None

@@ -23,8 +23,10 @@ from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.schedule import hf_forwards, mamba, moe, multimodal, recurrent
+from verl_prefix.schedule import hf_forwards, mamba, moe, multimodal, recurrent, windows
+from verl_prefix.schedule.positions import position_scale_limit
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
+from verl_prefix.schedule.structure import attention_modules
 
 logger = logging.getLogger(__name__)
 
@@ -307,13 +309,15 @@ def undeclared_windows(model: nn.Module) -> list[int]:
     return [window for window in _declared_window(model) if window not in carried]
 
 
-def length_fallback_reason(model: nn.Module, data: TensorDict) -> str | None:
+def length_fallback_reason(model: nn.Module, data: TensorDict, ulysses: bool = False) -> str | None:
     """A reason from the model and this mini-batch's longest sequence (tokens or largest position + 1):
     a window the config declares but no attention module carries, shorter than it (``undeclared_windows``;
     the windows the modules carry are served by reuse, ``schedule.windows``), RoPE whose frequencies
     would differ between phase A, phase B and the dense call (``rope_length_limit``), or a sequence longer than
     a served Mamba-2 mixer's ``chunk_size``, where transformers' torch scan (the stock engine's) is not the
-    recurrence reuse computes (``mamba.single_chunk_limit``)."""
+    recurrence reuse computes (``mamba.single_chunk_limit``), or, under Ulysses, a sequence reaching the length from
+    which Llama-4's attention temperature tuning scales by positions each rank counts in its own slice
+    (``positions.position_scale_limit``: the stock engine's shards and reuse's differ)."""
     positions = data["position_ids"]
     positions = positions.values() if positions.is_nested else positions
     longest = max(int(data["input_ids"].offsets().diff().max()), int(positions.max()) + 1)
@@ -326,21 +330,31 @@ def length_fallback_reason(model: nn.Module, data: TensorDict) -> str | None:
     chunk = mamba.single_chunk_limit(model)
     if chunk is not None and longest > chunk:
         return "mamba_multichunk"
+    scaled = position_scale_limit(model) if ulysses else None
+    if scaled is not None and longest >= scaled:
+        return "temperature_tuning"
     return None
 
 
 def windowed_varlen_error(model: nn.Module, reuse: PrefixReuseConfig) -> str | None:
     """Why ``phase_b_attention=merged_varlen`` cannot serve this model, decided once at engine initialisation
-    (never mid-step): its packed kernels take no sliding window, and any windowed layer may meet a call its
-    window does not cover. None where it can."""
+    (never mid-step): its packed kernels take no sliding window or attention chunk, and any windowed or chunked
+    layer may meet a call its window or chunk does not cover. None where it can."""
     if reuse.phase_b_attention != "merged_varlen" or not reuse.enable:
         return None
-    windows = attention_windows(model) + _declared_window(model)
-    if not windows:
+    chunks = sorted({c for c in map(windows.attention_chunk, attention_modules(model).values()) if c is not None})
+    if chunks:
+        return (
+            f"prefix_reuse.phase_b_attention=merged_varlen does not serve chunked attention (this model has "
+            f"chunked_attention layers of {chunks[0]}-token chunks): use auto or merged (each query masked to its "
+            "own chunk over the prefix's last L % C positions) or concat"
+        )
+    found = attention_windows(model) + _declared_window(model)
+    if not found:
         return None
     return (
         f"prefix_reuse.phase_b_attention=merged_varlen does not serve sliding-window attention (this model has "
-        f"windows of {sorted(set(windows))} keys): use auto or merged (the window banded over the prefix's last "
+        f"windows of {sorted(set(found))} keys): use auto or merged (the window banded over the prefix's last "
         "W - 1 positions) or concat"
     )
 

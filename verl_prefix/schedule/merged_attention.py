@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_prefix.schedule.kernels import cuda_merged_refusal
-from verl_prefix.schedule.windows import banded_prefix_keep, cut_prefix, window_keep_mask
+from verl_prefix.schedule.windows import banded_prefix_keep, chunk_keep_mask, cut_prefix, cut_to_chunk, window_keep_mask
 
 # kwargs HF attention forwards may carry that the merged kernels do not implement -> refusal reason
 _UNSERVED_KWARGS = {"sliding_window": "sliding_window", "softcap": "softcap", "s_aux": "sinks"}
@@ -308,24 +308,31 @@ def scored_merged_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """The two-part attention with logit softcapping, attention sinks and/or a sliding window, which no fused
-    kernel here takes: each part's scores are built in plain torch ops (at least fp32) and capped before the
-    part's own log-sum-exp, so the merge stays exact; sinks (one logit per query head, no value) are a third part
-    of the merge. Same layout and GQA handling as ``MergedAttention`` (prefix queries folded against the ONE
+    """The two-part attention with logit softcapping, attention sinks, a sliding window and/or attention chunks,
+    which no fused kernel here takes: each part's scores are built in plain torch ops (at least fp32) and capped
+    before the part's own log-sum-exp, so the merge stays exact; sinks (one logit per query head, no value) are a
+    third part of the merge. Same layout and GQA handling as ``MergedAttention`` (prefix queries folded against the ONE
     prefix, suffix K/V shared by a KV group's query heads by broadcasting: no repeat on any device), but the
     scores are materialised: ``B x Hq x S x (P + S)`` in fp32 per layer, saved for backward.
 
     ``window`` (a sliding window shorter than the call, ``schedule.windows``): the prefix part attends to a view
     of the prefix's last ``W - 1`` positions with a banded mask (queries past the band keep no prefix key: their
     part is empty, ``lse = -inf``, and the merge gives it weight 0), the suffix part is causal within the
-    window; the scores are then ``B x Hq x S x (W - 1 + S)`` whatever the prefix length."""
+    window; the scores are then ``B x Hq x S x (W - 1 + S)`` whatever the prefix length. ``chunk`` (a chunked
+    layer whose chunks the call crosses, ``schedule.windows.active_chunk``): the prefix part keeps the positions
+    of the chunk holding the first suffix position (none when the prefix ends on a chunk boundary), each part
+    masked to its query's own chunk (absolute positions: the prefix's length is the first query's)."""
     rows, heads, length, dim = query.shape
+    offset = prefix_key.shape[2]  # the first suffix query's absolute position
     kv_heads = prefix_key.shape[1]  # value heads may be narrower or wider than dim: plain matmuls take either
     work = torch.promote_types(query.dtype, torch.float32)
     q = query.to(work)
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, length, dim)
     suffix_keep = window_keep_mask(length, length, window, query.device)  # causal, within the window if any
+    if chunk is not None:
+        suffix_keep = suffix_keep & chunk_keep_mask(length, length, offset, chunk, query.device)
     out, lse = scored_part(
         grouped, suffix_key.to(work).unsqueeze(2), suffix_value.to(work).unsqueeze(2), scale, softcap, suffix_keep
     )
@@ -333,8 +340,14 @@ def scored_merged_attention(
     prefix_keep = None
     if window is not None:
         prefix_key, prefix_value = cut_prefix(prefix_key, window), cut_prefix(prefix_value, window)
-        band = banded_prefix_keep(length, prefix_key.shape[2], window, query.device)
-        prefix_keep = band.repeat(rows * (heads // kv_heads), 1)  # folded query r is row position r % length
+        prefix_keep = banded_prefix_keep(length, prefix_key.shape[2], window, query.device)
+    if chunk is not None:
+        prefix_key, prefix_value = cut_to_chunk(prefix_key, offset, chunk), cut_to_chunk(prefix_value, offset, chunk)
+        cut = prefix_key.shape[2]
+        in_chunk = chunk_keep_mask(length, length + cut, offset, chunk, query.device)[0, 0, :, :cut]
+        prefix_keep = in_chunk if prefix_keep is None else prefix_keep[:, prefix_keep.shape[1] - cut :] & in_chunk
+    if prefix_keep is not None:
+        prefix_keep = prefix_keep.repeat(rows * (heads // kv_heads), 1)  # folded query r is row position r % length
     if prefix_key.shape[2] > 0:
         out1, lse1 = scored_part(
             fold_queries(q, kv_heads), prefix_key.to(work), prefix_value.to(work), scale, softcap, prefix_keep
@@ -357,6 +370,7 @@ def merged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """HF layout in, HF layout out: query ``[B, Hq, S, d]``, prefix K/V ``[1, Hkv, P, d]``, suffix K/V
     ``[B, Hkv, S, d]`` (values may have another head size ``dv``) -> ``[B, S, Hq, dv]`` in the query's dtype.
@@ -364,17 +378,19 @@ def merged_attention(
     gradient comes back in fp32. ``softcap``
     (Gemma-2's ``attn_logit_softcapping``) or ``sinks`` (``s_aux``, one logit per query head) run
     ``scored_merged_attention`` (plain torch ops, any device and dtype), and so does a sliding ``window``
-    shorter than the call (``schedule.windows.active_window``; the fused kernels take no mask); otherwise the
+    shorter than the call (``schedule.windows.active_window``; the fused kernels take no mask) or chunks the call
+    crosses (``active_chunk``); otherwise the
     device's flash kernels (``MergedAttention``)."""
     heads, kv_heads = query.shape[1], suffix_key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
     groups = heads // kv_heads
     dtype = query.dtype
-    if softcap or sinks is not None or window is not None:
+    if softcap or sinks is not None or window is not None or chunk is not None:
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        suffix_key, suffix_value = suffix_key.to(dtype), suffix_value.to(dtype)
         out = scored_merged_attention(
-            query, prefix_key, prefix_value, suffix_key.to(dtype), suffix_value.to(dtype), scale, softcap, sinks, window
+            query, prefix_key, prefix_value, suffix_key, suffix_value, scale, softcap, sinks, window, chunk
         )
         return out.transpose(1, 2).contiguous()
     suffix_key, suffix_value = suffix_key.to(dtype), suffix_value.to(dtype)

@@ -32,6 +32,7 @@ from verl_prefix.schedule.attention_keywords import (
 from verl_prefix.schedule.hf_forwards import hf_recurrent
 from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
 from verl_prefix.schedule.multimodal import hf_attention, vision_encoder
+from verl_prefix.schedule.positions import absolute_positions
 from verl_prefix.schedule.recurrent import (
     BoundaryCache,
     RecurrentState,
@@ -42,7 +43,16 @@ from verl_prefix.schedule.recurrent import (
 from verl_prefix.schedule.structure import last_source_layer
 from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
 from verl_prefix.schedule.varlen_attention import Packing, merged_varlen_attention, varlen_refusal
-from verl_prefix.schedule.windows import active_window, cut_length, cut_prefix, window_keep_mask
+from verl_prefix.schedule.windows import (
+    active_chunk,
+    active_window,
+    attention_chunk,
+    chunk_keep_mask,
+    cut_length,
+    cut_prefix,
+    cut_to_chunk,
+    window_keep_mask,
+)
 
 if TYPE_CHECKING:
     from verl_prefix.schedule.moe import RouterStats
@@ -52,8 +62,9 @@ logger = logging.getLogger(__name__)
 # ``prefix_reuse.phase_b_attention``: how a suffix micro-batch attends to the prefix
 PHASE_B_ATTENTION = ("auto", "merged", "concat", "merged_varlen")
 # what served one layer of a phase-B micro-batch (``ServeContext.layer_paths``): ``_window`` marks a sliding window
-# shorter than the call's keys (``schedule.windows``), served banded over the prefix's last W - 1 positions
-LAYER_PATHS = ("merged", "merged_window", "concat", "concat_window", "merged_varlen")
+# shorter than the call's keys (``schedule.windows``), served banded over the prefix's last W - 1 positions;
+# ``_chunk`` a chunked-attention layer whose chunks the call crosses, served over the prefix's last L % C positions
+LAYER_PATHS = ("merged", "merged_window", "merged_chunk", "concat", "concat_window", "concat_chunk", "merged_varlen")
 _LOGGED_REFUSALS: set[str] = set()
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
@@ -271,19 +282,28 @@ class CaptureContext:
         """How many keys the last real query of a ``query_len``-query call sees (itself included)."""
         return query_len if self.length is None else self.length
 
+    @property
+    def query_offset(self) -> int:
+        """The absolute position of the call's first query: the prefix starts the sequence."""
+        return 0
+
     def _attention(
         self, module: nn.Module, base: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prefix (or its first chunk) attends causally to itself, within the layer's sliding window when
-        it is shorter than the prefix (``schedule.windows``)."""
+        it is shorter than the prefix and within its attention chunks when the prefix crosses one
+        (``schedule.windows``; the prefix starts at position 0)."""
         length = query.shape[2]
         window = active_window(kwargs.get("sliding_window"), self.key_span(length))
+        chunk = active_chunk(attention_chunk(module), self.key_span(length))
         if base is sdpa_attention_forward and scored_keywords(kwargs):
             keep = window_keep_mask(length, length, window, query.device)
+            keep = keep & chunk_keep_mask(length, length, 0, chunk, query.device)
             return scored_attention(module, query, key, value, keep, **kwargs)
-        if base is sdpa_attention_forward and window is None:
+        if base is sdpa_attention_forward and window is None and chunk is None:
             return base(module, query, key, value, None, **kwargs)  # a single unpadded row: the causal fast path
         keep = window_keep_mask(length, length, window, query.device)
+        keep = keep & chunk_keep_mask(length, length, 0, chunk, query.device)
         mask = keep if base is sdpa_attention_forward else _as_eager_mask(keep, query.dtype)
         return base(module, query, key, value, mask, **kwargs)
 
@@ -319,6 +339,11 @@ class ChunkCaptureContext(CaptureContext):
 
     def key_span(self, query_len: int) -> int:
         return self.serve.prefix.length + super().key_span(query_len)
+
+    @property
+    def query_offset(self) -> int:
+        """A later chunk starts right after the earlier chunks' K/V."""
+        return self.serve.query_offset
 
     def recurrent_cache(self, module: nn.Module, hidden_states: torch.Tensor) -> BoundaryCache:
         """A recurrent layer continues from the previous chunk's state (leaves) and records its own."""
@@ -377,16 +402,20 @@ class ServeContext:
         self.refusals: set[str] = set()
         # layer -> the phase-B attention that served it in this micro-batch (``LAYER_PATHS``)
         self.layer_paths: dict[int, str] = {}
-        self._window_keeps: dict[int, torch.Tensor] = {}
+        self._window_keeps: dict[tuple[int | None, int | None], torch.Tensor] = {}
 
     @functools.cached_property
     def packing(self) -> Packing:
         """Where the rows' real tokens go in the packed layout (built once per micro-batch)."""
         return Packing.from_lengths(self.row_lengths, self.query_len, self.device)
 
-    def _varlen_refusal(self, query: torch.Tensor, value_dim: int, kwargs: dict, window: int | None) -> None:
+    def _varlen_refusal(
+        self, query: torch.Tensor, value_dim: int, kwargs: dict, window: int | None, chunk: int | None
+    ) -> None:
         if window is not None:
             reason = "sliding_window"  # the engine refuses windowed models with merged_varlen at initialisation
+        elif chunk is not None:
+            reason = "chunked_attention"  # refused at initialisation too (its packed kernels take no mask)
         else:  # a window covering every key of the call changes nothing
             served = {k: v for k, v in kwargs.items() if k != "sliding_window"}
             reason = self.refusal or varlen_refusal(query, served, value_dim)
@@ -405,13 +434,19 @@ class ServeContext:
         """The explicit mask eager attention adds (sdpa takes it as a causal bias instead)."""
         return causal_keep_mask(self.query_len, self.prefix.length, self.device)
 
-    def window_keep(self, window: int) -> torch.Tensor:
-        """Concat's mask under a sliding window: the rows' queries over ``cat(cut prefix, suffix)`` (the prefix
-        cut to the last ``W - 1`` positions, ``windows.cut_prefix``), banded and bottom-right aligned."""
-        if window not in self._window_keeps:
-            keys = cut_length(self.prefix.length, window) + self.query_len
-            self._window_keeps[window] = window_keep_mask(self.query_len, keys, window, self.device)
-        return self._window_keeps[window]
+    def window_keep(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
+        """Concat's mask under a sliding window and/or attention chunks: the rows' queries over
+        ``cat(cut prefix, suffix)`` (the prefix cut to its last ``W - 1`` positions, ``windows.cut_prefix``, and to
+        the chunk holding the first suffix position, ``windows.cut_to_chunk``), bottom-right aligned."""
+        if (window, chunk) not in self._window_keeps:
+            length = self.prefix.length
+            cut = length if window is None else cut_length(length, window)
+            cut = cut if chunk is None else min(cut, length % chunk)
+            keys = cut + self.query_len
+            keep = window_keep_mask(self.query_len, keys, window, self.device)
+            keep = keep & chunk_keep_mask(self.query_len, keys, length, chunk, self.device)
+            self._window_keeps[(window, chunk)] = keep
+        return self._window_keeps[(window, chunk)]
 
     def key_span(self, query_len: int) -> int:
         """How many keys the longest real row's last query sees: the prefix and the row (under Ulysses the
@@ -419,6 +454,12 @@ class ServeContext:
         if self.ulysses is None or self.row_lengths is None:
             return self.prefix.length + query_len
         return self.prefix.length + self.longest_row
+
+    @property
+    def query_offset(self) -> int:
+        """The absolute position of the rows' first query (``[prompt[-1]] + response`` starts right after the
+        prefix's K/V)."""
+        return self.prefix.length
 
     @functools.cached_property
     def longest_row(self) -> int:
@@ -430,14 +471,14 @@ class ServeContext:
         return serving_cache(module, self.prefix.recurrent[module.layer_idx], hidden_states)
 
     def _merged_refusal(
-        self, base: Callable, query: torch.Tensor, value_dim: int, kwargs: dict, window: int | None
+        self, base: Callable, query: torch.Tensor, value_dim: int, kwargs: dict, banded: bool
     ) -> str | None:
         if self.attention == "concat":
             return "concat"
         if self.refusal is not None:
             reason = self.refusal  # the kernels' refusal every rank agreed on before the schedule
-        elif scored_keywords(kwargs) or window is not None:
-            reason = None  # softcap/sinks/a window: merged's maths in plain torch ops, which need no kernel
+        elif scored_keywords(kwargs) or banded:
+            reason = None  # softcap/sinks/a window/chunks: merged's maths in plain torch ops, which need no kernel
         else:
             # a window covering every key of the call changes nothing (the kernels take none)
             reason = merged_refusal(query, {k: v for k, v in kwargs.items() if k != "sliding_window"}, value_dim)
@@ -462,16 +503,17 @@ class ServeContext:
         layer = module.layer_idx
         prefix_key, prefix_value = self.prefix.keys[layer], self.prefix.values[layer]
         window = active_window(kwargs.get("sliding_window"), self.key_span(query.shape[2]))
-        windowed = "_window" if window is not None else ""
+        chunk = active_chunk(attention_chunk(module), self.key_span(query.shape[2]))
+        windowed = "_window" if window is not None else "_chunk" if chunk is not None else ""
         if self.attention == "merged_varlen":
-            self._varlen_refusal(query, value.shape[-1], kwargs, window)
+            self._varlen_refusal(query, value.shape[-1], kwargs, window, chunk)
             self.varlen_calls += 1
             self.layer_paths[layer] = "merged_varlen"
             out = merged_varlen_attention(
                 query, prefix_key, prefix_value, key, value, self.packing, kwargs.get("scaling")
             )
             return out, None
-        reason = self._merged_refusal(base, query, value.shape[-1], kwargs, window)
+        reason = self._merged_refusal(base, query, value.shape[-1], kwargs, window is not None or chunk is not None)
         if reason is None:
             self.merged_calls += 1
             self.layer_paths[layer] = "merged" + windowed
@@ -485,6 +527,7 @@ class ServeContext:
                 softcap=kwargs.get("softcap"),
                 sinks=kwargs.get("s_aux"),
                 window=window,
+                chunk=chunk,
             )
             return out, None
         if reason != "concat":
@@ -497,13 +540,18 @@ class ServeContext:
         keep = self.keep
         if window is not None:  # only the last W - 1 prefix positions can be seen: a view, dK/dV land in place
             prefix_key, prefix_value = cut_prefix(prefix_key, window), cut_prefix(prefix_value, window)
-            keep = self.window_keep(window)
+        if chunk is not None:  # only the chunk holding the first suffix position: a view (possibly empty)
+            length = self.prefix.length
+            prefix_key = cut_to_chunk(prefix_key, length, chunk)
+            prefix_value = cut_to_chunk(prefix_value, length, chunk)
+        if window is not None or chunk is not None:
+            keep = self.window_keep(window, chunk)
         # leaves may be held in fp32 (fp32 dK/dV accumulation): attend in the suffix's dtype
         key = torch.cat([prefix_key.to(key.dtype).expand(rows, -1, -1, -1), key], dim=2)
         value = torch.cat([prefix_value.to(value.dtype).expand(rows, -1, -1, -1), value], dim=2)
         if base is sdpa_attention_forward and scored_keywords(kwargs):
             return scored_attention(module, query, key, value, keep, **kwargs)
-        if base is sdpa_attention_forward and window is None:
+        if base is sdpa_attention_forward and window is None and chunk is None:
             return sdpa_lower_right(module, query, key, value, **kwargs)
         if base is sdpa_attention_forward:  # an explicit banded mask (torch's memory-efficient kernel on CUDA)
             return base(module, query, key, value, keep, **kwargs)
@@ -656,7 +704,7 @@ def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
                 raise ValueError(f"prefix reuse does not support attn_implementation={original!r}")
             config._attn_implementation = name
         # HF's delta-net/decoder-layer and attention forwards where verl patched them
-        with hf_recurrent(model), recurrent_state_mode(model), hf_attention(model):
+        with hf_recurrent(model), recurrent_state_mode(model), hf_attention(model), absolute_positions(model):
             yield
     finally:
         for config, original in zip(configs, originals):

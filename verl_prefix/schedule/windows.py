@@ -1,4 +1,5 @@
-"""Sliding-window attention under reuse: which keys a query sees when a window is shorter than the call.
+"""Sliding-window and chunked attention under reuse: which keys a query sees when a window (or a chunk) is
+shorter than the call.
 
 HF 5.10.4's rule, the same in every implementation: query ``q`` sees key ``k`` iff ``q - W < k <= q`` (``W``
 keys, itself included; ``masking_utils.sliding_window_overlay``; flash attention's ``window_size=(W - 1,
@@ -55,3 +56,64 @@ def banded_prefix_keep(query_len: int, cut_len: int, window: int, device: torch.
     query = torch.arange(query_len, device=device)[:, None]
     key = torch.arange(cut_len, device=device)[None, :]
     return key >= query + cut_len - window + 1
+
+
+# -- chunked attention (Llama-4's ``chunked_attention`` layers) ------------------------------------------------
+#
+# HF 5.10.4's rule (``masking_utils.chunked_overlay``): query ``q`` sees key ``k`` iff ``k <= q`` and both sit in
+# the same chunk of ``C`` positions, ``k // C == q // C``, positions counted from the sequence's first token.
+# Unlike a window this depends on absolute positions: a suffix query at ``L + i`` sees prefix keys from its
+# chunk's start ``C * floor((L + i) / C)`` to ``L - 1``: only the prefix's last ``L % C`` positions (those in
+# the chunk holding position ``L``) can ever be seen, and none at all when ``L`` is a multiple of ``C``; queries
+# past that chunk see no prefix key (their prefix part is empty: weight 0 in the log-sum-exp merge).
+
+
+def attention_chunk(module: object) -> int | None:
+    """The chunk size of ``module``'s layer when its config declares it a ``chunked_attention`` layer (Llama-4:
+    ``layer_types`` and ``attention_chunk_size``), else None. HF passes attention no keyword for it (only a mask,
+    which the schedule replaces), so the schedule reads the layer's type from the config."""
+    module = getattr(module, "wrapped", module)  # a head-shard view under Ulysses
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if not types or not isinstance(layer, int) or layer >= len(types) or types[layer] != "chunked_attention":
+        return None
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is None or isinstance(chunk, bool) or int(chunk) != chunk or chunk < 1:
+        raise ValueError(f"a chunked_attention layer needs a positive attention_chunk_size, got {chunk!r}")
+    return int(chunk)
+
+
+def active_chunk(chunk: int | None, span: int) -> int | None:
+    """The chunk size that changes this call (``span``: the absolute position of its last real query, plus one),
+    or None when there is none or every position of the call lies in the first chunk."""
+    if chunk is None or span <= int(chunk):
+        return None
+    return int(chunk)
+
+
+def chunk_cut_length(prefix_len: int, chunk: int) -> int:
+    """How many trailing prefix positions any suffix query of a ``chunk`` layer can see: ``L % C``."""
+    return prefix_len % chunk
+
+
+def cut_to_chunk(prefix: torch.Tensor, prefix_len: int, chunk: int) -> torch.Tensor:
+    """A view of ``prefix`` (``[..., n, d]``, the last ``n`` of ``prefix_len`` positions, e.g. already cut to a
+    window) keeping only positions in the chunk that holds position ``prefix_len``: its last
+    ``min(n, L % C)`` positions (possibly none)."""
+    length = prefix.shape[-2]
+    return prefix[..., length - min(length, chunk_cut_length(prefix_len, chunk)) :, :]
+
+
+def chunk_keep_mask(
+    query_len: int, key_len: int, first_query: int, chunk: int | None, device: torch.device
+) -> torch.Tensor:
+    """Boolean ``[1, 1, query_len, key_len]``: the chunk condition alone (``key // C == query // C``) for queries
+    at absolute positions ``first_query + i`` over keys that end right before the last query (bottom-right
+    aligned, as ``window_keep_mask``): key ``k`` sits at ``first_query - (key_len - query_len) + k``. All True
+    without a chunk; combine with ``window_keep_mask`` for causality."""
+    if chunk is None:
+        return torch.ones(1, 1, query_len, key_len, dtype=torch.bool, device=device)
+    query = torch.arange(query_len, device=device)[:, None] + first_query
+    key = torch.arange(key_len, device=device)[None, :] + (first_query - key_len + query_len)
+    return (torch.div(key, chunk, rounding_mode="floor") == torch.div(query, chunk, rounding_mode="floor"))[None, None]
