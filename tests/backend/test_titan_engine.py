@@ -570,6 +570,34 @@ def test_refusals_at_config_time():
             assert reason is not None and knob in reason and "pipeline_parallel_size=2" in reason, (knob, reason)
 
 
+def test_model_types_outside_the_allowlist_are_refused_at_build():
+    """Reuse on torchtitan serves the model types verl maps to torchtitan's plain-causal Qwen3; Llama-4 (chunked
+    attention), GPT-OSS (windows, sinks), DeepSeek-V3 (MLA), Llama-3 (untested) and any type it does not know are
+    refused with the reason, never run with a mask that ignores what their attention does; reuse off refuses none."""
+    from transformers import CONFIG_MAPPING
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.backend.titan_config import SERVED_MODEL_TYPES, PrefixTorchtitanEngineConfig, model_refusal
+
+    on, off = PrefixTorchtitanEngineConfig(), PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False))
+    for model_type in SERVED_MODEL_TYPES:
+        assert model_refusal(CONFIG_MAPPING[model_type](), on) is None
+    for model_type, words in (
+        ("llama4_text", "does not know"),
+        ("gpt_oss", "sliding windows"),
+        ("deepseek_v3", "MLA"),
+        ("llama", "not tested"),
+        ("mistral", "does not know"),
+    ):
+        config = CONFIG_MAPPING[model_type]()
+        reason = model_refusal(config, on)
+        assert reason is not None and model_type in reason and words in reason, (model_type, reason)
+        assert "prefix_reuse.enable=false" in reason
+        assert model_refusal(config, off) is None
+    llama4 = type("Config", (), {"model_type": "llama4"})()
+    assert "chunked attention" in model_refusal(llama4, on)
+
+
 def test_selected_through_verl_config():
     """``model_engine=torchtitan`` plus the engine config's target and strategy select prefix_torchtitan; verl's
     YAML defaults (spmd_types, selective checkpointing, compile) are refused with the knob to set."""

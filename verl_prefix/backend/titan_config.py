@@ -91,6 +91,41 @@ _PIPELINE_ALONE: dict[str, str] = {
 }
 
 
+# HF model types whose torchtitan model the schedule serves (verl maps each to a torchtitan model: these four to
+# ``qwen3``, whose attention is plain causal, the one phase B's flex mask spells out), and why the others are refused
+# with reuse on: phase B's block mask would ignore what their attention does, so they would train silently wrong
+SERVED_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_UNSERVED_MODEL_TYPES: dict[str, str] = {
+    "llama4": "torchtitan's Llama-4 attends within chunks (iRoPE's chunked attention) on its RoPE layers and tunes "
+    "its NoPE layers' query temperature by position, which phase B's causal block mask does not spell out "
+    "(prefix_fsdp2 serves both)",
+    "gpt_oss": "torchtitan's GPT-OSS attends within sliding windows with attention sinks, which phase B's causal "
+    "block mask does not spell out (prefix_fsdp2 serves both)",
+    "deepseek_v3": "torchtitan's DeepSeek-V3 (MLA) attention is not served by the inner-attention hook yet "
+    "(prefix_fsdp2 serves MLA)",
+    "llama": "torchtitan's Llama-3 is not tested under reuse yet",
+}
+
+
+def model_refusal(hf_config: Any, config: Any) -> str | None:
+    """Why reuse cannot run this model on torchtitan (an allowlist: a model type not known to be served is
+    refused), or None; nothing is refused with reuse switched off (the engine is then verl's)."""
+    reuse = getattr(config, "prefix_reuse", None)
+    if isinstance(reuse, Mapping):
+        reuse = PrefixReuseConfig(**reuse)
+    if reuse is not None and not reuse.enable:
+        return None
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in SERVED_MODEL_TYPES:
+        return None
+    why = _UNSERVED_MODEL_TYPES.get(model_type, "a model type prefix_torchtitan does not know")
+    return (
+        f"prefix_torchtitan: model_type {model_type!r} is refused with reuse on ({why}); served: "
+        f"{', '.join(SERVED_MODEL_TYPES)}. Use strategy=prefix_fsdp2, or set "
+        "+actor_rollout_ref.actor.torchtitan.prefix_reuse.enable=false to train it through verl's TorchTitan engine"
+    )
+
+
 def pipeline_refusal(config: Any) -> str | None:
     """Why this config's pipeline parallelism is not served (one stage per rank, nothing else parallel), or None."""
     size = getattr(config, "pipeline_parallel_size", 1)

@@ -49,7 +49,7 @@ from verl_prefix.backend.outputs import (
     micro_batch_loss,
 )
 from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
-from verl_prefix.backend.titan_config import refusal
+from verl_prefix.backend.titan_config import model_refusal, refusal
 from verl_prefix.backend.titan_flavor import check_flavor
 from verl_prefix.backend.titan_moe import ExpertCounts
 from verl_prefix.backend.titan_pipeline import (
@@ -76,7 +76,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
     """Drop-in for verl's ``TorchTitanEngineWithLMHead`` selected by ``actor.strategy=prefix_torchtitan``."""
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
-        reason = refusal(engine_config)
+        reason = refusal(engine_config) or model_refusal(model_config.hf_config, engine_config)
         if reason is not None:
             raise ValueError(reason)
         reuse = getattr(engine_config, "prefix_reuse", None)
