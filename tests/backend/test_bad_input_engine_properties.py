@@ -22,6 +22,8 @@ from verl_prefix.tools import testing as T
 
 VOCAB = 128
 MIN_PREFIX = 2
+# uid_conflict: a row takes the uid of a row with another prompt (no error: sub-groups of identical prompts reuse,
+# the victim alone in its sub-group runs dense as prompt_mismatch)
 DAMAGE = ["none", "none", "none", "same_prompt_two_groups", "nan", "inf", "empty_response", "uid_conflict", "no_uid"]
 
 
@@ -79,18 +81,17 @@ def build(spec: Spec) -> tuple[object, str | None, list[list[int]]]:
         expected = rf"samples \[{v}\] have empty responses"
     elif spec.damage == "uid_conflict":
         other = next((i for i, (g, p) in enumerate(rows) if not torch.equal(p, rows[v][1])), None)
-        if other is not None:  # the victim takes the uid of a row with another prompt
+        if other is not None:  # the victim takes the uid of a row with another prompt: a sub-group of its own
             uids[v] = uids[other]
-            expected = r"samples \d+ and \d+ share uid 'g\d+' but not their prompt tokens"
     elif spec.damage == "no_uid":
         uids = None
         expected = r"`uid`"
     batch = rows_batch(
         [p for _, p in rows], responses, uids, advantages=advantages, layout=spec.layout, seed=spec.seed, vocab=VOCAB
     )
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}  # the groups reuse runs: a uid's rows with one prompt
     for i, uid in enumerate(uids or []):
-        groups.setdefault(uid, []).append(i)
+        groups.setdefault((uid, tuple(rows[i][1].tolist())), []).append(i)
     reusable = [g for g in groups.values() if len(g) >= 2 and len(rows[g[0]][1]) - 1 >= MIN_PREFIX]
     return batch, expected, reusable
 

@@ -152,12 +152,27 @@ def prefix_engine(tiny_model):
     return engine, loss_fn
 
 
-def test_same_uid_different_prompts_is_an_error(tiny_model):
-    engine, loss_fn = prefix_engine(tiny_model)
+def test_same_uid_different_prompts_reuses_each_prompt(tiny_model):
+    """One uid over two prompts of 4 rows each (per-sample prompts, a re-tokenised turn): no error; each prompt's
+    rows reuse it as a sub-group, exactly as the stock engine trains them; nothing runs dense."""
     batch = grpo_batch(prompt_lens=[9, 9])
     tu.assign_non_tensor_stack(batch, "uid", ["same"] * len(batch))  # two prompts, one uid
-    with pytest.raises(ValueError, match=r"samples 0 and 4 share uid 'same' but not their prompt"):
-        T.run_train_step(engine, loss_fn, batch)
+    metrics = run_both(tiny_model("qwen3"), batch, PrefixReuseConfig(min_prefix_len=2))
+    assert metrics["prefix/groups"] == 2
+    assert metrics.get("prefix/fallback_prompt_mismatch", 0.0) == 0.0
+    assert metrics["prefix/physical_tokens"] < metrics["prefix/logical_tokens"]
+
+
+def test_rows_sharing_too_little_of_their_prompt_run_dense_counted(tiny_model):
+    """Prompts A, A, B, B, C, C; uid "same" over A, A, B, C (a per-sample system prompt on two of its rows): A's
+    pair reuses, B and C alone run dense as ``prompt_mismatch``; the uids holding the other B and C alone are
+    ``small_group``; every row with the stock gradients."""
+    batch = T.make_grpo_batch(num_groups=3, group_size=2, prompt_lens=9, response_len_range=(1, 6), vocab_size=VOCAB)
+    tu.assign_non_tensor_stack(batch, "uid", ["same", "same", "same", "x", "same", "y"])
+    metrics = run_both(tiny_model("qwen3"), batch, PrefixReuseConfig(min_prefix_len=2, min_group_size=2))
+    assert metrics["prefix/groups"] == 1
+    assert metrics["prefix/fallback_prompt_mismatch"] == 2
+    assert metrics["prefix/fallback_small_group"] == 2
 
 
 def test_non_finite_advantages_are_an_error(tiny_model):

@@ -13,11 +13,11 @@ GROUPS = [(9, [3, 2, 4, 1]), (7, [2, 5, 1, 3])]  # 8 rows, prompts long enough t
 # case -> (forward_only, rank whose batch is bad or "both", what every rank's error must say)
 CASES = {
     "nan_advantage": (False, 1, r"rank 1 rejected the mini-batch.*samples \[2, 5\] have non-finite advantages"),
-    "uid_conflict": (False, 0, r"rank 0 rejected the mini-batch.*samples 0 and 4 share uid 'same'"),
+    "empty_response_update": (False, 0, r"rank 0 rejected the mini-batch.*samples \[3\] have empty responses"),
     "empty_response": (True, 1, r"rank 1 rejected the mini-batch.*samples \[3\] have empty responses"),
     # rank 1 falls back to dense for its own reason; its bad advantages are still caught before any collective
     "dense_fallback_nan": (False, 1, r"rank 1 rejected the mini-batch.*samples \[6\] have non-finite advantages"),
-    "both_ranks": (False, "both", r"2 ranks rejected.*rank 0: samples 0 and 4 share uid 'same'.*rank 1: .*`uid`"),
+    "both_ranks": (False, "both", r"2 ranks rejected.*rank 0: samples \[3\] have empty responses.*rank 1: .*`uid`"),
 }
 
 
@@ -38,11 +38,9 @@ def _batch(case: str | None, rank: int):
         batch["advantages"] = nested(rows)
         if case == "dense_fallback_nan":
             tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
-    elif case == "uid_conflict" or (case == "both_ranks" and rank == 0):
-        batch = rows_batch(prompts, responses, ["same"] * len(uids), seed=3 + rank)
-    elif case == "both_ranks":
+    elif case == "both_ranks" and rank == 1:
         batch = rows_batch(prompts, responses, None, seed=3 + rank)
-    elif case == "empty_response":
+    elif case in ("empty_response", "empty_response_update", "both_ranks"):
         responses = list(responses)
         responses[3] = torch.zeros(0, dtype=torch.int64)
         batch = rows_batch(prompts, responses, uids, seed=3 + rank)
@@ -70,6 +68,12 @@ def _body(rank: int, model_dir: str) -> dict:
     good = T.run_train_step(engine, loss_fn, _batch(None, rank))
     results["good"] = {k: good["reduced_metrics"][k] for k in ("prefix/groups", "prefix/physical_tokens")}
     results["good"]["logical"] = good["reduced_metrics"]["prefix/logical_tokens"]
+    # one uid over both prompts on rank 0 only (a per-sample prompt): no error on either rank, both reuse
+    from helpers.batches import groups_batch, rows_batch
+
+    _, prompts, responses, uids = groups_batch(GROUPS, seed=3 + rank)
+    split = rows_batch(prompts, responses, ["same"] * len(uids) if rank == 0 else uids, seed=3 + rank)
+    results["split"] = T.run_train_step(engine, loss_fn, split)["reduced_metrics"]["prefix/groups"]
     return results
 
 
@@ -84,6 +88,7 @@ def test_a_bad_batch_on_one_rank_stops_both_with_the_same_error(tiny_model):
     for rank in range(2):
         assert results[rank]["good"]["prefix/groups"] == 2.0
         assert results[rank]["good"]["prefix/physical_tokens"] < results[rank]["good"]["logical"]
+        assert results[rank]["split"] == 2.0  # rank 0's one uid over two prompts: two sub-groups
 
 
 pytestmark = pytest.mark.timeout(600)

@@ -2,7 +2,9 @@
 
 Each random mini-batch either passes ``validate_batch`` and is planned with every row run exactly once (in a
 reuse group that shares one prompt, or dense under a named reason), or fails with one ``ValueError`` whose
-message names offending samples that really are bad.
+message names offending samples that really are bad. Rows that share a uid but not their prompt are no error:
+they reuse in sub-groups of identical prompts, and a sub-group too small to reuse runs dense as
+``prompt_mismatch``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from verl_prefix.schedule.grouping import RowLayout, group_rows_by_uid, plan_batch, validate_batch
+from verl_prefix.schedule.grouping import RowLayout, group_rows_by_uid, is_prompt_split, plan_batch, validate_batch
 
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 VOCAB = 50
@@ -112,35 +114,36 @@ def test_a_batch_is_planned_whole_or_rejected_naming_bad_samples(
     groups = group_rows_by_uid(layout.uids)
     conflicts = [uid for uid, rows in groups.items() if len({case.prompt_key[i] for i in rows}) > 1]
     try:
-        validate_batch(layout, case.advantages)
+        layout = validate_batch(layout, case.advantages)
     except ValueError as exc:
         message = str(exc)
-        event(f"rejected: {message.split(' have ')[-1][:20] if ' have ' in message else 'uid conflict'}")
+        event(f"rejected: {message.split(' have ')[-1][:20]}")
         if empty:  # checked first: each rejection names exactly the samples of its kind
             assert "empty responses" in message and _named(message) == empty[:16]
         elif empty_prompt:
             assert "empty prompts" in message and _named(message) == empty_prompt[:16]
-        elif non_finite:
-            assert "non-finite advantages" in message and _named(message) == non_finite[:16]
         else:
-            found = re.search(r"samples (\d+) and (\d+) share uid '([^']*)'", message)
-            assert found, message
-            first, other, uid = int(found.group(1)), int(found.group(2)), found.group(3)
-            assert uid == conflicts[0], "the first uid (in batch order) whose prompts differ"
-            assert groups[uid][0] == first and other in groups[uid]
-            assert case.prompt_key[first] != case.prompt_key[other]
+            assert non_finite, message
+            assert "non-finite advantages" in message and _named(message) == non_finite[:16]
         return
-    assert not (empty or empty_prompt or non_finite or conflicts), "bad input passed validation"
+    assert not (empty or empty_prompt or non_finite), "bad input passed validation"
+    # each sub-group is one prompt of one original uid, all of that uid's rows with that prompt, in batch order
+    sub_groups = group_rows_by_uid(layout.uids)
+    for uid, rows in sub_groups.items():
+        original = case.layout.uids[rows[0]]
+        assert {case.layout.uids[i] for i in rows} == {original}
+        assert len({case.prompt_key[i] for i in rows}) == 1, "a group shares one prompt"
+        assert rows == [i for i in groups[original] if case.prompt_key[i] == case.prompt_key[rows[0]]]
+        assert is_prompt_split(uid) == (original in conflicts)
+    event(f"valid: {'with uid conflicts' if conflicts else 'one prompt per uid'}")
 
     plan = plan_batch(
         layout, max_rows=max_rows, max_tokens=max_tokens, min_prefix_len=min_prefix_len, min_group_size=min_group_size
     )
     ran = [i for g in plan.groups for i in g.rows] + plan.all_dense_rows
     assert sorted(ran) == list(range(len(layout))), "every row runs exactly once"
-    event(f"valid: {'reuses' if plan.groups else 'all dense'}")
     for group in plan.groups:
-        assert group.rows == groups[group.uid], "a reuse group is its whole uid, in batch order"
-        assert len({case.prompt_key[i] for i in group.rows}) == 1
+        assert group.rows == sub_groups[group.uid], "a reuse group is its whole sub-group, in batch order"
         assert group.prefix_len >= min_prefix_len and len(group.rows) >= min_group_size
         assert sorted(i for mb in group.micro_batches for i in mb) == sorted(group.rows)
         for mb in group.micro_batches:
@@ -149,16 +152,17 @@ def test_a_batch_is_planned_whole_or_rejected_naming_bad_samples(
                 assert len(mb) * max(layout.response_lens[i] for i in mb) <= max_tokens
     for reason, rows in plan.dense_rows.items():
         for uid in {layout.uids[i] for i in rows}:
-            size, prefix = len(groups[uid]), layout.prompt_lens[groups[uid][0]] - 1
-            why = "short_prefix" if prefix < min_prefix_len else "small_group"
+            size, prefix = len(sub_groups[uid]), layout.prompt_lens[sub_groups[uid][0]] - 1
+            small = "prompt_mismatch" if is_prompt_split(uid) else "small_group"
+            why = "short_prefix" if prefix < min_prefix_len else small
             assert reason == why and size == len([i for i in rows if layout.uids[i] == uid])
             assert why == "short_prefix" or size < min_group_size
 
 
 def test_the_property_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: a check that lets samples of one uid keep different prompts fails the property."""
+    """Negative control: a regrouping that lets samples of one uid keep different prompts fails the property."""
     from verl_prefix.schedule import grouping
 
-    monkeypatch.setattr(grouping, "validate_uid_groups", lambda layout: None)
-    with pytest.raises(AssertionError, match="bad input passed validation"):
+    monkeypatch.setattr(grouping, "split_uid_groups", lambda layout: layout)
+    with pytest.raises(AssertionError, match="a group shares one prompt"):
         test_a_batch_is_planned_whole_or_rejected_naming_bad_samples()

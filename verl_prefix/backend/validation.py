@@ -10,9 +10,11 @@ What is checked (``check_batch``), on every path while reuse is enabled:
 - always: every sample has a prompt and a response token, and (updates) finite advantages and a
   ``loss_mask``. The stock engine trains an empty response as nothing and turns a non-finite advantage
   into a skipped optimizer step with one warning; here both are errors, whichever path the batch takes;
-- when this rank would reuse (no local fallback reason): every sample has a ``uid``, and samples that share
-  a uid share their prompt tokens and positions. A rank that falls back to dense for its own reason does
-  not need uids, so it does not check them; its peers still do, and any rejection stops every rank.
+- when this rank would reuse (no local fallback reason): every sample has a ``uid``. A rank that falls back
+  to dense for its own reason does not need uids, so it does not check them; its peers still do, and any
+  rejection stops every rank. Samples that share a uid but not their prompt are no error: they reuse in
+  sub-groups of identical prompts (``grouping.split_uid_groups``; too small a sub-group runs dense as
+  ``prompt_mismatch``).
 
 With ``prefix_reuse.enable=false`` the engine is the stock one and checks nothing.
 """
@@ -28,7 +30,7 @@ from tensordict import TensorDict
 
 from verl_prefix.backend.inputs import row_layout, row_lengths
 from verl_prefix.backend.lockstep import collective_device
-from verl_prefix.schedule.grouping import RowLayout, validate_rows, validate_uid_groups
+from verl_prefix.schedule.grouping import RowLayout, split_uid_groups, validate_rows
 
 T = TypeVar("T")
 
@@ -55,8 +57,7 @@ def check_batch(data: TensorDict, *, forward_only: bool, reuse: bool) -> RowLayo
         return None
     layout = row_layout(data)
     validate_rows(layout.prompt_lens, layout.response_lens, advantages)
-    validate_uid_groups(layout)
-    return layout
+    return split_uid_groups(layout)
 
 
 def agree_on_validity(check: Callable[[], T], group: Any = None) -> T:

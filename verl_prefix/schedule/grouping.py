@@ -6,6 +6,7 @@ sample indices a user needs to find the bad rows; nothing is dropped or repaired
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -94,13 +95,17 @@ def _fmt(rows: list[int], limit: int = 16) -> str:
     return f"[{shown}{', ...' if len(rows) > limit else ''}]"
 
 
+# marks the sub-groups of a uid whose rows do not all share one prompt (``split_uid_groups``)
+PROMPT_SPLIT = "#prompt"
+
+
 def validate_batch(
     layout: RowLayout, advantages: torch.Tensor | None = None, response_mask: torch.Tensor | None = None
-) -> None:
-    """Refuse input that would train on garbage: empty responses, non-finite advantages, and samples
-    that share a uid but not their prompt (reuse would silently train them on another prompt)."""
+) -> RowLayout:
+    """Refuse input that would train on garbage (empty responses or prompts, non-finite advantages) and return
+    the layout regrouped so that every group shares one prompt (``split_uid_groups``)."""
     validate_rows(layout.prompt_lens, layout.response_lens, advantages, response_mask)
-    validate_uid_groups(layout)
+    return split_uid_groups(layout)
 
 
 def validate_rows(
@@ -128,22 +133,41 @@ def validate_rows(
             raise ValueError(f"samples {_fmt(bad)} have non-finite advantages (NaN or inf)")
 
 
-def validate_uid_groups(layout: RowLayout) -> None:
-    """Samples that share a uid must share their prompt (tokens and positions): reuse computes it once."""
+def _same_prompt(layout: RowLayout, i: int, j: int) -> bool:
+    p = layout.prompt_lens[i]
+    return (
+        layout.prompt_lens[j] == p
+        and torch.equal(layout.input_ids[i][:p], layout.input_ids[j][:p])
+        and torch.equal(layout.position_ids[i][..., :p], layout.position_ids[j][..., :p])
+    )
+
+
+def split_uid_groups(layout: RowLayout) -> RowLayout:
+    """Rows of one uid whose prompts differ (tokens or positions: per-sample prompt augmentation, per-sample
+    system prompts, a re-tokenised turn) become sub-groups of identical prompts, each reusing its own prompt:
+    GRPO itself is fine with such a group, and reuse computes a prompt once only for the rows that really share
+    it. Their uids become ``<uid>#prompt<k>`` (k in first-appearance order); a sub-group too small to reuse runs
+    dense as ``prompt_mismatch`` (``plan_batch``), and under ``prefix_reuse.tree`` the trie still shares what the
+    sub-groups' prompts have in common. A layout whose uids each name one prompt is returned as it is."""
+    uids = list(layout.uids)
     for uid, rows in group_rows_by_uid(layout.uids).items():
-        first = rows[0]
-        p = layout.prompt_lens[first]
-        ref_ids = layout.input_ids[first][:p]
-        ref_pos = layout.position_ids[first][..., :p]
-        for i in rows[1:]:
-            same = layout.prompt_lens[i] == p and torch.equal(layout.input_ids[i][:p], ref_ids)
-            if not same:
-                raise ValueError(
-                    f"samples {first} and {i} share uid {uid!r} but not their prompt tokens; "
-                    "a uid must name one prompt (check the rollout's uid assignment)"
-                )
-            if not torch.equal(layout.position_ids[i][..., :p], ref_pos):
-                raise ValueError(f"samples {first} and {i} share uid {uid!r} but not their prompt positions")
+        classes: list[list[int]] = []
+        for i in rows:
+            home = next((c for c in classes if _same_prompt(layout, c[0], i)), None)
+            if home is None:
+                classes.append([i])
+            else:
+                home.append(i)
+        if len(classes) > 1:
+            for k, members in enumerate(classes):
+                for i in members:
+                    uids[i] = f"{uid}{PROMPT_SPLIT}{k}"
+    return layout if uids == list(layout.uids) else dataclasses.replace(layout, uids=uids)
+
+
+def is_prompt_split(uid: str) -> bool:
+    """Whether ``uid`` names a sub-group ``split_uid_groups`` made (its rows shared a uid, not a prompt)."""
+    return PROMPT_SPLIT in uid
 
 
 def plan_suffix_micro_batches(
@@ -211,8 +235,8 @@ def plan_batch(
         if prompt_len - 1 < max(min_prefix_len, 1):
             dense.setdefault("short_prefix", []).extend(rows)
             continue
-        if len(rows) < min_group_size:
-            dense.setdefault("small_group", []).extend(rows)
+        if len(rows) < min_group_size:  # a uid's rows that share too little of their prompt: prompt_mismatch
+            dense.setdefault("prompt_mismatch" if is_prompt_split(uid) else "small_group", []).extend(rows)
             continue
         visual_reason = _visual_reason(layout, rows, visual_token_ids)
         if visual_reason is not None:
