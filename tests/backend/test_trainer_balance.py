@@ -6,6 +6,7 @@ import random
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf
@@ -112,3 +113,120 @@ def test_with_the_tree_groups_sharing_a_system_prompt_land_on_one_rank(monkeypat
     assert sorted(map(sorted, systems_per_rank)) == [[0], [1]]
     assert metrics["actor/prefix/balance/shared_roots"] == 2.0
     assert metrics["actor/prefix/balance/shared_root_slots"] == 2.0
+
+
+# -- every trainer mode: selecting a prefix engine is enough -------------------------------------------------------
+
+
+def _stock_trainer(cls, strategy: str, dp_size: int = 2, mini_batch_prompts: int = 4, n: int = 4):
+    """A verl trainer of ``cls`` (Ray-free part only), its actor on ``strategy``."""
+    trainer = cls.__new__(cls)
+    template = make_trainer(dp_size, mini_batch_prompts, n)
+    trainer.__dict__.update(template.__dict__)
+    trainer.config.actor_rollout_ref.actor.strategy = strategy
+    return trainer
+
+
+def _v1_modes():
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    return {
+        "sync": PPOTrainerSync,
+        "colocate_async": PPOTrainerColocateAsync,
+        "separate_async": PPOTrainerSeparateAsync,
+    }
+
+
+def test_every_v1_trainer_mode_keeps_groups_whole_for_a_prefix_engine(monkeypatch):
+    """sync, colocate_async and separate_async run one ``_balance_batch`` (their base class's): with
+    ``strategy=prefix_fsdp2`` (or ``prefix_torchtitan``) it packs whole groups, reported with split_groups."""
+    groups = [(f"u{g}", 100 + 37 * g, [10 + 5 * ((g + i) % 4) for i in range(4)]) for g in range(8)]
+    for mode, cls in _v1_modes().items():
+        for strategy in ("prefix_fsdp2", "prefix_torchtitan"):
+            batch, uid_of = make_batch(groups, shuffle_seed=1)
+            fake_store(monkeypatch, uid_of)
+            metrics: dict = {}
+            out = _stock_trainer(cls, strategy)._balance_batch(batch, metrics)
+            for block in rank_blocks(out, uid_of, 2):
+                for mini_batch in (block[:8], block[8:]):
+                    assert all(mini_batch.count(u) == 4 for u in set(mini_batch)), (mode, strategy)
+            assert metrics["actor/prefix/split_groups"] == 0.0, mode
+
+
+def test_a_stock_engine_gets_verls_own_balancing_unchanged(monkeypatch):
+    """Without a prefix engine the wrapper calls verl's method: verl's length balancing (which splits groups) and
+    its metrics, none of ours."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    groups = [(f"u{g}", 100 + 37 * g, [10 + 5 * ((g + i) % 4) for i in range(4)]) for g in range(8)]
+    batch, uid_of = make_batch(groups, shuffle_seed=1)
+    fake_store(monkeypatch, uid_of)
+    monkeypatch.setattr(trainer_base, "upsample_batch_to_divisible_size", lambda b, m, eos: b)
+    metrics: dict = {}
+    out = _stock_trainer(_v1_modes()["sync"], "fsdp2")._balance_batch(batch, metrics)
+    assert not any(k.startswith("actor/prefix") for k in metrics)
+    assert any(k.startswith("global_seqlen") for k in metrics)
+    split = [u for block in rank_blocks(out, uid_of, 2) for u in set(block) if block.count(u) != 4]
+    assert split, "verl's own balancing splits these groups (the wrapper must not have changed it)"
+
+
+def test_prefix_sync_with_a_stock_engine_refuses_to_start():
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "fsdp2"}}, "trainer": {"v1": {}}})
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.strategy=prefix_fsdp2"):
+        PrefixPPOTrainer(config)
+
+
+def test_legacy_trainer_keeps_groups_whole_for_a_prefix_engine():
+    """``trainer.use_v1=false`` (verl's ``RayPPOTrainer``, a ``DataProto`` balanced in place): whole groups per
+    rank with a prefix engine; verl's own balancing without one."""
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    gen = torch.Generator().manual_seed(0)
+    uids, prompts_len, response_len = [], [], []
+    for g in range(8):
+        for i in range(4):
+            uids.append(f"u{g}")
+            prompts_len.append(5 + 3 * g)
+            response_len.append(1 + (g * 7 + i * 3) % 9)
+    order = torch.randperm(len(uids), generator=gen).tolist()
+    uids = [uids[i] for i in order]
+    prompts_len = [prompts_len[i] for i in order]
+    response_len = [response_len[i] for i in order]
+    width_p, width_r = max(prompts_len), max(response_len)
+
+    def batch():
+        mask = torch.zeros(len(uids), width_p + width_r, dtype=torch.long)
+        for row, (p, r) in enumerate(zip(prompts_len, response_len)):
+            mask[row, width_p - p : width_p + r] = 1
+        tensors = {
+            "attention_mask": mask,
+            "prompts": torch.randint(3, 100, (len(uids), width_p), generator=gen),
+            "responses": torch.randint(3, 100, (len(uids), width_r), generator=gen),
+        }
+        return DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(uids, dtype=object)})
+
+    def run(strategy: str) -> tuple[list[list[str]], dict]:
+        trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+        trainer.config = OmegaConf.create(
+            {"actor_rollout_ref": {"actor": {"strategy": strategy, "ppo_mini_batch_size": 4}, "rollout": {"n": 4}}}
+        )
+        trainer.actor_rollout_wg = SimpleNamespace()
+        trainer._get_dp_size = lambda worker_group, role: 2
+        data, metrics = batch(), {}
+        trainer._balance_batch(data, metrics)
+        got = [str(u) for u in data.non_tensor_batch["uid"]]
+        return [got[:16], got[16:]], metrics
+
+    blocks, metrics = run("prefix_fsdp2")
+    for block in blocks:
+        for mini_batch in (block[:8], block[8:]):
+            assert all(mini_batch.count(u) == 4 for u in set(mini_batch))
+    assert metrics["actor/prefix/split_groups"] == 0.0
+    blocks, metrics = run("fsdp2")
+    assert not any(k.startswith("actor/prefix") for k in metrics)
+    assert any(block.count(u) != 4 for block in blocks for u in set(block))

@@ -1,11 +1,24 @@
-"""A verl v1 trainer mode that keeps uid groups whole per rank, with our actor worker.
+"""Reuse under every verl trainer mode: selecting a prefix engine is enough.
 
-Select it with two lines on top of the stock ``python -m verl.trainer.main_ppo`` config::
+verl's trainers balance each batch over data-parallel ranks by sequence length alone, which splits GRPO groups
+across ranks and mini-batches so that reuse quietly shrinks or vanishes. ``install_trainer_hooks`` (run when the
+plugin is imported) wraps the balancing every trainer runs: the v1 trainers' ``_balance_batch`` (``sync``,
+``colocate_async``, ``separate_async``: one method of their base class) and the legacy ``RayPPOTrainer``'s
+(``trainer.use_v1=false``). When ``actor_rollout_ref.actor.strategy`` names a prefix engine (``prefix_fsdp2``,
+``prefix_torchtitan``) the wrapper packs whole groups into (rank, mini-batch) slots
+(``verl_prefix.backend.balance``) and logs the forward-only passes' reuse telemetry; otherwise it calls verl's own
+method unchanged, so a run that never selects a prefix engine trains exactly as before. Groups that still end up
+split (one larger than a slot) are counted as ``actor/prefix/split_groups`` with one warning naming the fix.
+
+``prefix_sync``, the trainer mode earlier versions required, stays as an alias: it is verl's synchronous trainer
+with the same balancing, refusing to start with a stock engine.
+
+With two lines on top of the stock ``python -m verl.trainer.main_ppo`` config::
 
     trainer.v1.trainer_mode=prefix_sync
     actor_rollout_ref.actor.strategy=prefix_fsdp2
 
-It is verl's synchronous trainer with three changes: ``_balance_batch`` packs whole groups into
+it is verl's synchronous trainer with three changes: ``_balance_batch`` packs whole groups into
 (rank, mini-batch) slots (``verl_prefix.backend.balance``) instead of sorting samples by length, the
 actor/ref roles run ``PrefixActorRolloutRefWorker``, and the forward-only passes' ``prefix/...``
 telemetry, which verl's trainer drops, is logged as ``actor/prefix/old_log_prob/...`` and
@@ -17,13 +30,15 @@ config says ``sync`` during construction, so every such check sees a synchronous
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, open_dict
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -64,6 +79,14 @@ class PrefixPPOTrainer(PPOTrainerSync):
     """The synchronous v1 trainer with group-keeping balancing and the prefix actor worker."""
 
     def __init__(self, config: DictConfig, *args: Any, **kwargs: Any) -> None:
+        if not prefix_engine_selected(config):
+            strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None)
+            raise ValueError(
+                f"trainer.v1.trainer_mode={TRAINER_MODE} keeps uid groups whole for a prefix engine, but "
+                f"actor_rollout_ref.actor.strategy={strategy} trains dense: add "
+                "actor_rollout_ref.actor.strategy=prefix_fsdp2 (or prefix_torchtitan). Selecting the engine is "
+                f"enough under any trainer mode; {TRAINER_MODE} is an alias of sync"
+            )
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"
         super().__init__(config, *args, **kwargs)
@@ -82,63 +105,186 @@ class PrefixPPOTrainer(PPOTrainerSync):
         return result
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        with forward_only_telemetry(self.actor_rollout_wg, "compute_log_prob", metrics, "actor/prefix/old_log_prob/"):
+        with old_log_prob_telemetry(self, metrics):
             return super()._compute_old_log_prob(batch, metrics)
 
     def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
-        # the worker group and method verl's _compute_ref_log_prob calls
-        if self.ref_in_actor:
-            worker_group, method = self.actor_rollout_wg, "compute_log_prob"
-        else:
-            worker_group, method = self.ref_policy_wg, "compute_ref_log_prob"
-        with forward_only_telemetry(worker_group, method, metrics, "actor/prefix/ref_log_prob/"):
+        with ref_log_prob_telemetry(self, metrics):
             return super()._compute_ref_log_prob(batch, metrics)
-
-    def _mini_batches_per_rank(self, batch_size: int, dp_size: int) -> int:
-        global_mini_batch = self.config.actor_rollout_ref.actor.ppo_mini_batch_size
-        global_mini_batch *= self.config.actor_rollout_ref.rollout.n
-        return max(batch_size // global_mini_batch, 1) if batch_size % global_mini_batch == 0 else 1
-
-    def _tree_min_shared_tokens(self) -> int | None:
-        """``min_shared_tokens`` where the actor runs ``prefix_reuse.tree`` (placement keeps shared roots
-        together), else ``None``."""
-        actor = self.config.actor_rollout_ref.actor
-        reuse = actor.get("prefix_reuse") or (actor.get("fsdp_config") or {}).get("prefix_reuse") or {}
-        if not reuse.get("tree", False) or not reuse.get("enable", True):
-            return None
-        return int(reuse.get("min_shared_tokens", DEFAULT_MIN_SHARED_TOKENS))
 
     def _balance_batch(
         self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen", keep_minibatch: bool = False
     ) -> Any:
-        import transfer_queue as tq
+        return keep_groups_balance(self, batch, metrics)
 
-        worker_group = self.actor_rollout_wg
-        if "actor" not in worker_group._dispatch_info:
-            worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
-        dp_size = max(worker_group._dispatch_info["actor"]) + 1
 
-        batch = upsample_batch_to_divisible_size(
-            batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id
+def prefix_engine_selected(config: Any) -> bool:
+    """Whether the run's actor trains on a prefix engine (``actor_rollout_ref.actor.strategy=prefix_*``)."""
+    strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None) if config else None
+    return str(strategy or "").startswith("prefix_")
+
+
+def mini_batches_per_rank(config: Any, batch_size: int) -> int:
+    """How many mini-batches each rank's share of a ``batch_size`` batch is cut into (verl's rule)."""
+    global_mini_batch = config.actor_rollout_ref.actor.ppo_mini_batch_size
+    global_mini_batch *= config.actor_rollout_ref.rollout.n
+    return max(batch_size // global_mini_batch, 1) if batch_size % global_mini_batch == 0 else 1
+
+
+def tree_min_shared_tokens(config: Any) -> int | None:
+    """``min_shared_tokens`` where the actor runs ``prefix_reuse.tree`` (placement keeps shared roots together),
+    else ``None``."""
+    actor = config.actor_rollout_ref.actor
+    reuse = actor.get("prefix_reuse") or (actor.get("fsdp_config") or {}).get("prefix_reuse") or {}
+    if not reuse.get("tree", False) or not reuse.get("enable", True):
+        return None
+    return int(reuse.get("min_shared_tokens", DEFAULT_MIN_SHARED_TOKENS))
+
+
+_SPLIT_WARNED: set[str] = set()
+
+
+def _report(plan: Any, metrics: dict) -> None:
+    """The plan's balance metrics, ``actor/prefix/split_groups``, and one warning per process if any split."""
+    metrics.update({f"actor/{k}": v for k, v in plan.metrics().items()})
+    metrics["actor/prefix/split_groups"] = float(plan.split_groups)
+    if plan.split_groups and "split" not in _SPLIT_WARNED:
+        _SPLIT_WARNED.add("split")
+        logger.warning(
+            "prefix reuse: %d uid groups did not fit one (rank, mini-batch) slot and were split (each part still "
+            "reuses its prefix on its rank, the saving shrinks): raise actor_rollout_ref.actor.ppo_mini_batch_size "
+            "or lower the number of data-parallel ranks so that a slot holds whole groups "
+            "(actor/prefix/split_groups)",
+            plan.split_groups,
         )
-        tree = self._tree_min_shared_tokens()
-        fields = ["uid", "prompts"] if tree else ["uid"]
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        uids = data["uid"]
-        uids = [str(u) for u in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
-        roots = shared_roots(prompt_rows(data["prompts"], batch.tags), uids, tree) if tree else None
-        plan = balance_groups(
-            prompt_lens=[int(tag["prompt_len"]) for tag in batch.tags],
-            response_lens=[int(tag["response_len"]) for tag in batch.tags],
-            uids=uids,
-            dp_size=dp_size,
-            mini_batches_per_rank=self._mini_batches_per_rank(len(batch), dp_size),
-            splittable=[bool(tag.get("is_padding", False)) for tag in batch.tags],
-            roots=roots,
-        )
-        batch.reorder(plan.order)
-        metrics.update({f"actor/{k}": v for k, v in plan.metrics().items()})
-        return batch
+
+
+def keep_groups_balance(trainer: Any, batch: Any, metrics: dict) -> Any:
+    """A v1 trainer's ``_balance_batch`` that keeps uid groups whole: upsample as verl does, then pack whole
+    groups (and, under the tree, groups sharing a root) into (rank, mini-batch) slots."""
+    import transfer_queue as tq
+
+    worker_group = trainer.actor_rollout_wg
+    if "actor" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
+    dp_size = max(worker_group._dispatch_info["actor"]) + 1
+
+    batch = upsample_batch_to_divisible_size(
+        batch, trainer._get_required_batch_multiple(dp_size), trainer.tokenizer.eos_token_id
+    )
+    tree = tree_min_shared_tokens(trainer.config)
+    fields = ["uid", "prompts"] if tree else ["uid"]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    uids = data["uid"]
+    uids = [str(u) for u in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
+    roots = shared_roots(prompt_rows(data["prompts"], batch.tags), uids, tree) if tree else None
+    plan = balance_groups(
+        prompt_lens=[int(tag["prompt_len"]) for tag in batch.tags],
+        response_lens=[int(tag["response_len"]) for tag in batch.tags],
+        uids=uids,
+        dp_size=dp_size,
+        mini_batches_per_rank=mini_batches_per_rank(trainer.config, len(batch)),
+        splittable=[bool(tag.get("is_padding", False)) for tag in batch.tags],
+        roots=roots,
+    )
+    batch.reorder(plan.order)
+    _report(plan, metrics)
+    return batch
+
+
+def keep_groups_balance_legacy(trainer: Any, batch: Any, metrics: dict) -> None:
+    """The legacy ``RayPPOTrainer._balance_batch`` (``trainer.use_v1=false``, a ``DataProto`` reordered in place)
+    keeping uid groups whole, with the same planner."""
+    mask = batch.batch["attention_mask"]
+    responses = batch.batch["responses"].shape[-1]
+    response_lens = mask[:, -responses:].sum(-1).tolist()
+    prompt_lens = mask[:, :-responses].sum(-1).tolist()
+    uids = [str(u) for u in batch.non_tensor_batch["uid"]]
+    dp_size = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
+    tree = tree_min_shared_tokens(trainer.config)
+    roots = None
+    if tree:
+        rows = [row[-int(n) :] if n else row[:0] for row, n in zip(batch.batch["prompts"], prompt_lens)]
+        roots = shared_roots(rows, uids, tree)
+    plan = balance_groups(
+        prompt_lens=[int(p) for p in prompt_lens],
+        response_lens=[int(r) for r in response_lens],
+        uids=uids,
+        dp_size=dp_size,
+        mini_batches_per_rank=mini_batches_per_rank(trainer.config, len(uids)),
+        splittable=[False] * len(uids),
+        roots=roots,
+    )
+    batch.reorder(torch.tensor(plan.order))
+    _report(plan, metrics)
+
+
+@contextmanager
+def old_log_prob_telemetry(trainer: Any, metrics: dict) -> Iterator[None]:
+    with forward_only_telemetry(trainer.actor_rollout_wg, "compute_log_prob", metrics, "actor/prefix/old_log_prob/"):
+        yield
+
+
+@contextmanager
+def ref_log_prob_telemetry(trainer: Any, metrics: dict) -> Iterator[None]:
+    # the worker group and method verl's _compute_ref_log_prob calls
+    if trainer.ref_in_actor:
+        worker_group, method = trainer.actor_rollout_wg, "compute_log_prob"
+    else:
+        worker_group, method = trainer.ref_policy_wg, "compute_ref_log_prob"
+    with forward_only_telemetry(worker_group, method, metrics, "actor/prefix/ref_log_prob/"):
+        yield
+
+
+def _selected(trainer: Any) -> bool:
+    return prefix_engine_selected(getattr(trainer, "config", None))
+
+
+def install_trainer_hooks() -> None:
+    """Wrap the balancing (and the forward-only passes' telemetry) of every verl trainer so that a prefix engine
+    gets whole groups under any trainer mode; a run without a prefix engine calls verl's methods unchanged.
+    Idempotent."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    if getattr(PPOTrainer._balance_batch, "_verl_prefix", False):
+        return
+    v1_balance, legacy_balance = PPOTrainer._balance_batch, RayPPOTrainer._balance_batch
+    v1_old, v1_ref = PPOTrainer._compute_old_log_prob, PPOTrainer._compute_ref_log_prob
+
+    @functools.wraps(v1_balance)
+    def balance(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
+        if _selected(self):
+            return keep_groups_balance(self, batch, metrics)
+        return v1_balance(self, batch, metrics, *args, **kwargs)
+
+    @functools.wraps(legacy_balance)
+    def balance_legacy(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
+        if _selected(self):
+            return keep_groups_balance_legacy(self, batch, metrics)
+        return legacy_balance(self, batch, metrics, *args, **kwargs)
+
+    @functools.wraps(v1_old)
+    def old_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
+        if not _selected(self) or isinstance(self, PrefixPPOTrainer):
+            return v1_old(self, batch, metrics)
+        with old_log_prob_telemetry(self, metrics):
+            return v1_old(self, batch, metrics)
+
+    @functools.wraps(v1_ref)
+    def ref_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
+        if not _selected(self) or isinstance(self, PrefixPPOTrainer):
+            return v1_ref(self, batch, metrics)
+        with ref_log_prob_telemetry(self, metrics):
+            return v1_ref(self, batch, metrics)
+
+    for wrapper in (balance, balance_legacy, old_log_prob, ref_log_prob):
+        wrapper._verl_prefix = True
+    PPOTrainer._balance_batch = balance
+    RayPPOTrainer._balance_batch = balance_legacy
+    PPOTrainer._compute_old_log_prob = old_log_prob
+    PPOTrainer._compute_ref_log_prob = ref_log_prob
+
 
 
 @contextmanager
@@ -194,10 +340,16 @@ def _role_name(role: Any) -> str:
     return getattr(role, "name", str(role))
 
 
+install_trainer_hooks()
+
 __all__ = [
     "PrefixActorRolloutRefWorker",
     "PrefixPPOTrainer",
     "TRAINER_MODE",
     "forward_only_telemetry",
+    "install_trainer_hooks",
+    "keep_groups_balance",
+    "keep_groups_balance_legacy",
+    "prefix_engine_selected",
     "prefix_metrics_of",
 ]
