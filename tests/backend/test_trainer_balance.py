@@ -172,6 +172,21 @@ def test_a_stock_engine_gets_verls_own_balancing_unchanged(monkeypatch):
     assert split, "verl's own balancing splits these groups (the wrapper must not have changed it)"
 
 
+def test_a_stock_twin_can_ask_for_whole_groups(monkeypatch):
+    """``+trainer.v1.keep_groups_for_stock_engine=true``: a stock engine's run balanced like a reuse run, so an A/B
+    twin trains on the same mini-batches."""
+    groups = [(f"u{g}", 100 + 37 * g, [10 + 5 * ((g + i) % 4) for i in range(4)]) for g in range(8)]
+    batch, uid_of = make_batch(groups, shuffle_seed=1)
+    fake_store(monkeypatch, uid_of)
+    trainer = _stock_trainer(_v1_modes()["sync"], "fsdp2")
+    trainer.config.trainer.v1 = {"keep_groups_for_stock_engine": True}
+    metrics: dict = {}
+    out = trainer._balance_batch(batch, metrics)
+    for block in rank_blocks(out, uid_of, 2):
+        assert all(block.count(u) == 4 for u in set(block))
+    assert metrics["actor/prefix/split_groups"] == 0.0
+
+
 def test_prefix_sync_with_a_stock_engine_refuses_to_start():
     from omegaconf import OmegaConf
 

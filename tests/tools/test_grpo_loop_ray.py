@@ -31,7 +31,8 @@ PROMPTS = 4
 
 # Two PPO mini-batches per step (2 prompts x N samples each): every rank takes two optimizer steps per
 # training step, the second at parameters the first moved. verl's stock balancer would put other samples
-# in each mini-batch than ours, so the dense reference runs our trainer mode (same slots) with fsdp2.
+# in each mini-batch than ours, so the dense reference (verl's sync trainer, fsdp2) balances by whole groups
+# (``+trainer.v1.keep_groups_for_stock_engine=true``: the same slots).
 MINI_BATCH_PROMPTS = 2
 TWO_MINI_BATCHES = (f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI_BATCH_PROMPTS}",)
 
@@ -53,7 +54,7 @@ def all_runs(tiny_qwen3_dir):
         "SGD": (dict(sgd, overrides=KL_OVERRIDES), dict(sgd, overrides=KL_OVERRIDES)),
         "AdamW": (dict(optimizer="AdamW", lr=1e-3, **common), dict(optimizer="AdamW", lr=1e-3, **common)),
         "SGD, two mini-batches": (
-            dict(sgd, overrides=(*TWO_MINI_BATCHES, "trainer.v1.trainer_mode=prefix_sync")),
+            dict(sgd, overrides=(*TWO_MINI_BATCHES, "+trainer.v1.keep_groups_for_stock_engine=true")),
             dict(sgd, overrides=TWO_MINI_BATCHES),
         ),
     }
@@ -148,7 +149,7 @@ def test_two_mini_batches_per_step_match_dense(all_runs):
     normalisation, lockstep counts) must not leak, and the second update starts where the first left."""
     dense, prefix = all_runs["SGD, two mini-batches"]
     assert (dense.mode, dense.strategy, prefix.mode, prefix.strategy) == (
-        "prefix_sync",
+        "sync",
         "fsdp2",
         "prefix_sync",
         "prefix_fsdp2",

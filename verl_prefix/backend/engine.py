@@ -73,6 +73,20 @@ from verl_prefix.schedule.ulysses import Ulysses
 logger = logging.getLogger(__name__)
 
 
+_FSDP2_LOGGED: list[bool] = []
+
+
+def log_fsdp2_once() -> None:
+    """verl's default actor strategy is ``fsdp`` (FSDP1); ``prefix_fsdp2`` is built on verl's FSDP2 engine. Said
+    once per process so that a recipe switched from ``fsdp`` knows its checkpoints and sharding are FSDP2's."""
+    if not _FSDP2_LOGGED:
+        _FSDP2_LOGGED.append(True)
+        logger.warning(
+            "prefix_fsdp2 runs verl's FSDP2 engine (torch fully_shard), whatever the recipe's FSDP version: verl's "
+            "default strategy fsdp (FSDP1) is not served by reuse; checkpoints are FSDP2's, as with strategy=fsdp2"
+        )
+
+
 class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     """Drop-in for verl's ``FSDPEngineWithLMHead`` selected by ``actor.strategy=prefix_fsdp2``."""
 
@@ -89,6 +103,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             # verl's FSDP code branches on strategy == "fsdp2"; keep the caller's object untouched.
             engine_config = copy.copy(engine_config)
             object.__setattr__(engine_config, "strategy", "fsdp2")
+            log_fsdp2_once()
         super().__init__(model_config, engine_config, *args, **kwargs)
         self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
         self.moe_aux_loss_coef = getattr(engine_config, "moe_aux_loss_coef", 0.0)

@@ -79,13 +79,14 @@ class PrefixPPOTrainer(PPOTrainerSync):
     """The synchronous v1 trainer with group-keeping balancing and the prefix actor worker."""
 
     def __init__(self, config: DictConfig, *args: Any, **kwargs: Any) -> None:
-        if not prefix_engine_selected(config):
+        if not keeps_groups(config):
             strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None)
             raise ValueError(
                 f"trainer.v1.trainer_mode={TRAINER_MODE} keeps uid groups whole for a prefix engine, but "
                 f"actor_rollout_ref.actor.strategy={strategy} trains dense: add "
-                "actor_rollout_ref.actor.strategy=prefix_fsdp2 (or prefix_torchtitan). Selecting the engine is "
-                f"enough under any trainer mode; {TRAINER_MODE} is an alias of sync"
+                "actor_rollout_ref.actor.strategy=prefix_fsdp2 (or prefix_torchtitan; selecting the engine is "
+                f"enough under any trainer mode, {TRAINER_MODE} is an alias of sync). For a stock twin that "
+                f"trains on the same mini-batches as a reuse run, add +{KEEP_GROUPS_KEY}=true"
             )
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"
@@ -118,10 +119,21 @@ class PrefixPPOTrainer(PPOTrainerSync):
         return keep_groups_balance(self, batch, metrics)
 
 
+# a stock engine's run that balances like a reuse run (an A/B twin on the same mini-batches)
+KEEP_GROUPS_KEY = "trainer.v1.keep_groups_for_stock_engine"
+
+
 def prefix_engine_selected(config: Any) -> bool:
     """Whether the run's actor trains on a prefix engine (``actor_rollout_ref.actor.strategy=prefix_*``)."""
     strategy = OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default=None) if config else None
     return str(strategy or "").startswith("prefix_")
+
+
+def keeps_groups(config: Any) -> bool:
+    """Whether the trainer balances by whole uid groups: a prefix engine, or a stock one asked to
+    (``+trainer.v1.keep_groups_for_stock_engine=true``, a twin comparing like with like)."""
+    twin = OmegaConf.select(config, KEEP_GROUPS_KEY, default=False) if config else False
+    return prefix_engine_selected(config) or bool(twin)
 
 
 def mini_batches_per_rank(config: Any, batch_size: int) -> int:
@@ -240,6 +252,10 @@ def _selected(trainer: Any) -> bool:
     return prefix_engine_selected(getattr(trainer, "config", None))
 
 
+def _keeps_groups(trainer: Any) -> bool:
+    return keeps_groups(getattr(trainer, "config", None))
+
+
 def install_trainer_hooks() -> None:
     """Wrap the balancing (and the forward-only passes' telemetry) of every verl trainer so that a prefix engine
     gets whole groups under any trainer mode; a run without a prefix engine calls verl's methods unchanged.
@@ -251,18 +267,25 @@ def install_trainer_hooks() -> None:
         return
     v1_balance, legacy_balance = PPOTrainer._balance_batch, RayPPOTrainer._balance_batch
     v1_old, v1_ref = PPOTrainer._compute_old_log_prob, PPOTrainer._compute_ref_log_prob
+    v1_pools = PPOTrainer._init_resource_pool_mgr
 
     @functools.wraps(v1_balance)
     def balance(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
-        if _selected(self):
+        if _keeps_groups(self):
             return keep_groups_balance(self, batch, metrics)
         return v1_balance(self, batch, metrics, *args, **kwargs)
 
     @functools.wraps(legacy_balance)
     def balance_legacy(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
-        if _selected(self):
+        if _keeps_groups(self):
             return keep_groups_balance_legacy(self, batch, metrics)
         return legacy_balance(self, batch, metrics, *args, **kwargs)
+
+    @functools.wraps(v1_pools)
+    def resource_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _selected(self) and not isinstance(self, PrefixPPOTrainer):
+            check_plugin_on_nodes()  # before any worker exists, as prefix_sync does
+        return v1_pools(self, *args, **kwargs)
 
     @functools.wraps(v1_old)
     def old_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
@@ -278,13 +301,13 @@ def install_trainer_hooks() -> None:
         with ref_log_prob_telemetry(self, metrics):
             return v1_ref(self, batch, metrics)
 
-    for wrapper in (balance, balance_legacy, old_log_prob, ref_log_prob):
+    for wrapper in (balance, balance_legacy, old_log_prob, ref_log_prob, resource_pools):
         wrapper._verl_prefix = True
+    PPOTrainer._init_resource_pool_mgr = resource_pools
     PPOTrainer._balance_batch = balance
     RayPPOTrainer._balance_batch = balance_legacy
     PPOTrainer._compute_old_log_prob = old_log_prob
     PPOTrainer._compute_ref_log_prob = ref_log_prob
-
 
 
 @contextmanager
@@ -348,6 +371,7 @@ __all__ = [
     "TRAINER_MODE",
     "forward_only_telemetry",
     "install_trainer_hooks",
+    "keeps_groups",
     "keep_groups_balance",
     "keep_groups_balance_legacy",
     "prefix_engine_selected",
