@@ -68,7 +68,7 @@ REFUSED_LAYER_TYPES: dict[str, tuple[str, str]] = {
 
 # what a config attribute or an attention module's attribute may be named when it decides which keys a query sees
 MASK_NAME_PATTERN = re.compile(
-    r"window|chunk|compress|sparse|index|sink|bidirectional|causal|block_size|top_?k|local|global|mask|span|stride|"
+    r"window|chunk|compress|spars|index|sink|bidirectional|causal|block_size|top_?k|local|global|mask|span|stride|"
     r"dynamic|dilat",
     re.IGNORECASE,
 )
