@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import deepseek_v4 as V4
 from helpers import model_matrix as M
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import fp64_throughout
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import ALLOWED_LAYER_TYPES
 
 from verl_prefix.schedule import known_structures as K
@@ -35,17 +36,6 @@ from verl_prefix.tools.dashboard_spec import all_panels
 MODELS = Path(transformers.__file__).parent / "models"
 LAYER_TYPES = {**K.SERVED_LAYER_TYPES, **K.REFUSED_LAYER_TYPES}
 ATTRIBUTES = {**K.SERVED_ATTRIBUTES, **K.REFUSED_ATTRIBUTES, **K.UNRELATED_ATTRIBUTES}
-# DeepSeek-V4 shrunk (DESIGN.md section 7): compression rates and the window below the matrix's 40-token prompt
-V4 = {
-    "compress_rates": {"heavily_compressed_attention": 8, "compressed_sparse_attention": 4},
-    "sliding_window": 16,
-    "q_lora_rank": 16,
-    "o_lora_rank": 16,
-    "o_groups": 2,
-    "index_n_heads": 2,
-    "index_head_dim": 16,
-    "index_topk": 4,
-}
 
 
 @functools.cache
@@ -241,13 +231,6 @@ def test_an_unlisted_mask_shaping_attribute_refuses_when_active(word, fragment, 
     assert ("model.layers.1.self_attn" if owner == "module" else "LlamaForCausalLM (config.") in refusal.module
 
 
-def _v4(layer_types: list[str], dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    config = Z.tiny_config("deepseek_v4", "eager", layer_types=layer_types, **V4)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
-    return model.to(dtype).train()
-
-
 @pytest.mark.parametrize(
     "layer_types",
     [
@@ -256,7 +239,7 @@ def _v4(layer_types: list[str], dtype: torch.dtype = torch.float32) -> torch.nn.
     ],
 )
 def test_deepseek_v4_compressed_attention_refuses_at_initialisation(layer_types):
-    refusal = structure_refusal(_v4(layer_types))
+    refusal = structure_refusal(V4.build(layer_types))
     first = next(i for i, t in enumerate(layer_types) if t != "sliding_attention")
     assert refusal is not None and refusal.reason == "compressed_attention", refusal
     assert refusal.module == f"model.layers.{first} (DeepseekV4DecoderLayer)"
@@ -278,12 +261,12 @@ def test_deepseek_v4_negative_control_reuse_would_stop_mid_step():
     """Why it is refused: forced past the check, reuse over compressed layers stops in phase B (the suffix's
     compressor sees only suffix tokens, so its compressed keys do not line up with the dense ones)."""
     with pytest.raises(RuntimeError, match="must match the size"):
-        _reuse_error(_v4(["heavily_compressed_attention", "heavily_compressed_attention"], torch.float64))
+        _reuse_error(V4.build(["heavily_compressed_attention", "heavily_compressed_attention"], torch.float64))
 
 
 def test_deepseek_v4_of_sliding_layers_only_is_served_and_exact():
     """Without compressed layers its compression rates and indexer sizes configure nothing
     (``CONFIGURES_LAYER_TYPES``): served, and exact against dense (sinks, hash-routed experts, a 16-token window)."""
-    net = _v4(["sliding_attention", "sliding_attention"], torch.float64)
+    net = V4.build(["sliding_attention", "sliding_attention"], torch.float64)
     assert structure_refusal(net) is None
     assert _reuse_error(net) < M.TOLERANCE[torch.float64]
