@@ -125,9 +125,11 @@ def structure_refusal(model: nn.Module) -> StructureRefusal | None:
             "no_decoder_layers", name, f"no list of {num_layers} decoder layers found to capture K/V from"
         )
     path, modules = layers
-    unknown_type = known_structures.layer_type_refusal(text_config(model))
-    if unknown_type is not None:  # before the module checks: a compressed layer's indexer is not the first problem
-        attribute, index, value, reason, detail = unknown_type
+    # before the module checks, so DeepSeek-V4's compressed-sparse layers refuse by their compression (an indexer's
+    # top-k over compressed keys is the second problem), not as sparse_attention
+    by_type = known_structures.layer_type_refusal(text_config(model))
+    if by_type is not None:
+        attribute, index, value, reason, detail = by_type
         where = f"{path}.{index} ({type(modules[index]).__name__})" if index < len(modules) else name
         return StructureRefusal(reason, where, f"{attribute}[{index}]={value!r}: {detail}")
     try:
