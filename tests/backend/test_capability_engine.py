@@ -2,7 +2,9 @@
 schedule cannot serve (a tiny ``falcon_h1``: Mamba-2 mixers beside attention in each layer) runs dense from the
 first step, counted as ``prefix/fallback_recurrent_layers`` with one log line at initialisation naming the
 module, and its gradients are the stock engine's; under ``unsupported_model=raise`` the engine refuses it naming
-the module, instead of stopping mid-step ("phase A did not capture K/V for every layer")."""
+the module, instead of stopping mid-step ("phase A did not capture K/V for every layer"). The allowlist (issue 36): a
+model whose config lists a layer type verl-prefix does not know, and DeepSeek-V4's compressed attention (which
+stopped mid-step), run dense from step one with their reasons and the stock engine's gradients."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from helpers import deepseek_v4 as V4
 from helpers.reuse import assert_no_reuse
 
 from verl_prefix import PrefixReuseConfig
@@ -51,6 +54,76 @@ def test_hybrid_runs_dense_with_the_reason_from_step_one(hybrid_dir, caplog):
         again = T.run_train_step(prefix, p_loss, batch())  # the decision stands: no new log line
     assert again["reduced_metrics"]["prefix/fallback_recurrent_layers"] == 8.0
     assert not [r for r in caplog.records if "cannot serve this model" in r.getMessage()]
+
+
+def dense_from_step_one(model_dir, reason: str, module: str, caplog, attn_implementation: str = "sdpa") -> None:
+    """The prefix engine decides at initialisation (one log line naming ``module`` and ``reason``), then every
+    row of every step runs dense, counted as ``prefix/fallback_<reason>``, with the stock engine's gradients."""
+    with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.agreement"):
+        prefix, p_loss, _ = T.build_verl_engine(
+            model_dir, backend="prefix_fsdp2", dtype="float64", attn_implementation=attn_implementation
+        )
+    said = [r.getMessage() for r in caplog.records if "cannot serve this model" in r.getMessage()]
+    assert len(said) == 1 and module in said[0] and f"prefix/fallback_{reason}" in said[0], said
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)  # every group would reuse if it could
+    dense, d_loss, _ = T.build_verl_engine(
+        model_dir, backend="fsdp2", dtype="float64", attn_implementation=attn_implementation
+    )
+    # prompts past the tiny models' lengths (DeepSeek-V4's 8-token compression, its 16-token window)
+    data = T.make_grpo_batch(
+        num_groups=2, group_size=4, prompt_lens=[21, 13], response_len_range=(2, 6), vocab_size=Z.VOCAB, seed=5
+    )
+    want = T.run_train_step(dense, d_loss, data, capture_grads=True)
+    got = T.run_train_step(prefix, p_loss, data.clone(), capture_grads=True)
+    metrics = got["reduced_metrics"]
+    assert metrics[f"prefix/fallback_{reason}"] == 8.0, sorted(metrics)
+    assert_no_reuse(metrics)
+    worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
+    assert worst < 1e-10
+
+
+def test_an_unknown_layer_type_runs_dense_from_step_one(tmp_path, monkeypatch, caplog):
+    """A transformers that allows a layer type verl-prefix has never seen (simulated: ``future_attention`` added to
+    ``ALLOWED_LAYER_TYPES``) on a model whose forward ignores it (Llama): dense, ``unknown_structure:<type>``."""
+    from transformers import configuration_utils
+
+    allowed = (*configuration_utils.ALLOWED_LAYER_TYPES, "future_attention")
+    monkeypatch.setattr(configuration_utils, "ALLOWED_LAYER_TYPES", allowed)
+    model_dir = T.write_tiny_model(
+        tmp_path, "llama", dtype=torch.float64, extra_config={"layer_types": ["full_attention", "future_attention"]}
+    )
+    dense_from_step_one(
+        model_dir, "unknown_structure:future_attention", "model.layers.1 (FSDPLlamaDecoderLayer)", caplog
+    )
+
+
+def test_deepseek_v4_compressed_attention_runs_dense_from_step_one(tmp_path, caplog):
+    """Compression rates 8 and 4 with sequences past them: reuse stopped mid-step (``size of tensor a (77) must
+    match b (69)``); now dense from the first step, ``compressed_attention``, equal to the stock engine."""
+    model_dir = V4.write(tmp_path, [V4.HCA, V4.CSA])
+    dense_from_step_one(
+        model_dir,
+        "compressed_attention",
+        "model.layers.0 (FSDPDeepseekV4DecoderLayer)",
+        caplog,
+        attn_implementation="eager",
+    )
+
+
+def test_deepseek_v4_negative_control_past_the_check_reuse_stops_mid_step(tmp_path, monkeypatch):
+    """What the refusal prevents: with the capability check bypassed the same engine and batch stop in a step."""
+    from verl_prefix.backend import agreement
+
+    monkeypatch.setattr(agreement, "structure_refusal", lambda model: None)
+    engine, loss, _ = T.build_verl_engine(
+        V4.write(tmp_path, [V4.HCA, V4.CSA]), backend="prefix_fsdp2", dtype="float64", attn_implementation="eager"
+    )
+    engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    data = T.make_grpo_batch(
+        num_groups=2, group_size=4, prompt_lens=[21, 13], response_len_range=(2, 6), vocab_size=Z.VOCAB, seed=5
+    )
+    with pytest.raises(RuntimeError, match="must match the size"):
+        T.run_train_step(engine, loss, data)
 
 
 def test_raise_refuses_at_initialisation_naming_the_module(hybrid_dir):

@@ -109,6 +109,9 @@ def test_every_panel_key_is_logged(logged):
     update, old = fallbacks
     assert not update.matches("actor/prefix/old_log_prob/fallback_small_group")
     assert not old.matches("actor/prefix/fallback_small_group")
+    # a structure the capability check does not know is plotted under its own name
+    unknown = "actor/prefix/fallback_unknown_structure:future_attention"
+    assert update.matches(unknown) and update.label(unknown) == "unknown_structure:future_attention"
 
 
 def test_spec_has_what_the_issue_asks_for():

@@ -69,11 +69,12 @@ class PrefixReuseConfig(BaseConfig):
             not the activations). ``None``/0: the prefix runs whole. Counted as ``prefix/chunked_groups``
             and ``prefix/prefix_chunks``.
         unsupported_model: what the engine does with a model whose structure the schedule cannot serve
-            (recurrent or convolution layers, attention outside HF's attention interface, cross-attention...;
-            ``verl_prefix.schedule.capability``), decided once at engine initialisation and agreed by every
-            data-parallel rank: ``dense`` runs every mini-batch through the stock path, counted as
-            ``prefix/fallback_<reason>`` with one log line at initialisation naming the module; ``raise`` stops
-            every rank with one ``UnsupportedModel`` error naming it.
+            (recurrent or convolution layers, attention outside HF's attention interface, cross-attention,
+            compressed attention...; ``verl_prefix.schedule.capability``) or does not know (a layer type or
+            mask-shaping attribute outside ``schedule.known_structures``: ``unknown_structure:<name>``), decided
+            once at engine initialisation and agreed by every data-parallel rank: ``dense`` runs every mini-batch
+            through the stock path, counted as ``prefix/fallback_<reason>`` with one log line at initialisation
+            naming the module; ``raise`` stops every rank with one ``UnsupportedModel`` error naming it.
         tree: run each rank's groups as a token trie (``docs/trees.md``): tokens that several groups' prompts
             share (a system block) run once per rank and mini-batch, not once per group. ``dormant_prefix``
             applies per node and ``merged_varlen`` packs each node's forward (one row over its ancestors' K/V)

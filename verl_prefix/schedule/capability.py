@@ -12,6 +12,13 @@ names the module, and says why; the backend decides what to do with it (``prefix
 ``FAMILY_REFUSALS`` lists the few families whose attention goes through the interface but whose outputs
 still depend on something phase B cannot reproduce; each entry says what, as measured by the coverage matrix
 (``docs/models.md``).
+
+Above the module checks sits an allowlist (``schedule.known_structures``): every per-layer type the config lists
+(``layer_types``, ``mlp_layer_types``...) and every active mask-shaping attribute of the config and of the attention
+modules (a window, a chunk, a compression rate, an indexer, sinks, a bidirectional flag) must be one reuse serves,
+refuses with a reason (DeepSeek-V4's compressed layers: ``compressed_attention``), or knows to be unrelated; any
+other value refuses as ``unknown_structure:<name>``, so a structure a new transformers adds trains dense until
+someone decides (DESIGN trap 19).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import modeling_utils
 
+from verl_prefix.schedule import known_structures
 from verl_prefix.schedule.multimodal import vision_encoder
 from verl_prefix.schedule.recurrent import served_recurrent_layer
 from verl_prefix.schedule.structure import attention_modules, kv_sources
@@ -99,7 +107,8 @@ def text_config(model: nn.Module) -> object:
 
 def structure_refusal(model: nn.Module) -> StructureRefusal | None:
     """The first structure that keeps the schedule from serving ``model`` (an HF causal LM, possibly wrapped
-    by FSDP2), or None when every decoder layer attends causally through HF's attention interface."""
+    by FSDP2), or None when every decoder layer attends causally through HF's attention interface and every layer
+    type and active mask-shaping attribute is one reuse serves (``known_structures``)."""
     config = getattr(model, "config", None)
     name = type(model).__name__
     if getattr(config, "is_encoder_decoder", False):
@@ -116,6 +125,13 @@ def structure_refusal(model: nn.Module) -> StructureRefusal | None:
             "no_decoder_layers", name, f"no list of {num_layers} decoder layers found to capture K/V from"
         )
     path, modules = layers
+    # before the module checks, so DeepSeek-V4's compressed-sparse layers refuse by their compression (an indexer's
+    # top-k over compressed keys is the second problem), not as sparse_attention
+    by_type = known_structures.layer_type_refusal(text_config(model))
+    if by_type is not None:
+        attribute, index, value, reason, detail = by_type
+        where = f"{path}.{index} ({type(modules[index]).__name__})" if index < len(modules) else name
+        return StructureRefusal(reason, where, f"{attribute}[{index}]={value!r}: {detail}")
     try:
         kv_sources(model)  # KV-shared layers read an earlier layer's K/V: the schedule must tell which
     except ValueError as exc:
@@ -144,7 +160,37 @@ def structure_refusal(model: nn.Module) -> StructureRefusal | None:
                 "the decoder layer does not pass its forward keywords on to attention, so the schedule's prefix "
                 "context (a forward keyword) cannot reach it",
             )
+    return _attribute_refusal(model, path, modules)
+
+
+def _attribute_refusal(model: nn.Module, path: str, modules: nn.ModuleList) -> StructureRefusal | None:
+    """The first active mask-shaping attribute of the text config, then of each attention module (an integer
+    ``layer_idx`` and ``is_causal``), that ``known_structures`` does not list as served or unrelated."""
+    config = text_config(model)
+    for attribute, value in known_structures.shaping_attributes(config) if config is not None else ():
+        refusal = known_structures.attribute_refusal(attribute, value, config)
+        if refusal is not None:
+            where = f"{type(model).__name__} (config.{attribute}={_shown(value)})"
+            return StructureRefusal(refusal[0], where, refusal[1])
+    for i, layer in enumerate(modules):
+        for sub_path, module in layer.named_modules():
+            if not (isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "is_causal")):
+                continue
+            for attribute, value in known_structures.shaping_attributes(module):
+                refusal = known_structures.attribute_refusal(attribute, value, module)
+                if refusal is not None:
+                    where = ".".join(p for p in (path, str(i), sub_path) if p)
+                    where = f"{where} ({type(module).__name__}.{attribute}={_shown(value)})"
+                    return StructureRefusal(refusal[0], where, refusal[1])
     return None
+
+
+def _shown(value: object) -> str:
+    """A value for a message: a module or tensor by its type, anything else by ``repr`` (at most 80 chars)."""
+    if isinstance(value, nn.Module) or hasattr(value, "shape"):
+        return type(value).__name__
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList] | None:

@@ -3,7 +3,8 @@
 Every key is one verl's trainer logs: ``timing_s/<stage>`` from its ``marked_timer`` blocks, the engine's
 ``prefix/...`` metrics as ``actor/prefix/...`` (verl prefixes the update's metrics with ``actor/``) and the
 forward-only passes' as ``actor/prefix/old_log_prob/...`` (logged by the ``prefix_sync`` trainer mode).
-Fallback reasons are open-ended, so that panel matches its keys with a pattern instead of a list.
+Fallback reasons are open-ended, so that panel matches its keys with a pattern instead of a list (word characters,
+and ``:``, ``.``, ``-`` for ``unknown_structure:<name>``, ``schedule.known_structures.unknown_reason``).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ SECTIONS: tuple[Section, ...] = (
                 "update fallbacks",
                 "samples",
                 (),
-                pattern=re.escape(ACTOR) + r"fallback_\w+",
+                pattern=re.escape(ACTOR) + r"fallback_[\w:.-]+",
                 pattern_label_after=f"{ACTOR}fallback_",
                 note="none logged: every sample reused",
             ),
@@ -156,7 +157,7 @@ SECTIONS: tuple[Section, ...] = (
                 "old log-prob fallbacks",
                 "samples",
                 (),
-                pattern=re.escape(OLD_LOG_PROB) + r"fallback_\w+",
+                pattern=re.escape(OLD_LOG_PROB) + r"fallback_[\w:.-]+",
                 pattern_label_after=f"{OLD_LOG_PROB}fallback_",
                 note="none logged: every sample reused",
             ),
