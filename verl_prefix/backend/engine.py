@@ -51,6 +51,7 @@ from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
+from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.hf_forwards import remember_hf_forwards
 from verl_prefix.schedule.multimodal import (
@@ -384,6 +385,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         calculate_entropy: bool,
         aux_fn: AuxFn,
         forward_only: bool,
+        fused: bool = False,
     ) -> ScheduleOptions:
         """What every group of the mini-batch runs with (built once per mini-batch; agrees on the phase-B
         kernels with the other ranks the first time, a collective)."""
@@ -403,7 +405,20 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             routers=self._moe_routers() if aux_on else None,
             aux_fn=aux_fn if aux_on else None,
             layer_roles=self._layer_roles(),
+            fused_backend=self._fused_backend() if fused else None,
         )
+
+    def _fused_backend(self) -> str:
+        """The backend of verl's fused kernels this model was patched with (``use_fused_kernels``)."""
+        backend = fused_backend(self.module)
+        if backend is None:
+            options = getattr(self.model_config, "fused_kernel_options", None) or {}
+            raise ValueError(
+                "the batch asks for use_fused_kernels but verl did not patch this model with fused kernels "
+                f"(fused_kernel_options.impl_backend={options.get('impl_backend')!r}; verl accepts "
+                f"{', '.join(FUSED_BACKENDS)})"
+            )
+        return backend
 
     def _layer_roles(self) -> LayerRoles:
         """The model's KV-shared and recurrent layers, found once per model (not once per group)."""
@@ -438,7 +453,10 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         micro_data = data.to(device) if device.type != "cpu" else data
         pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
         loss_fn, aux_fn = self._group_losses(micro_data, layout, loss_function, pending)
-        options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only)
+        fused = bool(tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False))
+        options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only, fused)
+        if fused and layout.temperature is not None:  # verl's fused kernels take the batch's one temperature
+            options = dataclasses.replace(options, fused_temperature=scalar_temperature(layout.temperature))
         filler_options = options.for_fillers()
 
         roots = None

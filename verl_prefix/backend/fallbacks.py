@@ -35,7 +35,6 @@ LOGGED_REASONS: set[str] = set()
 
 # non-tensor batch flags verl sets for features reuse does not serve -> reason
 _BATCH_FLAGS = {
-    "fused_kernels": "use_fused_kernels",
     "sum_pi_squared": "calculate_sum_pi_squared",
     "distillation": "distillation_use_topk",
 }

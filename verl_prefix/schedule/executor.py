@@ -34,6 +34,7 @@ from verl.utils.torch_functional import logprobs_from_logits
 from verl_prefix.schedule import moe, recurrent
 from verl_prefix.schedule.chunked import ChunkedPrefix, num_chunks
 from verl_prefix.schedule.dormant import Dormant
+from verl_prefix.schedule.fused_head import fused_head, scalar_temperature
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
 from verl_prefix.schedule.multimodal import (
     VisualInputs,
@@ -182,7 +183,11 @@ def prefix_forward(
             to_keep = ulysses.kept_in_slice(length, options.keep_logits)
         keep = {} if is_visual_model(model) else {"logits_to_keep": to_keep}
         encoder = counting_encoder_calls(model) if visual else text_only_call(model)
-        with encoder as encoder_calls:
+        fused = nullcontext()
+        if options.fused_backend and options.keep_logits:  # a loss-carrying trie node: fused values, no logits
+            labels = kept_labels(options, length, to_keep).to(prefix_ids.device)
+            fused = fused_head(model, labels, options.fused_temperature, options.fused_backend)
+        with encoder as encoder_calls, fused as call:
             try:
                 out = model(
                     input_ids=prefix_ids[None],
@@ -192,8 +197,9 @@ def prefix_forward(
                     **keep,
                     **visual_kwargs(visual, prefix_ids.device),
                 )
-                if options.keep_logits:
-                    ctx.kv.logits = out.logits[0, -to_keep:]
+                if options.keep_logits:  # under fused kernels the kept positions' packed values (fused_head)
+                    kept = torch.stack(call.outputs(out), -1) if call is not None else out.logits
+                    ctx.kv.logits = kept[0, -to_keep:]
             except PrefixCaptured:
                 pass
         if visual and options.meter is not None and encoder_calls is not None:
@@ -212,6 +218,18 @@ def prefix_forward(
             local = routers.stats(router_logits, ulysses.real_tokens(length, prefix_ids.device))
             ctx.kv.router_stats = ulysses.sum_stats(local)
     return ctx.kv
+
+
+def kept_labels(options: ScheduleOptions, length: int, to_keep: int) -> torch.Tensor:
+    """The labels of the positions a loss-carrying node's phase A keeps on this rank: its ``keep_labels`` (those of
+    its last ``keep_logits`` positions), under Ulysses this slice's share of them (placeholders before the first)."""
+    if options.keep_labels is None:
+        raise ValueError("a loss-carrying node under fused kernels needs its labels (ScheduleOptions.keep_labels)")
+    if options.ulysses is None:
+        return options.keep_labels[-to_keep:]
+    full = torch.zeros(length, dtype=torch.long)
+    full[length - options.keep_logits :] = options.keep_labels
+    return options.ulysses.shard(full)[-to_keep:]
 
 
 def suffix_router_stats(router_logits: list, batch: SuffixBatch, options: ScheduleOptions) -> moe.RouterStats:
@@ -259,16 +277,23 @@ def suffix_forward(
         refusal=options.phase_b_refusal,
     )
     position_ids = model_positions(model, position_ids)
-    with text_only_call(model):
+    fused = nullcontext()
+    if options.fused_backend:  # verl's fused kernels: the LM head returns log-probs and entropy, no logits
+        fused = fused_head(model, labels, scalar_temperature(batch.temperature), options.fused_backend)
+    with text_only_call(model), fused as call:
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(options.meter, ctx)
     width = input_ids.shape[1]
-    logits = out.logits.reshape(rows * width, -1)  # a view: lm_head's output is contiguous
-    temperature = batch.temperature
-    if not bool((temperature == 1).all()):
-        row_temperature = temperature.to(logits.device, torch.float32).repeat_interleave(width)
-        logits = logits.div_(row_temperature.to(logits.dtype).unsqueeze(-1))  # lm_head's backward needs no output
-    log_probs, entropy = token_outputs(logits, labels.reshape(-1), options)
+    if call is not None:
+        log_probs, entropy = (values.reshape(-1) for values in call.outputs(out))
+        entropy = entropy if options.calculate_entropy else None
+    else:
+        logits = out.logits.reshape(rows * width, -1)  # a view: lm_head's output is contiguous
+        temperature = batch.temperature
+        if not bool((temperature == 1).all()):
+            row_temperature = temperature.to(logits.device, torch.float32).repeat_interleave(width)
+            logits = logits.div_(row_temperature.to(logits.dtype).unsqueeze(-1))  # lm_head's backward needs no output
+        log_probs, entropy = token_outputs(logits, labels.reshape(-1), options)
     log_probs = log_probs.view(rows, width)
     entropy = entropy.view(rows, width) if entropy is not None else None
     if ulysses is not None:

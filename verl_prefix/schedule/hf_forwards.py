@@ -11,6 +11,13 @@ The vision-language families' model, conditional-generation and attention classe
 (verl's forwards take packed rows and ``[4, B, L]`` positions, and ignore a generation cache). Generating with HF's
 ``generate`` in a process where an engine loaded such a model (the hf rollout beside the actor, the tests) needs
 HF's own forwards back for the call (``hf_own_forwards``).
+
+With ``model.use_fused_kernels`` verl replaces the causal LM's own class forward (whatever the family) with its fused
+forward (``verl.models.transformers.*.forward_with_{torch,triton}_backend``: log-probs and entropy from the hidden
+states, no logits), which calls the decoder without the forward keywords the schedule's prefix context travels in.
+``remember_fused_forwards`` wraps verl's ``patch_forward_with_backends`` so that the class's HF forward is remembered
+before it is replaced (nothing else changes), and ``hf_causal_forward`` puts it back while the schedule runs; the
+schedule then computes verl's fused log-probs itself (``schedule.fused_head``).
 """
 
 from __future__ import annotations
@@ -107,6 +114,42 @@ def hf_own_forwards(model: nn.Module) -> Iterator[None]:
         yield
 
 
+def remember_fused_forwards() -> None:
+    """Wrap verl's ``patch_forward_with_backends`` (which ``apply_monkey_patch`` looks up by name) to remember the
+    model class's HF forward before verl's fused forward replaces it. Idempotent; a no-op where verl lacks it."""
+    from verl.models.transformers import monkey_patch
+
+    original = getattr(monkey_patch, "patch_forward_with_backends", None)
+    if original is None or getattr(original, "_verl_prefix", False):
+        return
+
+    def patch_forward_with_backends(model: nn.Module, *args: object, **kwargs: object) -> object:
+        cls = model.__class__
+        if not patched_by_verl(cls):
+            _HF_FORWARDS.setdefault(cls, cls.forward)
+        return original(model, *args, **kwargs)
+
+    patch_forward_with_backends._verl_prefix = True
+    patch_forward_with_backends.__wrapped__ = original
+    monkey_patch.patch_forward_with_backends = patch_forward_with_backends
+
+
+@contextmanager
+def hf_causal_forward(model: nn.Module) -> Iterator[None]:
+    """HF's own forward of ``model``'s causal-LM class where verl's fused-kernel patch replaced it, for the block
+    (FSDP2 wraps the model in a subclass: the patched class is found along its MRO)."""
+    swaps = [
+        (cls, _HF_FORWARDS[cls])
+        for cls in type(model).__mro__
+        if "forward" in vars(cls)
+        and patched_by_verl(cls)
+        and cls in _HF_FORWARDS
+        and cls not in PATCHED_CLASSES + VISUAL_PATCHED_CLASSES
+    ]
+    with class_forwards(swaps):
+        yield
+
+
 @contextmanager
 def class_forwards(swaps: list[tuple[type, Callable]]) -> Iterator[None]:
     """Each ``(class, forward)`` installed class-wide for the block, the class's own forward put back after
@@ -122,3 +165,4 @@ def class_forwards(swaps: list[tuple[type, Callable]]) -> Iterator[None]:
 
 
 remember_hf_forwards()
+remember_fused_forwards()

@@ -51,7 +51,11 @@ class ScheduleOptions:
     (no early exit) and keeps the logits of its last that many positions on the returned ``PrefixKV``
     (``logits``): a tree node whose tokens carry loss (``schedule.tree_loss``); 0 for every other phase A. Under
     ``ulysses`` it keeps this rank's share of them (``Ulysses.kept_in_slice``: the positions are spread over the
-    slices).
+    slices). ``fused_backend``: verl's fused kernels (``model.use_fused_kernels``, ``schedule.fused_head``) compute
+    log-probs and entropy from the final hidden states, no logits materialised; phase A then keeps those positions'
+    log-probs and entropies (``[positions, 2]``, at ``fused_temperature``, the batch's one temperature: verl's fused
+    kernels take no per-row one) of ``keep_labels`` (the node's labels) in ``PrefixKV.logits`` instead of their
+    logits. None: logits, as verl computes them without fused kernels.
     """
 
     device: torch.device
@@ -70,6 +74,9 @@ class ScheduleOptions:
     aux_fn: AuxFn | None = None
     layer_roles: LayerRoles | None = None
     keep_logits: int = 0
+    fused_backend: str | None = None
+    fused_temperature: float = 1.0
+    keep_labels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.routers is None) != (self.aux_fn is None):

@@ -29,7 +29,7 @@ from verl_prefix.schedule.attention_keywords import (
     dense_keywords,
     scored_keywords,
 )
-from verl_prefix.schedule.hf_forwards import hf_recurrent
+from verl_prefix.schedule.hf_forwards import hf_causal_forward, hf_recurrent
 from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
 from verl_prefix.schedule.multimodal import hf_attention, vision_encoder
 from verl_prefix.schedule.positions import absolute_positions
@@ -704,7 +704,13 @@ def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
                 raise ValueError(f"prefix reuse does not support attn_implementation={original!r}")
             config._attn_implementation = name
         # HF's delta-net/decoder-layer and attention forwards where verl patched them
-        with hf_recurrent(model), recurrent_state_mode(model), hf_attention(model), absolute_positions(model):
+        with (
+            hf_recurrent(model),
+            hf_causal_forward(model),
+            recurrent_state_mode(model),
+            hf_attention(model),
+            absolute_positions(model),
+        ):
             yield
     finally:
         for config, original in zip(configs, originals):

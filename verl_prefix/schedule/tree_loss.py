@@ -61,7 +61,7 @@ def node_options(options: ScheduleOptions, node: TrieNode) -> ScheduleOptions:
     carries loss, else ``options`` (early exit as configured)."""
     if node.logits_from is None:
         return options
-    return dataclasses.replace(options, keep_logits=node.end - node.logits_from)
+    return dataclasses.replace(options, keep_logits=node.end - node.logits_from, keep_labels=node.labels)
 
 
 def node_temperatures(node: TrieNode, layout: RowLayout) -> tuple[float, ...]:
@@ -86,9 +86,25 @@ def _divided(logits: torch.Tensor, temperature: float, in_place: bool) -> torch.
     return logits.div_(divisor) if in_place else logits / divisor  # lm_head's backward needs no output
 
 
+def _scored(
+    kept: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    options: ScheduleOptions,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``labels`` from what phase A kept: logits, divided by ``temperature`` as phase B
+    divides them, or, under verl's fused kernels, the final hidden states (``schedule.fused_head``)."""
+    if options.fused_backend:  # phase A's head computed them already, at the batch's one temperature
+        if temperature != options.fused_temperature:
+            raise ValueError("use_fused_kernels does not serve per-sample temperatures (verl's fused kernels)")
+        return kept[..., 0], kept[..., 1] if options.calculate_entropy else None
+    return token_outputs(_divided(kept, temperature, in_place), labels, options)
+
+
 def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: ScheduleOptions) -> NodeValues | None:
-    """The node's log-probs and entropies from the logits its phase A kept, per temperature of its rows (None
-    for a node without loss); the logits are released from ``kv``."""
+    """The node's log-probs and entropies from the logits (or, under fused kernels, the hidden states) its phase A
+    kept, per temperature of its rows (None for a node without loss); they are released from ``kv``."""
     if node.logits_from is None:
         return None
     logits, kv.logits = kv.logits, None
@@ -97,18 +113,25 @@ def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: Schedu
     temperatures = node_temperatures(node, layout)
     log_probs, entropies = [], []
     for temperature in temperatures:
-        scaled = _divided(logits, temperature, in_place=len(temperatures) == 1)
+        in_place = len(temperatures) == 1
         if options.ulysses is not None:
-            values = sharded_node_values(scaled, node, options)
+            values = sharded_node_values(logits, node, options, temperature, in_place)
         else:
-            values = NodeValues(node.logits_from, *token_outputs(scaled, node.labels.to(logits.device), options))
+            labels = node.labels.to(logits.device)
+            values = NodeValues(node.logits_from, *_scored(logits, labels, temperature, options, in_place))
         log_probs.append(values.log_probs)
         entropies.append(values.entropy)
     entropy = torch.stack(entropies) if entropies[0] is not None else None
     return NodeValues(node.logits_from, torch.stack(log_probs), entropy, temperatures)
 
 
-def sharded_node_values(logits: torch.Tensor, node: TrieNode, options: ScheduleOptions) -> NodeValues:
+def sharded_node_values(
+    logits: torch.Tensor,
+    node: TrieNode,
+    options: ScheduleOptions,
+    temperature: float = 1.0,
+    in_place: bool = False,
+) -> NodeValues:
     """A node's values under Ulysses: ``logits`` cover the last positions of this rank's slice of the node (its
     share of ``[logits_from, end)``, ``Ulysses.kept_in_slice``); its log-probs and entropies are computed there,
     front-padded with zeros to the slice, gathered over the group as phase B's are (the gather's backward keeps
@@ -119,7 +142,8 @@ def sharded_node_values(logits: torch.Tensor, node: TrieNode, options: ScheduleO
     labels = torch.zeros(node.length, dtype=torch.long)
     labels[skip:] = node.labels
     kept = logits.shape[0]
-    log_probs, entropy = token_outputs(logits, ulysses.shard(labels)[-kept:].to(logits.device), options)
+    local = ulysses.shard(labels)[-kept:].to(logits.device)
+    log_probs, entropy = _scored(logits, local, temperature, options, in_place)
 
     def gathered(values: torch.Tensor) -> torch.Tensor:
         pad = values.new_zeros(ulysses.padded(node.length) // ulysses.size - kept)
