@@ -40,6 +40,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 300, *, user: bool = True) 
 def wheel(tmp_path_factory) -> Path:
     """``python -m build --wheel`` on a copy of the sources the wheel is made of (no isolation: offline)."""
     pytest.importorskip("build", reason="the test extra installs build")
+    pytest.importorskip("setuptools", reason="the test extra installs setuptools (the build backend)")
     src = tmp_path_factory.mktemp("src")
     for name in SOURCES:
         if (ROOT / name).is_dir():
