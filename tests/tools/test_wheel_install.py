@@ -71,12 +71,16 @@ def test_wheel_holds_the_package_and_its_entry_points(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         entry_points = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
+        metadata = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
     assert {n.split("/")[0] for n in names} == {"verl_prefix", wheel.name.split("-py3")[0] + ".dist-info"}
     packaged = {n for n in names if n.startswith("verl_prefix/")}
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "verl_prefix").rglob("*.py")}
     assert packaged == sources  # every module, nothing else (no tests, configs or results)
     assert "[verl.plugins]\nverl_prefix = verl_prefix" in entry_points
     assert "verl-prefix = verl_prefix.tools.cli:main" in entry_points
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert any('extra == "gpu"' in line and "vllm" in line for line in requires)
+    assert not [line for line in requires if "flash" in line]  # a source-only build in no extra
 
 
 def test_fresh_venv_imports_the_wheel_through_verl(venv, tmp_path):
