@@ -67,7 +67,7 @@ case "$ENGINE/$MODE" in
       export VERL_PREFIX_STOCK_TORCHTITAN=1
       twin+=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=torchtitan "$titan.strategy=torchtitan"
         actor_rollout_ref.ref.strategy=torchtitan actor_rollout_ref.ref.torchtitan.strategy=torchtitan
-        ++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PREFIX_STOCK_TORCHTITAN=1)
+        '++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PREFIX_STOCK_TORCHTITAN="1"')  # a string: Ray's env_vars
     fi ;;
   */prefix | */dense) echo "ENGINE must be fsdp2 or torchtitan, got $ENGINE" >&2; exit 2 ;;
   *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;

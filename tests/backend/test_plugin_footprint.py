@@ -1,4 +1,5 @@
-"""Importing the plugin leaves verl's own engines, trainers and rollouts as verl registers them.
+"""Importing the plugin leaves verl's own engines (their entries and their classes' methods), trainers and rollouts
+as verl registers them.
 
 Each case is a fresh interpreter (verl loads plugins once per process, on ``import verl``) that dumps verl's
 registries: verl alone (``VERL_USE_EXTERNAL_PLUGINS=none``) against verl with this plugin, loaded the way verl
@@ -35,7 +36,20 @@ from verl.workers.rollout.replica import RolloutReplicaRegistry
 def name(obj):
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
+def methods(cls):  # where each method of the class and its bases comes from: a patch shows as another module
+    if not isinstance(cls, type):
+        return []
+    return sorted(
+        f"{base.__qualname__}.{key}:{getattr(value, '__module__', None)}"
+        for base in cls.__mro__ for key, value in vars(base).items() if callable(value)
+    )
+
 print(json.dumps({
+    "methods": {
+        f"{model_type}/{backend}/{key}": methods(cls)
+        for model_type, backends in EngineRegistry._engines.items()
+        for backend, per in backends.items() for key, cls in per.items()
+    },
     "engines": {
         model_type: {backend: {str(key): name(cls) for key, cls in per.items()} for backend, per in backends.items()}
         for model_type, backends in EngineRegistry._engines.items()
@@ -77,6 +91,8 @@ def _added(stock: dict, found: dict) -> dict:
     before, after = _flat(stock["engines"]), _flat(found["engines"])
     changed = {key: (cls, after.get(key)) for key, cls in before.items() if after.get(key) != cls}
     assert not changed, f"verl's own engine entries changed: {changed}"
+    patched = {key: sorted(set(found["methods"][key]) ^ set(m)) for key, m in stock["methods"].items()}
+    assert not any(patched.values()), f"verl's engine classes changed: { {k: v for k, v in patched.items() if v} }"
     for registry in ("trainers", "replicas", "rollouts"):
         kept = {k: v for k, v in found[registry].items() if k in stock[registry]}
         assert kept == stock[registry], registry
