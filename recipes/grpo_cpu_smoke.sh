@@ -62,8 +62,12 @@ case "$ENGINE/$MODE" in
       actor_rollout_ref.model.use_remove_padding=true
       '~actor_rollout_ref.actor.fsdp_config' '~actor_rollout_ref.ref.fsdp_config')
     if [[ "$MODE" == dense ]]; then  # verl's own TorchTitan engine and synchronous trainer
+      # verl 0.9.1 cannot import its engine with torchtitan 0.3.0: the plugin's adapted one is opt-in, in this
+      # process and (through the job's runtime env) in every Ray worker
+      export VERL_PREFIX_STOCK_TORCHTITAN=1
       twin+=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=torchtitan "$titan.strategy=torchtitan"
-        actor_rollout_ref.ref.strategy=torchtitan actor_rollout_ref.ref.torchtitan.strategy=torchtitan)
+        actor_rollout_ref.ref.strategy=torchtitan actor_rollout_ref.ref.torchtitan.strategy=torchtitan
+        '++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PREFIX_STOCK_TORCHTITAN="1"')  # a string: Ray's env_vars
     fi ;;
   */prefix | */dense) echo "ENGINE must be fsdp2 or torchtitan, got $ENGINE" >&2; exit 2 ;;
   *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -21,8 +22,11 @@ from verl_prefix.backend.plugin_check import (
     SKIP_ENV,
     PluginMissingError,
     check_plugin_on_nodes,
+    fix_commands,
     missing_plugin_message,
     plugin_probe,
+    shipping_runtime_env,
+    wheel_name,
 )
 
 SIMULATED = "simulated: verl-prefix is not installed on this node"
@@ -64,7 +68,7 @@ def test_probe_runs_where_the_package_is_missing(node_without_plugin, tmp_path):
     assert report["registered"] is False
     message = missing_plugin_message([report])
     assert SIMULATED in message and report["node"] in message
-    assert "Install verl-prefix (same version) on every node" in message and "runtime_env" in message
+    assert "Give every node the verl-prefix the driver runs" in message and "runtime_env" in message
 
 
 def test_negative_control_the_simulation_hides_the_package(node_without_plugin, tmp_path):
@@ -83,6 +87,40 @@ def test_probe_reports_a_working_install(tmp_path):
 def test_message_for_an_import_that_did_not_register():
     message = missing_plugin_message([{"node": "n1", "python": "/py", "import_error": None, "registered": False}])
     assert "node n1" in message and "prefix_fsdp2 is not in verl's EngineRegistry" in message
+
+
+def _overrides(command: str) -> list[str]:
+    """The Hydra overrides in a fix's first backticked command, split as a shell would."""
+    return shlex.split(command.split("`")[1])
+
+
+def _main_ppo_runtime_env(overrides: list[str]) -> dict:
+    """The ``runtime_env`` verl's ``main_ppo`` passes to ``ray.init`` for these command-line overrides."""
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    from verl_prefix.tools.testing import compose_ppo_config
+
+    config = compose_ppo_config(overrides)
+    merged = OmegaConf.merge(get_ppo_ray_runtime_env(config), config.ray_kwargs.ray_init.runtime_env)
+    return OmegaConf.to_container(merged)
+
+
+def test_fix_commands_are_what_main_ppo_passes_to_ray():
+    """Each fix the message gives is a command that works: the wheel's real name, and main_ppo overrides that
+    compose on verl's config into the runtime_env they describe."""
+    install, per_job, ship = fix_commands(module_dir="/srv/driver/verl_prefix", release="1.2.3")
+    assert "`pip install verl_prefix-1.2.3-py3-none-any.whl`" in install and "docker/Dockerfile" in install
+    assert wheel_name("1.2.3") == "verl_prefix-1.2.3-py3-none-any.whl"
+    wheel = "/shared/path/verl_prefix-1.2.3-py3-none-any.whl"
+    assert _main_ppo_runtime_env(_overrides(per_job))["pip"] == [wheel]
+    submit_json = per_job.split("--runtime-env-json '")[1].split("'")[0]
+    assert json.loads(submit_json) == {"pip": [wheel]}
+    shipped = _main_ppo_runtime_env(_overrides(ship))
+    want = shipping_runtime_env("/srv/driver/verl_prefix")
+    assert shipped["py_modules"] == want["py_modules"] == ["/srv/driver/verl_prefix"]
+    assert shipped["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == want["env_vars"]["VERL_USE_EXTERNAL_MODULES"]
+    assert want["env_vars"]["VERL_USE_EXTERNAL_MODULES"] == "verl_prefix"
 
 
 def test_skip_switch(monkeypatch):
@@ -127,4 +165,26 @@ def test_ray_node_without_the_package_fails_with_the_message(node_without_plugin
     message = str(info.value)
     assert "not usable in the Ray worker processes of 1 node(s)" in message
     assert f"ModuleNotFoundError: {SIMULATED}" in message
-    assert "Install verl-prefix (same version) on every node" in message
+    assert "Give every node the verl-prefix the driver runs" in message
+    # the message's py_modules fix, as main_ppo would pass it to ray.init, on the same node without the package
+    # (no entry point there either: verl's discovery is off, VERL_USE_EXTERNAL_MODULES alone imports it)
+    runtime_env = _main_ppo_runtime_env(_overrides(fix_commands()[2]))
+    runtime_env["env_vars"].update(PYTHONPATH=node_without_plugin["PYTHONPATH"], VERL_USE_EXTERNAL_PLUGINS="none")
+    (tmp_path / "driver").mkdir()
+    monkeypatch.chdir(tmp_path / "driver")  # Ray puts the driver's directory first on the workers' path
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+
+    def verl_imports_the_plugin() -> bool:  # what a verl worker process does: only `import verl`
+        import sys as _sys
+
+        import verl  # noqa: F401
+
+        return "verl_prefix" in _sys.modules
+
+    try:
+        (report,) = check_plugin_on_nodes(timeout_s=300)
+        assert ray.get(ray.remote(num_cpus=0)(verl_imports_the_plugin).remote(), timeout=300)
+    finally:
+        ray.shutdown()
+    assert report["import_error"] is None and report["registered"] is True
+    assert "py_modules_files" in report["location"]  # Ray's copy of the driver's package, not an install

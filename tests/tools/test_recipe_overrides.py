@@ -111,6 +111,9 @@ def test_cpu_recipe_torchtitan_variant(tmp_path):
     for role in ("actor", "ref"):
         assert omega_conf_to_dataclass(dense.actor_rollout_ref[role].torchtitan).strategy == "torchtitan", role
         assert dense.actor_rollout_ref[role].strategy == "torchtitan", role
+    # the adapted stock engine is opt-in in every worker; the prefix run leaves verl's torchtitan entry alone
+    assert dense.ray_kwargs.ray_init.runtime_env.env_vars.VERL_PREFIX_STOCK_TORCHTITAN == "1"  # Ray takes strings
+    assert "VERL_PREFIX_STOCK_TORCHTITAN" not in (config.ray_kwargs.ray_init.runtime_env.get("env_vars") or {})
     bad = subprocess.run(
         ["bash", str(ROOT / "recipes" / "grpo_cpu_smoke.sh")],
         env={**os.environ, "ENGINE": "torchtitan", "TP": "3", "OUT": str(tmp_path / "bad"), "PYTHON": "false"},

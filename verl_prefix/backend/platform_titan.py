@@ -43,7 +43,8 @@ any engine is built, in every process that builds one), not in tests only:
   differs from one call at bf16 precision: with float32 parameters the experts compute in float32
   (``torch._grouped_mm`` runs fp32); with bf16 parameters torchtitan's own forward runs.
 - verl registers its TorchTitan engine for cuda/npu only, and only when its import succeeds (it does not with
-  0.3.0): ``titan_registry`` registers it (and ``prefix_torchtitan``) for cuda and cpu as factories.
+  0.3.0): ``titan_registry`` registers ``prefix_torchtitan`` for cuda and cpu as factories, and verl's own
+  engine the same way only on request (``VERL_PREFIX_STOCK_TORCHTITAN=1`` or ``register_stock``).
 """
 
 from __future__ import annotations

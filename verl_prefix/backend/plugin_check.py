@@ -51,6 +51,57 @@ def plugin_probe() -> Callable[[], dict[str, Any]]:
     return probe
 
 
+def package_version() -> str | None:
+    """This install's version (the wheel to put on the other nodes has the same one); None for a source tree on
+    ``PYTHONPATH`` that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl-prefix")
+    except PackageNotFoundError:
+        return None
+
+
+def wheel_name(release: str | None = None) -> str:
+    """The file name ``python -m build --wheel`` gives this version's wheel (pure Python: one for every node)."""
+    return f"verl_prefix-{release or package_version() or '<version>'}-py3-none-any.whl"
+
+
+def package_dir() -> str:
+    """The directory this process imports ``verl_prefix`` from (what ``py_modules`` ships to the workers)."""
+    import verl_prefix
+
+    return os.path.dirname(os.path.abspath(verl_prefix.__file__))
+
+
+def shipping_runtime_env(module_dir: str | None = None) -> dict[str, Any]:
+    """A Ray ``runtime_env`` that ships the driver's package to every worker without installing it anywhere.
+
+    ``py_modules`` uploads the directory and puts it on the workers' path; it carries no package metadata, so
+    verl's entry-point discovery cannot see it: ``VERL_USE_EXTERNAL_MODULES`` makes ``import verl`` import it.
+    """
+    return {
+        "py_modules": [module_dir or package_dir()],
+        "env_vars": {"VERL_USE_EXTERNAL_MODULES": "verl_prefix"},
+    }
+
+
+def fix_commands(module_dir: str | None = None, release: str | None = None) -> list[str]:
+    """The ways to give every node verl-prefix, as commands to run or to add to ``main_ppo``'s command line."""
+    wheel = wheel_name(release)
+    ship = shipping_runtime_env(module_dir)
+    prefix = "++ray_kwargs.ray_init.runtime_env"
+    return [
+        f"install the wheel into every node's Python environment (the python named above): `pip install "
+        f"{wheel}` (`python -m build --wheel` in a checkout writes it to dist/), or run every node from the "
+        "image docker/Dockerfile builds",
+        f"or install it per job from a path every node can read: `'{prefix}.pip=[/shared/path/{wheel}]'` on "
+        f'main_ppo\'s command line (ray job submit: `--runtime-env-json \'{{"pip": ["/shared/path/{wheel}"]}}\'`)',
+        f"or ship this driver's package to the workers (no shared filesystem): `'{prefix}.py_modules="
+        f"[{ship['py_modules'][0]}]' {prefix}.env_vars.VERL_USE_EXTERNAL_MODULES=verl_prefix`",
+    ]
+
+
 def missing_plugin_message(problems: list[dict[str, Any]]) -> str:
     """The error for the probe reports that found no usable verl-prefix: which nodes, why, what to do."""
     lines = [
@@ -60,13 +111,10 @@ def missing_plugin_message(problems: list[dict[str, Any]]) -> str:
     for p in problems:
         why = p.get("import_error") or "verl_prefix imported but prefix_fsdp2 is not in verl's EngineRegistry"
         lines.append(f"  node {p.get('node')} (python {p.get('python')}): {why}")
-    lines.append(
-        "Install verl-prefix (same version) on every node, e.g. `pip install verl-prefix` in each node's "
-        "environment or in the image, or ship it with the job: "
-        "ray.init(runtime_env={'pip': ['verl-prefix']}) / `ray job submit --runtime-env-json "
-        '\'{"pip": ["verl-prefix"]}\'`, or runtime_env py_modules for a source checkout. '
-        f"(Set {SKIP_ENV}=1 to skip this check.)"
-    )
+    release = package_version()
+    lines.append(f"Give every node the verl-prefix the driver runs{f' ({release})' if release else ''}:")
+    lines.extend(f"  - {command}" for command in fix_commands())
+    lines.append(f"(Set {SKIP_ENV}=1 to skip this check.)")
     return "\n".join(lines)
 
 
@@ -99,4 +147,15 @@ def check_plugin_on_nodes(timeout_s: float = 600.0) -> list[dict[str, Any]]:
     return reports
 
 
-__all__ = ["SKIP_ENV", "PluginMissingError", "check_plugin_on_nodes", "missing_plugin_message", "plugin_probe"]
+__all__ = [
+    "SKIP_ENV",
+    "PluginMissingError",
+    "check_plugin_on_nodes",
+    "fix_commands",
+    "missing_plugin_message",
+    "package_dir",
+    "package_version",
+    "plugin_probe",
+    "shipping_runtime_env",
+    "wheel_name",
+]

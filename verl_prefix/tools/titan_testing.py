@@ -54,7 +54,10 @@ def build_titan_engine(
     from verl.workers.engine import EngineRegistry
 
     from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig
+    from verl_prefix.backend.titan_registry import STOCK_BACKEND, register_stock
 
+    if backend == STOCK_BACKEND:
+        register_stock()  # the adapted stock engine is opt-in (importing the plugin leaves verl's entry alone)
     register_tiny_flavor(model_dir)
     model_config = HFModelConfig(path=str(Path(model_dir).resolve()), use_remove_padding=True)
     settings: dict[str, Any] = dict(
