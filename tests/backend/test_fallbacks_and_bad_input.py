@@ -116,13 +116,26 @@ def test_unsupported_attention_runs_dense_and_is_counted(tiny_model, monkeypatch
 
 
 @pytest.mark.parametrize(
-    "flag, reason", [("use_fused_kernels", "fused_kernels"), ("distillation_use_topk", "distillation")]
+    "flag, reason, knob",
+    [
+        ("distillation_use_topk", "distillation", "distillation.distillation_loss.loss_settings.use_topk=false"),
+        ("calculate_sum_pi_squared", "sum_pi_squared", "actor_rollout_ref.actor.calculate_sum_pi_squared=false"),
+    ],
 )
-def test_batch_features_the_schedule_does_not_cover_are_named(tiny_model, flag, reason):
+def test_batch_features_the_schedule_does_not_cover_are_named(tiny_model, flag, reason, knob, caplog):
+    """Each reason's one warning names the knob, by its full override path, that lets such batches reuse; fused
+    kernels are no reason any more (``test_fused_kernels_engine.py``)."""
     engine, _, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     batch = grpo_batch()
     tu.assign_non_tensor(batch, **{flag: True})
     assert fallbacks.batch_fallback_reason(batch) == reason
+    fused = grpo_batch()
+    tu.assign_non_tensor(fused, use_fused_kernels=True)
+    assert fallbacks.batch_fallback_reason(fused) is None
+    fallbacks.LOGGED_REASONS.discard(reason)
+    with caplog.at_level("WARNING", logger="verl_prefix.backend.fallbacks"):
+        fallbacks.log_fallbacks([reason])
+    assert knob in caplog.text
     engine.use_ulysses_sp = True  # Ulysses itself is no reason to run dense any more
     assert engine._model_fallback_reason(forward_only=False) is None
 

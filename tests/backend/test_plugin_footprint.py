@@ -58,8 +58,27 @@ print(json.dumps({
     "replicas": {key: name(loader) for key, loader in RolloutReplicaRegistry._registry.items()},
     "rollouts": {str(key): str(value) for key, value in rollout_base._ROLLOUT_REGISTRY.items()},
     "plugin_loaded": "verl_prefix" in sys.modules,
+    "wrapped": sorted(
+        f"{owner}.{key}"
+        for owner, obj in (
+            ("PPOTrainer", __import__("verl.trainer.ppo.v1.trainer_base", fromlist=["x"]).PPOTrainer),
+            ("RayPPOTrainer", __import__("verl.trainer.ppo.ray_trainer", fromlist=["x"]).RayPPOTrainer),
+            ("monkey_patch", __import__("verl.models.transformers.monkey_patch", fromlist=["x"])),
+        )
+        for key, value in vars(obj).items()
+        if callable(value) and getattr(value, "_verl_prefix", False)
+    ),
 }))
 """
+# what importing the plugin wraps in verl (docs/configuration.md, "What importing the plugin changes in verl")
+WRAPPED = [
+    "PPOTrainer._balance_batch",
+    "PPOTrainer._compute_old_log_prob",
+    "PPOTrainer._compute_ref_log_prob",
+    "PPOTrainer._init_resource_pool_mgr",
+    "RayPPOTrainer._balance_batch",
+    "monkey_patch.patch_forward_with_backends",
+]
 _OWN_ENV = ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "VERL_USE_EXTERNAL_PLUGINS", STOCK_ENV, "IMPORT_PLUGIN")
 
 
@@ -113,6 +132,10 @@ def test_plugin_adds_only_its_own_names(stock):
         assert added["trainers"] == ["prefix_sync"]
         assert added["replicas"] == ["hf"] and added["rollouts"] == [str(("hf", "async"))]
         assert "torchtitan" not in {b for _, b, _ in added["engines"]}  # verl's own backend: not ours to fill
+        # the documented wrappers, each calling verl's own method unless a prefix engine is selected
+        # (tests/backend/test_trainer_balance.py) or only remembering HF's forward before verl patches it
+        assert found["wrapped"] == WRAPPED, found["wrapped"]
+    assert stock["wrapped"] == []
 
 
 def test_opt_ins_add_exactly_what_is_documented(stock):

@@ -53,7 +53,7 @@ from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, r
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
-from verl_prefix.schedule.hf_forwards import remember_hf_forwards
+from verl_prefix.schedule.hf_forwards import hf_causal_forward, remember_hf_forwards
 from verl_prefix.schedule.multimodal import (
     model_positions,
     text_only_call,
@@ -214,8 +214,30 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         The routers' logits are captured by forward hooks during verl's own model call; the wrapped
         loss function (called by verl right after the model) adds the weighted aux term.
         """
-        with text_only_call(self.module):  # a vision-language micro-batch of text rows (schedule.multimodal)
+        unfused = self._fused_head_unreadable(micro_batch)
+        if unfused:  # verl's fused forward would read the sharded head: its unfused path, HF's forward, instead
+            tu.assign_non_tensor(micro_batch, use_fused_kernels=False)
+        with text_only_call(self.module), hf_causal_forward(self.module) if unfused else nullcontext():
             return self._forward_step(micro_batch, loss_function, forward_only)
+
+    def _fused_head_unreadable(self, micro_batch: TensorDict) -> bool:
+        """Whether verl's fused forward would fail on this micro-batch: fused kernels on, and the LM head its own
+        FSDP2 unit (untied embeddings), whose weight verl 0.9.1's fused forward reads outside FSDP's hooks
+        (``aten.mm.default got mixed torch.Tensor and DTensor``; verl's own fsdp2 engine fails the same way). Those
+        dense rows then run verl's unfused path: the same log-probs up to rounding, with the logits materialised."""
+        if not tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.module.get_output_embeddings(), FSDPModule):
+            return False
+        if "unfused" not in fallbacks.LOGGED_REASONS:
+            fallbacks.LOGGED_REASONS.add("unfused")
+            logger.warning(
+                "rows that run dense use verl's unfused log-probs: its fused forward cannot read an LM head FSDP2 "
+                "shards on its own (untied embeddings); reused rows use verl's fused kernels (schedule.fused_head)"
+            )
+        return True
 
     def _forward_step(self, micro_batch: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
         if not self._moe_aux_on(forward_only) or loss_function is None:

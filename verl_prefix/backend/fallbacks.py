@@ -358,17 +358,33 @@ def windowed_varlen_error(model: nn.Module, reuse: PrefixReuseConfig) -> str | N
     )
 
 
+# what a user can set to make a reason's batches reuse (the full override path), where one knob decides it
+REASON_HINTS: dict[str, str] = {
+    "sum_pi_squared": (
+        "verl's optimal-token-baseline estimators ask the actor for sum(pi^2) over the vocabulary per token, which "
+        "reuse does not compute; with an advantage estimator that does not need it, "
+        "actor_rollout_ref.actor.calculate_sum_pi_squared=false lets these batches reuse"
+    ),
+    "distillation": (
+        "top-k distillation reads the student's top-k logits per token, which reuse does not return; "
+        "distillation.distillation_loss.loss_settings.use_topk=false lets these batches reuse"
+    ),
+}
+
+
 def log_fallbacks(reasons: Iterable[str]) -> None:
     """One warning per reason per process, next to the ``prefix/fallback_<reason>`` metric: a metric
-    nobody plots is still silent."""
+    nobody plots is still silent. Where one knob decides a reason, the warning names it (``REASON_HINTS``)."""
     for reason in reasons:
         if reason in LOGGED_REASONS:
             continue
         LOGGED_REASONS.add(reason)
+        hint = REASON_HINTS.get(reason)
         logger.warning(
-            "prefix reuse: samples run through the stock dense path, counted as prefix/fallback_%s "
+            "prefix reuse: samples run through the stock dense path, counted as prefix/fallback_%s%s "
             "(logged once per process; see 'What runs dense' in the verl-prefix README)",
             reason,
+            f": {hint}" if hint else "",
         )
 
 

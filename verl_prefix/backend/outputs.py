@@ -80,6 +80,20 @@ def token_counts(layout: RowLayout, plan: BatchPlan, routed_last_token: bool = F
     return logical, physical
 
 
+def _common_dtypes(model_outputs: list[dict]) -> None:
+    """Cast each floating key's tensors, in place in the dicts, to the widest dtype any micro-batch gave it."""
+    widest: dict[str, torch.dtype] = {}
+    for out in model_outputs:
+        for key, value in out.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                widest[key] = torch.promote_types(widest.get(key, value.dtype), value.dtype)
+    for out in model_outputs:
+        for key, dtype in widest.items():
+            value = out.get(key)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                out[key] = value.to(dtype)
+
+
 class MiniBatchOutputs:
     """What a mini-batch's micro-batches returned, in the order they ran, and the output verl's worker expects
     from them. Both engines (``prefix_fsdp2``, ``prefix_torchtitan``) record and finish here, so they return the
@@ -97,7 +111,10 @@ class MiniBatchOutputs:
         self.order.append(rows)
 
     def collected(self, data: TensorDict) -> dict:
-        """verl's postprocessing of the recorded micro-batches, rows back in the batch's order."""
+        """verl's postprocessing of the recorded micro-batches, rows back in the batch's order. Micro-batches whose
+        values came in different dtypes (verl's fused kernels give fp32 log-probs; dense rows that ran verl's
+        unfused path, the model's dtype) are joined in the widest, exactly."""
+        _common_dtypes([entry["model_output"] for entry in self.outputs])
         output = postprocess_batch_func(output_lst=self.outputs, indices=self.order, data=static_bsz(data))
         if output["model_output"]:
             output["model_output"] = {

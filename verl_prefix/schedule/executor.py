@@ -198,8 +198,11 @@ def prefix_forward(
                     **visual_kwargs(visual, prefix_ids.device),
                 )
                 if options.keep_logits:  # under fused kernels the kept positions' packed values (fused_head)
-                    kept = torch.stack(call.outputs(out), -1) if call is not None else out.logits
-                    ctx.kv.logits = kept[0, -to_keep:]
+                    if call is not None:
+                        call.outputs(out)  # checks the model returned them untouched
+                        ctx.kv.logits, ctx.kv.fused_dtypes = call.packed[0, -to_keep:], call.dtypes
+                    else:
+                        ctx.kv.logits = out.logits[0, -to_keep:]
             except PrefixCaptured:
                 pass
         if visual and options.meter is not None and encoder_calls is not None:

@@ -37,6 +37,7 @@ class FusedCall:
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
+        self.dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
 
     def outputs(self, out: object) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log_probs, entropy)``, each shaped as the positions the head scored (``[B, S]``). The model must have
@@ -49,7 +50,8 @@ class FusedCall:
                 "model transforms them (logit softcapping or scaling, which verl's fused kernels do not apply "
                 "either): set actor_rollout_ref.model.use_fused_kernels=false"
             )
-        return self.packed[..., 0], self.packed[..., 1]
+        log_probs, entropy = self.packed[..., 0], self.packed[..., 1]
+        return log_probs.to(self.dtypes[0]), entropy.to(self.dtypes[1])  # exact: packed in the wider of the two
 
 
 @contextmanager
@@ -72,7 +74,10 @@ def fused_head(model: nn.Module, labels: torch.Tensor, temperature: float, backe
             # labels are those of the last positions, the earlier ones' values are placeholders the caller drops
             targets = torch.cat([targets.new_zeros(flat.shape[0] - targets.numel()), targets])
         log_probs, entropy = _kernel(flat, head.weight, targets, temperature, backend)
-        call.packed = torch.stack([log_probs, entropy], dim=-1).view(*hidden.shape[:-1], 2)
+        call.dtypes = (log_probs.dtype, entropy.dtype)  # verl's: fp32 log-probs, entropy in the hidden states' dtype
+        wide = torch.promote_types(log_probs.dtype, entropy.dtype)
+        shape = hidden.shape[:-1]
+        call.packed = torch.stack([log_probs.to(wide).view(shape), entropy.to(wide).view(shape)], dim=-1)
         return call.packed
 
     head.forward = forward  # the instance's own: nn.Module.__call__ still runs every hook around it

@@ -134,6 +134,8 @@ class PrefixKV:
         # phase A's logits of its last ``options.keep_logits`` positions (a loss-carrying tree node; under Ulysses
         # this rank's share of them), or None
         self.logits: torch.Tensor | None = None
+        # under verl's fused kernels ``logits`` holds packed (log-prob, entropy) pairs of these dtypes (fused_head)
+        self.fused_dtypes: tuple[torch.dtype, torch.dtype] | None = None
 
     def share(self, sources: dict[int, int]) -> None:
         """KV-shared layers (``structure.kv_sources``): each one's prefix K/V are its source layer's tensors."""

@@ -92,13 +92,15 @@ def _scored(
     temperature: float,
     options: ScheduleOptions,
     in_place: bool,
+    fused_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of ``labels`` from what phase A kept: logits, divided by ``temperature`` as phase B
     divides them, or, under verl's fused kernels, the final hidden states (``schedule.fused_head``)."""
     if options.fused_backend:  # phase A's head computed them already, at the batch's one temperature
         if temperature != options.fused_temperature:
             raise ValueError("use_fused_kernels does not serve per-sample temperatures (verl's fused kernels)")
-        return kept[..., 0], kept[..., 1] if options.calculate_entropy else None
+        log_probs, entropy = (kept[..., k].to(dtype) for k, dtype in enumerate(fused_dtypes or (kept.dtype,) * 2))
+        return log_probs, entropy if options.calculate_entropy else None
     return token_outputs(_divided(kept, temperature, in_place), labels, options)
 
 
@@ -108,6 +110,7 @@ def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: Schedu
     if node.logits_from is None:
         return None
     logits, kv.logits = kv.logits, None
+    dtypes = kv.fused_dtypes
     if logits is None:
         raise RuntimeError("phase A of a loss-carrying tree node kept no logits (options.keep_logits)")
     temperatures = node_temperatures(node, layout)
@@ -115,10 +118,10 @@ def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: Schedu
     for temperature in temperatures:
         in_place = len(temperatures) == 1
         if options.ulysses is not None:
-            values = sharded_node_values(logits, node, options, temperature, in_place)
+            values = sharded_node_values(logits, node, options, temperature, in_place, dtypes)
         else:
             labels = node.labels.to(logits.device)
-            values = NodeValues(node.logits_from, *_scored(logits, labels, temperature, options, in_place))
+            values = NodeValues(node.logits_from, *_scored(logits, labels, temperature, options, in_place, dtypes))
         log_probs.append(values.log_probs)
         entropies.append(values.entropy)
     entropy = torch.stack(entropies) if entropies[0] is not None else None
@@ -131,6 +134,7 @@ def sharded_node_values(
     options: ScheduleOptions,
     temperature: float = 1.0,
     in_place: bool = False,
+    fused_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> NodeValues:
     """A node's values under Ulysses: ``logits`` cover the last positions of this rank's slice of the node (its
     share of ``[logits_from, end)``, ``Ulysses.kept_in_slice``); its log-probs and entropies are computed there,
@@ -143,7 +147,7 @@ def sharded_node_values(
     labels[skip:] = node.labels
     kept = logits.shape[0]
     local = ulysses.shard(labels)[-kept:].to(logits.device)
-    log_probs, entropy = _scored(logits, local, temperature, options, in_place)
+    log_probs, entropy = _scored(logits, local, temperature, options, in_place, fused_dtypes)
 
     def gathered(values: torch.Tensor) -> torch.Tensor:
         pad = values.new_zeros(ulysses.padded(node.length) // ulysses.size - kept)
