@@ -32,7 +32,7 @@ def test_negative_control_a_wrong_suffix_position_fails():
     original = executor.suffix_positions
     executor.suffix_positions = lambda positions, p, s: original(positions, p, s) + 1
     try:
-        assert M.exactness("llama", torch.float64, Z.WINDOW) > 1e-3
+        assert M.exactness("llama", torch.float64, Z.DEFAULT_LENGTHS) > 1e-3
     finally:
         executor.suffix_positions = original
 
