@@ -202,7 +202,7 @@ SHORT_FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
         "rope_parameters": {
             "rope_type": "longrope",
             "rope_theta": 10000.0,
-            "short_factor": [1.0] * 8,
+            "short_factor": [1.0] * 8,  # one per rotary frequency (head_dim 16)
             "long_factor": [2.0] * 8,
             "original_max_position_embeddings": SHORT,
         }
