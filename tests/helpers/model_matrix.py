@@ -25,7 +25,7 @@ from verl_prefix.schedule.trie import build_trie, trie_stats
 from verl_prefix.tools import model_zoo as Z
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
-GROUPS = [(Z.PROMPT_LEN, [5, 9, 3])]  # G = 3, two suffix micro-batches of <= 2 rows
+GROUPS = [(Z.PROMPT_LEN, list(Z.RESPONSE_LENS))]  # G = 3, two suffix micro-batches of <= 2 rows
 ROWS = 2
 
 
@@ -35,24 +35,54 @@ def shard_families(index: int, shards: int) -> list:
 
 
 def check_family(family: str) -> None:
-    """The family's column: skipped with the reason, dense with a reason (checked), or exact under reuse."""
+    """The family's column: skipped with the reason, or each build (the default lengths, and the short ones where
+    the family has lengths besides the window) held to its own outcome: dense with a reason decided at
+    initialisation (checked), dense per batch with the engine's reason (checked on the matrix's own batches), or
+    exact under reuse."""
     import pytest
 
     if Z.skip_reason(family) is not None:
         row = Z.classify(family)
     else:
         try:
-            row = Z.classify(family, model(family, torch.float32, Z.WINDOW))  # built once, reused below
+            default = model(family, torch.float32, Z.DEFAULT_LENGTHS)  # built once, reused below
+            short = model(family, torch.float32, Z.SHORT_LENGTHS) if Z.length_changes(family) else None
+            row = Z.classify(family, default, short)
         except Exception:  # noqa: BLE001 - the builder's own error, reported by classify
             row = Z.classify(family)
     assert page_rows().get(family) == row, "docs/models.md is stale: run verl-prefix models --write docs/models.md"
     if row.status == Z.SKIP:
         pytest.skip(row.reason)
-    if row.status == Z.DENSE:
-        check_dense_with_reason(family)
+    assert "do not build" not in row.lengths, row.lengths
+    cases = Z.LENGTH_CASES if Z.length_changes(family) else (Z.DEFAULT_LENGTHS,)
+    for lengths in cases:
+        check_case(family, lengths)
+
+
+def check_case(family: str, lengths: str) -> None:
+    """One build of the family: refused at initialisation (``check_dense_with_reason``), dense per batch (the
+    engine's own per-batch function names a reason on the matrix's batches: asserted, not assumed), or exact."""
+    net = model(family, torch.float32, lengths)
+    if structure_refusal(net) is not None:
+        check_dense_with_reason(family, lengths)
         return
-    assert row.status == Z.EXACT, row
-    check_exact(family, Z.WINDOW)
+    status, reason = Z.case_outcome(net)
+    batch_reasons = {Z.batch_fallback_reason(net, layout.input_ids) for layout in matrix_layouts()}
+    assert len(batch_reasons) == 1, f"{family} ({lengths} lengths): the matrix's batches disagree: {batch_reasons}"
+    (batch_reason,) = batch_reasons
+    if batch_reason is not None:
+        assert (status, reason) == (Z.DENSE, f"`{batch_reason}` per batch"), (status, reason, batch_reason)
+        return
+    assert status == Z.EXACT, (family, lengths, status, reason)
+    check_exact(family, lengths)
+
+
+def matrix_layouts() -> list[RowLayout]:
+    """The batches the matrix trains (one-level reuse, the tree's system block), none longer than ``Z.LONGEST``
+    (what ``classify`` asks the per-batch reasons about)."""
+    layouts = [make_layout(GROUPS, vocab=100), system_block_layout()]
+    assert max(len(ids) for layout in layouts for ids in layout.input_ids) == Z.LONGEST
+    return layouts
 
 
 def shard(name: str, shards: int) -> int:
@@ -60,8 +90,8 @@ def shard(name: str, shards: int) -> int:
 
 
 @functools.cache
-def model(family: str, dtype: torch.dtype, window: int | None) -> torch.nn.Module:
-    return Z.build(family, dtype, window=window)
+def model(family: str, dtype: torch.dtype, lengths: str) -> torch.nn.Module:
+    return Z.build(family, dtype, lengths=lengths)
 
 
 def relative_errors(got: dict, want: dict) -> float:
@@ -123,18 +153,18 @@ def tree_grads(net: torch.nn.Module, layout: RowLayout, weights) -> dict[str, to
     return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
 
 
-def tree_exactness(family: str, window: int | None) -> float:
+def tree_exactness(family: str, lengths: str) -> float:
     """The tree schedule against dense on ``system_block_layout``, fp64."""
-    net = model(family, torch.float64, window)
+    net = model(family, torch.float64, lengths)
     layout = system_block_layout()
     weights = token_weights(layout, torch.float64)
     with fp64_throughout():
         return relative_errors(tree_grads(net, layout, weights), dense_grads(net, layout, weights))
 
 
-def exactness(family: str, dtype: torch.dtype, window: int | None) -> float:
+def exactness(family: str, dtype: torch.dtype, lengths: str) -> float:
     """Reuse against dense on the matrix's group, in ``dtype`` (fp64 under ``fp64_throughout``)."""
-    net = model(family, dtype, window)
+    net = model(family, dtype, lengths)
     layout = make_layout(GROUPS, vocab=100)
     weights = token_weights(layout, dtype)
     if dtype == torch.float64:
@@ -143,23 +173,25 @@ def exactness(family: str, dtype: torch.dtype, window: int | None) -> float:
     return relative_errors(reuse_grads(net, layout, weights), dense_grads(net, layout, weights))
 
 
-def check_exact(family: str, window: int | None) -> None:
+def check_exact(family: str, lengths: str) -> None:
     """fp64 within 1e-10 (one-level reuse and the tree), fp32 within 1e-5 (or, where dense fp32 rounds past that
     on its own, within 1.5x of dense fp32's own error against fp64)."""
-    error = exactness(family, torch.float64, window)
-    assert error < TOLERANCE[torch.float64], f"{family} fp64: worst relative gradient error {error:.3g}"
-    error = tree_exactness(family, window)
-    assert error < TOLERANCE[torch.float64], f"{family} tree fp64: worst relative gradient error {error:.3g}"
-    error = exactness(family, torch.float32, window)
+    error = exactness(family, torch.float64, lengths)
+    assert error < TOLERANCE[torch.float64], (
+        f"{family} ({lengths} lengths) fp64: worst relative gradient error {error:.3g}"
+    )
+    error = tree_exactness(family, lengths)
+    assert error < TOLERANCE[torch.float64], f"{family} ({lengths} lengths) tree fp64: worst relative error {error:.3g}"
+    error = exactness(family, torch.float32, lengths)
     if error >= TOLERANCE[torch.float32]:
-        check_fp32_against_own_rounding(family, window, error)
+        check_fp32_against_own_rounding(family, lengths, error)
 
 
-def check_fp32_against_own_rounding(family: str, window: int | None, error: float) -> None:
+def check_fp32_against_own_rounding(family: str, lengths: str, error: float) -> None:
     """Families whose fp32 forward rounds more than 1e-5 on its own (Qwen3.5's gated delta rule runs its
     chunked recurrence in fp32 with exponentials of cumulative decays) are judged as the stock engine is: reuse's
     fp32 gradients against an fp64 run of the same weights must stay within 1.5x of dense fp32's own error."""
-    net = model(family, torch.float32, window)
+    net = model(family, torch.float32, lengths)
     layout = make_layout(GROUPS, vocab=100)
     weights = token_weights(layout, torch.float32)
     reuse = {n: g.double() for n, g in reuse_grads(net, layout, weights).items()}
@@ -182,14 +214,14 @@ def page_rows() -> dict[str, Z.MatrixRow]:
     return {row.family: row for row in Z.parse(page.read_text())}
 
 
-def check_dense_with_reason(family: str) -> None:
+def check_dense_with_reason(family: str, lengths: str = Z.DEFAULT_LENGTHS) -> None:
     """The capability check refuses the family naming a module; the engine's decision (agreed by every rank)
     is dense with that reason under ``unsupported_model=dense`` and ``UnsupportedModel`` under ``raise``."""
     import pytest
 
     from verl_prefix.backend.agreement import UnsupportedModel, agree_on_structure
 
-    net = model(family, torch.float32, Z.WINDOW)
+    net = model(family, torch.float32, lengths)
     refusal = structure_refusal(net)
     assert refusal is not None and refusal.reason and refusal.module and refusal.detail, refusal
     assert agree_on_structure(net, "dense") == refusal.reason

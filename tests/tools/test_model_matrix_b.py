@@ -32,4 +32,25 @@ def test_negative_control_the_tree_without_its_system_blocks_backward_fails(monk
             seeded(kv, grads, model, extra)
 
     monkeypatch.setattr(tree, "seeded_backward", skip_roots)
-    assert M.tree_exactness("llama", Z.WINDOW) > 1e-3
+    assert M.tree_exactness("llama", Z.DEFAULT_LENGTHS) > 1e-3
+
+
+def test_cli_page_round_trips_lengths_and_the_mamba_note(capsys):
+    """``verl-prefix models`` prints the page ``render`` writes and ``parse`` reads back row for row, lengths
+    included: a Mamba-2 hybrid names its short scan chunk, the per-batch reason it runs dense with there, and that
+    reuse serves it within one scan chunk; Llama-4 names its chunk and floor at 12 and at 8192."""
+    from verl_prefix.tools.cli import main
+
+    families = ["bamba", "llama4_text", "llama"]
+    assert main(["models", *(f"--family={f}" for f in families)]) == 0
+    rows = {r.family: r for r in Z.parse(capsys.readouterr().out)}
+    assert list(rows) == families and rows == {f: Z.classify(f) for f in families}
+    bamba = rows["bamba"]
+    assert "`mamba_chunk_size` 12 and 64 (default)" in bamba.lengths
+    assert "at the short lengths: dense, `mamba_multichunk` per batch" in bamba.lengths
+    assert bamba.status == Z.EXACT and "only within one scan chunk" in bamba.reason and "mamba_ssm" in bamba.reason
+    assert (
+        "`attention_chunk_size` 12 and 8192 (default); `floor_scale` 12 and 8192 (default)"
+        in rows["llama4_text"].lengths
+    )
+    assert (rows["llama"].lengths, rows["llama"].reason) == ("none", "")

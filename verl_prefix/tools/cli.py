@@ -87,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser(
         "models",
         help="the model coverage matrix: every decoder family of the installed transformers and its column",
-        description="Build a tiny random model of every causal-LM family of the installed transformers, run the "
-        "capability check, and print (or --write) the coverage page (docs/models.md); the matrix tests prove "
-        "the exact-under-reuse column against dense.",
+        description="Build a tiny random model of every causal-LM family of the installed transformers (twice where "
+        "it has lengths besides the window: at the default build's lengths and with every length shorter than the "
+        "matrix's prompt), run the capability check and the engine's per-batch length reasons, and print (or "
+        "--write) the coverage page (docs/models.md); the matrix tests prove the exact-under-reuse column against "
+        "dense.",
     )
     models.add_argument("--write", type=Path, default=None, metavar="PAGE", help="write the page here")
     models.add_argument("--family", action="append", default=None, help="only this family (repeatable)")
