@@ -109,6 +109,26 @@ def test_declared_window_no_module_carries_runs_dense_and_is_counted(tiny_model)
     assert metrics["prefix/fallback_sliding_window"] == 8.0
 
 
+def test_a_window_the_module_keeps_but_never_hands_attention_runs_dense(tmp_path):
+    """Qwen2-MoE's attention stores ``sliding_window`` but passes none to the attention function: dense applies the
+    window through its masks, reuse would attend to the whole prefix (found by the coverage matrix shrinking
+    ``max_window_layers``: gradients off by 1.4). Its window counts as undeclared: dense with the reason, exact."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
+
+    from verl_prefix.tools import model_zoo
+
+    assert not fallbacks._hands_window_to_attention(Qwen2MoeAttention)
+    assert fallbacks._hands_window_to_attention(MistralAttention)
+    config = model_zoo.tiny_config("qwen2_moe", use_sliding_window=True, max_window_layers=1, sliding_window=4)
+    config.experts_implementation = "eager"  # fp64 experts (grouped_mm has no fp64 kernel)
+    out = T.write_tokenizer(tmp_path, VOCAB)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    metrics = run_both(out, grpo_batch(), PrefixReuseConfig(min_prefix_len=2))
+    assert metrics["prefix/fallback_sliding_window"] == 8.0
+
+
 def test_unsupported_attention_runs_dense_and_is_counted(tiny_model, monkeypatch):
     monkeypatch.setattr(fallbacks, "PREFIX_ATTENTION_NAMES", {"eager": "verl_prefix_eager"})
     metrics = run_both(tiny_model("qwen3"), grpo_batch(), PrefixReuseConfig(min_prefix_len=2))

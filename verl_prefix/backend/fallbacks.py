@@ -8,6 +8,7 @@ match.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -251,12 +252,25 @@ def attention_windows(model: nn.Module) -> list[int]:
             window = module.sliding_window
         else:
             window = getattr(getattr(module, "config", None), "sliding_window", None)
-        if window is not None:
+        if window is not None and _hands_window_to_attention(type(module)):
             windows.append(int(window))
     if not attention:  # no module to read: trust the config
         window = getattr(model.config.get_text_config(), "sliding_window", None)
         windows += [int(window)] if window is not None else []
     return windows
+
+
+@functools.cache
+def _hands_window_to_attention(cls: type) -> bool:
+    """Whether ``cls.forward`` hands a ``sliding_window=`` keyword to the attention function (the window reuse
+    serves, ``schedule.windows``). Qwen2-MoE's attention stores its window but passes none: its dense masks are
+    windowed, the keyword the schedule reads is absent, so its window counts as undeclared (dense with the reason
+    where it is shorter than the sequences). True where the source cannot be read."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
+    return "sliding_window=" in source.replace(" ", "")
 
 
 def _declared_window(model: nn.Module) -> list[int]:
