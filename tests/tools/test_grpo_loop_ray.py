@@ -61,9 +61,12 @@ def all_runs(tiny_qwen3_dir):
     # every stock run first: none runs in a process where a prefix engine has run
     order = [(name, prefix) for prefix in (False, True) for name in pairs]
     rollouts = {"SGD": "SGD", "AdamW": "AdamW", "SGD, two mini-batches": "SGD"}  # whose rollouts a pair trains on
+    # one selection line: verl's own sync trainer and worker, only actor.strategy=prefix_fsdp2 (the SGD rollouts)
+    one_line = dict(sgd, overrides=(*KL_OVERRIDES, "trainer.v1.trainer_mode=sync"))
     dense, runs = {}, {}
     with local_cluster():
         configs = [cpu_grpo_config(tiny_qwen3_dir, prefix=p, **pairs[name][p]) for name, p in order]
+        configs.append(cpu_grpo_config(tiny_qwen3_dir, prefix=True, **one_line))
         with worker_hosts(configs, world_size=2) as hosts:
             for name, prefix in order:
                 replay = dense[rollouts[name]].rollouts if prefix or rollouts[name] != name else None
@@ -74,6 +77,10 @@ def all_runs(tiny_qwen3_dir):
                     runs[name] = (dense[name], run)
                 else:
                     dense[name] = run
+            run = run_cpu_grpo(
+                tiny_qwen3_dir, prefix=True, seed=0, replay=dense["SGD"].rollouts, workers=hosts, **one_line
+            )
+            runs["one line"] = (dense["SGD"], run)
     return runs
 
 
@@ -142,6 +149,24 @@ def test_groups_stay_whole_on_their_rank(runs):
         assert_reuse_ran(step.metrics, groups=PROMPTS / 2, namespace="actor/prefix/")
         assert_reuse_ran(step.metrics, groups=PROMPTS / 2, namespace="actor/prefix/old_log_prob/")
         assert step.metrics["actor/prefix/reuse_factor"] > 1.5
+
+
+def test_one_selection_line_under_verls_own_sync_trainer(all_runs):
+    """``actor.strategy=prefix_fsdp2`` alone, under verl's own ``sync`` trainer and worker: the plugin's balancing
+    keeps every group whole, reuse runs in the update and the old log-prob pass, and the update is the stock one."""
+    dense, prefix = all_runs["one line"]
+    assert (prefix.mode, prefix.trainer, prefix.worker, prefix.strategy) == (
+        "sync",
+        "PPOTrainerSync",
+        "ActorRolloutRefWorker",
+        "prefix_fsdp2",
+    )
+    assert_updates_agree(dense, prefix)
+    for step in prefix.steps:
+        assert split_groups(step.rank_uids) == 0, step.rank_uids
+        assert step.metrics["actor/prefix/split_groups"] == 0.0
+        assert_reuse_ran(step.metrics, groups=PROMPTS / 2, namespace="actor/prefix/")
+        assert_reuse_ran(step.metrics, groups=PROMPTS / 2, namespace="actor/prefix/old_log_prob/")
 
 
 def test_two_mini_batches_per_step_match_dense(all_runs):
