@@ -40,6 +40,18 @@ FUSED = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _hf_forwards_back():
+    """verl's fused-kernel patch replaces the model class's forward for the whole process: put HF's back after this
+    module, so later tests in the same worker build those classes unfused."""
+    from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    saved = {cls: vars(cls).get("forward") for cls in (Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    yield
+    for cls, forward in saved.items():
+        cls.forward = forward
+
+
 def batch(**overrides):
     args = dict(
         num_groups=2,

@@ -345,6 +345,6 @@ def test_positions_past_floor_scale_under_ulysses_are_refused_by_the_hook():
 
     hidden = torch.zeros(1, 3, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="temperature tuning.*Ulysses"):
-        positions._offset_hook(attention, (), {"hidden_states": hidden, "prefix_ctx": Ctx()})
+        positions.position_offset_hook(attention, (), {"hidden_states": hidden, "prefix_ctx": Ctx()})
     Ctx.query_offset = 1
-    assert positions._offset_hook(attention, (), {"hidden_states": hidden, "prefix_ctx": Ctx()}) is None
+    assert positions.position_offset_hook(attention, (), {"hidden_states": hidden, "prefix_ctx": Ctx()}) is None

@@ -252,7 +252,7 @@ def attention_windows(model: nn.Module) -> list[int]:
             window = module.sliding_window
         else:
             window = getattr(getattr(module, "config", None), "sliding_window", None)
-        if window is not None and _hands_window_to_attention(type(module)):
+        if window is not None and hands_window_to_attention(type(module)):
             windows.append(int(window))
     if not attention:  # no module to read: trust the config
         window = getattr(model.config.get_text_config(), "sliding_window", None)
@@ -261,7 +261,7 @@ def attention_windows(model: nn.Module) -> list[int]:
 
 
 @functools.cache
-def _hands_window_to_attention(cls: type) -> bool:
+def hands_window_to_attention(cls: type) -> bool:
     """Whether ``cls.forward`` hands a ``sliding_window=`` keyword to the attention function (the window reuse
     serves, ``schedule.windows``). Qwen2-MoE's attention stores its window but passes none: its dense masks are
     windowed, the keyword the schedule reads is absent, so its window counts as undeclared (dense with the reason

@@ -52,7 +52,7 @@ def position_scale_limit(model: nn.Module) -> int | None:
     return min(limits) if limits else None
 
 
-def _offset_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def position_offset_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     ctx = kwargs.get("prefix_ctx")
     if ctx is None or kwargs.get("past_key_values") is not None:
         return None
@@ -77,7 +77,7 @@ def absolute_positions(model: nn.Module) -> Iterator[None]:
     """For the schedule's calls, every module that counts its own positions starts at the call's first
     absolute position (``ctx.query_offset`` of the prefix context it is called with)."""
     handles = [
-        module.register_forward_pre_hook(_offset_hook, with_kwargs=True)
+        module.register_forward_pre_hook(position_offset_hook, with_kwargs=True)
         for module in model.modules()
         if counts_positions(module)
     ]
