@@ -119,7 +119,7 @@ def results(result_file: Path, path: Path) -> None:
     machine = result.get("machine", {})
     model = cells[0]["model"]
     ax.set_title(
-        f"One GRPO update, {model['params'] / 1e6:.0f}M-parameter {model['family']}, {cells[0]['dtype']}, "
+        f"One GRPO update, {model['params'] / 1e6:.1f}M-parameter {model['family']}, {cells[0]['dtype']}, "
         f"{machine.get('cpu_count', '?')} vCPU ({result['date'][:10]}); gradients match to ~3e-6",
         fontsize=9.5,
     )
