@@ -94,7 +94,7 @@ finish() {
 trap finish EXIT
 
 # A step's exit status: 0 goes on; a stop at its time limit (timeout's 124, or 137 after SIGKILL) exits 3,
-# so that it does not read as the device tool's own limit (it reports 124 and 137 as "timed_out").
+# so that it does not read as a timeout's own exit status (124, or 137 for a kill).
 stopped() {
   case "$1" in
     0) return 0 ;;
