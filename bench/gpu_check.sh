@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one command a session with a lent H200 runs (docs/gpu.md): from the repo root,
-#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
-# after `bash scripts/gpu_kit.sh` built .whl/ here. It installs the kit into /tmp/site, prints the
+# The GPU check in one command (docs/gpu.md; how the project's own checks run it on a borrowed machine:
+# docs/maintainers/gpu-check.md): from the repo root, `bash bench/gpu_check.sh`, with .whl/ built by
+# `bash scripts/gpu_kit.sh` beside the working tree where the machine lacks verl. It installs the kit into /tmp/site, prints the
 # machine and versions, runs the smoke preset on CUDA as a sanity step (about a minute, fails fast),
 # then `verl-prefix bench --preset gpu`, and leaves in $OUT (at most 8 files come back):
 #   env.txt          nvidia-smi, python3 -m pip list, the versions verl_prefix imports
@@ -17,7 +17,7 @@
 #                    <!-- bench:gpu:start/end --> markers; appended at the end while the doc has none)
 #   nvidia_smi.csv   GPU memory, utilisation and clocks every 5 s during both runs
 #
-# The gpu preset's cells run three engines side by side (issue 14): the stock fsdp2 engine and
+# The gpu preset's cells run three engines side by side: the stock fsdp2 engine and
 # prefix_fsdp2 with prefix_reuse.phase_b_attention=merged and =concat, interleaved rep by rep (rotating
 # order), each timed for one update and one forward-only pass; the table has one row per cell and engine.
 # A fourth, prefix_fsdp2 with =merged_varlen (packed suffixes), runs on torch's own varlen flash attention
@@ -28,7 +28,7 @@
 # the same model (bf16 parameters, torchtitan's flex attention kernel, no activation checkpointing; never run
 # on a GPU yet): CELLS="P2048/S128/G8/torchtitan" runs it alone (the kit carries torchtitan 0.3.0).
 #
-# Time (one run may last 600 s; the session has 15 min of device time, machine start included).
+# Time (BUDGET below: the run stops the bench after 560 s by default, to fit a 600 s call).
 # FLOPs from verl_prefix.tools.flops for the gpu preset (Qwen3-1.7B shape, G=16, 12,288 tokens per sequence,
 # bf16, gradient checkpointing so an update is ~4 forwards): one rep of cell P10240/S2048 is ~7.2 PFLOP
 # (dense update 3.8, merged and concat prefix updates 1.0 each, forward-only 0.95 + 2 x 0.24), of cell
@@ -63,7 +63,7 @@ cd "$(dirname "$0")/.."
 
 REPS="${REPS:-3}"
 BUDGET="${BUDGET:-560}"
-# PRESET=gpu_vl runs the vision-language cell (issue 23: one image of 1,024 visual tokens + 200 text tokens, suffix
+# PRESET=gpu_vl runs the vision-language cell (one image of 1,024 visual tokens + 200 text tokens, suffix
 # 128, G=8, Qwen2.5-VL's 32-block tower on the gpu preset's decoder shape, stock fsdp2 vs prefix_fsdp2, update and
 # forward-only; two engines of ~2.3B parameters, ~40 GB; the FLOP model counts the tower once per row dense, once
 # per group reused): `run(command="PRESET=gpu_vl CUDA_TESTS=0 OFFLOAD_TESTS=0 WINDOW_TESTS=0 bash bench/gpu_check.sh")`.
@@ -80,7 +80,7 @@ CELLS="${CELLS:-}"
 KIT="${KIT:-.whl}"
 SITE="${SITE:-/tmp/site}"
 PY="${PY:-python3}"
-OUT="${OUT:?OUT must name the folder whose files come back (the device tool sets it)}"
+OUT="${OUT:?OUT must name the folder whose files come back (the results land there)}"
 mkdir -p "$OUT"
 
 step() { echo; echo "=== [$(date -u +%H:%M:%S), ${SECONDS}s] $*"; }
@@ -94,7 +94,7 @@ finish() {
 trap finish EXIT
 
 # A step's exit status: 0 goes on; a stop at its time limit (timeout's 124, or 137 after SIGKILL) exits 3,
-# so that it does not read as the device tool's own limit (it reports 124 and 137 as "timed_out").
+# so that it does not read as a timeout's own exit status (124, or 137 for a kill).
 stopped() {
   case "$1" in
     0) return 0 ;;

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Build the GPU kit: .whl/ holds exactly the wheels the lent H200 machine lacks for
+# Maintainers' tool. Build the GPU kit: .whl/ holds exactly the wheels a bare GPU machine without network
+# (Python 3.12, torch 2.11 and a long package list, but no verl) lacks for
 #   python3 -m verl_prefix.tools.cli bench --preset gpu
-# (it has Python 3.12, torch 2.11 and a long package list, but no verl and no network; see docs/gpu.md
-# and /work/.library/device/KINDS.md). Run it HERE, where pip reaches the package registry; the GPU
-# session then sends .whl with `carry: [".whl"]` and bench/gpu_check.sh installs it with --no-deps.
+# (docs/maintainers/gpu-check.md). Run it where pip reaches the package registry; send .whl to the GPU machine
+# beside the working tree, where bench/gpu_check.sh installs it with --no-deps.
 #
 #   bash scripts/gpu_kit.sh [PYTHON_VERSION] [DEST]
 #     PYTHON_VERSION  3.12 (default: the device's python3). Another version (e.g. 3.11) fetches the same

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "maintainers").glob("*.md"))]
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
@@ -171,3 +171,13 @@ def test_readme_knob_table_lists_every_knob_with_its_default():
         expected[name] = _yaml_default(actor[name].default)
     expected["ulysses_sequence_parallel_size"] = "1"  # verl's own default
     assert rows == expected
+
+
+def test_maintainers_pages_are_linked():
+    """Each page under docs/maintainers/ is reachable: the README or a docs page links it."""
+    linked = set()
+    for page in PAGES:
+        for target in relative_links(page):
+            linked.add((page.parent / target.partition("#")[0]).resolve())
+    for page in sorted((ROOT / "docs" / "maintainers").glob("*.md")):
+        assert page.resolve() in linked, page.name

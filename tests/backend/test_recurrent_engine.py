@@ -314,7 +314,7 @@ def test_remove_padding_is_refused_at_initialisation(hybrid_dir):
             assert _packed_vs_alone(model, [7, 9]) > 1e-3, type(model).__name__
             assert fallbacks.recurrent_packed_error(model, served, use_remove_padding=False) is None
             error = fallbacks.recurrent_packed_error(model, served, use_remove_padding=True)
-            assert "use_remove_padding=true" in error
+            assert "use_remove_padding=true" in error and "+actor_rollout_ref.actor.prefix_reuse.enable=false" in error
             off = PrefixReuseConfig(enable=False)
             assert fallbacks.recurrent_packed_error(model, off, use_remove_padding=True) is None
         match = r"use_remove_padding=true with recurrent layers \['Qwen3_5GatedDeltaNet'\]"

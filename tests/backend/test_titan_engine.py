@@ -592,7 +592,7 @@ def test_model_types_outside_the_allowlist_are_refused_at_build():
         config = CONFIG_MAPPING[model_type]()
         reason = model_refusal(config, on)
         assert reason is not None and model_type in reason and words in reason, (model_type, reason)
-        assert "prefix_reuse.enable=false" in reason
+        assert "+actor_rollout_ref.actor.torchtitan.prefix_reuse.enable=false" in reason
         assert model_refusal(config, off) is None
     llama4 = type("Config", (), {"model_type": "llama4"})()
     assert "chunked attention" in model_refusal(llama4, on)

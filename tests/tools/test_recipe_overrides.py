@@ -120,3 +120,44 @@ def test_cpu_recipe_torchtitan_variant(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "TP=3 must divide the 2 actor ranks" in bad.stderr
+
+
+def test_gpu_rag_recipe(tmp_path, tiny_qwen3_dir):
+    """The long-prompt recipe composes: the prefix engine, dynamic batch size, HotpotQA's parquet files."""
+    env = {"MODEL": str(tiny_qwen3_dir), "DATA": str(tmp_path), "TREE": "true"}
+    (launch,) = _recorded_launches(tmp_path, "grpo_qwen3_rag_prefix.sh", env)
+    config = _compose(launch)
+    assert config.actor_rollout_ref.rollout.name == "vllm" and config.actor_rollout_ref.rollout.n == 8
+    assert config.data.max_prompt_length == 6144 and config.data.train_files == f"{tmp_path}/train.parquet"
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert isinstance(actor, PrefixFSDPActorConfig) and actor.strategy == "prefix_fsdp2"
+    assert actor.use_dynamic_bsz and actor.prefix_reuse.tree is True
+    assert config.actor_rollout_ref.ref.prefix_reuse.tree is True  # the reference policy follows the actor's knobs
+
+
+def test_rag_data_rows(tmp_path):
+    """``recipes/hotpotqa_long_context.py`` turns HotpotQA examples into verl rows whose reward verl scores."""
+    import importlib.util
+
+    from verl.utils.reward_score import default_compute_score
+
+    spec = importlib.util.spec_from_file_location("hotpotqa_long_context", ROOT / "recipes/hotpotqa_long_context.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def example(i: int) -> dict:
+        titles = [f"T{i}-{j}" for j in range(10)]
+        sentences = [[f"Paragraph {j} of question {i}. ", "More text."] for j in range(10)]
+        return {"id": f"q{i}", "question": f"Who is {i}?", "answer": f"Person {i}",
+                "context": {"title": titles, "sentences": sentences}}  # fmt: skip
+
+    rows = module.make_rows([example(i) for i in range(4)], "train", extra_paragraphs=5)
+    assert [r["extra_info"]["documents"] for r in rows] == [15] * 4  # never the question's own paragraphs twice
+    user = rows[0]["prompt"][1]["content"]
+    assert user.count("Document ") == 15 and user.endswith("Question: Who is 0?")
+    assert "Paragraph 3 of question 0. More text." in user
+    assert rows[0]["prompt"][0]["content"] == rows[3]["prompt"][0]["content"]  # one shared system message
+    assert rows == module.make_rows([example(i) for i in range(4)], "train", extra_paragraphs=5)  # seeded
+    truth = rows[2]["reward_model"]["ground_truth"]
+    assert default_compute_score(rows[2]["data_source"], "so <answer>person 2</answer>", truth) == 1
+    assert default_compute_score(rows[2]["data_source"], "<answer>Person 3</answer>", truth) == 0

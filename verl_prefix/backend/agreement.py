@@ -87,6 +87,7 @@ def agree_on_kernels(
             logger.warning("phase B runs concat attention on every data-parallel rank: %s", where)
         return reason
     raise KernelRefused(
+        "actor_rollout_ref.actor."
         f"prefix_reuse.phase_b_attention={attention} cannot run on every data-parallel rank (every rank stops): "
         f"{where}. Use auto (concat where the kernels do not serve) or concat."
     )

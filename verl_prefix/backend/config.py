@@ -16,6 +16,15 @@ from verl_prefix.schedule.trie import DEFAULT_MIN_SHARED_TOKENS
 PREFIX_BACKEND = "prefix_fsdp2"
 # ``prefix_reuse.unsupported_model``: what a model the schedule cannot serve does (``schedule.capability``)
 UNSUPPORTED_MODEL = ("dense", "raise")
+# The override that switches reuse off, as an error message names it: the full path, and the actor config class
+# that carries the key (``configs/prefix_grpo.yaml`` has both, and the key, so drop the ``+`` there)
+REUSE_OFF = (
+    "+actor_rollout_ref.actor.prefix_reuse.enable=false (with "
+    "actor_rollout_ref.actor._target_=verl_prefix.PrefixFSDPActorConfig; no '+' where the YAML has the key, "
+    "as configs/prefix_grpo.yaml does)"
+)
+# the same on prefix_torchtitan, whose knobs live on its engine config
+TITAN_REUSE_OFF = "+actor_rollout_ref.actor.torchtitan.prefix_reuse.enable=false"
 
 
 def validate_moe_aux_loss_coef(value: object) -> float:

@@ -23,7 +23,7 @@ from verl.utils.activation_offload import ActivationHandler
 from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
-from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.backend.config import REUSE_OFF, PrefixReuseConfig
 from verl_prefix.schedule import hf_forwards, mamba, moe, multimodal, recurrent, windows
 from verl_prefix.schedule.positions import position_scale_limit
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
@@ -89,8 +89,9 @@ def recurrent_settings_error(module: nn.Module, reuse: PrefixReuseConfig, ulysse
     if detail is None:
         return None
     return (
-        f"prefix reuse: {detail}: set ulysses_sequence_parallel_size=1 and phase_b_attention to auto, merged or "
-        "concat, or prefix_reuse.enable=false to train this model with the stock engine"
+        f"prefix reuse: {detail}: set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 and "
+        "actor_rollout_ref.actor.prefix_reuse.phase_b_attention to auto, merged or concat, or "
+        f"{REUSE_OFF} to train this model with the stock engine"
     )
 
 
@@ -119,7 +120,7 @@ def recurrent_packed_error(module: nn.Module, reuse: PrefixReuseConfig, use_remo
         "sequences as one row, and these layers' forwards take no sequence boundaries, so each sequence would "
         "start from the previous one's state (the stock engine computes that; reuse runs one sequence a row). "
         "Set actor_rollout_ref.model.use_remove_padding=false (the padded layout, which both engines compute "
-        "alike), or prefix_reuse.enable=false"
+        f"alike), or {REUSE_OFF}"
     )
 
 
@@ -140,7 +141,7 @@ def dense_under_ulysses_error(module: nn.Module, reason: str) -> str | None:
         f"rows fall back to the stock engine ({reason}) under Ulysses sequence parallelism, but verl's dense "
         f"Ulysses path only covers flash attention and this model uses attn_implementation={implementation!r}: "
         "each rank would attend within its own slice of every sequence. Use flash_attention_2, make every "
-        "row reusable, or set ulysses_sequence_parallel_size=1."
+        "row reusable, or set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1."
     )
 
 
@@ -358,6 +359,7 @@ def windowed_varlen_error(model: nn.Module, reuse: PrefixReuseConfig) -> str | N
     chunks = sorted({c for c in map(windows.attention_chunk, attention_modules(model).values()) if c is not None})
     if chunks:
         return (
+            "actor_rollout_ref.actor."
             f"prefix_reuse.phase_b_attention=merged_varlen does not serve chunked attention (this model has "
             f"chunked_attention layers of {chunks[0]}-token chunks): use auto or merged (each query masked to its "
             "own chunk over the prefix's last L % C positions) or concat"
@@ -366,6 +368,7 @@ def windowed_varlen_error(model: nn.Module, reuse: PrefixReuseConfig) -> str | N
     if not found:
         return None
     return (
+        "actor_rollout_ref.actor."
         f"prefix_reuse.phase_b_attention=merged_varlen does not serve sliding-window attention (this model has "
         f"windows of {sorted(set(found))} keys): use auto or merged (the window banded over the prefix's last "
         "W - 1 positions) or concat"
@@ -437,7 +440,8 @@ def multimodal_ulysses_error(hf_config: object, reuse: PrefixReuseConfig, ulysse
     return (
         f"prefix reuse does not serve vision-language models ({getattr(hf_config, 'model_type', None)!r}) under "
         f"Ulysses sequence parallelism yet (ulysses_sequence_parallel_size={ulysses_size}): set "
-        "ulysses_sequence_parallel_size=1, or prefix_reuse.enable=false to train this model with the stock engine"
+        f"actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or {REUSE_OFF} to train this model with the "
+        "stock engine"
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from verl.workers.config import TorchtitanEngineConfig
 
-from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 
 TITAN_BACKEND = "prefix_torchtitan"
 
@@ -122,7 +122,7 @@ def model_refusal(hf_config: Any, config: Any) -> str | None:
     return (
         f"prefix_torchtitan: model_type {model_type!r} is refused with reuse on ({why}); served: "
         f"{', '.join(SERVED_MODEL_TYPES)}. Use strategy=prefix_fsdp2, or set "
-        "+actor_rollout_ref.actor.torchtitan.prefix_reuse.enable=false to train it through verl's TorchTitan engine"
+        f"{TITAN_REUSE_OFF} to train it through verl's TorchTitan engine"
     )
 
 
@@ -166,7 +166,8 @@ def refusal(config: Any) -> str | None:
         if reuse.tree:
             return (
                 "prefix_torchtitan: prefix_reuse.tree (the token trie) is not built for torchtitan yet; it runs on "
-                "prefix_fsdp2 (docs/trees.md), or set prefix_reuse.tree=false for one-level reuse"
+                "prefix_fsdp2 (docs/trees.md), or set +actor_rollout_ref.actor.torchtitan.prefix_reuse.tree=false for "
+                "one-level reuse"
             )
         if reuse.phase_b_attention not in ("auto", "concat"):
             return (

@@ -37,7 +37,7 @@ from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.utils import prepare_micro_batches
 
 from verl_prefix.backend import fallbacks, platform_titan
-from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
 from verl_prefix.backend.outputs import (
@@ -106,15 +106,15 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
         if self.link.num_stages > 1 and self.expert_counts:
             raise ValueError(
                 "prefix_torchtitan: MoE flavors under pipeline parallelism are not tested under reuse (each stage "
-                "would count its own layers' routing); set pipeline_parallel_size=1"
+                "would count its own layers' routing); set actor_rollout_ref.actor.torchtitan.pipeline_parallel_size=1"
             )
         # TP x EP: the MoE splits every sequence over the TP ranks, which must divide its length
         self.sequence_multiple = sequence_multiple(dims.tp, dims.ep, bool(self.expert_counts))
         if self.reuse_config.enable and self.expert_counts and dims.tp > 1 and dims.ep == 1:
             raise ValueError(
                 "prefix_torchtitan: MoE flavors with tensor_parallel_size > 1 and expert_parallel_size 1 (the experts "
-                "sharded by TP) are not tested under reuse; set expert_parallel_size > 1 (TP x EP is served), or "
-                "prefix_reuse.enable=false"
+                "sharded by TP) are not tested under reuse; set "
+                f"actor_rollout_ref.actor.torchtitan.expert_parallel_size > 1 (TP x EP is served), or {TITAN_REUSE_OFF}"
             )
         self.hooks = InnerAttentionHooks(self.module[0])
 

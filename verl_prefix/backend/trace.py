@@ -1,6 +1,6 @@
 """Record the batches an actor engine trains on, in a format ``verl_prefix.tools.replay`` reads back.
 
-The paper's evaluation method: speed and exactness are judged on the very ``update_actor`` mini-batches a
+Replay's method: speed and exactness are judged on the very ``update_actor`` mini-batches a
 real run produced (lengths, group sizes and advantages as they really are), not on one synthetic cell.
 
 - **Trace**: a directory with ``manifest.json`` and one ``batch_NNNNNN.pt`` per ``engine.train_batch`` call:

@@ -106,7 +106,8 @@ class AttentionKeywordRefused(ValueError):
         shown = f"tensor of shape {tuple(value.shape)}" if hasattr(value, "shape") else repr(value)
         super().__init__(
             f"prefix reuse cannot honour the attention keyword {name}={shown}: {reason}. Dense training honours "
-            "it; run this model without prefix reuse (prefix_reuse.enable=false)"
+            "it; run this model without prefix reuse: +actor_rollout_ref.actor.prefix_reuse.enable=false (with "
+            "actor_rollout_ref.actor._target_=verl_prefix.PrefixFSDPActorConfig; no '+' where the YAML has the key)"
         )
 
 

@@ -427,6 +427,7 @@ class ServeContext:
             reason = "width"  # attention sees another width than the context was built for
         if reason is not None:
             raise ValueError(
+                "actor_rollout_ref.actor."
                 f"prefix_reuse.phase_b_attention=merged_varlen cannot serve this attention call ({reason}); "
                 "use auto (merged, falls back to concat), merged or concat"
             )
@@ -488,6 +489,7 @@ class ServeContext:
             reason = "eager"  # the model asked for eager attention's numerics; merged is sdpa's maths
         if reason is not None and self.attention == "merged":
             raise ValueError(
+                "actor_rollout_ref.actor."
                 f"prefix_reuse.phase_b_attention=merged cannot serve this attention call ({reason}); "
                 "use auto (falls back to concat) or concat"
             )

@@ -427,7 +427,7 @@ PRESETS: dict[str, Preset] = {
         cells=(_agentic_cell(4096, (128, 512), (128, 256)),),
         reps=3,
         threads=1,
-        description="issue 25's agentic batch on the 1M smoke model: a 4096-token system block shared by 8 groups, "
+        description="an agentic batch on the 1M smoke model: a 4096-token system block shared by 8 groups, "
         "questions 128-512, G=8, responses 128-256; stock fsdp2, one-level reuse and the tree; slow on a CPU",
     ),
     "agentic_quarter": Preset(
@@ -441,7 +441,7 @@ PRESETS: dict[str, Preset] = {
         cells=(_tree_rollout_cell(1024, (256, 128, 64), (32, 64)),),
         reps=3,
         threads=1,
-        description="issue 25's tree-rollout batch on the 1M smoke model: 8 groups of G=8, prompt 1024, responses "
+        description="a tree-rollout batch on the 1M smoke model: 8 groups of G=8, prompt 1024, responses "
         "opening with a 256-token stem branching into 2 stems of 128, then 4 of 64, then 32-64 tokens each; stock "
         "fsdp2, one-level reuse and the tree (loss on the shared stems)",
     ),
