@@ -309,7 +309,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             "prefix_fsdp2": Cell(
                 "reuses", "", (f"{FB}::test_remove_padding_dense_rows_match_the_padded_stock_engine",)
             ),
-            "prefix_torchtitan": Cell("reuses", "required: `false` is refused", (_TITAN_REFUSALS,)),
+            "prefix_torchtitan": Cell("reuses", "`false` is refused", (_TITAN_REFUSALS,)),
         },
     ),
     (
@@ -443,8 +443,11 @@ def render() -> str:
         "",
         "## Every key of verl's `ppo_trainer.yaml`",
         "",
-        "Every key under `actor_rollout_ref.actor`, `.ref` and `.model` (`prefix_fsdp2`), with the test behind the "
-        "claim. A key whose value turns reuse off is `dense`, with its metric and a warning naming the key.",
+        "Every key under `actor_rollout_ref.actor`, `.ref` and `.model` (paths below are under `actor_rollout_ref.`), "
+        "as `prefix_fsdp2` treats it, with the test behind the claim; `.*` covers a block. A key whose value turns "
+        "reuse off is `dense`: its samples are counted as `prefix/fallback_<reason>` and the warning names the key. "
+        "`served` keys were set away from verl's defaults on an engine that reused; ref keys run the actor's code "
+        "forward-only.",
         "",
         "| key | effect | why | test |",
         "|---|---|---|---|",
@@ -461,5 +464,16 @@ def readme_block() -> str:
     keep = ("fused kernels", "dynamic bsz", "Ulysses", "LoRA", "tree")
     rows = [(n, c) for n, c in MATRIX if n.startswith(keep)]
     lines = ["| | " + " | ".join(f"`{e}`" for e in ENGINES) + " |", "|---|" + "---|" * len(ENGINES)]
-    lines += [f"| {n} | " + " | ".join(_SHOWN[c[e].status] for e in ENGINES) + " |" for n, c in rows]
+    lines += [f"| {n.split(' (')[0]} | " + " | ".join(_SHOWN[c[e].status] for e in ENGINES) + " |" for n, c in rows]
     return "\n".join(lines)
+
+
+README_BEGIN, README_END = "<!-- compatibility:begin -->", "<!-- compatibility:end -->"
+
+
+def with_readme_block(readme: str) -> str:
+    """``readme`` with ``readme_block()`` between its compatibility markers; ValueError without them."""
+    start, end = readme.find(README_BEGIN), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no {README_BEGIN} ... {README_END} block")
+    return readme[: start + len(README_BEGIN)] + "\n" + readme_block() + "\n" + readme[end:]
