@@ -226,6 +226,32 @@ def test_served_keys_reuse(tiny_model, build, monkeypatch):
         assert not [k for k, v in metrics.items() if k.startswith("prefix/fallback_") and v], build
 
 
+def flipped_no_effect_keys() -> list[str]:
+    """Every actor/model key classified ``no_effect`` whose default is a bool or a number, set away from it (bools
+    flipped, numbers changed); ``forward_only`` is verl's per role (true on the actor builds no optimizer, in the
+    stock engine too), strings and lists are paths, names and module lists."""
+    out = []
+    for key, default in verl_keys().items():
+        effect = recipe_keys.classify(key)
+        if effect.status != "no_effect" or key.startswith("ref.") or key.endswith(".forward_only"):
+            continue
+        if isinstance(default, bool):
+            out.append(f"actor_rollout_ref.{key}={str(not default).lower()}")
+        elif isinstance(default, int | float):
+            out.append(f"actor_rollout_ref.{key}={default + 1 if isinstance(default, int) else default * 0.5 + 0.01!r}")
+    return out
+
+
+def test_no_effect_keys_set_together_still_reuse(tiny_model):
+    overrides = flipped_no_effect_keys()
+    assert len(overrides) > 40  # optimizer, checkpoint, profiler, MTP, Megatron LoRA, VeOmni blocks and the rest
+    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", overrides=overrides)
+    engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    metrics = T.run_train_step(engine, loss_fn, grpo_batch())["reduced_metrics"]
+    assert metrics["prefix/groups"] == 2.0
+    assert not [k for k, v in metrics.items() if k.startswith("prefix/fallback_") and v]
+
+
 def _warned(caplog, reason: str, key: str) -> None:
     assert f"prefix/fallback_{reason}" in caplog.text and f"actor_rollout_ref.{key}=" in caplog.text
 

@@ -86,7 +86,7 @@ def _engine_keys(role: str) -> dict[str, KeyEffect]:
         f"{f}.use_no_sync_for_gradient_accumulation": _FSDP,
         f"{f}.pad_to_length": _PAD,
         f"{f}.pad_to_length_bucket": _PAD,
-        f"{f}.forward_only": _fx("no_effect", "set by verl per role (the ref engine is forward-only)"),
+        f"{f}.forward_only": _fx("no_effect", "verl sets it per role: the ref engine is forward-only"),
         f"{f}.strategy": _fx("selector", "mapped from actor.strategy by the worker"),
         f"{f}.qat.*": _QAT,
         f"{f}.turbo_config.*": _fx("no_effect", "read by verl's VeOmni engine only"),
