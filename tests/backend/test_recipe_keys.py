@@ -9,12 +9,14 @@ what it does to reuse.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss
@@ -99,18 +101,35 @@ LOSS_SETTINGS: list[tuple[str, ...]] = [
     ("actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ub=2.0"),
     ("actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=0.5", "actor.policy_loss.ppo_kl_coef=0.5"),
     ("actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=0.1"),
+    ("actor.policy_loss.loss_mode=bypass_mode",),
     *[(f"actor.loss_agg_mode={m}",) for m in ("token-sum", "seq-mean-token-sum", "seq-mean-token-mean")],
     ("actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=16"),
     ("actor.entropy_coeff=0.01", "actor.calculate_entropy=true"),
-    *[("actor.use_kl_loss=true", f"actor.kl_loss_type={t}", "actor.kl_loss_coef=0.1") for t in ("kl", "abs", "mse")],
+    *[
+        ("actor.use_kl_loss=true", f"actor.kl_loss_type={t}", "actor.kl_loss_coef=0.1")
+        for t in ("kl", "k1", "abs", "mse", "k2", "k3")
+    ],
 ]
 
 
-def _loss_fn(engine_actor_config, settings: tuple[str, ...]):
-    """verl's ``ppo_loss`` on the actor config a recipe with ``settings`` composes (the engine's own model config)."""
-    overrides = [f"{A}.ppo_micro_batch_size_per_gpu=4", *(f"actor_rollout_ref.{s}" for s in settings)]
-    cfg = T.compose_ppo_config(overrides).actor_rollout_ref.actor
+def test_loss_settings_try_every_policy_loss_verl_registers():
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    tried = {s.split("=", 1)[1] for settings in LOSS_SETTINGS for s in settings if "loss_mode=" in s}
+    assert set(POLICY_LOSS_REGISTRY) - {"vanilla"} <= tried  # vanilla: verl's default, every other build
+
+
+def _loss_fn(base, engine_actor_config, settings: tuple[str, ...]):
+    """verl's ``ppo_loss`` on the actor config a recipe with ``settings`` composes (``base``: verl's composed actor
+    section, updated as Hydra would; the engine's own model config)."""
+    cfg = copy.deepcopy(base)
+    for setting in settings:
+        key, value = setting.split("=", 1)
+        OmegaConf.update(cfg, key.removeprefix("actor."), yaml.safe_load(value))
     config = omega_conf_to_dataclass(cfg)
+    for setting in settings:  # the setting reached the dataclass the loss reads
+        key, value = setting.split("=", 1)
+        assert functools.reduce(getattr, key.split(".")[1:], config) == yaml.safe_load(value), setting
     config.model_config = engine_actor_config.model_config
     return functools.partial(ppo_loss, config=config)
 
@@ -118,8 +137,9 @@ def _loss_fn(engine_actor_config, settings: tuple[str, ...]):
 def test_loss_keys_reuse(tiny_model):
     engine, _, actor_config = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", lr=0.0)
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
+    base = T.compose_ppo_config([f"{A}.ppo_micro_batch_size_per_gpu=4"]).actor_rollout_ref.actor
     for settings in LOSS_SETTINGS:
-        metrics = T.run_train_step(engine, _loss_fn(actor_config, settings), grpo_batch())["reduced_metrics"]
+        metrics = T.run_train_step(engine, _loss_fn(base, actor_config, settings), grpo_batch())["reduced_metrics"]
         assert metrics["prefix/groups"] == 2.0, settings
         assert not [k for k, v in metrics.items() if k.startswith("prefix/fallback_") and v], settings
 
