@@ -375,8 +375,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
         {
             "prefix_fsdp2": Cell(
                 "reuses",
-                "images in the prefix",
-                ("tests/backend/test_multimodal_engine.py::test_update_matches_stock_engine_fp64",),
+                "images in the prefix; refused under Ulysses",
+                (
+                    "tests/backend/test_multimodal_engine.py::test_update_matches_stock_engine_fp64",
+                    "tests/backend/test_multimodal_engine.py::test_what_reuse_does_not_serve_yet_is_refused_with_a_reason",
+                ),
             ),
             "prefix_torchtitan": Cell(
                 "refused",
