@@ -39,6 +39,10 @@ def _fx(status: KeyStatus, why: str, test: str = "", reason: str = "") -> KeyEff
 _LOSS = _fx("served", "the loss runs on reuse's log-probs, as on the stock engine's", f"{E}::test_every_policy_loss")
 _AGG = _fx("served", "loss aggregation over the mini-batch's global counts", f"{E}::test_every_loss_agg_mode")
 _BATCHING = _fx("served", "micro-batch sizes and token budgets; phase B plans its own", f"{R}::test_served_keys_reuse")
+_REF_BATCHING = _fx(
+    "served", "forward-only micro-batch sizes and token budgets", f"{E}::test_infer_batch_matches_stock"
+)
+_KL = _fx("served", "the KL term runs on reuse's log-probs; every type verl accepts", f"{R}::test_loss_keys_reuse")
 _FSDP = _fx("served", "FSDP2 sharding and prefetch: the same collectives on every path", f"{R}::test_served_keys_reuse")
 _ENTROPY = _fx(
     "served",
@@ -102,7 +106,11 @@ KEYS: dict[str, KeyEffect] = {
     "actor.rollout_n": _NONE,
     "actor.strategy": _fx("selector", "prefix_fsdp2 / prefix_torchtitan select reuse; fsdp, fsdp2 are verl's own"),
     "actor.ppo_mini_batch_size": _BATCHING,
-    "actor.ppo_micro_batch_size": _BATCHING,
+    "actor.ppo_micro_batch_size": _fx(
+        "served",
+        "verl's deprecated global form of ppo_micro_batch_size_per_gpu; any micro-batch split is exact",
+        f"{E}::test_every_suffix_partition",
+    ),
     "actor.ppo_micro_batch_size_per_gpu": _BATCHING,
     "actor.use_dynamic_bsz": _fx(
         "served", "token-budget micro-batches", f"{E}::test_dynamic_batch_size_and_gradient_checkpointing"
@@ -135,8 +143,8 @@ KEYS: dict[str, KeyEffect] = {
     "actor.use_kl_loss": _fx(
         "served", "KL loss on ref log-probs (the ref reuses too)", f"{E}::test_update_matches_stock_engine"
     ),
-    "actor.kl_loss_coef": _LOSS,
-    "actor.kl_loss_type": _LOSS,
+    "actor.kl_loss_coef": _KL,
+    "actor.kl_loss_type": _KL,
     "actor.use_prefix_grouper": _fx(
         "served",
         "verl's flag, which its FSDP engine ignores; the prefix engine reuses either way",
@@ -179,10 +187,10 @@ KEYS: dict[str, KeyEffect] = {
     "ref.rollout_n": _NONE,
     "ref.strategy": _fx("selector", "follows actor.strategy, so ref log-probs reuse too"),
     "ref.use_torch_compile": _COMPILE,
-    "ref.log_prob_micro_batch_size": _BATCHING,
-    "ref.log_prob_micro_batch_size_per_gpu": _BATCHING,
-    "ref.log_prob_use_dynamic_bsz": _BATCHING,
-    "ref.log_prob_max_token_len_per_gpu": _BATCHING,
+    "ref.log_prob_micro_batch_size": _REF_BATCHING,
+    "ref.log_prob_micro_batch_size_per_gpu": _REF_BATCHING,
+    "ref.log_prob_use_dynamic_bsz": _REF_BATCHING,
+    "ref.log_prob_max_token_len_per_gpu": _REF_BATCHING,
     "ref.ulysses_sequence_parallel_size": _ULYSSES,
     "ref.entropy_from_logits_with_chunking": _ENTROPY,
     "ref.entropy_from_logits_chunk_size": _ENTROPY,
