@@ -57,14 +57,25 @@ def grpo_batch(**overrides):
     return T.make_grpo_batch(use_kl=True, **args)
 
 
+def unclassified(keys) -> list[str]:
+    return sorted(k for k in keys if recipe_keys.classify(k) is None)
+
+
 def test_every_key_of_verls_yaml_is_classified():
     keys = verl_keys()
-    missing = sorted(k for k in keys if recipe_keys.classify(k) is None)
+    missing = unclassified(keys)
     assert not missing, f"keys of verl's ppo_trainer.yaml that recipe_keys.KEYS does not classify: {missing}"
     stale = sorted(k for k in recipe_keys.KEYS if not k.endswith(".*") and k not in keys)
     assert not stale, f"recipe_keys.KEYS classifies keys verl's YAML does not have: {stale}"
     wild = [k for k in recipe_keys.KEYS if k.endswith(".*") and not any(p.startswith(k[:-1]) for p in keys)]
     assert not wild, wild
+
+
+def test_a_key_verl_adds_is_caught(monkeypatch):
+    """Negative control: a key the table lacks (here: one taken out, and one inside no ``.*`` block) is reported."""
+    monkeypatch.delitem(recipe_keys.KEYS, "actor.use_remove_padding")
+    assert unclassified([*verl_keys(), "model.new_knob"]) == ["actor.use_remove_padding", "model.new_knob"]
+    assert recipe_keys.classify("actor.profiler.tool_config.new_tool.enable") is not None  # inside a block
 
 
 def test_ref_keys_say_what_their_actor_twins_say():
