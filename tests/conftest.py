@@ -98,6 +98,8 @@ SLOWEST_FILES = (
     "test_ulysses_engine.py",
     "test_bench_cli.py",
     "test_tree_engine.py",
+    "test_recipe_keys.py",
+    "test_recipe_sets.py",
     "test_capacity.py",
 )
 

@@ -382,6 +382,11 @@ REASON_HINTS: dict[str, str] = {
         "reuse does not compute; with an advantage estimator that does not need it, "
         "actor_rollout_ref.actor.calculate_sum_pi_squared=false lets these batches reuse"
     ),
+    "activation_offload": (
+        "verl's activation offload wraps every decoder layer in a reentrant checkpoint, under which the prefix would "
+        "get no gradient (forward-only passes still reuse); actor_rollout_ref.model.enable_activation_offload=false "
+        "lets updates reuse (gradient checkpointing alone is served)"
+    ),
     "distillation": (
         "top-k distillation reads the student's top-k logits per token, which reuse does not return; "
         "distillation.distillation_loss.loss_settings.use_topk=false lets these batches reuse"

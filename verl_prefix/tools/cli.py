@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
-    commands = "{demo,bench,trace,replay,report,smoke-data,dashboard,models}"
+    commands = "{demo,bench,trace,replay,report,smoke-data,dashboard,models,compat}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     bench = sub.add_parser(
         "bench",
@@ -95,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--write", type=Path, default=None, metavar="PAGE", help="write the page here")
     models.add_argument("--family", action="append", default=None, help="only this family (repeatable)")
+    compat = sub.add_parser(
+        "compat",
+        help="the compatibility matrix: engines by verl features, and every training-side key of verl's YAML",
+        description="Print (or --write) docs/compatibility.md from verl_prefix/backend/recipe_keys.py; --readme "
+        "rewrites the compact table between the README's compatibility markers. The tests check both pages against "
+        "this render and every claim against a named test.",
+    )
+    compat.add_argument("--write", type=Path, default=None, metavar="PAGE", help="write the page here")
+    compat.add_argument("--readme", type=Path, default=None, metavar="README", help="rewrite this README's block")
     smoke = sub.add_parser(
         "smoke-data",
         help="write the tiny model and GSM8K-shaped (or geo3k-shaped image) parquet files the CPU recipe trains on",
@@ -591,6 +600,27 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compat(args: argparse.Namespace) -> int:
+    """``verl-prefix compat``: the compatibility page (and the README's compact table) from ``recipe_keys``."""
+    from verl_prefix.backend import recipe_keys
+
+    page = recipe_keys.render()
+    if args.write is None and args.readme is None:
+        print(page, end="")
+        return 0
+    if args.write is not None:
+        args.write.write_text(page)
+        print(f"wrote {args.write} ({len(recipe_keys.MATRIX)} features, {len(recipe_keys.KEYS)} keys)")
+    if args.readme is not None:
+        try:
+            text = recipe_keys.with_readme_block(args.readme.read_text())
+        except ValueError as exc:
+            return _fail(exc)
+        args.readme.write_text(text)
+        print(f"rewrote the compatibility block of {args.readme}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``verl-prefix`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -606,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         return _dashboard(args)
     if args.command == "models":
         return _models(args)
+    if args.command == "compat":
+        return _compat(args)
     from verl_prefix.tools.measure import select_platform
 
     select_platform()
