@@ -39,6 +39,13 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
+def _worker_perf_keys() -> set[str]:
+    """``actor/perf/<name>`` for every ``final_metrics["perf/<name>"]`` verl's training worker logs."""
+    from verl.workers import engine_workers
+
+    return {f"actor/{k}" for k in re.findall(r'final_metrics\["(perf/\w+)"\]', inspect.getsource(engine_workers))}
+
+
 def _trainer_timing_keys() -> set[str]:
     """``timing_s/<name>`` for every ``marked_timer("<name>", ...)`` in verl's v1 trainer (metric_utils
     turns timing_raw into ``timing_s/...``)."""
@@ -83,7 +90,7 @@ def logged(tiny_model):
     plan = balance_groups(prompt_lens=[5, 5, 7, 7], response_lens=[2, 3, 2, 4], uids=list("aabb"), dp_size=2)
     balance = {f"actor/{k}": v for k, v in plan.metrics().items()}
     device = {f"actor/{k}": v for k, v in PhaseMeter(torch.device("cuda")).metrics(10, 5, phases=PHASES).items()}
-    timing = dict.fromkeys(_trainer_timing_keys(), 1.0)
+    timing = dict.fromkeys(_trainer_timing_keys() | _worker_perf_keys(), 1.0)
     engine_keys = {**actor, **old, **balance}
     return {"engine": engine_keys, "all": {**engine_keys, **device, **timing}}
 
@@ -207,6 +214,7 @@ for name, (base, update_s, old_s) in runs.items():
         data["timing_s/update_actor"] = update_s + 0.1 * step
         data["timing_s/old_log_prob"] = old_s + 0.05 * step
         data["timing_s/ref"] = old_s + 0.05 * step
+        data["actor/perf/max_memory_allocated_gb"] = data["actor/perf/cpu_memory_used_gb"] = 1.0
         data["timing_s/step"] = 2 * update_s + 0.2 * step
         tracker.log(data, step=step)
     tracker.finish()

@@ -176,9 +176,14 @@ SECTIONS: tuple[Section, ...] = (
                 note="logged on CUDA/NPU only",
             ),
             _panel(
-                "largest phase peak, as verl's perf/*",
+                "largest phase peak beside verl's perf/*",
                 "GiB",
-                ((f"{ACTOR}max_rss_gb", "process RSS"), (f"{ACTOR}max_memory_allocated_gb", "device allocator peak")),
+                (
+                    (f"{ACTOR}max_rss_gb", "process RSS, largest phase"),
+                    (f"{ACTOR}max_memory_allocated_gb", "device allocator, largest phase"),
+                    ("actor/perf/max_memory_allocated_gb", "verl: device allocator, lifetime"),
+                    ("actor/perf/cpu_memory_used_gb", "verl: machine memory used"),
+                ),
             ),
             _panel(
                 "held at once and prefix K/V",
