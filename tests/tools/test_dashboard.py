@@ -39,6 +39,13 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
+def _worker_perf_keys() -> set[str]:
+    """``actor/perf/<name>`` for every ``final_metrics["perf/<name>"]`` verl's training worker logs."""
+    from verl.workers import engine_workers
+
+    return {f"actor/{k}" for k in re.findall(r'final_metrics\["(perf/\w+)"\]', inspect.getsource(engine_workers))}
+
+
 def _trainer_timing_keys() -> set[str]:
     """``timing_s/<name>`` for every ``marked_timer("<name>", ...)`` in verl's v1 trainer (metric_utils
     turns timing_raw into ``timing_s/...``)."""
@@ -71,18 +78,19 @@ def logged(tiny_model):
         if k.startswith("prefix/")
     }
     old = {}
-    for r in (infer_small, infer):
-        old.update(
-            {
-                f"actor/prefix/old_log_prob/{k.removeprefix('prefix/')}": v
-                for k, v in T.reduce_step_metrics(r["metrics"]).items()
-                if k.startswith("prefix/")
-            }
-        )
+    for r in (infer_small, infer):  # the ref pass runs the same forward-only schedule (ref.strategy follows)
+        for head in ("actor/prefix/old_log_prob/", "actor/prefix/ref_log_prob/"):
+            old.update(
+                {
+                    f"{head}{k.removeprefix('prefix/')}": v
+                    for k, v in T.reduce_step_metrics(r["metrics"]).items()
+                    if k.startswith("prefix/")
+                }
+            )
     plan = balance_groups(prompt_lens=[5, 5, 7, 7], response_lens=[2, 3, 2, 4], uids=list("aabb"), dp_size=2)
     balance = {f"actor/{k}": v for k, v in plan.metrics().items()}
     device = {f"actor/{k}": v for k, v in PhaseMeter(torch.device("cuda")).metrics(10, 5, phases=PHASES).items()}
-    timing = dict.fromkeys(_trainer_timing_keys(), 1.0)
+    timing = dict.fromkeys(_trainer_timing_keys() | _worker_perf_keys(), 1.0)
     engine_keys = {**actor, **old, **balance}
     return {"engine": engine_keys, "all": {**engine_keys, **device, **timing}}
 
@@ -100,15 +108,17 @@ def test_every_panel_key_is_logged(logged):
         for key in panel.metric_keys():
             assert key in keys, f"{panel.title}: {key} is not a key verl or the engine logs"
     fallbacks = [p for p in all_panels() if p.pattern is not None]
-    assert len(fallbacks) == 2
+    assert len(fallbacks) == 3
     for panel in fallbacks:
         matched = [k for k in keys if panel.matches(k)]
         assert matched and all("fallback_" in k for k in matched), (panel.title, matched)
         assert panel.label(matched[0]) == matched[0].rsplit("fallback_", 1)[1]
-    # the update's and the forward-only pass's fallbacks stay apart
-    update, old = fallbacks
+    # the update's and the forward-only passes' fallbacks stay apart, titled by what they count
+    update, old, ref = fallbacks
     assert not update.matches("actor/prefix/old_log_prob/fallback_small_group")
     assert not old.matches("actor/prefix/fallback_small_group")
+    assert not ref.matches("actor/prefix/old_log_prob/fallback_small_group")
+    assert all(p.unit == "samples per rank and mini-batch" for p in fallbacks)
     # a structure the capability check does not know is plotted under its own name
     unknown = "actor/prefix/fallback_unknown_structure:future_attention"
     assert update.matches(unknown) and update.label(unknown) == "unknown_structure:future_attention"
@@ -123,6 +133,36 @@ def test_spec_has_what_the_issue_asks_for():
     for key in ("logical_tokens", "physical_tokens", "reuse_factor", "groups"):
         assert f"actor/prefix/{key}" in keys
     assert len({p.id for p in all_panels()}) == len(all_panels())
+
+
+def test_quick_check_row_comes_first():
+    """The first section answers: did reuse run (reuse factor), did anything fall back, what did it save, per
+    pass (update, old and ref log-probs), and the update's measured time beside its dense estimate."""
+    first = SECTIONS[0]
+    keys = {k for p in first.panels for k in p.metric_keys()}
+    for head in ("actor/prefix/", "actor/prefix/old_log_prob/", "actor/prefix/ref_log_prob/"):
+        for name in ("reuse_factor", "dense_samples", "flops_saved_ratio"):
+            assert f"{head}{name}" in keys
+    assert {"actor/prefix/time_s/schedule", "actor/prefix/est_dense_time_s"} <= keys
+    ref = [k for p in all_panels() for k in p.metric_keys() if k.startswith("actor/prefix/ref_log_prob/")]
+    assert "actor/prefix/ref_log_prob/time_s/A" in ref and "timing_s/ref" in {
+        k for p in all_panels() for k in p.metric_keys()
+    }
+
+
+def test_quick_check_summary(runs):
+    """Per reuse run: reuse factors above 1, the samples run dense, the FLOP-model saving and the measured
+    update speed-up over the stock run on the same page (its update_actor median over this run's)."""
+    found = D.find_runs([runs / "wandb"])
+    (row,) = D.quick_check(found)
+    assert row["run"] == PREFIX
+    for label in ("update", "old log-prob", "ref log-prob"):
+        assert row[label]["reuse_factor"] > 1 and row[label]["flops_saved_ratio"] > 1
+        assert row[label]["dense_samples"] == 0  # the reusing step's value, which the fixture keeps
+    assert row["measured_speedup"] == pytest.approx(3.2 / 1.4)  # medians of 3.0 + 0.1 s and 1.2 + 0.1 s
+    assert D.quick_check([r for r in found if r.name == PREFIX])[0]["measured_speedup"] is None
+    page = D.render_html(found)
+    assert page.index("update speed-up vs a stock run") < page.index('class="panel"')
 
 
 def test_wandb_workspace_spec_offline():
@@ -141,8 +181,9 @@ def test_wandb_workspace_spec_offline():
             assert config["metrics"] == want.metric_keys()
             if want.pattern is not None:
                 assert config["useMetricRegex"] and config["metricRegex"] == f"^{want.pattern}$"
-                assert re.fullmatch(config["metricRegex"], "actor/prefix/fallback_small_group") or re.fullmatch(
-                    config["metricRegex"], "actor/prefix/old_log_prob/fallback_small_group"
+                assert any(
+                    re.fullmatch(config["metricRegex"], f"actor/prefix/{head}fallback_small_group")
+                    for head in ("", "old_log_prob/", "ref_log_prob/")
                 )
 
 
@@ -172,6 +213,8 @@ for name, (base, update_s, old_s) in runs.items():
         data = {k: v * (1 + 0.1 * step) for k, v in base.items()}
         data["timing_s/update_actor"] = update_s + 0.1 * step
         data["timing_s/old_log_prob"] = old_s + 0.05 * step
+        data["timing_s/ref"] = old_s + 0.05 * step
+        data["actor/perf/max_memory_allocated_gb"] = data["actor/perf/cpu_memory_used_gb"] = 1.0
         data["timing_s/step"] = 2 * update_s + 0.2 * step
         tracker.log(data, step=step)
     tracker.finish()

@@ -45,12 +45,14 @@ from verl_prefix.backend.outputs import (
     dense_chunk,
     full_length,
     micro_batch_loss,
+    model_shape,
 )
 from verl_prefix.backend.trees import plan_tree
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
+from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.hf_forwards import hf_causal_forward, remember_hf_forwards
@@ -336,7 +338,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 self._refuse_dense_under_ulysses(reason, len(data))
             meter = PhaseMeter(self._device(), model=self.module)
             stock = functools.partial(super().forward_backward_batch, data, loss_function, forward_only=forward_only)
-            return dense_batch_output(stock, data, reason, meter)
+            return dense_batch_output(stock, data, reason, meter, shape=self._flop_shape())
         assert layout is not None, "a rank that reuses has checked its layout"
         return self._reuse_batch(data, layout, loss_function, forward_only)
 
@@ -562,11 +564,17 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             routed_last_token=self._moe_aux_on(forward_only),
             extra_metrics=tree,
             saved_tokens=int(tree.get("prefix/tree_saved_tokens", 0)),
+            shape=self._flop_shape(),
+            roots=roots,
         )
         output["metrics"].update(dormant_stats.metrics())
         if options.ulysses is not None:
             output["metrics"].update(options.ulysses.metrics())
         return output
+
+    def _flop_shape(self) -> ModelShape | None:
+        """The model as the FLOP model prices it (``prefix/flops_*``), or None where it cannot read the config."""
+        return model_shape(self.model_config.hf_config)
 
     def _device(self) -> torch.device:
         name = get_device_name()

@@ -5,7 +5,8 @@ engines (``prefix_fsdp2`` and ``prefix_torchtitan``) end a mini-batch here (``Mi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -16,8 +17,13 @@ from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 from verl_prefix.backend import fallbacks
+from verl_prefix.schedule.flop_model import BatchFlops, ModelShape, batch_flops, flop_metrics, sequence_flops
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
 from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.schedule.trie import TrieNode
+
+logger = logging.getLogger(__name__)
+_UNPRICED: set[str] = set()  # model types whose config the FLOP model could not read, logged once each
 
 
 def full_length(values: list[torch.Tensor], layout: RowLayout, rows: list[int]) -> torch.Tensor:
@@ -60,10 +66,28 @@ def as_micro_batch_lists(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def fallback_metrics(dense_rows: dict[str, list[int]] | dict[str, int], groups: int) -> dict[str, float]:
+    """``prefix/groups``, ``prefix/fallback_<reason>`` per reason and their sum ``prefix/dense_samples`` (one key
+    a dashboard can check for zero whatever the reasons)."""
     metrics = {"prefix/groups": float(groups)}
     for reason, rows in dense_rows.items():
         metrics[f"prefix/fallback_{reason}"] = float(rows if isinstance(rows, int) else len(rows))
+    metrics["prefix/dense_samples"] = sum(v for k, v in metrics.items() if k.startswith("prefix/fallback_"))
     return metrics
+
+
+def model_shape(hf_config: Any) -> ModelShape | None:
+    """The FLOP model's shape of the engine's model, or ``None`` (one warning per model type) where its config
+    lacks a dimension the model reads: the run then logs no ``prefix/flops_*``, and trains as before."""
+    try:
+        return ModelShape.from_config(hf_config)
+    except (AttributeError, TypeError, ValueError) as exc:
+        kind = str(getattr(hf_config, "model_type", type(hf_config).__name__))
+        if kind not in _UNPRICED:
+            _UNPRICED.add(kind)
+            logger.warning(
+                "verl-prefix: no prefix/flops_* metrics for %s, the FLOP model cannot read it: %s", kind, exc
+            )
+        return None
 
 
 def token_counts(layout: RowLayout, plan: BatchPlan, routed_last_token: bool = False) -> tuple[int, int]:
@@ -138,29 +162,43 @@ class MiniBatchOutputs:
         routed_last_token: bool = False,
         extra_metrics: dict[str, float] | None = None,
         saved_tokens: int = 0,
+        shape: ModelShape | None = None,
+        roots: Sequence[TrieNode] | None = None,
     ) -> dict:
         """The mini-batch's output. ``extra_metrics`` go in before the phase metrics; ``saved_tokens`` are
-        physical tokens a shared-prefix tree did not recompute (``prefix/tree_saved_tokens``)."""
+        physical tokens a shared-prefix tree did not recompute (``prefix/tree_saved_tokens``). With the model's
+        ``shape`` the FLOP model prices the batch as it ran (``roots``: the trie it ran under the tree)."""
         output = self.collected(data)
         output["metrics"].update(fallback_metrics(plan.dense_rows, groups=len(plan.groups)))
         fallbacks.log_fallbacks(reason for reason, rows in plan.dense_rows.items() if rows)
         logical, physical = token_counts(layout, plan, routed_last_token=routed_last_token)
         output["metrics"].update(extra_metrics or {})
         phases = ("A", "B", "dense", "lockstep") if forward_only else ("A", "B", "C", "dense", "lockstep")
-        output["metrics"].update(meter.metrics(logical, physical - saved_tokens, phases=phases))
+        phase_metrics = meter.metrics(logical, physical - saved_tokens, phases=phases)
+        output["metrics"].update(phase_metrics)
+        if shape is not None:
+            flops = batch_flops(shape, layout, plan, roots, routed_last_token=routed_last_token and roots is None)
+            output["metrics"].update(flop_metrics(flops, phase_metrics["prefix/time_s/schedule"]))
         return output
 
 
-def dense_batch_output(run: Callable[[], dict], data: TensorDict, reason: str, meter: PhaseMeter) -> dict:
+def dense_batch_output(
+    run: Callable[[], dict], data: TensorDict, reason: str, meter: PhaseMeter, shape: ModelShape | None = None
+) -> dict:
     """A whole mini-batch through the stock engine (``run``), counted as ``prefix/fallback_<reason>`` with one
     log line (``disabled`` too: a run that selected ``prefix_fsdp2`` sees that reuse is off), every token logical
-    and physical."""
+    and physical; with the model's ``shape``, its FLOPs dense on both sides (a saving of exactly 1)."""
     with meter.phase("dense"):
         output = run()
     tokens = int(data["input_ids"].offsets()[-1])
     output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
     fallbacks.log_fallbacks([reason])
-    output["metrics"].update(meter.metrics(logical_tokens=tokens, physical_tokens=tokens))
+    phase_metrics = meter.metrics(logical_tokens=tokens, physical_tokens=tokens)
+    output["metrics"].update(phase_metrics)
+    if shape is not None:
+        lengths = data["input_ids"].offsets().diff().tolist()
+        total = sum(sequence_flops(shape, int(n)) for n in lengths)
+        output["metrics"].update(flop_metrics(BatchFlops(total, total), phase_metrics["prefix/time_s/schedule"]))
     return output
 
 

@@ -47,6 +47,7 @@ from verl_prefix.backend.outputs import (
     dense_chunk,
     full_length,
     micro_batch_loss,
+    model_shape,
 )
 from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
 from verl_prefix.backend.titan_config import model_refusal, refusal
@@ -62,6 +63,7 @@ from verl_prefix.backend.titan_pipeline import (
 from verl_prefix.backend.titan_sequence import pad_tokens, padded_length, sequence_multiple
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
+from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV
@@ -152,9 +154,13 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                 stock = functools.partial(
                     super().forward_backward_batch, data, loss_function, forward_only=forward_only
                 )
-            return dense_batch_output(stock, data, reason, PhaseMeter(self._device()))
+            return dense_batch_output(stock, data, reason, PhaseMeter(self._device()), shape=self._flop_shape())
         assert layout is not None
         return self._reuse_batch(data, layout, loss_function, forward_only)
+
+    def _flop_shape(self) -> ModelShape | None:
+        """The model as the FLOP model prices it (``prefix/flops_*``), or None where it cannot read the config."""
+        return model_shape(self.model_config.hf_config)
 
     def _attach_global_normalisation(self, data: TensorDict) -> None:
         """What verl's ``forward_backward_batch`` attaches before splitting: losses are shares of the mini-batch."""
@@ -222,7 +228,7 @@ class PrefixTorchtitanEngineWithLMHead(_impl.TorchTitanEngineWithLMHead):
                     _, meta = dense_chunk(self.forward_step, micro, loss_function, forward_only, torch.Tensor.backward)
                 record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
         outputs.replace(self.link.share((outputs.outputs, outputs.order)))  # the last stage's, on every stage
-        return outputs.finish(data, layout, plan, meter, forward_only=forward_only)
+        return outputs.finish(data, layout, plan, meter, forward_only=forward_only, shape=self._flop_shape())
 
     def _group(
         self,

@@ -26,6 +26,10 @@ Memory inside a phase:
   added. Phase A's saved tensors live until C, each B micro-batch's until its own backward, so the
   peak is ``A + max(B micro-batch)``;
 - CPU: process RSS at the phase's end (max over the mini-batch);
+- in GiB beside verl's ``perf/*`` memory metrics: ``prefix/max_memory_allocated_gb`` (CUDA/NPU: the largest
+  phase's allocator peak, this mini-batch only, where verl's ``perf/max_memory_allocated_gb`` is the
+  process's lifetime peak) and ``prefix/max_rss_gb`` (the largest phase's process RSS; verl's
+  ``perf/cpu_memory_used_gb`` is the whole machine's used memory);
 - every device, training and forward-only: the bytes of one group's prefix K/V (plus MoE router sums),
   held from phase A to the group's last suffix micro-batch (training also holds a gradient of that size).
 
@@ -335,6 +339,10 @@ class PhaseMeter:
             if self._accelerator:
                 out[f"prefix/max_peak_device_mib/{name}"] = self.peak_device_mib.get(name, 0.0)
         out["prefix/max_saved_for_backward_held_mib"] = self.peak_held_saved_mib
+        # the same peaks in verl's unit (GiB, as its perf/max_memory_allocated_gb): the largest phase's
+        out["prefix/max_rss_gb"] = max(self.peak_rss_mib.values(), default=0.0) / 1024.0
+        if self._accelerator:
+            out["prefix/max_memory_allocated_gb"] = max(self.peak_device_mib.values(), default=0.0) / 1024.0
         if "prefix/time_s/A" in out:
             out["prefix/max_prefix_kv_mib"] = self.peak_prefix_kv_mib
         if "prefix/time_s/C" in out:

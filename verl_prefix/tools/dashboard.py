@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_prefix.tools.dashboard_spec import SECTIONS, Panel, all_panels
+from verl_prefix.tools.dashboard_spec import ACTOR, PASSES, SECTIONS, Panel, all_panels
 
 WORKSPACE_NAME = "verl-prefix: dense vs prefix reuse"
 
@@ -317,7 +317,8 @@ svg .grid{stroke:#eee}svg .axis{stroke:#999}svg .tick,svg .label{font-size:10px;
 svg .series polyline{fill:none;stroke:currentColor;stroke-width:1.8}svg .series circle{fill:currentColor}
 .legend{list-style:none;margin:4px 0 0;padding:0;font-size:11px;display:flex;flex-wrap:wrap;gap:2px 10px}
 .legend li{cursor:pointer;display:flex;align-items:center;gap:4px}.legend li.off{opacity:.35}
-.series.off{display:none}
+.series.off{display:none}table.check{margin:0 0 10px}table.check td.ok{color:#2a7d2a}
+table.check td.bad{color:#c0392b;font-weight:600}
 """
 
 _SCRIPT = """
@@ -339,6 +340,87 @@ _SCRIPT = """
 """
 
 
+def _median_of(run: RunSeries, key: str) -> float | None:
+    values = [v for _, v in run.series(key)]
+    return statistics.median(values) if values else None
+
+
+def _dense_samples(run: RunSeries, head: str) -> float | None:
+    """Samples the pass ran dense over the run: ``dense_samples``, or the sum of ``fallback_*`` (older runs)."""
+    total = [v for _, v in run.series(f"{head}dense_samples")]
+    if total:
+        return sum(total)
+    reasons = [k for k in run.keys() if k.startswith(f"{head}fallback_")]
+    return sum(v for k in reasons for _, v in run.series(k)) if reasons else None
+
+
+def _mark(ok: bool | None, text: str) -> str:
+    sign = {True: "&#10003;", False: "&#10007;", None: ""}[ok]
+    css = {True: "ok", False: "bad", None: ""}[ok]
+    return f'<td class="{css}">{sign} {html.escape(text)}</td>'
+
+
+def quick_check(runs: Sequence[RunSeries]) -> list[dict[str, Any]]:
+    """Per run that used the schedule: each pass's median reuse factor and FLOP-model saving, the samples it ran
+    dense in all, and the update's measured speed-up over a stock run on the same page (a run that logged
+    ``timing_s/update_actor`` and no ``actor/prefix/`` key), where there is one."""
+    stock = [
+        m
+        for run in runs
+        if not any(k.startswith(ACTOR) for k in run.keys())
+        and (m := _median_of(run, "timing_s/update_actor")) is not None
+    ]
+    out = []
+    for run in runs:
+        if not any(k.startswith(ACTOR) for k in run.keys()):
+            continue
+        row: dict[str, Any] = {"run": run.name}
+        for head, label in PASSES:
+            row[label] = {
+                "reuse_factor": _median_of(run, f"{head}reuse_factor"),
+                "dense_samples": _dense_samples(run, head),
+                "flops_saved_ratio": _median_of(run, f"{head}flops_saved_ratio"),
+            }
+        update = _median_of(run, "timing_s/update_actor")
+        row["measured_speedup"] = statistics.median(stock) / update if stock and update else None
+        out.append(row)
+    return out
+
+
+def _quick_check_table(runs: Sequence[RunSeries]) -> list[str]:
+    rows = quick_check(runs)
+    if not rows:
+        return []
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label in PASSES)
+    out = [
+        '<table class="runs check"><tr><th>run</th><th>check</th>' + head + "</tr>",
+    ]
+
+    def fmt(value: float | None, suffix: str = "") -> str:
+        return "not run" if value is None else f"{value:.3g}{suffix}"
+
+    for row in rows:
+        name = html.escape(row["run"])
+        reuse = "".join(
+            _mark(None if v is None else v > 1, fmt(v, "x"))
+            for v in (row[label]["reuse_factor"] for _, label in PASSES)
+        )
+        dense = "".join(
+            _mark(None if v is None else v == 0, fmt(v)) for v in (row[label]["dense_samples"] for _, label in PASSES)
+        )
+        saved = "".join(f"<td>{fmt(row[label]['flops_saved_ratio'], 'x')}</td>" for _, label in PASSES)
+        measured = row["measured_speedup"]
+        speedup = "no stock run on this page" if measured is None else f"{measured:.3g}x measured (update_actor)"
+        out += [
+            f"<tr><td rowspan='4'>{name}</td><td>reuse factor &gt; 1</td>{reuse}</tr>",
+            f"<tr><td>samples run dense = 0</td>{dense}</tr>",
+            f"<tr><td>FLOPs saved (FLOP model)</td>{saved}</tr>",
+            f"<tr><td>update speed-up vs a stock run</td><td colspan='{len(PASSES)}'>{html.escape(speedup)}</td></tr>",
+        ]
+    out.append("</table>")
+    return out
+
+
 def render_html(runs: Sequence[RunSeries], title: str = "verl-prefix dashboard") -> str:
     """One self-contained page: a table of the runs, then every section's panels as inline SVG."""
     rows = []
@@ -355,8 +437,11 @@ def render_html(runs: Sequence[RunSeries], title: str = "verl-prefix dashboard")
         *rows,
         "</table>",
     ]
-    for section in SECTIONS:
-        body.append(f"<h2>{html.escape(section.name)}</h2><div class='grid-panels'>")
+    for number, section in enumerate(SECTIONS):
+        body.append(f"<h2>{html.escape(section.name)}</h2>")
+        if number == 0:  # the quick check: per run, the panels' story in one table (medians over steps)
+            body += _quick_check_table(runs)
+        body.append("<div class='grid-panels'>")
         for panel in section.panels:
             lines = [line for line in panel_lines(panel, runs) if line.points]
             keys = ", ".join(panel.metric_keys()[:1] + (["…"] if len(panel.keys) > 1 else []))
@@ -395,6 +480,7 @@ __all__ = [
     "all_panels",
     "build_workspace",
     "find_runs",
+    "quick_check",
     "panel_lines",
     "render_html",
     "save_workspace",

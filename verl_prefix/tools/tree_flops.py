@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_prefix.backend.inputs import row_layout
+from verl_prefix.schedule.flop_model import ModelShape, dense_flops, reuse_flops, tree_flops, trie_spans
 from verl_prefix.schedule.grouping import plan_batch
-from verl_prefix.schedule.trie import TrieNode, build_trie, trie_stats
-from verl_prefix.tools.flops import ModelShape, dense_flops, reuse_flops
+from verl_prefix.schedule.trie import build_trie, trie_stats
 
 
 @dataclass(frozen=True)
@@ -40,17 +40,10 @@ class TreeModel:
 
     def tree(self, shape: ModelShape) -> float:
         """Each node's tokens once (linear layers, attention to the path before them), each suffix once."""
-        total = sum(
-            (end - start) * shape.linear_per_token + shape.attention_flops(start, end) for start, end in self.nodes
-        )
-        total += self.node_head_tokens * shape.head_per_token
         tails = self.tails
         if tails is None:
             tails = [(p - 1, p - 1 + s) for p, responses in self.groups for s in responses]
-        for start, end in tails:
-            total += (end - start) * (shape.linear_per_token + shape.head_per_token)
-            total += shape.attention_flops(start, end)
-        return total
+        return tree_flops(shape, self.nodes, tails, self.node_head_tokens)
 
     def speedups(self, shape: ModelShape) -> dict[str, float]:
         """Dense over each schedule, and one-level reuse over the tree (what the tree adds)."""
@@ -72,9 +65,7 @@ def tree_model(batch: Any, reuse: Any) -> TreeModel:
     roots = []
     if plan.groups:
         roots = build_trie(layout, plan.groups, reuse.min_shared_tokens, chunk_tokens=reuse.prefix_chunk_tokens)
-    nodes: list[TrieNode] = [node for root in roots for node, _ in root.walk()]
+    spans = trie_spans(roots)
     groups = [(g.prompt_len, [layout.response_lens[r] for r in g.rows]) for g in plan.groups]
-    tails = [(n.end, span.length - 1) for n in nodes for span in n.hanging.values() if span.length - 1 > n.end]
-    head = sum(n.end - n.logits_from for n in nodes if n.logits_from is not None)
     depth = trie_stats(roots).depth if roots else 0
-    return TreeModel(groups, [(n.start, n.end) for n in nodes], depth, tails, head)
+    return TreeModel(groups, spans.nodes, depth, spans.tails, spans.node_head_tokens)
