@@ -15,6 +15,9 @@
 # examples/data_preprocess/gsm8k.py (TASK=text) or geo3k.py (TASK=vl; verl's data set then needs
 # qwen_vl_utils, and its geo3k reward mathruler).
 #
+# Any verl trainer mode keeps groups whole with the prefix engine: add trainer.v1.trainer_mode=colocate_async (or
+# separate_async with its rollout pool, or trainer.use_v1=false) after "$@" to run this recipe under it.
+#
 # Cluster shape from the environment: NNODES (1) and GPUS_PER_NODE (8). On several nodes, start Ray on each
 # first and run this on the head (or submit it with `ray job submit`): docs/multinode.md.
 set -euo pipefail
