@@ -9,8 +9,8 @@ with fla's contracts."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import importlib.util
+import os
 
 import pytest
 import torch
