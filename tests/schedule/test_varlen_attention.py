@@ -570,3 +570,29 @@ def test_cuda_varlen_layer_has_no_host_sync(monkeypatch, kernels):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or V.FLASH_ATTN not in _cuda_kernels(), reason="needs CUDA and flash-attn >= 2.7"
+)
+def test_cuda_flash_attn_backward_is_deterministic_when_asked(monkeypatch):
+    """Issue 27 item 6 on the device: under ``torch.use_deterministic_algorithms(True)`` two backward passes of
+    merged_varlen on flash-attn give bitwise equal gradients (its dK/dV accumulate by atomics otherwise)."""
+    cuda = torch.device("cuda")
+    q, pk, pv, sk, sv, w = attention_inputs(5, 8, 2, prefix=300, suffix=64, dtype=torch.bfloat16, dim=64)
+    packing = V.Packing.from_lengths([64, 40, 9, 64, 20], 64, cuda, prefix_len=300)
+    w = _masked(w, packing.mask.cpu()).to(cuda)
+    monkeypatch.setattr(V, "kernels_for", lambda device: V.FLASH_ATTN)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs = []
+        for _ in range(2):
+            tensors = [t.detach().to(cuda).requires_grad_() for t in (q, sk, sv)]
+            leaves = [t.detach().to(cuda, torch.float32).requires_grad_() for t in (pk, pv)]
+            out = V.merged_varlen_attention(tensors[0], *leaves, tensors[1], tensors[2], packing, 0.125)
+            runs.append(weighted_grads(out, w, (tensors[0], *leaves, *tensors[1:])))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
