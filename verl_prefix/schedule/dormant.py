@@ -196,6 +196,7 @@ class PinnedPool:
         self.held_bytes = 0
         self.peak_bytes = 0
         self._free: list[torch.Tensor] = []
+        self._forget: dict[int, weakref.finalize] = {}  # slab address -> unpins and uncounts it once
 
     @property
     def free_slabs(self) -> tuple[torch.Tensor, ...]:
@@ -212,6 +213,9 @@ class PinnedPool:
             error = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 1))  # 1: portable
             if error:
                 raise RuntimeError(f"dormant_prefix=offload: cudaHostRegister of {nbytes} bytes failed ({error})")
+        # a slab a failed group dropped without giving it back is unpinned before its memory is freed (registered
+        # memory freed as it is would stay registered to the driver, and the next registration there would fail)
+        self._forget[slab.data_ptr()] = weakref.finalize(slab, self._unpin, slab.data_ptr(), nbytes)
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return slab
@@ -222,15 +226,18 @@ class PinnedPool:
 
     def release(self) -> int:
         """Unpin and free every slab no store holds; returns the bytes released."""
-        released = 0
+        released = sum(slab.numel() for slab in self._free)
         for slab in self._free:
-            if self.pin:
-                torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
-            released += slab.numel()
+            self._forget.pop(slab.data_ptr())()
         self._free = []
-        self.held_bytes -= released
         self.peak_bytes = self.held_bytes
         return released
+
+    def _unpin(self, address: int, nbytes: int) -> None:
+        self._forget.pop(address, None)
+        if self.pin:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        self.held_bytes -= nbytes
 
 
 class PinnedLease:
