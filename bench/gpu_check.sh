@@ -9,8 +9,26 @@
 #   cuda_tests.log   tests/backend/test_cuda.py on the GPU (exactness, bf16 error vs an fp32 run with the phase-B
 #                    attention each case ran, allocator peaks, NCCL), the CUDA varlen kernels against the CPU
 #                    reference, the kernel checks of tests/schedule/test_kernels.py, then the offload residency
-#                    check tests/schedule/test_offload_cuda.py and the sliding-window cell
-#                    tests/backend/test_windows_cuda.py (both appended)
+#                    check tests/schedule/test_offload_cuda.py, the sliding-window cell
+#                    tests/backend/test_windows_cuda.py and the settings cells tests/backend/test_cuda_settings.py
+#                    (all appended)
+#
+# Issue 27's cells (each item's CPU test runs in CI; these are the device's side of it):
+#   1  merged_varlen without host syncs: test_varlen_attention.py::test_cuda_varlen_layer_has_no_host_sync, two layers
+#      forward and backward under torch.cuda.set_sync_debug_mode("error") (CUDA_TESTS)
+#   3  offload's pinned slabs: test_offload_cuda.py::test_offload_pinned_slabs_on_cuda, cudaHostRegister'd, nothing
+#      through torch's caching host allocator, bounded, released (OFFLOAD_TESTS)
+#   4  merged's suffix K/V unrepeated on CUDA: test_kernels.py::test_cuda_merged_takes_gqa_unrepeated (CUDA_TESTS)
+#   5  bf16 with CUDA's rounding: the bf16 cells of test_cuda.py (1.5x the stock engine's own error) (CUDA_TESTS)
+#   6  flash-attn's deterministic backward: test_varlen_attention.py::
+#      test_cuda_flash_attn_backward_is_deterministic_when_asked, where flash-attn >= 2.7 is installed (CUDA_TESTS)
+#   7  fla's dispatch kept off FlashQLA: test_recurrent_cuda.py::test_fla_dispatch_keeps_flashqla_off_under_reuse
+#      (CUDA_TESTS; FlashQLA itself only where the kit carries flash_qla, on SM90/SM100)
+#   9  param_offload, optimizer_offload, offload_policy, reshard_after_forward (false and true), activation offload,
+#      and verl's fused kernels on the triton and liger backends (bf16, tied and untied), reuse asserted in each:
+#      tests/backend/test_cuda_settings.py (SETTINGS_TESTS)
+#   Every test step's time limit is cut to what is left of BUDGET (cap), so the script ends inside one 600 s call
+#   whatever runs; the bench gets the rest. The first run of these cells: BENCH=0 (about 5 minutes).
 #   gpu_bench.log    the gpu preset's log (per-rep times; all that is left if the bench is cut short)
 #   gpu.json         the result, rewritten after every cell ("complete": false while cells are missing)
 #   benchmarks.md    a copy of docs/benchmarks.md with the gpu table written in by the CLI (between
@@ -51,7 +69,9 @@
 # store's log and by the allocator's per-phase peaks against keep; under a minute), BENCH=1 (0 skips the preset:
 # `SMOKE=0 CUDA_TESTS=0 BENCH=0 bash bench/gpu_check.sh` runs the offload check alone), WINDOW_TESTS=1 (0 skips
 # the sliding-window cell: torch's and flash-attn's window arguments against the bottom-right rule with fewer
-# queries than keys, a windowed gemma3_text through the engine in fp32 and bf16; about a minute), SP_TESTS=1 (on a machine with two or
+# queries than keys, a windowed gemma3_text through the engine in fp32 and bf16; about a minute), SETTINGS_TESTS=1 (0
+# skips tests/backend/test_cuda_settings.py: FSDP2 offload and resharding knobs, activation offload, fused kernels on
+# triton and liger; about two minutes), SP_TESTS=1 (on a machine with two or
 # more GPUs, runs the Ulysses SP=2 reuse test on NCCL, sp_tests.log; skipped with one GPU), KIT=.whl,
 # SITE=/tmp/site, PY=python3.
 # Off the device, for a dry run of the script itself (CUDA_TESTS=0: they skip without a GPU anyway;
@@ -75,6 +95,7 @@ CUDA_TESTS="${CUDA_TESTS:-1}"
 SP_TESTS="${SP_TESTS:-1}"
 OFFLOAD_TESTS="${OFFLOAD_TESTS:-1}"
 WINDOW_TESTS="${WINDOW_TESTS:-1}"
+SETTINGS_TESTS="${SETTINGS_TESTS:-1}"
 BENCH="${BENCH:-1}"
 CELLS="${CELLS:-}"
 KIT="${KIT:-.whl}"
@@ -84,6 +105,13 @@ OUT="${OUT:?OUT must name the folder whose files come back (the results land the
 mkdir -p "$OUT"
 
 step() { echo; echo "=== [$(date -u +%H:%M:%S), ${SECONDS}s] $*"; }
+# a step's time limit: what it asks for, cut to what is left of BUDGET (at least 10 s)
+cap() {
+  local want=$1 left=$((BUDGET - SECONDS - 15))
+  [ "$left" -lt "$want" ] && want=$left
+  [ "$want" -lt 10 ] && want=10
+  echo "$want"
+}
 
 smi_pid=""
 finish() {
@@ -166,9 +194,12 @@ fi
 if [ "$CUDA_TESTS" = 1 ]; then
   step "CUDA tests: exactness vs the stock engine, bf16 vs fp32, the varlen kernels, fla's delta rule, allocator peaks, NCCL"
   rc=0
-  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 200 \
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 220)" \
     "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/backend/test_cuda.py tests/schedule/test_kernels.py \
-    tests/schedule/test_varlen_attention.py::test_cuda_varlen_matches_cpu_reference tests/schedule/test_recurrent_cuda.py 2>&1 \
+    tests/schedule/test_varlen_attention.py::test_cuda_varlen_matches_cpu_reference \
+    tests/schedule/test_varlen_attention.py::test_cuda_varlen_layer_has_no_host_sync \
+    tests/schedule/test_varlen_attention.py::test_cuda_flash_attn_backward_is_deterministic_when_asked \
+    tests/schedule/test_recurrent_cuda.py 2>&1 \
     | tee "$OUT/cuda_tests.log" || rc=$?
   # a failing test is a finding to read, not a reason to skip the benchmark
   [ "$rc" = 0 ] || echo "gpu_check: the CUDA tests exited $rc (see cuda_tests.log); going on" >&2
@@ -177,7 +208,7 @@ fi
 if [ "$OFFLOAD_TESTS" = 1 ]; then
   step "tests/schedule/test_offload_cuda.py: dormant_prefix=offload's CUDA store (residency, exactness, allocator peaks)"
   rc=0
-  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 120 \
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 120)" \
     "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/schedule/test_offload_cuda.py 2>&1 | tee -a "$OUT/cuda_tests.log" || rc=$?
   [ "$rc" = 0 ] || echo "gpu_check: the offload residency check exited $rc (see cuda_tests.log); going on" >&2
 fi
@@ -185,16 +216,24 @@ fi
 if [ "$WINDOW_TESTS" = 1 ]; then
   step "tests/backend/test_windows_cuda.py: sliding windows on CUDA (kernel window alignment, fp32 exactness, bf16 error)"
   rc=0
-  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 150 \
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 150)" \
     "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/backend/test_windows_cuda.py 2>&1 | tee -a "$OUT/cuda_tests.log" || rc=$?
   [ "$rc" = 0 ] || echo "gpu_check: the sliding-window CUDA tests exited $rc (see cuda_tests.log); going on" >&2
+fi
+
+if [ "$SETTINGS_TESTS" = 1 ]; then
+  step "tests/backend/test_cuda_settings.py: FSDP2 offload/resharding knobs, activation offload, fused kernels (triton, liger)"
+  rc=0
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 180)" \
+    "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/backend/test_cuda_settings.py 2>&1 | tee -a "$OUT/cuda_tests.log" || rc=$?
+  [ "$rc" = 0 ] || echo "gpu_check: the settings cells exited $rc (see cuda_tests.log); going on" >&2
 fi
 
 gpus=$(command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l || echo 0)
 if [ "$SP_TESTS" = 1 ] && [ "$gpus" -ge 2 ]; then
   step "Ulysses sequence parallelism on 2 of the $gpus GPUs: reuse with SP=2 vs the engine without SP (NCCL)"
   rc=0
-  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 150 \
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 150)" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/backend/test_ulysses_engine.py -k two_gpus 2>&1 \
     | tee "$OUT/sp_tests.log" || rc=$?
   [ "$rc" = 0 ] || echo "gpu_check: the Ulysses GPU test exited $rc (see sp_tests.log); going on" >&2

@@ -78,13 +78,14 @@ def bf16_outputs(
     tree: bool = False,
     dormant: str = "keep",
     min_shared_tokens: int = 8,
+    overrides: tuple[str, ...] = (),
 ) -> tuple:
     """``(response log-probs, parameter grads, reduced metrics)`` of one engine: a forward-only pass, then one
     update. ``bf16``: verl's mixed precision (bf16 compute, fp32 master weights and reduction); else fp32.
     ``tree``, ``min_shared_tokens`` and ``dormant``: the prefix engine's ``prefix_reuse.tree``,
-    ``prefix_reuse.min_shared_tokens`` and ``dormant_prefix``."""
+    ``prefix_reuse.min_shared_tokens`` and ``dormant_prefix``; ``overrides``: more Hydra overrides (both precisions)."""
     engine, loss_fn, _ = T.build_verl_engine(
-        model_dir, backend=backend, micro_batch_size_per_gpu=1, overrides=BF16 if bf16 else ()
+        model_dir, backend=backend, micro_batch_size_per_gpu=1, overrides=(*(BF16 if bf16 else ()), *overrides)
     )
     if backend == "prefix_fsdp2":
         engine.reuse_config = PrefixReuseConfig(

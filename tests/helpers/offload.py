@@ -27,8 +27,8 @@ class RecordingStore(D.HostOffload):
 
     instances: list[RecordingStore] = []
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device, record=True)
+    def __init__(self, device: torch.device, pool: D.PinnedPool | None = None) -> None:
+        super().__init__(device, record=True, pool=pool)
         self.parameter_bytes_moved = 0
         RecordingStore.instances.append(self)
 

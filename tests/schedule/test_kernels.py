@@ -68,6 +68,39 @@ def test_each_refusal(gpu, monkeypatch, case, reason):
     gpu.serves = True
 
 
+def test_cuda_suffix_kv_go_in_unrepeated_where_torch_takes_gqa(monkeypatch):
+    """Issue 27 item 4: on CUDA ``merged`` hands torch's flash op the suffix K/V at ``Hkv`` heads where
+    ``can_use_flash_attention`` accepts them with ``enable_gqa`` (its GQA check, torch >= 2.5), so it saves them
+    unrepeated for backward; where torch says no (or cannot be asked: a torch without ``enable_gqa``), they are
+    repeated as before."""
+    asked = []
+
+    def can_use(params, debug=False):
+        asked.append((params.query.shape[1], params.key.shape[1], params.enable_gqa, params.is_causal))
+        return True
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", can_use)
+    query = torch.zeros(2, 8, 9, 64, dtype=torch.bfloat16)
+    assert kernels.flash_takes_gqa(query, 2) and asked == [(8, 2, True, True)]
+    assert kernels.flash_takes_gqa(query, 8) and len(asked) == 1  # equal heads: nothing to ask
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", lambda params, debug=False: False)
+    assert not kernels.flash_takes_gqa(query, 2)
+
+    class SixArguments:  # a torch before enable_gqa
+        def __init__(self, *args):
+            if len(args) > 6:
+                raise TypeError("takes 6 positional arguments")
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", can_use)
+    monkeypatch.setattr(torch.backends.cuda, "SDPAParams", SixArguments)
+    assert not kernels.flash_takes_gqa(query, 2)
+    # merged asks it on CUDA only (the CPU op always takes GQA), with the suffix K/V's real head count
+    answers = []
+    monkeypatch.setattr(MA, "flash_takes_gqa", lambda q, kv_heads: answers.append(kv_heads) or kv_heads == 2)
+    assert MA.native_gqa(OnDevice(query, "cuda"), 2) and not MA.native_gqa(OnDevice(query, "cuda"), 4)
+    assert MA.native_gqa(query, 4) and answers == [2, 4]
+
+
 def test_torch_says_no_on_a_build_without_cuda():
     """Unmocked: this CPU build's own ``can_use_flash_attention`` (real ``SDPAParams``) refuses."""
     if torch.cuda.is_available():
@@ -134,3 +167,27 @@ def test_an_agreed_refusal_makes_auto_run_concat(chunk_tokens):
     assert meter.counts["prefix/phase_b_attention/concat"] == micro_batches == 5
     assert meter.counts["prefix/phase_b_attention/concat_kernel_arch"] == micro_batches
     assert not meter.counts.get("prefix/phase_b_attention/merged")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("groups", [1, 4])
+def test_cuda_merged_takes_gqa_unrepeated(monkeypatch, groups):
+    """On the device: ``merged`` in bf16 with GQA hands ``MergedAttention`` the suffix K/V at ``Hkv`` heads (no
+    repeat: what it saves for backward is ``1/groups`` of the repeated copy), and output and gradients match the
+    CPU fp32 run of the same inputs (bf16 bounds, as the varlen kernels' CUDA check)."""
+    from test_merged_attention import attention_inputs, weighted_grads
+
+    q, pk, pv, sk, sv, w = attention_inputs(3, 2 * groups, 2, prefix=70, suffix=33, dtype=torch.float32, dim=64)
+    want_out = MA.merged_attention(q, pk, pv, sk, sv, 0.125)
+    want = weighted_grads(want_out, w, (q, pk, pv, sk, sv))
+    cuda = torch.device("cuda")
+    tensors = [t.detach().to(cuda, torch.bfloat16).requires_grad_() for t in (q, sk, sv)]
+    leaves = [t.detach().to(cuda).requires_grad_() for t in (pk, pv)]
+    seen, apply = [], MA.MergedAttention.apply
+    monkeypatch.setattr(MA.MergedAttention, "apply", lambda *a: seen.append(a[3].shape[1]) or apply(*a))
+    out = MA.merged_attention(tensors[0], *leaves, tensors[1], tensors[2], 0.125)
+    assert seen == [2]  # the suffix K at its KV heads
+    assert ((out.float().cpu() - want_out).norm() / want_out.norm()) < 2e-2
+    got = weighted_grads(out, w.to(cuda, torch.bfloat16), (tensors[0], *leaves, *tensors[1:]))
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and ((g.float().cpu() - r).norm() / r.norm()) < 3e-2

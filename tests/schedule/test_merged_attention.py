@@ -176,6 +176,35 @@ def test_bf16_merged_rounds_once(monkeypatch):
     assert rounded_twice > 1.3 * errors["merged"]
 
 
+def cuda_rounding(monkeypatch) -> None:
+    """Emulate CUDA's bf16 path on CPU: the forward kernels in the compute dtype, so each part's output is rounded
+    to bf16 before the fp32 merge (its LSE stays fp32), as torch's CUDA flash kernels return them; the backward
+    already runs in the compute dtype on both. ``merged`` and ``merged_varlen`` both read ``forward_dtype``."""
+    monkeypatch.setattr(MA, "forward_dtype", lambda query: query.dtype)
+
+
+def test_bf16_bound_with_cuda_rounding(monkeypatch):
+    """Issue 27 item 5: the CPU's own bf16 path (fp32 parts, one rounding) is tighter than CUDA's, so the CPU
+    bf16 tests above bound the CPU path only. With CUDA's rounding emulated (``cuda_rounding``: each part rounded
+    to bf16 first), merged must stay within 1.5x one sdpa call's error against fp64 (mean over draws), the bound
+    ``tests/backend/test_cuda.py`` holds reuse to against the stock engine on the GPU, forward and, for the
+    gradients, on one draw (backward is in bf16 on both devices already). What this does not bound: the CUDA
+    kernels' own accumulation order and their fp32 softmax internals (gpu_check's bf16 cells measure those)."""
+    concat = _bf16_output_errors()["concat"]
+    cuda_rounding(monkeypatch)
+    merged = _bf16_output_errors()["merged"]
+    print(f"bf16 forward rel error with CUDA's rounding: merged {merged:.2e}, concat {concat:.2e}")
+    assert merged <= 1.5 * concat
+    q, pk, pv, sk, sv, w = attention_inputs(4, 8, 2, prefix=257, suffix=17, dtype=torch.bfloat16, dim=64)
+    tensors = (q, pk, pv, sk, sv)
+    ref_grads = weighted_grads(reference_math(*(t.double() for t in tensors), 0.125), w.double(), tensors)
+    errors = {}
+    for name, fn in (("merged", MA.merged_attention), ("concat", concat_reference)):
+        grads = weighted_grads(fn(q, pk, pv, sk, sv, 0.125), w, tensors)
+        errors[name] = max(((g.double() - r).norm() / r.norm()).item() for g, r in zip(grads, ref_grads))
+    assert errors["merged"] <= 1.5 * errors["concat"], errors
+
+
 def test_bf16_merged_under_autocast_keeps_fp32_leaf_grads():
     """Under CPU bf16 autocast the fp32 prefix leaves go in as they are and their grads come back in fp32;
     the output is in the queries' dtype."""

@@ -10,6 +10,8 @@ many decays); reuse is judged against the fp64 reference: within 1.5x the dense 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import offload as O
@@ -480,6 +482,43 @@ def test_fla_kernels_serve_with_one_token_calls_kept_off_the_fused_kernel(model6
         with torch.no_grad():
             infer_reuse(model64, layout, rows=1)
         assert ("fused", 1, False) in calls
+    finally:
+        for layer in layers:
+            layer.chunk_gated_delta_rule = layer.recurrent_gated_delta_rule = delta_rule_in_dtype
+
+
+@pytest.mark.parametrize("user_setting", [None, "1"], ids=["unset", "user-opted-in"])
+def test_fla_dispatch_is_pinned_to_triton_under_reuse(model64, monkeypatch, user_setting):
+    """Issue 27 item 7: fla's dispatch could send Qwen3.5's delta rule to FlashQLA on Hopper (bf16, K = V = 128)
+    where ``flash_qla`` is installed; every call of the reuse schedule, forward and backward, sees FlashQLA's
+    switch off (``FLA_FLASH_QLA=0``, which fla reads per call), dense calls outside it the user's setting, restored
+    after. fp64 exact against dense (stand-ins with fla's names on CPU; gpu_check's cell runs the real dispatch)."""
+    if user_setting is None:
+        monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    else:
+        monkeypatch.setenv("FLA_FLASH_QLA", user_setting)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    calls: list = []
+    chunk, fused = fla_standins(calls)
+    switch = []
+
+    def seen_chunk(*args, **kwargs):
+        switch.append(os.environ.get("FLA_FLASH_QLA"))
+        return chunk(*args, **kwargs)
+
+    seen_chunk.__name__, seen_chunk.__module__ = chunk.__name__, chunk.__module__
+    layers = recurrent.recurrent_layers(model64).values()
+    try:
+        for layer in layers:
+            layer.chunk_gated_delta_rule, layer.recurrent_gated_delta_rule = seen_chunk, fused
+        want = dense_grads(model64, layout, weights)
+        assert switch and set(switch) == {user_setting}
+        switch.clear()
+        got = run(model64, layout, weights, rows=2)
+        assert worst_relative(got, want) < 1e-10
+        assert switch and set(switch) == {"0"}
+        assert os.environ.get("FLA_FLASH_QLA") == user_setting
     finally:
         for layer in layers:
             layer.chunk_gated_delta_rule = layer.recurrent_gated_delta_rule = delta_rule_in_dtype

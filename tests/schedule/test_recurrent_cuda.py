@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -67,3 +68,42 @@ def test_reuse_on_fla_kernels_matches_dense_on_cuda():
     want = dense_grads(model, on_gpu, weights)
     got = run(model, layout, weights, rows=1, device=torch.device("cuda"))
     assert worst_relative(got, want) < 1e-4
+
+
+def test_fla_dispatch_keeps_flashqla_off_under_reuse(monkeypatch):
+    """Issue 27 item 7 on the device: a bf16 call with K = V = 128 (Qwen3.5's shape, what fla's dispatch may send to
+    FlashQLA on SM90/SM100 where ``flash_qla`` is installed) made inside the schedule's mode never reaches FlashQLA,
+    and matches the Triton kernel's own result and initial-state gradient. Where ``flash_qla`` is absent the
+    dispatch has nothing to send it to: the switch is still checked to be on inside and restored after."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    qla_calls = []
+    if importlib.util.find_spec("flash_qla") is not None:
+        import flash_qla
+
+        real = flash_qla.chunk_gated_delta_rule
+        monkeypatch.setattr(flash_qla, "chunk_gated_delta_rule", lambda *a, **k: qla_calls.append(1) or real(*a, **k))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(1, 96, 2, 128)] * 3 + [(1, 96, 2), (1, 96, 2), (1, 2, 128, 128)]
+    inputs = [torch.randn(s, device="cuda", generator=gen) for s in shapes]
+    inputs[3] = -torch.rand(shapes[3], device="cuda", generator=gen)
+    inputs[4] = torch.rand(shapes[4], device="cuda", generator=gen)
+    inputs = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
+
+    def call():
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        q, k, v, g, beta, state = leaves
+        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, use_qk_l2norm_in_kernel=True)
+        out.float().square().sum().backward()
+        return out.detach(), state.grad
+
+    with recurrent.fla_triton_backend():
+        assert os.environ["FLA_FLASH_QLA"] == "0"
+        pinned = call()
+    assert "FLA_FLASH_QLA" not in os.environ and not qla_calls
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    triton = call()
+    for got, want in zip(pinned, triton):
+        torch.testing.assert_close(got, want)
+    print(f"fla dispatch: flash_qla {'present' if qla_calls or importlib.util.find_spec('flash_qla') else 'absent'}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.host_sync import HostSyncCounter
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import promote_fp32_upcasts
 from helpers.schedule_runs import infer_reuse
@@ -199,6 +200,55 @@ def _non_causal_suffix(mp, packing):
 @pytest.mark.parametrize("fault", [_wrong_offsets, _per_part_lse, _non_causal_suffix])
 def test_varlen_negative_controls(monkeypatch, fault):
     assert _varlen_fault_error(monkeypatch, fault) > 1e-2
+
+
+# -- no host sync inside a layer (issue 27 item 1; on CUDA: gpu_check's set_sync_debug_mode cell) ----------------
+
+
+def _layer_host_syncs(monkeypatch, prefix_len: int | None = 7):
+    """The ops that would synchronise the host on CUDA, counted over two layers' forward and backward of one
+    micro-batch (the packing built before them, as ``ServeContext.packing`` builds it; the CPU reference kernels
+    themselves uncounted: CUDA runs one kernel per part where they loop over sequences on the host)."""
+    q, pk, pv, sk, sv, w = attention_inputs(5, 4, 2, prefix=7, suffix=5, dtype=torch.float32)
+    packing = V.Packing.from_lengths(LENGTHS[5], 5, CPU, prefix_len=prefix_len)
+    assert torch.equal(packing.index, packing.mask.flatten().nonzero().flatten())
+    w = _masked(w, packing.mask)
+    counter = HostSyncCounter()
+
+    def uncounted(kernel):
+        def run(*args):
+            with counter.paused():
+                return kernel(*args)
+
+        return run
+
+    forward, backward = V.reference_varlen_forward, V.reference_varlen_backward
+    monkeypatch.setattr(V, "REFERENCE", V.VarlenKernels("reference", uncounted(forward), uncounted(backward)))
+    with counter:
+        for _layer in range(2):
+            out = V.merged_varlen_attention(q, pk, pv, sk, sv, packing, 0.3)
+            weighted_grads(out, w, (q, pk, pv, sk, sv))
+    return counter.syncs
+
+
+def test_varlen_layer_has_no_host_sync(monkeypatch):
+    """merged_varlen's layer (gather, both parts, merge, scatter; forward and backward) dispatches no op that
+    makes the host wait on CUDA: the offsets and the gather index come built with the micro-batch's packing."""
+    assert _layer_host_syncs(monkeypatch) == {}
+
+
+def test_host_sync_negative_controls(monkeypatch):
+    """The counter sees what the old code did: boolean-mask gathers (a nonzero forward, an ``index_put`` with a
+    boolean index backward) and ``cu_seqlens`` made with ``torch.tensor`` in every layer, forward and backward."""
+    # without the prefix length the packing builds [0, T] and [0, P] at their first use, once in the micro-batch
+    assert _layer_host_syncs(monkeypatch, prefix_len=None) == {"aten.lift_fresh.default": 2}
+    with monkeypatch.context() as mp:
+        mp.setattr(V, "gather_packed", lambda x, packing: x[packing.mask])
+        syncs = _layer_host_syncs(mp)
+    assert syncs["aten.index.Tensor (boolean index)"] == 2 * 3 and syncs["aten.index_put.default (boolean index)"] > 0
+    with monkeypatch.context() as mp:
+        mp.setattr(V.Packing, "whole", lambda self, n: torch.tensor([0, n], dtype=torch.int32))
+        assert _layer_host_syncs(mp)["aten.lift_fresh.default"] == 2 * 4  # two per forward, two per backward
 
 
 # -- packing: bad input is refused, good input packs every real token once -----------------------------------
@@ -431,6 +481,29 @@ def test_flash_attn_2_7_calls(monkeypatch):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flash_attn_backward_honours_deterministic_algorithms(monkeypatch, deterministic):
+    """flash-attn's backward is asked for its deterministic dK/dV exactly when torch's deterministic algorithms
+    are on (issue 27 item 6; torch's own flash backward reads the same flag itself)."""
+    seen = []
+
+    def backward(dout, q, k, v, out, lse, dq, dk, dv, **kwargs):
+        seen.append(kwargs["deterministic"])
+        for dst in (dq, dk, dv):
+            dst.zero_()
+
+    monkeypatch.setattr(V, "flash_attn_functions", lambda: (None, backward))
+    q, k = torch.zeros(3, 2, 8), torch.zeros(4, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        V.flash_attn_varlen_backward(q, q, k, k, q, torch.zeros(2, 3), cu_q, cu_k, 3, 4, 0.3, False)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert seen == [deterministic]
+
+
 def test_version_tuple():
     assert V.version_tuple("2.7.4.post1") == (2, 7)
     assert V.version_tuple("2.10.0") == (2, 10) > (2, 7)
@@ -473,3 +546,53 @@ def test_cuda_varlen_matches_cpu_reference(monkeypatch, kernels, groups):
     assert got[1].dtype == torch.float32
     for g, r in zip(got, want):
         assert ((g.float().cpu() - r).norm() / r.norm()) < 3e-2
+
+
+@pytest.mark.skipif(not _cuda_kernels(), reason="needs CUDA with torch's varlen attention or flash-attn >= 2.7")
+@pytest.mark.parametrize("kernels", _cuda_kernels() or [None], ids=lambda k: getattr(k, "name", "none"))
+def test_cuda_varlen_layer_has_no_host_sync(monkeypatch, kernels):
+    """Issue 27 item 1 on the device: two layers' forward and backward of one micro-batch (bf16, GQA 2, fp32
+    prefix leaves) under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any op that synchronises
+    the host (the kernels' own included); the packing is built before, as ``ServeContext.packing`` builds it."""
+    cuda = torch.device("cuda")
+    q, pk, pv, sk, sv, w = attention_inputs(5, 4, 2, prefix=70, suffix=33, dtype=torch.bfloat16, dim=64)
+    tensors = [t.detach().to(cuda).requires_grad_() for t in (q, sk, sv)]
+    leaves = [t.detach().to(cuda, torch.float32).requires_grad_() for t in (pk, pv)]
+    packing = V.Packing.from_lengths([33, 12, 1, 20, 7], 33, cuda, prefix_len=70)
+    w = _masked(w, packing.mask.cpu()).to(cuda)
+    monkeypatch.setattr(V, "kernels_for", lambda device: kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _layer in range(2):
+            out = V.merged_varlen_attention(tensors[0], *leaves, tensors[1], tensors[2], packing, 0.125)
+            grads = weighted_grads(out, w, (tensors[0], *leaves, *tensors[1:]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or V.FLASH_ATTN not in _cuda_kernels(), reason="needs CUDA and flash-attn >= 2.7"
+)
+def test_cuda_flash_attn_backward_is_deterministic_when_asked(monkeypatch):
+    """Issue 27 item 6 on the device: under ``torch.use_deterministic_algorithms(True)`` two backward passes of
+    merged_varlen on flash-attn give bitwise equal gradients (its dK/dV accumulate by atomics otherwise)."""
+    cuda = torch.device("cuda")
+    q, pk, pv, sk, sv, w = attention_inputs(5, 8, 2, prefix=300, suffix=64, dtype=torch.bfloat16, dim=64)
+    packing = V.Packing.from_lengths([64, 40, 9, 64, 20], 64, cuda, prefix_len=300)
+    w = _masked(w, packing.mask.cpu()).to(cuda)
+    monkeypatch.setattr(V, "kernels_for", lambda device: V.FLASH_ATTN)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs = []
+        for _ in range(2):
+            tensors = [t.detach().to(cuda).requires_grad_() for t in (q, sk, sv)]
+            leaves = [t.detach().to(cuda, torch.float32).requires_grad_() for t in (pk, pv)]
+            out = V.merged_varlen_attention(tensors[0], *leaves, tensors[1], tensors[2], packing, 0.125)
+            runs.append(weighted_grads(out, w, (tensors[0], *leaves, *tensors[1:])))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -50,7 +50,14 @@ from verl_prefix.backend.outputs import (
 from verl_prefix.backend.trees import plan_tree
 from verl_prefix.backend.validation import agree_on_validity, check_batch
 from verl_prefix.schedule import moe
-from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, refuse_offload_on, validate_policy
+from verl_prefix.schedule.dormant import (
+    Dormant,
+    DormantStats,
+    default_store,
+    refuse_offload_on,
+    release_pinned_memory,
+    validate_policy,
+)
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
@@ -568,6 +575,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             roots=roots,
         )
         output["metrics"].update(dormant_stats.metrics())
+        release_pinned_memory()  # offload's host slabs: held from one group to the next, not past the mini-batch
         if options.ulysses is not None:
             output["metrics"].update(options.ulysses.metrics())
         return output

@@ -73,6 +73,7 @@ class DormantStats:
         self.offloaded_bytes = 0
         self.restored_bytes = 0
         self.offload_resident: dict[str, int] = defaultdict(int)  # phase -> most graph bytes left on the device
+        self.host_slab_bytes = 0  # most host memory the offload pool held (its slabs, leased or free)
         self.recompute_max_diff = 0.0
 
     def note_group(self, policy: str, reason: str) -> None:
@@ -90,19 +91,22 @@ class DormantStats:
         resident_b = store.peak_resident["B"] + store.unfreed_in_b
         self.offload_resident["B"] = max(self.offload_resident["B"], resident_b)
         self.offload_resident["C"] = max(self.offload_resident["C"], store.peak_resident["C"])
+        self.host_slab_bytes = max(self.host_slab_bytes, store.lease.pool.peak_bytes)
 
     def metrics(self) -> dict[str, float]:
         """``prefix/policy/<name>`` groups per policy, ``prefix/policy_reason/<why>``, and per policy the
         largest ``prefix/max_saved_for_backward_held_in_B_mib/<name>``: phase A's graph still held
         plus the suffix micro-batch's own (what a policy exists to shrink). With offload, the bytes moved
-        out and back and the most of the graph left on the device in phases B and C
-        (``prefix/max_offload_resident_mib/<phase>``)."""
+        out and back, the most of the graph left on the device in phases B and C
+        (``prefix/max_offload_resident_mib/<phase>``) and the most host memory its slabs held
+        (``prefix/offload_host_mib``, ``PinnedPool``)."""
         out: dict[str, float] = {f"prefix/policy/{p}": float(n) for p, n in self.policies.items()}
         out.update({f"prefix/policy_reason/{r}": float(n) for r, n in self.reasons.items()})
         out.update({f"prefix/max_saved_for_backward_held_in_B_mib/{p}": b / _MIB for p, b in self.held_in_b.items()})
         if self.policies.get("offload"):
             out["prefix/offloaded_mib"] = self.offloaded_bytes / _MIB
             out["prefix/offload_restored_mib"] = self.restored_bytes / _MIB
+            out["prefix/offload_host_mib"] = self.host_slab_bytes / _MIB
             for phase in ("B", "C"):
                 out[f"prefix/max_offload_resident_mib/{phase}"] = self.offload_resident[phase] / _MIB
         if self.policies.get("recompute"):
@@ -167,6 +171,117 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+_ALIGN = 512  # bytes: where each copy starts in a slab
+SLAB_BYTES = 64 * 2**20
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class PinnedPool:
+    """The host memory ``offload`` copies into: slabs that each group's store leases and gives back after its
+    phase C, reused group after group, and released (unpinned and freed) at the end of each mini-batch.
+
+    One pinned buffer per saved storage from ``torch.empty(pin_memory=True)`` went through torch's caching host
+    allocator, which rounds each to a power of two and keeps every block for the life of the process: up to 2x
+    the offloaded bytes per rank, never returned (8 ranks a node, beside vLLM's sleep-mode copies). Here slabs
+    are ordinary host tensors of exact sizes, page-locked with ``cudaHostRegister`` (``pin``; the CPU stand-in
+    leaves them pageable) and unregistered on ``release``. A store fills its slabs in order (``PinnedLease``);
+    a storage above a quarter of a slab gets a slab of its own size, so a slab wastes under a quarter of itself.
+    ``held_bytes``: slabs held now (leased or free); ``peak_bytes``: the most held since the last release."""
+
+    def __init__(self, pin: bool = True, slab_bytes: int = SLAB_BYTES) -> None:
+        self.pin, self.slab_bytes = pin, slab_bytes
+        self.held_bytes = 0
+        self.peak_bytes = 0
+        self._free: list[torch.Tensor] = []
+        self._forget: dict[int, weakref.finalize] = {}  # slab address -> unpins and uncounts it once
+
+    @property
+    def free_slabs(self) -> tuple[torch.Tensor, ...]:
+        """The slabs no store holds now (smallest first)."""
+        return tuple(self._free)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A slab of at least ``nbytes``: the smallest free one that fits, else a new one of ``nbytes``."""
+        for i, slab in enumerate(self._free):  # kept smallest first
+            if slab.numel() >= nbytes:
+                return self._free.pop(i)
+        slab = torch.empty(nbytes, dtype=torch.uint8)
+        if self.pin:
+            error = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 1))  # 1: portable
+            if error:
+                raise RuntimeError(f"dormant_prefix=offload: cudaHostRegister of {nbytes} bytes failed ({error})")
+        # a slab a failed group dropped without giving it back is unpinned before its memory is freed (registered
+        # memory freed as it is would stay registered to the driver, and the next registration there would fail)
+        self._forget[slab.data_ptr()] = weakref.finalize(slab, self._unpin, slab.data_ptr(), nbytes)
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return slab
+
+    def give_back(self, slabs: Sequence[torch.Tensor]) -> None:
+        """A store is done with ``slabs`` (its copies have completed): free for the next store."""
+        self._free = sorted([*self._free, *slabs], key=torch.Tensor.numel)
+
+    def release(self) -> int:
+        """Unpin and free every slab no store holds; returns the bytes released."""
+        released = sum(slab.numel() for slab in self._free)
+        for slab in self._free:
+            self._forget.pop(slab.data_ptr())()
+        self._free = []
+        self.peak_bytes = self.held_bytes
+        return released
+
+    def _unpin(self, address: int, nbytes: int) -> None:
+        self._forget.pop(address, None)
+        if self.pin:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        self.held_bytes -= nbytes
+
+
+class PinnedLease:
+    """One store's slabs: copies are laid out one after another (``_ALIGN``-aligned) in the current slab."""
+
+    def __init__(self, pool: PinnedPool) -> None:
+        self.pool = pool
+        self.slabs: list[torch.Tensor] = []
+        self._current: torch.Tensor | None = None
+        self._offset = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory (a uint8 view into a slab) this lease holds until ``close``."""
+        if nbytes > self.pool.slab_bytes // 4:  # its own slab: no large tail left unused
+            self.slabs.append(self.pool.take(_round_up(nbytes)))
+            return self.slabs[-1][:nbytes]
+        if self._current is None or self._offset + nbytes > self._current.numel():
+            self._current = self.pool.take(self.pool.slab_bytes)
+            self.slabs.append(self._current)
+            self._offset = 0
+        view = self._current[self._offset : self._offset + nbytes]
+        self._offset = _round_up(self._offset + nbytes)
+        return view
+
+    def close(self) -> None:
+        slabs, self.slabs, self._current = self.slabs, [], None
+        self.pool.give_back(slabs)
+
+
+_POOLS: dict[bool, PinnedPool] = {}
+
+
+def process_pool(pin: bool) -> PinnedPool:
+    """This process's pool (pinned for accelerators; pageable for the CPU stand-in): shared by every store."""
+    if pin not in _POOLS:
+        _POOLS[pin] = PinnedPool(pin=pin)
+    return _POOLS[pin]
+
+
+def release_pinned_memory() -> int:
+    """End of a mini-batch: unpin and free the offload slabs no store holds (bytes released)."""
+    return sum(pool.release() for pool in _POOLS.values())
+
+
 class HostOffload:
     """``offload``'s saved-tensor store: phase A's activations go to host memory as autograd saves them,
     each storage once, and phase C brings them back one decoder layer at a time.
@@ -183,7 +298,8 @@ class HostOffload:
       each layer and on the model opens a new group). Backward runs the groups in reverse; the first
       unpack of a group starts restoring the group backward reaches next, so its copy overlaps this
       one's backward. A restored storage lives until autograd drops the last handle to it.
-    - **Copies**: on an accelerator, pinned host memory and a side stream (as ``save_on_cpu`` pins; the
+    - **Copies**: on an accelerator, pinned host memory (slabs leased from ``PinnedPool``, given back by
+      ``close`` after phase C) and a side stream (as ``save_on_cpu`` pins; the
       device-to-host copy waits for the compute stream and ``record_stream`` keeps its source until read;
       unpack waits on the restore's event). On the CPU (the stand-in the tests and ``dormant_memory`` use)
       "device" and "host" are both the CPU and the copies are synchronous clones; the scheduling, the
@@ -199,9 +315,10 @@ class HostOffload:
     restored with the last layer that saved it and released after the first).
     """
 
-    def __init__(self, device: torch.device, record: bool = False) -> None:
+    def __init__(self, device: torch.device, record: bool = False, pool: PinnedPool | None = None) -> None:
         self.device = device
         accel = device.type in ("cuda", "npu", "xpu")
+        self.lease = PinnedLease(pool if pool is not None else process_pool(pin=device.type == "cuda"))
         self._module = torch.get_device_module(device.type) if accel else None
         self._stream = self._module.Stream(device=device) if accel else None
         self.phase = "A"
@@ -293,9 +410,9 @@ class HostOffload:
 
     def copy_to_host(self, storage: torch.UntypedStorage) -> torch.Tensor:
         source = _as_bytes(storage)
+        host = self.lease.take(source.numel())
         if self._stream is None:
-            return source.clone()
-        host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
+            return host.copy_(source)
         self._stream.wait_stream(self._module.current_stream(self.device))
         with self._module.stream(self._stream):
             host.copy_(source, non_blocking=True)
@@ -392,6 +509,12 @@ class HostOffload:
         self._kept, self._context = {}, None
         self.phase = "B"
         self._note("phase", None)
+
+    def close(self) -> None:
+        """Phase C is done: once this store's copies have completed, its host slabs go back to the pool."""
+        if self._stream is not None:
+            self._stream.synchronize()  # once per group: the last restores may still read the slabs
+        self.lease.close()
 
     def begin_phase_c(self) -> None:
         """Phase C starts (idempotent): measure what phase B really left on the device."""
@@ -524,6 +647,8 @@ class Dormant:
     def after_phase_c(self) -> None:
         """Phase C is done: offload's figures go to the stats (the store holds no tensor by now)."""
         store, self._store = self._store, None
+        if store is not None:
+            store.close()
         if store is not None and self.stats is not None:
             self.stats.note_offload(store)
 

@@ -40,22 +40,43 @@ def active_flash_impl() -> str | None:
     return current() if current is not None else None
 
 
-def can_use_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> bool:
-    """``torch.backends.cuda.can_use_flash_attention`` on these tensors (no mask, no dropout, no GQA)."""
+def can_use_flash(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, enable_gqa: bool = False
+) -> bool:
+    """``torch.backends.cuda.can_use_flash_attention`` on these tensors (no mask, no dropout; GQA only with
+    ``enable_gqa``, which a torch before that argument cannot be asked: False there)."""
     params_type = torch.backends.cuda.SDPAParams
     try:
-        params = params_type(query, key, value, None, 0.0, causal, False)
+        params = params_type(query, key, value, None, 0.0, causal, enable_gqa)
     except TypeError:  # torch before enable_gqa took six arguments
+        if enable_gqa:
+            return False
         params = params_type(query, key, value, None, 0.0, causal)
     return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+
+
+def flash_takes_gqa(query: torch.Tensor, kv_heads: int) -> bool:
+    """Whether torch's CUDA flash op runs the suffix part with ``kv_heads`` K/V heads under the query's
+    ``[B, Hq, S, d]`` (query head h reads KV head h // groups), so its K/V need no repeat.
+
+    The in-tree flash kernel (FA2's ``mha_fwd``/``mha_bwd``, behind ``aten._scaled_dot_product_flash_attention``
+    in torch 2.11 and 2.13 alike) takes ``num_heads_k`` dividing ``num_heads`` and its backward sums dK/dV over
+    each group; sdpa itself hands it unrepeated K/V with ``enable_gqa``, after ``can_use_flash_attention``'s
+    ``check_batch_size_and_num_heads_dense<supports GQA>``. Asked here the same way, with a K/V of the real
+    head count (a view of the query: only its shape, dtype and grad are read)."""
+    if kv_heads == query.shape[1]:
+        return True
+    key = query[:, :kv_heads]
+    return can_use_flash(query, key, key, True, enable_gqa=True)
 
 
 def cuda_merged_refusal(query: torch.Tensor) -> str | None:
     """Why torch's CUDA flash op cannot run phase B's two parts for this query ``[B, H, S, d]``, or None.
 
-    Both parts run with equal query and K/V heads on CUDA (the prefix part folds the query heads of a KV group
-    into the query length; the suffix part's K/V are repeated to the query heads), so the query stands for
-    the K/V too: the suffix part is causal and square, the prefix part unmasked."""
+    The prefix part runs with equal query and K/V heads (it folds the query heads of a KV group into the query
+    length); the suffix part's K/V go in unrepeated where ``flash_takes_gqa`` says the op takes them, a check
+    that asks nothing of GQA beyond dividing head counts, else repeated. So the query stands for the K/V here:
+    the suffix part is causal and square, the prefix part unmasked."""
     head_dim = query.shape[-1]
     if query.dtype not in (torch.float16, torch.bfloat16):
         return "kernel_dtype"

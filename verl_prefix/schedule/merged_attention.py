@@ -7,8 +7,9 @@ the micro-batch (rows and the query heads of a KV group folded into the query le
 single ``[1, kv_heads, P, d]`` prefix, unmasked, on every device: no per-row copy and no GQA repeat of
 the prefix (one cast of it where the kernel's dtype differs from the fp32 leaf's). The suffix part is
 plain causal attention per row (right padding is harmless: a real query never sees a later pad); its
-own K/V go in unrepeated on CPU, whose flash op takes GQA natively, and repeated to the query heads on
-CUDA (``native_gqa``): ``B x (Hq - Hkv) x S x d`` more K and V per layer there. With ``(o1, l1)`` and
+own K/V go in unrepeated: the CPU flash op and torch's CUDA flash op both take GQA natively (``native_gqa``;
+on CUDA asked of torch, ``kernels.flash_takes_gqa``, and repeated to the query heads only where it says no).
+With ``(o1, l1)`` and
 ``(o2, l2)`` the two parts' outputs and log-sum-exps::
 
     l = logaddexp(l1, l2),   o = exp(l1 - l) o1 + exp(l2 - l) o2
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from verl_prefix.schedule.kernels import cuda_merged_refusal
+from verl_prefix.schedule.kernels import cuda_merged_refusal, flash_takes_gqa
 from verl_prefix.schedule.windows import banded_prefix_keep, chunk_keep_mask, cut_prefix, cut_to_chunk, window_keep_mask
 
 # kwargs HF attention forwards may carry that the merged kernels do not implement -> refusal reason
@@ -168,13 +169,16 @@ def backward_stats(
     return [out, lse, out, lse]
 
 
-def native_gqa(query: torch.Tensor) -> bool:
-    """Whether the suffix part's kernel takes K/V with fewer heads than the queries (query head h reads KV
-    head h // groups, and its backward returns dK/dV summed over each group). The CPU flash op does, forward
-    and backward (tests/schedule/test_merged_attention.py checks it against sdpa with repeated heads), so
-    the suffix K/V go in unrepeated. torch's CUDA flash op is not known to here (no GPU to check it on): the
-    suffix K/V are repeated to the query heads there, ``B x (Hq - Hkv) x S x d`` more K and V per layer."""
-    return query.device.type == "cpu"
+def native_gqa(query: torch.Tensor, kv_heads: int | None = None) -> bool:
+    """Whether the suffix part's kernel takes K/V with ``kv_heads`` heads under the query's (query head h reads
+    KV head h // groups, and its backward returns dK/dV summed over each group), so that they go in unrepeated
+    and are saved for backward at ``Hkv`` heads, not ``Hq``. The CPU flash op does, forward and backward
+    (tests/schedule/test_merged_attention.py checks it against sdpa with repeated heads); torch's CUDA flash op
+    does where ``kernels.flash_takes_gqa`` says so (torch >= 2.5's GQA check: 2.11 and 2.13 both). Where it
+    does not, the suffix K/V are repeated: ``B x (Hq - Hkv) x S x d`` more K and V per layer."""
+    if query.device.type == "cpu":
+        return True
+    return query.device.type == "cuda" and flash_takes_gqa(query, query.shape[1] if kv_heads is None else kv_heads)
 
 
 def forward_dtype(query: torch.Tensor) -> torch.dtype:
@@ -394,7 +398,7 @@ def merged_attention(
         )
         return out.transpose(1, 2).contiguous()
     suffix_key, suffix_value = suffix_key.to(dtype), suffix_value.to(dtype)
-    if groups > 1 and not native_gqa(query):
+    if groups > 1 and not native_gqa(query, kv_heads):
         suffix_key = suffix_key.repeat_interleave(groups, dim=1)
         suffix_value = suffix_value.repeat_interleave(groups, dim=1)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5

@@ -408,8 +408,9 @@ class ServeContext:
 
     @functools.cached_property
     def packing(self) -> Packing:
-        """Where the rows' real tokens go in the packed layout (built once per micro-batch)."""
-        return Packing.from_lengths(self.row_lengths, self.query_len, self.device)
+        """Where the rows' real tokens go in the packed layout, with the prefix part's offsets (built once per
+        micro-batch: no layer copies an offset to the device)."""
+        return Packing.from_lengths(self.row_lengths, self.query_len, self.device, self.prefix.length)
 
     def _varlen_refusal(
         self, query: torch.Tensor, value_dim: int, kwargs: dict, window: int | None, chunk: int | None

@@ -15,9 +15,10 @@ fresh copy; the multi-token path only reads it.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -348,11 +349,37 @@ def record_empty_state(block: nn.Module, ctx: object) -> None:
         recorder(block)(RecurrentState(empty, empty.reshape(1, 0, 0, 0), empty.dtype))
 
 
+# fla's backend dispatch (fla >= 0.5: ``fla.backends``) may send ``chunk_gated_delta_rule`` to another kernel than the
+# Triton one the schedule was built and checked against: FlashQLA (package ``flash_qla``, TileLang) takes SM90/SM100
+# fp16/bf16 calls with K = V = 128, Qwen3.5's shape, wherever the package is installed. Its initial-state gradient
+# and state layout are not what ``test_recurrent_cuda.py`` checked; each such backend is turned off by its
+# environment switch, which fla reads at every call, for the duration of the schedule.
+FLA_BACKEND_PINS = {"FLA_FLASH_QLA": "0"}
+
+
+@contextmanager
+def fla_triton_backend() -> Iterator[None]:
+    """Keep fla's dispatch on its Triton chunked kernel (``FLA_BACKEND_PINS``) until the block ends, then restore
+    the switches as they were (a user's own setting included): the reuse schedule's calls and their backward
+    (autograd keeps the kernel its forward chose) run the kernel whose initial-state gradient was checked."""
+    saved = {name: os.environ.get(name) for name in FLA_BACKEND_PINS}
+    os.environ.update(FLA_BACKEND_PINS)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @contextmanager
 def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     """For the duration of the reuse schedule, every served recurrent layer called with a prefix context
     takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``);
-    Mamba-2 mixers and short convs through their decoder block (``mamba.continuation_mode``)."""
+    Mamba-2 mixers and short convs through their decoder block (``mamba.continuation_mode``). Layers on fla's
+    kernels run its Triton chunked rule meanwhile (``fla_triton_backend``)."""
     served = [m for m in model.modules() if isinstance(m, SERVED_CLASSES) and served_recurrent_layer(m)]
     handles = [m.register_forward_pre_hook(_hook, with_kwargs=True) for m in served]
     handles += [m.register_forward_hook(_restore, always_call=True) for m in served]
@@ -362,8 +389,12 @@ def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
                 keep, drop = _stash(child)
                 handles.append(parent.register_forward_pre_hook(keep, with_kwargs=True))
                 handles.append(parent.register_forward_hook(drop, with_kwargs=True, always_call=True))
+    fla = any(fla_chunk_kernel(getattr(m, "chunk_gated_delta_rule", None)) for m in served)
     try:
-        with mamba.continuation_mode(model, mamba_continuation, record_empty_state):
+        with (
+            fla_triton_backend() if fla else nullcontext(),
+            mamba.continuation_mode(model, mamba_continuation, record_empty_state),
+        ):
             yield
     finally:
         for handle in handles:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,14 +123,33 @@ def varlen_refusal(query: torch.Tensor, kwargs: dict[str, Any], value_dim: int |
     return None  # merged_refusal already asked torch whether its flash kernels run this dtype/head_dim here
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without blocking the host: on CUDA through pinned memory with a
+    non-blocking copy (a pageable copy synchronises the stream), elsewhere an ordinary ``to``."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True)
 class Packing:
-    """Where a right-padded ``[B, S]`` micro-batch's real tokens go in the packed ``[T]`` layout."""
+    """Where a right-padded ``[B, S]`` micro-batch's real tokens go in the packed ``[T]`` layout.
+
+    Everything a layer needs is built here once per micro-batch, on the host, and copied to the device without
+    a sync: ``cu_seqlens``, ``index`` (the gather/scatter positions, so no layer gathers by a boolean mask,
+    whose nonzero count the host would wait for, forward and backward) and the one-sequence offsets of the
+    prefix part (``whole``, cached per length). A layer then runs with no device-to-host sync of its own."""
 
     mask: torch.Tensor  # [B, S] bool: real tokens (each row's first ``lengths[b]``)
     cu_seqlens: torch.Tensor  # [B + 1] int32 on the tokens' device: row b is ``cu[b]:cu[b + 1]``
     lengths: tuple[int, ...]
     width: int  # S
+    index: torch.Tensor | None = None  # [T] int64 on the tokens' device: packed token t is flat position index[t]
+    _wholes: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.index is None:  # built from a mask directly (tests): one nonzero, here, not in a layer
+            object.__setattr__(self, "index", self.mask.flatten().nonzero().flatten())
 
     @property
     def total(self) -> int:
@@ -140,15 +159,44 @@ class Packing:
     def max_len(self) -> int:
         return max(self.lengths)
 
+    def whole(self, length: int) -> torch.Tensor:
+        """``cu_seqlens`` of one sequence of ``length`` tokens on the packing's device (``[0, T]`` for the
+        prefix part's queries, ``[0, P]`` for its keys), built at its first use in the micro-batch."""
+        found = self._wholes.get(length)
+        if found is None:
+            found = to_device(torch.tensor([0, length], dtype=torch.int32), self.cu_seqlens.device)
+            self._wholes[length] = found
+        return found
+
     @classmethod
-    def from_lengths(cls, lengths: torch.Tensor | list[int], width: int, device: torch.device) -> Packing:
-        """From each row's real token count (``SuffixBatch.tokens.sum(1)``), ``1 <= length <= width``."""
+    def from_lengths(
+        cls, lengths: torch.Tensor | list[int], width: int, device: torch.device, prefix_len: int | None = None
+    ) -> Packing:
+        """From each row's real token count (``SuffixBatch.tokens.sum(1)``), ``1 <= length <= width``;
+        ``prefix_len``: the prefix part's offsets (``whole``) are built here too."""
         counts = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
         if not counts or min(counts) < 1 or max(counts) > width:
             raise ValueError(f"row lengths must lie in 1..{width}, got {counts}")
         cu = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         mask = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]
-        return cls(mask.to(device), cu.to(device), tuple(counts), width)
+        index = torch.cat([torch.arange(n) + row * width for row, n in enumerate(counts)])
+        packing = cls(to_device(mask, device), to_device(cu, device), tuple(counts), width, to_device(index, device))
+        for length in (sum(counts), prefix_len) if prefix_len is not None else ():
+            packing.whole(length)
+        return packing
+
+
+def gather_packed(x: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """``[B, S, ...]`` -> the real tokens ``[T, ...]`` by ``packing.index`` (``index_select``: no host sync,
+    forward or backward, where a boolean mask would need its nonzero count)."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, packing.index)
+
+
+def scatter_packed(x: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """Packed ``[T, ...]`` -> ``[B, S, ...]``, zero at pad positions (``index_copy``: no host sync)."""
+    rows = len(packing.lengths)
+    full = x.new_zeros(rows * packing.width, *x.shape[1:])
+    return full.index_copy(0, packing.index, x).view(rows, packing.width, *x.shape[1:])
 
 
 def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
@@ -329,7 +377,8 @@ def flash_attn_varlen_backward(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flash-attn >= 2.7's ``_flash_attn_varlen_backward`` (writes dq, dk, dv in place)."""
+    """flash-attn >= 2.7's ``_flash_attn_varlen_backward`` (writes dq, dk, dv in place), deterministic where
+    ``torch.use_deterministic_algorithms`` asks for it (torch's own flash backward reads the same flag)."""
     functions = flash_attn_functions()
     if functions is None:
         raise RuntimeError(f"merged_varlen on CUDA: {varlen_kernel_problem()}")
@@ -356,7 +405,7 @@ def flash_attn_varlen_backward(
         window_size_right=-1,
         softcap=0.0,
         alibi_slopes=None,
-        deterministic=False,
+        deterministic=torch.are_deterministic_algorithms_enabled(),  # its dK/dV atomics otherwise vary run to run
     )
     return dq, dk, dv
 
@@ -407,11 +456,6 @@ def _prefix_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(rows.shape, dtype=dtype, device=rows.device).copy_(rows)
 
 
-def _whole(length: int, device: torch.device) -> torch.Tensor:
-    """``cu_seqlens`` of one sequence of ``length`` tokens."""
-    return torch.tensor([0, length], dtype=torch.int32, device=device)
-
-
 def merge_packed(
     out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,7 +467,8 @@ def merge_packed(
 class MergedVarlenAttention(torch.autograd.Function):
     """``MergedAttention`` on packed suffixes: q ``[T, Hq, d]``; prefix_k/v ``[1, Hkv, P, d]`` in any dtype
     (the fp32 leaves; their grads come back in it); suffix_k/v ``[T, Hkv, d]`` in q's dtype; rows given by
-    ``cu_seqlens``. Returns ``[T, Hq, d]`` in q's dtype. Forward in ``MA.forward_dtype``, backward in q's."""
+    ``packing`` (its offsets are already on the device: no layer builds or reads one on the host). Returns
+    ``[T, Hq, d]`` in q's dtype. Forward in ``MA.forward_dtype``, backward in q's."""
 
     @staticmethod
     def forward(
@@ -433,14 +478,14 @@ class MergedVarlenAttention(torch.autograd.Function):
         prefix_value: torch.Tensor,
         suffix_key: torch.Tensor,
         suffix_value: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_len: int,
+        packing: Packing,
         scale: float,
     ) -> torch.Tensor:
         total, prefix_len = query.shape[0], prefix_key.shape[2]
         work = MA.forward_dtype(query)
         kernels = _kernels(query.device)
-        cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
+        cu_q, cu_p = packing.whole(total), packing.whole(prefix_len)
+        cu_seqlens, max_len = packing.cu_seqlens, packing.max_len
         value_dim = prefix_value.shape[-1]
         dim = max(query.shape[-1], value_dim)  # unequal head sizes (MLA): both run padded, as in MA
         with torch.autocast(query.device.type, enabled=False):
@@ -452,15 +497,13 @@ class MergedVarlenAttention(torch.autograd.Function):
             out, lse = merge_packed(out1, lse1, out2, lse2)
             out = MA.unpad_head(out, value_dim).to(query.dtype).contiguous()  # the one rounding to the compute dtype
         saved = MA.backward_stats(out, lse, ((out1, lse1), (out2, lse2)))
-        ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, cu_seqlens, *saved)
-        ctx.max_len, ctx.scale, ctx.kernels = max_len, scale, kernels
+        ctx.save_for_backward(query, prefix_key, prefix_value, suffix_key, suffix_value, *saved)
+        ctx.packing, ctx.scale, ctx.kernels = packing, scale, kernels
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        query, prefix_key, prefix_value, suffix_key, suffix_value, cu_seqlens, out_p, lse_p, out_s, lse_s = (
-            ctx.saved_tensors
-        )
+        query, prefix_key, prefix_value, suffix_key, suffix_value, out_p, lse_p, out_s, lse_s = ctx.saved_tensors
         total, prefix_len = query.shape[0], prefix_key.shape[2]
         dtype = query.dtype
         head_dim, value_dim = query.shape[-1], prefix_value.shape[-1]
@@ -468,19 +511,25 @@ class MergedVarlenAttention(torch.autograd.Function):
         grad = MA.pad_head(grad.contiguous().to(dtype), dim)
         q, out_p, out_s = MA.pad_head(query, dim), MA.pad_head(out_p, dim), MA.pad_head(out_s, dim)
         sk, sv = MA.pad_head(suffix_key, dim), MA.pad_head(suffix_value, dim)
-        cu_q, cu_p = _whole(total, query.device), _whole(prefix_len, query.device)
+        packing = ctx.packing
+        cu_q, cu_p, cu_seqlens, max_len = (
+            packing.whole(total),
+            packing.whole(prefix_len),
+            packing.cu_seqlens,
+            packing.max_len,
+        )
         with torch.autocast(query.device.type, enabled=False):
             pk, pv = (MA.pad_head(_prefix_rows(t, dtype), dim) for t in (prefix_key, prefix_value))
             dq_p, dk_p, dv_p = ctx.kernels.backward(
                 grad, q, pk, pv, out_p, lse_p, cu_q, cu_p, total, prefix_len, ctx.scale, False
             )
             dq_s, dk_s, dv_s = ctx.kernels.backward(
-                grad, q, sk, sv, out_s, lse_s, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len, ctx.scale, True,
+                grad, q, sk, sv, out_s, lse_s, cu_seqlens, cu_seqlens, max_len, max_len, ctx.scale, True,
             )  # fmt: skip
             dq = MA.unpad_head(MA.add_query_grads(dq_p, dq_s, dtype), head_dim)
         dk_p = MA.unpad_head(dk_p, head_dim).transpose(0, 1).unsqueeze(0).to(prefix_key.dtype).contiguous()
         dv_p = MA.unpad_head(dv_p, value_dim).transpose(0, 1).unsqueeze(0).to(prefix_value.dtype).contiguous()
-        return dq, dk_p, dv_p, MA.unpad_head(dk_s, head_dim), MA.unpad_head(dv_s, value_dim), None, None, None
+        return dq, dk_p, dv_p, MA.unpad_head(dk_s, head_dim), MA.unpad_head(dv_s, value_dim), None, None
 
 
 def merged_varlen_attention(
@@ -495,7 +544,8 @@ def merged_varlen_attention(
     """HF layout in, HF layout out, as ``merged_attention``: query ``[B, Hq, S, d]``, prefix K/V
     ``[1, Hkv, P, d]``, suffix K/V ``[B, Hkv, S, d]`` (values may have another head size ``dv``: padded to the
     wider inside, as in ``merged_attention``) -> ``[B, S, Hq, dv]``, zero at pad positions. Only the
-    ``packing``'s real tokens reach the kernels (and what they save for backward)."""
+    ``packing``'s real tokens reach the kernels (and what they save for backward), gathered and scattered by its
+    precomputed index (``gather_packed``/``scatter_packed``): no host sync in the layer, forward or backward."""
     rows, heads, width = query.shape[:3]
     kv_heads = suffix_key.shape[1]
     if heads % kv_heads:
@@ -503,11 +553,9 @@ def merged_varlen_attention(
     if packing.mask.shape != (rows, width):
         raise ValueError(f"packing is for {tuple(packing.mask.shape)} tokens, attention sees {(rows, width)}")
     dtype = query.dtype
-    mask = packing.mask
-    q = query.transpose(1, 2)[mask]  # [T, Hq, d]
-    sk = suffix_key.to(dtype).transpose(1, 2)[mask]
-    sv = suffix_value.to(dtype).transpose(1, 2)[mask]
+    q = gather_packed(query.transpose(1, 2), packing)  # [T, Hq, d]
+    sk = gather_packed(suffix_key.to(dtype).transpose(1, 2), packing)
+    sv = gather_packed(suffix_value.to(dtype).transpose(1, 2), packing)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = MergedVarlenAttention.apply(q, prefix_key, prefix_value, sk, sv, packing.cu_seqlens, packing.max_len, scale)
-    full = out.new_zeros(rows, width, heads, out.shape[-1])
-    return full.index_put((mask,), out)  # [B, S, Hq, d], pads zero
+    out = MergedVarlenAttention.apply(q, prefix_key, prefix_value, sk, sv, packing, scale)
+    return scatter_packed(out, packing)  # [B, S, Hq, d], pads zero

@@ -60,6 +60,18 @@ def count_attention_saved() -> Iterator[list[int]]:
         ServeContext.attend = original
 
 
+def suffix_repeated_on_cuda(model: ModelSpec) -> bool:
+    """Whether ``merged`` repeats the suffix K/V to the query heads on this machine: only on CUDA where torch's
+    flash op is not asked to take GQA natively (``merged_attention.native_gqa``)."""
+    if not torch.cuda.is_available() or model.num_heads == model.num_kv_heads:
+        return False
+    from verl_prefix.schedule.merged_attention import native_gqa
+
+    head_dim = model.hidden_size // model.num_heads
+    query = torch.empty(1, model.num_heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")
+    return not native_gqa(query, model.num_kv_heads)
+
+
 def attention_kv_bytes(
     model: ModelSpec,
     variant: str,
@@ -74,11 +86,11 @@ def attention_kv_bytes(
 
     ``concat``: every row gets ``cat(prefix, suffix)`` with K/V heads repeated to the query heads (what
     ``sdpa_lower_right`` passes sdpa and sdpa saves). ``merged``: the one ``[1, kv_heads, P, d]`` prefix
-    plus the suffix rows' K/V, repeated to the query heads only with ``repeat_suffix`` (CUDA: see
-    ``merged_attention.native_gqa``; the CPU kernel takes them as they are). ``merged_varlen``: the one
-    prefix plus only the real suffix tokens (``suffix_tokens``, default ``rows x suffix_len``) at KV heads
-    (no pads, no repeat). Also returned: one prefix copy and the suffix rows' K/V at KV heads, the issue's
-    yardstick."""
+    plus the suffix rows' K/V, repeated to the query heads only with ``repeat_suffix``
+    (``suffix_repeated_on_cuda``: where torch's CUDA flash op does not take GQA; the CPU op takes it).
+    ``merged_varlen``: the one prefix plus only the real suffix tokens (``suffix_tokens``, default
+    ``rows x suffix_len``) at KV heads (no pads, no repeat). Also returned: one prefix copy and the suffix rows'
+    K/V at KV heads, the issue's yardstick."""
     head_dim = model.hidden_size // model.num_heads
     unit = 2 * model.num_layers * head_dim * 4  # K and V, every layer, fp32
     one_prefix = unit * model.num_kv_heads * prefix_len

@@ -32,7 +32,12 @@ import torch
 
 from verl_prefix.tools import rss_probe
 from verl_prefix.tools import testing as T
-from verl_prefix.tools.bench_attention import attention_kv_bytes, count_attention_saved, largest_micro_batch_tokens
+from verl_prefix.tools.bench_attention import (
+    attention_kv_bytes,
+    count_attention_saved,
+    largest_micro_batch_tokens,
+    suffix_repeated_on_cuda,
+)
 from verl_prefix.tools.bench_presets import (
     PHASE_B_ATTENTIONS,
     TREE_VARIANTS,
@@ -351,7 +356,7 @@ def measure_variants(
                     prefix_len=min(prompt_lens) - 1,  # the shared prefix: the prompt minus its last token
                     suffix_len=max(response_lens) + 1,
                     rows=min(cell.micro_batch_size, cell.group_size),
-                    repeat_suffix=torch.cuda.is_available(),  # the engines run on CUDA when there is one
+                    repeat_suffix=suffix_repeated_on_cuda(cell.model),
                     suffix_tokens=largest_micro_batch_tokens(response_lens, cell),
                 ).items()
             }
