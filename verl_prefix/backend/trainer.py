@@ -256,6 +256,20 @@ def _keeps_groups(trainer: Any) -> bool:
     return keeps_groups(getattr(trainer, "config", None))
 
 
+def _with_telemetry(original: Any, telemetry: Any) -> Any:
+    """A forward-only pass of verl's v1 trainer base logging the engine's reuse telemetry when a prefix engine is
+    selected (``prefix_sync`` logs its own)."""
+
+    @functools.wraps(original)
+    def wrapped(self: Any, batch: Any, metrics: dict) -> Any:
+        if not _selected(self) or isinstance(self, PrefixPPOTrainer):
+            return original(self, batch, metrics)
+        with telemetry(self, metrics):
+            return original(self, batch, metrics)
+
+    return wrapped
+
+
 def install_trainer_hooks() -> None:
     """Wrap the balancing (and the forward-only passes' telemetry) of every verl trainer so that a prefix engine
     gets whole groups under any trainer mode; a run without a prefix engine calls verl's methods unchanged.
@@ -287,20 +301,8 @@ def install_trainer_hooks() -> None:
             check_plugin_on_nodes()  # before any worker exists, as prefix_sync does
         return v1_pools(self, *args, **kwargs)
 
-    @functools.wraps(v1_old)
-    def old_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
-        if not _selected(self) or isinstance(self, PrefixPPOTrainer):
-            return v1_old(self, batch, metrics)
-        with old_log_prob_telemetry(self, metrics):
-            return v1_old(self, batch, metrics)
-
-    @functools.wraps(v1_ref)
-    def ref_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
-        if not _selected(self) or isinstance(self, PrefixPPOTrainer):
-            return v1_ref(self, batch, metrics)
-        with ref_log_prob_telemetry(self, metrics):
-            return v1_ref(self, batch, metrics)
-
+    old_log_prob = _with_telemetry(v1_old, old_log_prob_telemetry)
+    ref_log_prob = _with_telemetry(v1_ref, ref_log_prob_telemetry)
     for wrapper in (balance, balance_legacy, old_log_prob, ref_log_prob, resource_pools):
         wrapper._verl_prefix = True
     PPOTrainer._init_resource_pool_mgr = resource_pools
