@@ -29,7 +29,6 @@ from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss,
 from transformers import AutoModelForCausalLM
 from transformers.masking_utils import causal_mask_function, chunked_overlay, sliding_window_overlay
 
-from verl_prefix.schedule import merged_attention as MA
 from verl_prefix.schedule import positions, prefix_kv, windows
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
@@ -319,8 +318,7 @@ def test_negative_controls_fail(llama4_fp64, monkeypatch, control):
     model, layout, weights, want = llama4_fp64
     if control.startswith("boundary"):
         shifted = _shifted_chunk(1 if control == "boundary+1" else -1)
-        monkeypatch.setattr(prefix_kv, "chunk_keep_mask", shifted)
-        monkeypatch.setattr(MA, "chunk_keep_mask", shifted)
+        monkeypatch.setattr(windows, "chunk_keep_mask", shifted)  # every band mask builds its chunk part here
     elif control == "chunk_ignored":
         monkeypatch.setattr(prefix_kv, "attention_chunk", lambda module: None)
     else:

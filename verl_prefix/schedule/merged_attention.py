@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_prefix.schedule.kernels import cuda_merged_refusal, flash_takes_gqa
-from verl_prefix.schedule.windows import banded_prefix_keep, chunk_keep_mask, cut_prefix, cut_to_chunk, window_keep_mask
+from verl_prefix.schedule.windows import band_keep_mask, banded_prefix_keep, cut_prefix, cut_to_chunk
 
 # kwargs HF attention forwards may carry that the merged kernels do not implement -> refusal reason
 _UNSERVED_KWARGS = {"sliding_window": "sliding_window", "softcap": "softcap", "s_aux": "sinks"}
@@ -334,9 +334,7 @@ def scored_merged_attention(
     work = torch.promote_types(query.dtype, torch.float32)
     q = query.to(work)
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, length, dim)
-    suffix_keep = window_keep_mask(length, length, window, query.device)  # causal, within the window if any
-    if chunk is not None:
-        suffix_keep = suffix_keep & chunk_keep_mask(length, length, offset, chunk, query.device)
+    suffix_keep = band_keep_mask(length, length, offset, window, chunk, query.device)  # causal, window, chunk
     out, lse = scored_part(
         grouped, suffix_key.to(work).unsqueeze(2), suffix_value.to(work).unsqueeze(2), scale, softcap, suffix_keep
     )
@@ -348,7 +346,7 @@ def scored_merged_attention(
     if chunk is not None:
         prefix_key, prefix_value = cut_to_chunk(prefix_key, offset, chunk), cut_to_chunk(prefix_value, offset, chunk)
         cut = prefix_key.shape[2]
-        in_chunk = chunk_keep_mask(length, length + cut, offset, chunk, query.device)[0, 0, :, :cut]
+        in_chunk = band_keep_mask(length, length + cut, offset, None, chunk, query.device)[0, 0, :, :cut]
         prefix_keep = in_chunk if prefix_keep is None else prefix_keep[:, prefix_keep.shape[1] - cut :] & in_chunk
     if prefix_keep is not None:
         prefix_keep = prefix_keep.repeat(rows * (heads // kv_heads), 1)  # folded query r is row position r % length

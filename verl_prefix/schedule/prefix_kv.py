@@ -47,11 +47,11 @@ from verl_prefix.schedule.windows import (
     active_chunk,
     active_window,
     attention_chunk,
-    chunk_keep_mask,
+    band_keep_mask,
+    chunk_cut_length,
     cut_length,
     cut_prefix,
     cut_to_chunk,
-    window_keep_mask,
 )
 
 if TYPE_CHECKING:
@@ -298,14 +298,12 @@ class CaptureContext:
         length = query.shape[2]
         window = active_window(kwargs.get("sliding_window"), self.key_span(length))
         chunk = active_chunk(attention_chunk(module), self.key_span(length))
-        if base is sdpa_attention_forward and scored_keywords(kwargs):
-            keep = window_keep_mask(length, length, window, query.device)
-            keep = keep & chunk_keep_mask(length, length, 0, chunk, query.device)
-            return scored_attention(module, query, key, value, keep, **kwargs)
-        if base is sdpa_attention_forward and window is None and chunk is None:
+        scored = base is sdpa_attention_forward and scored_keywords(kwargs)
+        if base is sdpa_attention_forward and not scored and window is None and chunk is None:
             return base(module, query, key, value, None, **kwargs)  # a single unpadded row: the causal fast path
-        keep = window_keep_mask(length, length, window, query.device)
-        keep = keep & chunk_keep_mask(length, length, 0, chunk, query.device)
+        keep = band_keep_mask(length, length, 0, window, chunk, query.device)
+        if scored:
+            return scored_attention(module, query, key, value, keep, **kwargs)
         mask = keep if base is sdpa_attention_forward else _as_eager_mask(keep, query.dtype)
         return base(module, query, key, value, mask, **kwargs)
 
@@ -445,11 +443,11 @@ class ServeContext:
         if (window, chunk) not in self._window_keeps:
             length = self.prefix.length
             cut = length if window is None else cut_length(length, window)
-            cut = cut if chunk is None else min(cut, length % chunk)
+            cut = cut if chunk is None else min(cut, chunk_cut_length(length, chunk))
             keys = cut + self.query_len
-            keep = window_keep_mask(self.query_len, keys, window, self.device)
-            keep = keep & chunk_keep_mask(self.query_len, keys, length, chunk, self.device)
-            self._window_keeps[(window, chunk)] = keep
+            self._window_keeps[(window, chunk)] = band_keep_mask(
+                self.query_len, keys, length, window, chunk, self.device
+            )
         return self._window_keeps[(window, chunk)]
 
     def key_span(self, query_len: int) -> int:

@@ -105,15 +105,21 @@ def cut_to_chunk(prefix: torch.Tensor, prefix_len: int, chunk: int) -> torch.Ten
     return prefix[..., length - min(length, chunk_cut_length(prefix_len, chunk)) :, :]
 
 
-def chunk_keep_mask(
-    query_len: int, key_len: int, first_query: int, chunk: int | None, device: torch.device
-) -> torch.Tensor:
+def chunk_keep_mask(query_len: int, key_len: int, first_query: int, chunk: int, device: torch.device) -> torch.Tensor:
     """Boolean ``[1, 1, query_len, key_len]``: the chunk condition alone (``key // C == query // C``) for queries
     at absolute positions ``first_query + i`` over keys that end right before the last query (bottom-right
-    aligned, as ``window_keep_mask``): key ``k`` sits at ``first_query - (key_len - query_len) + k``. All True
-    without a chunk; combine with ``window_keep_mask`` for causality."""
-    if chunk is None:
-        return torch.ones(1, 1, query_len, key_len, dtype=torch.bool, device=device)
+    aligned, as ``window_keep_mask``): key ``k`` sits at ``first_query - (key_len - query_len) + k``."""
     query = torch.arange(query_len, device=device)[:, None] + first_query
     key = torch.arange(key_len, device=device)[None, :] + (first_query - key_len + query_len)
     return (torch.div(key, chunk, rounding_mode="floor") == torch.div(query, chunk, rounding_mode="floor"))[None, None]
+
+
+def band_keep_mask(
+    query_len: int, key_len: int, first_query: int, window: int | None, chunk: int | None, device: torch.device
+) -> torch.Tensor:
+    """Every mask the schedule builds for a layer with a window and/or chunks: ``window_keep_mask`` (causal,
+    within the window if any) and, for a chunked layer, ``chunk_keep_mask`` at the queries' absolute positions."""
+    keep = window_keep_mask(query_len, key_len, window, device)
+    if chunk is not None:
+        keep = keep & chunk_keep_mask(query_len, key_len, first_query, chunk, device)
+    return keep
