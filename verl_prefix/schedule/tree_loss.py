@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_prefix.schedule.executor import token_outputs
+from verl_prefix.schedule.executor import kept_labels, token_outputs
 from verl_prefix.schedule.grouping import RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV
@@ -143,10 +143,8 @@ def sharded_node_values(
     before ``logits_from`` (the one a rank without any keeps) gets a placeholder label and is cut away."""
     ulysses = options.ulysses
     skip = node.logits_from - node.start
-    labels = torch.zeros(node.length, dtype=torch.long)
-    labels[skip:] = node.labels
     kept = logits.shape[0]
-    local = ulysses.shard(labels)[-kept:].to(logits.device)
+    local = kept_labels(node.labels, node.length, kept, ulysses).to(logits.device)
     log_probs, entropy = _scored(logits, local, temperature, options, in_place, fused_dtypes)
 
     def gathered(values: torch.Tensor) -> torch.Tensor:
