@@ -416,7 +416,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         calculate_entropy: bool,
         aux_fn: AuxFn,
         forward_only: bool,
-        fused: bool = False,
+        fused_temperature: float | None = None,
     ) -> ScheduleOptions:
         """What every group of the mini-batch runs with (built once per mini-batch; agrees on the phase-B
         kernels with the other ranks the first time, a collective)."""
@@ -436,7 +436,8 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             routers=self._moe_routers() if aux_on else None,
             aux_fn=aux_fn if aux_on else None,
             layer_roles=self._layer_roles(),
-            fused_backend=self._fused_backend() if fused else None,
+            fused_backend=self._fused_backend() if fused_temperature is not None else None,
+            fused_temperature=1.0 if fused_temperature is None else fused_temperature,
         )
 
     def _fused_backend(self) -> str:
@@ -484,10 +485,10 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         micro_data = data.to(device) if device.type != "cpu" else data
         pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
         loss_fn, aux_fn = self._group_losses(micro_data, layout, loss_function, pending)
-        fused = bool(tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False))
-        options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only, fused)
-        if fused and layout.temperature is not None:  # verl's fused kernels take the batch's one temperature
-            options = dataclasses.replace(options, fused_temperature=scalar_temperature(layout.temperature))
+        fused_temperature = None  # verl's fused kernels: the batch's one temperature
+        if tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False):
+            fused_temperature = 1.0 if layout.temperature is None else scalar_temperature(layout.temperature)
+        options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only, fused_temperature)
         filler_options = options.for_fillers()
 
         roots = None
