@@ -261,27 +261,12 @@ def test_tree_matches_dense(attention):
 def _ulysses_body(rank: int, attention: str, chunk: int | None) -> dict:
     """One gloo rank of SP=2: chunked Llama-4 reuse (positions below ``floor_scale``: each rank counts its own
     slice's, as the stock engine's module does), gradients averaged over the group against plain HF on the rank;
-    forward-only too."""
-    import torch.distributed as dist
-
-    from verl_prefix.schedule.ulysses import Ulysses
+    forward-only too (``test_sliding_windows.ulysses_errors``)."""
+    from test_sliding_windows import ulysses_errors
 
     model = build(torch.float64)
     layout = make_layout([(37, [5, 30, 1]), (50, [9, 24])])  # prefixes 36 and 49: even and odd over 2 ranks
-    weights = token_weights(layout, torch.float64)
-    sp = Ulysses(dist.group.WORLD)
-    options = dict(device=CPU, ulysses=sp, prefix_chunk_tokens=chunk)
-    with fp64_throughout():
-        want = dense_grads(model, layout, weights)
-        want_lp, _ = dense_response_outputs(model, layout)
-        grads = run(model, layout, weights, rows=2, attention=attention, **options)
-        results = infer_reuse(model, layout, rows=2, phase_b_attention=attention, **options)
-    worst = 0.0
-    for name, grad in grads.items():
-        dist.all_reduce(grad)
-        worst = max(worst, ((grad / sp.size - want[name]).norm() / want[name].norm()).item())
-    infer = max((results[i][0] - want_lp[i]).abs().max().item() for i in range(len(layout)))
-    return {"worst": worst, "infer": infer, "all_to_all_bytes": sp.all_to_all_bytes}
+    return ulysses_errors(model, layout, attention, chunk, fp64_throughout())
 
 
 @pytest.mark.timeout(600)

@@ -239,19 +239,18 @@ def test_window_covering_every_key_runs_the_plain_kernels():
     assert layer_paths(meter) == {"merged": 6.0}  # 2 micro-batches x 3 layers
 
 
-def _ulysses_body(rank: int, attention: str, chunk: int | None) -> dict:
-    """One gloo rank of SP=2: windowed gemma3_text reuse, gradients summed over the group and divided by its size
-    (FSDP's average over the sequence-parallel ranks) against plain HF on the rank; forward-only too."""
+def ulysses_errors(model, layout, attention: str, chunk: int | None, precision) -> dict:
+    """On one gloo rank of an SP group over the whole world: reuse's gradients summed over the group and divided by
+    its size (FSDP's average over the sequence-parallel ranks) against plain HF on the rank, and forward-only
+    log-probs, each as a worst error, with the all-to-all bytes (under ``precision``)."""
     import torch.distributed as dist
 
     from verl_prefix.schedule.ulysses import Ulysses
 
-    model = build("gemma3_text", torch.float64, "sdpa")
-    layout = make_layout([(72, [5, 30, 1]), (61, [9, 24])])  # prefixes 71 and 60: odd and even over 2 ranks
     weights = token_weights(layout, torch.float64)
     sp = Ulysses(dist.group.WORLD)
     options = dict(device=CPU, ulysses=sp, prefix_chunk_tokens=chunk)
-    with promote_fp32_upcasts():
+    with precision:
         want = dense_grads(model, layout, weights)
         want_lp, _ = dense_response_outputs(model, layout)
         grads = run(model, layout, weights, rows=2, attention=attention, **options)
@@ -262,6 +261,13 @@ def _ulysses_body(rank: int, attention: str, chunk: int | None) -> dict:
         worst = max(worst, ((grad / sp.size - want[name]).norm() / want[name].norm()).item())
     infer = max((results[i][0] - want_lp[i]).abs().max().item() for i in range(len(layout)))
     return {"worst": worst, "infer": infer, "all_to_all_bytes": sp.all_to_all_bytes}
+
+
+def _ulysses_body(rank: int, attention: str, chunk: int | None) -> dict:
+    """One gloo rank of SP=2: windowed gemma3_text reuse against plain HF (``ulysses_errors``)."""
+    model = build("gemma3_text", torch.float64, "sdpa")
+    layout = make_layout([(72, [5, 30, 1]), (61, [9, 24])])  # prefixes 71 and 60: odd and even over 2 ranks
+    return ulysses_errors(model, layout, attention, chunk, promote_fp32_upcasts())
 
 
 @pytest.mark.timeout(600)
