@@ -55,7 +55,6 @@ from verl_prefix.schedule.prefix_kv import (
 )
 from verl_prefix.schedule.structure import layer_roles
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
-from verl_prefix.schedule.ulysses import Ulysses
 from verl_prefix.schedule.visual_chunks import EncodedVisuals
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
@@ -188,7 +187,7 @@ def prefix_forward(
         if options.fused_backend and options.keep_logits:  # a loss-carrying trie node: fused values, no logits
             if options.keep_labels is None:
                 raise ValueError("a loss-carrying node under fused kernels needs its labels (options.keep_labels)")
-            labels = kept_labels(options.keep_labels, length, to_keep, ulysses).to(prefix_ids.device)
+            labels = kept_labels(options, options.keep_labels, length, to_keep).to(prefix_ids.device)
             fused = fused_head(model, labels, options.fused_temperature, options.fused_backend)
         with encoder as encoder_calls, fused as call:
             try:
@@ -226,15 +225,15 @@ def prefix_forward(
     return ctx.kv
 
 
-def kept_labels(labels: torch.Tensor, length: int, kept: int, ulysses: Ulysses | None) -> torch.Tensor:
+def kept_labels(options: ScheduleOptions, labels: torch.Tensor, length: int, kept: int) -> torch.Tensor:
     """The labels of the last ``kept`` positions this rank holds of a ``length``-position node whose last
-    ``len(labels)`` positions carry ``labels`` (a loss-carrying trie node): under Ulysses this slice's share of them,
-    with placeholder labels before the first labelled position."""
-    if ulysses is None:
+    ``len(labels)`` positions carry ``labels`` (a loss-carrying trie node): under ``options.ulysses`` this slice's
+    share of them, with placeholder labels before the first labelled position."""
+    if options.ulysses is None:
         return labels[-kept:]
     full = torch.zeros(length, dtype=torch.long)
     full[length - len(labels) :] = labels
-    return ulysses.shard(full)[-kept:]
+    return options.ulysses.shard(full)[-kept:]
 
 
 def suffix_router_stats(router_logits: list, batch: SuffixBatch, options: ScheduleOptions) -> moe.RouterStats:

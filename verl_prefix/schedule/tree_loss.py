@@ -144,7 +144,7 @@ def sharded_node_values(
     ulysses = options.ulysses
     skip = node.logits_from - node.start
     kept = logits.shape[0]
-    local = kept_labels(node.labels, node.length, kept, ulysses).to(logits.device)
+    local = kept_labels(options, node.labels, node.length, kept).to(logits.device)
     log_probs, entropy = _scored(logits, local, temperature, options, in_place, fused_dtypes)
 
     def gathered(values: torch.Tensor) -> torch.Tensor:
