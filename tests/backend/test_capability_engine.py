@@ -16,7 +16,7 @@ from helpers import deepseek_v4 as V4
 from helpers.reuse import assert_no_reuse
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend.agreement import UnsupportedModel
+from verl_prefix.backend.distributed.once import UnsupportedModel
 from verl_prefix.schedule.capability import structure_refusal
 from verl_prefix.tools import model_zoo as Z
 from verl_prefix.tools import testing as T
@@ -36,7 +36,7 @@ def batch():
 
 
 def test_hybrid_runs_dense_with_the_reason_from_step_one(hybrid_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.agreement"):
+    with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.distributed.once"):
         prefix, p_loss, _ = T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", dtype="float64")
     said = [r.getMessage() for r in caplog.records if "cannot serve this model" in r.getMessage()]
     assert len(said) == 1 and "model.layers.0.mamba (FalconH1Mixer)" in said[0], said  # at init, before any step
@@ -50,7 +50,7 @@ def test_hybrid_runs_dense_with_the_reason_from_step_one(hybrid_dir, caplog):
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     assert worst < 1e-10
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.agreement"):
+    with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.distributed.once"):
         again = T.run_train_step(prefix, p_loss, batch())  # the decision stands: no new log line
     assert again["reduced_metrics"]["prefix/fallback_recurrent_layers"] == 8.0
     assert not [r for r in caplog.records if "cannot serve this model" in r.getMessage()]
@@ -59,7 +59,7 @@ def test_hybrid_runs_dense_with_the_reason_from_step_one(hybrid_dir, caplog):
 def dense_from_step_one(model_dir, reason: str, module: str, caplog, attn_implementation: str = "sdpa") -> None:
     """The prefix engine decides at initialisation (one log line naming ``module`` and ``reason``), then every
     row of every step runs dense, counted as ``prefix/fallback_<reason>``, with the stock engine's gradients."""
-    with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.agreement"):
+    with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.distributed.once"):
         prefix, p_loss, _ = T.build_verl_engine(
             model_dir, backend="prefix_fsdp2", dtype="float64", attn_implementation=attn_implementation
         )
@@ -112,7 +112,7 @@ def test_deepseek_v4_compressed_attention_runs_dense_from_step_one(tmp_path, cap
 
 def test_deepseek_v4_negative_control_past_the_check_reuse_stops_mid_step(tmp_path, monkeypatch):
     """What the refusal prevents: with the capability check bypassed the same engine and batch stop in a step."""
-    from verl_prefix.backend import agreement
+    from verl_prefix.backend.distributed import once as agreement
 
     monkeypatch.setattr(agreement, "structure_refusal", lambda model: None)
     engine, loss, _ = T.build_verl_engine(
@@ -169,7 +169,7 @@ def _structure_body(rank: int) -> dict:
     any step."""
     import torch.distributed as dist
 
-    from verl_prefix.backend.agreement import UnsupportedModel, agree_on_structure
+    from verl_prefix.backend.distributed.once import UnsupportedModel, agree_on_structure
 
     model = Z.build("falcon_h1" if rank == 1 else "llama")
     out = {"dense": agree_on_structure(model, "dense")}

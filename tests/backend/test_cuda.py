@@ -15,7 +15,7 @@ from helpers.reuse import assert_reuse_ran
 from test_engine_exactness import compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend.agreement import KernelRefused
+from verl_prefix.backend.distributed.mini_batch import KernelRefused
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.tools import testing as T

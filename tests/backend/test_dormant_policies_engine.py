@@ -174,7 +174,7 @@ def test_negative_control_offload_by_type_copies_fsdp2_weights(tiny_model):
 
 
 def test_auto_picks_by_the_compute_dtype_and_the_peak(tiny_model):
-    """``agree_on_policies`` on an accelerator device (a mock: no collective runs on one process): a budget
+    """``group_policies`` on an accelerator device (a mock: no collective runs on one process): a budget
     between the bf16 and the fp32 estimate keeps under bf16 autocast and not without it; over budget a
     4-layer model offloads (two layers in phase C are below the whole graph) and a 1-layer model recomputes
     (offload would restore its one layer whole: no lower peak than keep)."""
@@ -191,12 +191,12 @@ def test_auto_picks_by_the_compute_dtype_and_the_peak(tiny_model):
     bf16 = D.estimate_prefix_graph_bytes(model, 256, torch.bfloat16)
     assert bf16 < 0.7 * fp32
     budget = (bf16 + fp32) // 2
-    agree = backend_dormant.agree_on_policies
-    assert agree("auto", budget, model, plan, 1, cuda, autocast_dtype=torch.bfloat16) == [("keep", "fits_budget")]
-    assert agree("auto", budget, model, plan, 1, cuda) == [("offload", "over_budget")]
-    assert agree("auto", budget, model, plan, 1, cuda, autocast_dtype=torch.float32) == [("offload", "over_budget")]
+    agree = backend_dormant.group_policies
+    assert agree("auto", budget, model, plan, cuda, autocast_dtype=torch.bfloat16) == [("keep", "fits_budget")]
+    assert agree("auto", budget, model, plan, cuda) == [("offload", "over_budget")]
+    assert agree("auto", budget, model, plan, cuda, autocast_dtype=torch.float32) == [("offload", "over_budget")]
     one = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3", num_layers=1))
-    assert agree("auto", BUDGET_TINY, one, plan, 1, cuda) == [("recompute", "over_budget_offload_no_gain")]
+    assert agree("auto", BUDGET_TINY, one, plan, cuda) == [("recompute", "over_budget_offload_no_gain")]
 
 
 def test_offload_is_refused_on_a_cpu_run(tiny_model):
@@ -277,9 +277,9 @@ def test_auto_says_what_its_budget_bounds(tiny_model, monkeypatch, caplog):
     plan = plan_batch(make_layout([(33, [4, 4])]), max_rows=2, max_tokens=None, min_prefix_len=1, min_group_size=1)
     cpu = torch.device("cpu")
     caplog.set_level(logging.WARNING, logger=backend_dormant.__name__)
-    assert backend_dormant.agree_on_policies("auto", BUDGET_HUGE, model, plan, 1, cpu) == [("keep", "fits_budget")]
+    assert backend_dormant.group_policies("auto", BUDGET_HUGE, model, plan, cpu) == [("keep", "fits_budget")]
     assert "phase C" not in caplog.text
-    assert backend_dormant.agree_on_policies("auto", BUDGET_TINY, model, plan, 1, cpu) == [
+    assert backend_dormant.group_policies("auto", BUDGET_TINY, model, plan, cpu) == [
         ("recompute", "over_budget_cpu")
     ]
     assert "recompute keeps it out of phase B; phase C still holds it whole unless prefix_chunk_tokens" in caplog.text

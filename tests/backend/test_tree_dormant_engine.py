@@ -24,7 +24,7 @@ from helpers.tree_batches import rows_batch, tokens
 from verl.utils import tensordict_utils as tu
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend import agreement
+from verl_prefix.backend.distributed import once as agreement
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import tree
 from verl_prefix.tools import testing as T

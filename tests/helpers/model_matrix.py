@@ -219,7 +219,7 @@ def check_dense_with_reason(family: str, lengths: str = Z.DEFAULT_LENGTHS) -> No
     is dense with that reason under ``unsupported_model=dense`` and ``UnsupportedModel`` under ``raise``."""
     import pytest
 
-    from verl_prefix.backend.agreement import UnsupportedModel, agree_on_structure
+    from verl_prefix.backend.distributed.once import UnsupportedModel, agree_on_structure
 
     net = model(family, torch.float32, lengths)
     refusal = structure_refusal(net)

@@ -1,5 +1,6 @@
 """Per-group (and, under ``prefix_reuse.tree``, per-node) dormant-prefix policies for one mini-batch, agreed
-across data-parallel ranks.
+across data-parallel ranks (per group: in the mini-batch's exchange, ``backend.distributed.mini_batch``; per node:
+one all-reduce once the padded trie is known).
 
 ``recompute`` runs one more prefix forward in phase C, i.e. one more round of FSDP2 all-gathers; ranks
 must run the same collectives, so wherever a rank recomputes a group slot, every rank recomputes
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl_prefix.backend.distributed.collectives import collective_device, is_distributed
 from verl_prefix.schedule.dormant import GraphEstimate, choose_policy, compute_dtype, estimate_prefix_graph
 from verl_prefix.schedule.grouping import BatchPlan
 from verl_prefix.schedule.tree_dormant import node_estimate
@@ -25,34 +27,43 @@ logger = logging.getLogger(__name__)
 LOGGED_REASONS: set[str] = set()
 
 
-def agree_on_policies(
+def group_policies(
     knob: str,
     budget_bytes: int | None,
     model: nn.Module,
     plan: BatchPlan,
-    num_slots: int,
     device: torch.device,
-    group: dist.ProcessGroup | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> list[tuple[str, str]]:
-    """``(policy, reason)`` per group slot (lockstep fillers included). A fixed knob applies to every
-    slot ("configured"); ``auto`` estimates each group's prefix graph from the model shape in the compute
-    dtype (``autocast_dtype`` where the engine autocasts, e.g. bf16 over fp32 master weights; else the
-    parameters') and keeps it where it fits the budget, else picks the policy that lowers the peak
-    (``choose_policy``); a slot a peer rank recomputes is recomputed here too ("peer_recompute"). One
-    log line per reason per process."""
+    """``(policy, reason)`` per group of this rank's plan, chosen locally (no collective: the recompute flags travel
+    in the mini-batch's exchange, ``slot_policies`` applies them). A fixed knob applies to every group
+    ("configured"); ``auto`` estimates each group's prefix graph from the model shape in the compute dtype
+    (``autocast_dtype`` where the engine autocasts, e.g. bf16 over fp32 master weights; else the parameters') and
+    keeps it where it fits the budget, else picks the policy that lowers the peak (``choose_policy``). One log line
+    per reason per process."""
     if knob != "auto":
-        return [(knob, "configured")] * num_slots
+        return [(knob, "configured")] * len(plan.groups)
     assert budget_bytes is not None
-    chosen: list[tuple[str, str]] = []
     dtype = compute_dtype(model, autocast_dtype)
+    return [
+        _choose(estimate_prefix_graph(model, group.prefix_len, dtype), budget_bytes, device, dtype)
+        for group in plan.groups
+    ]
+
+
+def slot_policies(
+    knob: str, own: list[tuple[str, str]], recompute: list[bool], num_slots: int
+) -> list[tuple[str, str]]:
+    """``(policy, reason)`` per group slot (lockstep fillers included) once every rank's choices are known:
+    ``recompute[k]`` says some rank recomputes slot ``k``, and then this rank does too ("peer_recompute"); a filler
+    slot keeps under ``auto`` ("filler") and runs the fixed knob otherwise."""
+    filler = (knob, "configured") if knob != "auto" else ("keep", "filler")
+    chosen = [own[k] if k < len(own) else filler for k in range(num_slots)]
     for slot in range(num_slots):
-        if slot < len(plan.groups):
-            estimate = estimate_prefix_graph(model, plan.groups[slot].prefix_len, dtype)
-            chosen.append(_choose(estimate, budget_bytes, device, dtype))
-        else:
-            chosen.append(("keep", "filler"))
-    return _agree_on_recompute(chosen, device, group)
+        if slot < len(recompute) and recompute[slot] and chosen[slot][0] != "recompute":
+            chosen[slot] = ("recompute", "peer_recompute")
+            _log_once("peer_recompute", "peer_recompute: another data-parallel rank recomputes this slot or node")
+    return chosen
 
 
 def agree_on_node_policies(
@@ -64,7 +75,7 @@ def agree_on_node_policies(
     group: dist.ProcessGroup | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> list[tuple[str, str]]:
-    """``agree_on_policies`` for the tree schedule: ``(policy, reason)`` per trie node, ``nodes`` in the
+    """``group_policies`` for the tree schedule, agreed: ``(policy, reason)`` per trie node, ``nodes`` in the
     depth-first order every rank runs them (ranks run the tree only where their tries' passes agree, so the
     i-th node is the same pass on every rank). ``auto`` estimates each node's graph (``tree_dormant.node_estimate``:
     a loss-carrying node runs every layer and the LM head), and a node a peer rank recomputes is recomputed here
@@ -74,7 +85,7 @@ def agree_on_node_policies(
     assert budget_bytes is not None
     dtype = compute_dtype(model, autocast_dtype)
     chosen = [_choose(node_estimate(model, node, dtype), budget_bytes, device, dtype) for node in nodes]
-    return _agree_on_recompute(chosen, device, group)
+    return _agree_on_recompute(chosen, group)
 
 
 def _choose(estimate: GraphEstimate, budget_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
@@ -97,22 +108,13 @@ def _choose(estimate: GraphEstimate, budget_bytes: int, device: torch.device, dt
     return policy, reason
 
 
-def _agree_on_recompute(
-    chosen: list[tuple[str, str]], device: torch.device, group: dist.ProcessGroup | None
-) -> list[tuple[str, str]]:
-    """Where any rank recomputes a slot (group or node), every rank does (one all-reduce)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1 and chosen:
-        flags = torch.tensor([p == "recompute" for p, _ in chosen], dtype=torch.long, device=_collective(device, group))
+def _agree_on_recompute(chosen: list[tuple[str, str]], group: dist.ProcessGroup | None) -> list[tuple[str, str]]:
+    """Where any rank recomputes a node, every rank does (one all-reduce)."""
+    if is_distributed(group) and chosen:
+        flags = torch.tensor([p == "recompute" for p, _ in chosen], dtype=torch.long, device=collective_device(group))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        for slot, flag in enumerate(flags.tolist()):
-            if flag and chosen[slot][0] != "recompute":
-                chosen[slot] = ("recompute", "peer_recompute")
-                _log_once("peer_recompute", "peer_recompute: another data-parallel rank recomputes this slot or node")
+        return slot_policies("auto", chosen, [bool(f) for f in flags.tolist()], len(chosen))
     return chosen
-
-
-def _collective(device: torch.device, group: dist.ProcessGroup | None) -> torch.device:
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device
 
 
 def _log_once(reason: str, message: str) -> None:

@@ -1,11 +1,12 @@
 """The ``prefix_fsdp2`` engine backend: verl's FSDP2 engine with the A/B/C schedule per uid group.
 
-Everything verl already does stays verl's: model build, FSDP2 wrapping, ``ppo_loss`` (called per
-suffix micro-batch on that micro-batch's rows, with the mini-batch's global normalisation attached
-exactly as the stock engine attaches it), optimizer step, checkpointing. Only
-``forward_backward_batch`` changes. Rows that cannot reuse run through the stock ``forward_step``
-and are counted under ``prefix/fallback_<reason>``; a whole mini-batch that cannot reuse runs the
-stock method and is counted the same way.
+An adapter of the mini-batch driver (``backend.driver``): what it supplies is how an HF model under FSDP2 runs
+a group's phases (``schedule.executor`` / ``schedule.tree``), Ulysses, the router aux loss, fused kernels and
+dormant policies. Everything verl already does stays verl's: model build, FSDP2 wrapping, ``ppo_loss`` (called
+per suffix micro-batch on that micro-batch's rows, with the mini-batch's global normalisation attached exactly
+as the stock engine attaches it), optimizer step, checkpointing. Only ``forward_backward_batch`` changes.
+Rows that cannot reuse run through the stock ``forward_step`` and are counted under ``prefix/fallback_<reason>``;
+a whole mini-batch that cannot reuse runs the stock method and is counted the same way.
 
 With ``moe_aux_loss_coef > 0`` every training micro-batch, dense or reuse, adds HF's router
 load-balancing loss of that micro-batch, weighted by its share of the mini-batch's logical tokens
@@ -15,40 +16,30 @@ times ``dp_size`` (``_moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_p
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
-from verl.utils.device import get_device_id, get_device_name
+from verl.utils.device import get_device_name
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from verl_prefix.backend import fallbacks
-from verl_prefix.backend.agreement import AgreedDormant, agree_on_kernels, agree_on_structure, model_head_dim
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
-from verl_prefix.backend.dormant import agree_on_node_policies, agree_on_policies
-from verl_prefix.backend.inputs import per_row_temperature
-from verl_prefix.backend.lockstep import agree_on_schedule, filler_group
-from verl_prefix.backend.outputs import (
-    MiniBatchOutputs,
-    as_micro_batch_lists,
-    dense_batch_output,
-    dense_chunk,
-    full_length,
-    micro_batch_loss,
-    model_shape,
-)
-from verl_prefix.backend.trees import plan_tree
-from verl_prefix.backend.validation import agree_on_validity, check_batch
+from verl_prefix.backend.distributed.lockstep import filler_group
+from verl_prefix.backend.distributed.mini_batch import local_refusal, model_head_dim
+from verl_prefix.backend.distributed.once import AgreedDormant, agree_on_structure
+from verl_prefix.backend.dormant import agree_on_node_policies, group_policies
+from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
+from verl_prefix.backend.outputs import full_length, micro_batch_loss
+from verl_prefix.backend.trees import local_trie
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import (
     Dormant,
@@ -59,9 +50,8 @@ from verl_prefix.schedule.dormant import (
     validate_policy,
 )
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
-from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
-from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
 from verl_prefix.schedule.hf_forwards import hf_causal_forward, remember_hf_forwards
 from verl_prefix.schedule.multimodal import (
     model_positions,
@@ -74,7 +64,7 @@ from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
 from verl_prefix.schedule.tree import infer_tree, train_tree
-from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node
+from verl_prefix.schedule.tree_dormant import NodePolicy
 from verl_prefix.schedule.tree_lockstep import filler_passes
 from verl_prefix.schedule.tree_visuals import VisualTokens
 from verl_prefix.schedule.trie import TrieNode, run_order, trie_stats
@@ -97,7 +87,7 @@ def log_fsdp2_once() -> None:
         )
 
 
-class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
     """Drop-in for verl's ``FSDPEngineWithLMHead`` selected by ``actor.strategy=prefix_fsdp2``."""
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
@@ -128,10 +118,10 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
         self.freeze_vision_tower = bool(getattr(engine_config, "freeze_vision_tower", False))
         if self.dormant_prefix == "offload":
-            refuse_offload_on(self._device())
+            refuse_offload_on(self.device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
-        # (attention, compute dtype, device, training) -> the phase-B refusal every rank agreed on
-        self._kernel_agreements: dict[tuple, str | None] = {}
+        # (attention, compute dtype, device, training) -> this rank's phase-B kernel refusal (the exchange agrees)
+        self._kernel_answers: dict[tuple, tuple[str, str] | None] = {}
         # ((the module's id, unsupported_model), the reason every rank runs it dense) once decided
         self._structure_decision: tuple[tuple[int, str], str | None] | None = None
 
@@ -183,7 +173,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def moe_aux_loss_coef(self, value: float) -> None:
         self._moe_aux_loss_coef = validate_moe_aux_loss_coef(value)
 
-    def _moe_aux_on(self, forward_only: bool) -> bool:
+    def moe_aux_on(self, forward_only: bool) -> bool:
         return not forward_only and self._moe_aux_loss_coef > 0
 
     def _moe_routers(self) -> moe.MoeRouters:
@@ -191,15 +181,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self._moe_routers_cache is None or self._moe_routers_cache[0] != id(self.module):
             self._moe_routers_cache = (id(self.module), moe.MoeRouters(self.module))
         return self._moe_routers_cache[1]
-
-    def _attach_moe_normalisation(self, data: TensorDict) -> None:
-        """Logical tokens (prompt + response, every row) of the mini-batch over all DP ranks: the aux
-        weights' denominator. Collective: every rank runs it when the knob is on."""
-        self._moe_routers()
-        # a fresh tensor: offsets()[-1] is a view, and all_reduce works in place
-        tokens = torch.tensor(int(data["input_ids"].offsets()[-1]), device=get_device_id())
-        dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
-        tu.assign_non_tensor(data, moe_aux_num_tokens=int(tokens.item()))
 
     def _moe_aux_term(self, stats: moe.RouterStats, data: TensorDict) -> tuple[torch.Tensor, Metric]:
         """``coef * w * aux`` with ``w = tokens(micro-batch) / tokens(mini-batch, all ranks) * dp_size``.
@@ -249,7 +230,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return True
 
     def _forward_step(self, micro_batch: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
-        if not self._moe_aux_on(forward_only) or loss_function is None:
+        if not self.moe_aux_on(forward_only) or loss_function is None:
             return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
         routers = self._moe_routers()
         with routers.capture() as logits:
@@ -262,7 +243,7 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
             return super().forward_step(micro_batch, loss_function=loss_with_aux, forward_only=forward_only)
 
-    # -- what can reuse ---------------------------------------------------------------------------
+    # -- what can reuse (the driver's hooks) --------------------------------------------------------
 
     def _model_fallback_reason(self, forward_only: bool) -> str | None:
         """A reason the whole mini-batch must run dense because of the model or the knobs, or None."""
@@ -272,31 +253,49 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self.module, self.reuse_config, forward_only=forward_only
         ) or fallbacks.recurrent_fallback_reason(self.module)
 
+    def reuse_reason(self, data: TensorDict, forward_only: bool) -> str | None:
+        return (
+            self._model_fallback_reason(forward_only)
+            or fallbacks.batch_fallback_reason(data)
+            or fallbacks.multimodal_fallback_reason(self.module, self.reuse_config, data)
+            or fallbacks.length_fallback_reason(self.module, data, ulysses=self.use_ulysses_sp)
+        )
+
     def _structure_reason(self) -> str | None:
         """Why the schedule cannot serve this model's structure (``schedule.capability``), agreed by every
         rank, or None. Decided at ``initialize`` (a collective every rank runs there); a module swapped in
         afterwards is decided again before its first mini-batch's first collective, on every rank alike."""
         key = (id(self.module), self.reuse_config.unsupported_model)
         if self._structure_decision is None or self._structure_decision[0] != key:
-            reason = agree_on_structure(self.module, self.reuse_config.unsupported_model, self._agreement_group())
+            reason = agree_on_structure(self.module, self.reuse_config.unsupported_model, self.agreement_group())
             self._structure_decision = (key, reason)
         return self._structure_decision[1]
 
-    def _agreement_group(self) -> Any:
+    def before_mini_batch(self, data: TensorDict) -> None:
+        if self.reuse_config.enable:
+            self._structure_reason()  # decided before the mini-batch's first collective (a no-op once decided)
+
+    def agreement_group(self) -> Any:
         """Where ranks agree on the path a mini-batch takes: FSDP's collectives (and, under Ulysses, the
         all-to-alls) span every rank, so every rank of the data-parallel x sequence-parallel mesh."""
         return None if self.use_ulysses_sp else self.get_data_parallel_group()
+
+    def sequence_parallel_size(self) -> int:
+        return self.ulysses_sequence_parallel_size
+
+    def visual_token_ids(self) -> Any:
+        return visual_token_ids(self.module)
 
     def _ulysses(self) -> Ulysses | None:
         """The sequence-parallel group the schedule shards over (verl's Ulysses mesh), or None."""
         return Ulysses(self.ulysses_parallel_group) if self.use_ulysses_sp else None
 
-    def _refuse_dense_under_ulysses(self, reason: str, dense_runs: int) -> None:
+    def refuse_dense(self, reason: str, dense_runs: int) -> None:
         """A clear error instead of verl's dense Ulysses path where it is silently wrong (not flash attention)."""
         if not self.use_ulysses_sp or dense_runs == 0:
             return
         error = fallbacks.dense_under_ulysses_error(self.module, reason)
-        if error is None and self._moe_aux_on(forward_only=False):
+        if error is None and self.moe_aux_on(forward_only=False):
             error = (
                 f"rows fall back to the stock engine ({reason}) under Ulysses with moe_aux_loss_coef > 0: the dense "
                 "path's router statistics would cover one slice of each sequence"
@@ -304,76 +303,61 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if error is not None:
             raise ValueError(error)
 
-    def _checked_batch(self, data: TensorDict, forward_only: bool) -> tuple[str | None, RowLayout | None]:
-        """This rank's own fallback reason (None: it would reuse) and, when it would reuse, the row layout.
-
-        The first collective of the mini-batch: the checks run locally and every data-parallel rank agrees on
-        the outcome, so a bad batch on any rank raises the same ``BatchRejected`` on all of them
-        (``verl_prefix.backend.validation``) instead of leaving the others in a collective.
-        """
-
-        def check() -> tuple[str | None, RowLayout | None]:
-            reason = (
-                self._model_fallback_reason(forward_only)
-                or fallbacks.batch_fallback_reason(data)
-                or fallbacks.multimodal_fallback_reason(self.module, self.reuse_config, data)
-                or fallbacks.length_fallback_reason(self.module, data, ulysses=self.use_ulysses_sp)
+    def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
+        """This rank's answer on phase B's merged kernels, asked once per attention setting, compute dtype,
+        device and pass kind (every rank's answer travels in the mini-batch's exchange)."""
+        attention = self.reuse_config.phase_b_attention
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        key = (attention, dtype, device, forward_only)
+        if key not in self._kernel_answers:
+            self._kernel_answers[key] = local_refusal(
+                attention, device, dtype, model_head_dim(self.module), not forward_only
             )
-            if reason == "disabled":  # reuse off: the stock engine, which checks nothing
-                return reason, None
-            return reason, check_batch(data, forward_only=forward_only, reuse=reason is None)
+        return self._kernel_answers[key]
 
-        return agree_on_validity(check, self._agreement_group())
-
-    # -- the mini-batch -----------------------------------------------------------------------------
-
-    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
-        output = self._forward_backward(data, loss_function, forward_only)
-        output["metrics"] = as_micro_batch_lists(output["metrics"])
-        return output
-
-    def _forward_backward(self, data: TensorDict, loss_function: Callable, forward_only: bool) -> Any:
-        if self.reuse_config.enable:
-            self._structure_reason()  # decided before the mini-batch's first collective (a no-op once decided)
-        local_reason, layout = self._checked_batch(data, forward_only)
-        if self._moe_aux_on(forward_only) and loss_function is not None:
-            self._attach_moe_normalisation(data)
-        # every data-parallel rank takes the same path, or their FSDP collectives would not match
-        reason = fallbacks.agree_on_fallback(local_reason, self._agreement_group())
-        if reason is not None:
-            if reason != "disabled":  # reuse switched off is the stock engine, as the user asked
-                self._refuse_dense_under_ulysses(reason, len(data))
-            meter = PhaseMeter(self._device(), model=self.module)
-            stock = functools.partial(super().forward_backward_batch, data, loss_function, forward_only=forward_only)
-            return dense_batch_output(stock, data, reason, meter, shape=self._flop_shape())
-        assert layout is not None, "a rank that reuses has checked its layout"
-        return self._reuse_batch(data, layout, loss_function, forward_only)
-
-    def _attach_global_normalisation(self, data: TensorDict) -> None:
-        """What the stock engine attaches before splitting: loss terms are shares of the mini-batch."""
-        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
-        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
-        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
-        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
-        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
-
-    def _plan(self, data: TensorDict, layout: RowLayout, forward_only: bool) -> BatchPlan:
-        use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False)
-        max_rows = self.reuse_config.suffix_micro_batch_size
-        if max_rows is None and not use_dynamic_bsz:
-            max_rows = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1))
-        max_tokens = self.reuse_config.suffix_token_budget
-        if max_tokens is None and use_dynamic_bsz:
-            max_tokens = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=0)) or None
-        return plan_batch(
+    def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
+        if not self.reuse_config.tree:
+            return None
+        return local_trie(
             layout,
-            max_rows=max_rows,
-            max_tokens=max_tokens,
-            min_prefix_len=self.reuse_config.min_prefix_len,
-            min_group_size=self.reuse_config.min_group_size,
-            extra_tokens_per_row=1 if self._moe_aux_on(forward_only) else 0,  # the routed last token
-            visual_token_ids=visual_token_ids(self.module),
+            plan,
+            self.reuse_config.min_shared_tokens,
+            own_last=self.moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
+            chunk_tokens=self.reuse_config.prefix_chunk_tokens,
+            visual=VisualTokens.of(self.module),  # images keyed by content in the trie (tree_visuals)
         )
+
+    def dormant_knob(self) -> str:
+        return self.dormant_prefix
+
+    def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
+        return group_policies(
+            self.dormant_prefix,
+            self.dormant_prefix_budget_bytes,
+            self.module,
+            plan,
+            device,
+            autocast_dtype=getattr(self, "_autocast_dtype", None),  # auto estimates in the compute dtype
+        )
+
+    def new_meter(self, device: torch.device) -> PhaseMeter:
+        return PhaseMeter(device, model=self.module)
+
+    # -- the mini-batch's groups --------------------------------------------------------------------
+
+    def start_mini_batch(self, run: MiniBatchRun) -> _RunState:
+        """The options every group of the mini-batch runs with, its loss closures and dormant counters."""
+        for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
+            run.meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
+        for path in LAYER_PATHS:
+            run.meter.count(f"prefix/phase_b_layers/{path}", 0.0)
+        pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
+        loss_fn, aux_fn = self._group_losses(run.data, run.layout, run.loss_function, pending)
+        fused_temperature = None  # verl's fused kernels: the batch's one temperature
+        if tu.get_non_tensor_data(data=run.data, key="use_fused_kernels", default=False):
+            fused_temperature = 1.0 if run.layout.temperature is None else scalar_temperature(run.layout.temperature)
+        options = self._mini_batch_options(run, aux_fn, fused_temperature)
+        return _RunState(options, options.for_fillers(), loss_fn, pending, DormantStats())
 
     def _autocast(self) -> Callable[[], AbstractContextManager]:
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
@@ -391,46 +375,26 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return functools.partial(self.compute_entropy_from_logits, chunk_size=config.entropy_from_logits_chunk_size)
         return self.compute_entropy_from_logits
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         scaler = getattr(self, "scaler", None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
-    def _phase_b_refusal(self, device: torch.device, forward_only: bool) -> str | None:
-        """Why phase B's merged kernels cannot serve on some rank (every rank then takes the same path), or
-        None; raises the same ``KernelRefused`` on every rank for an explicit merged/merged_varlen that some
-        rank cannot run. Agreed once per attention setting, compute dtype, device and pass kind: every rank
-        reaches the first reuse mini-batch of each together, so the cache hits or misses on all of them."""
-        attention = self.reuse_config.phase_b_attention
-        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        key = (attention, dtype, device, forward_only)
-        if key not in self._kernel_agreements:
-            head_dim = model_head_dim(self.module)
-            refusal = agree_on_kernels(attention, device, dtype, head_dim, not forward_only, self._agreement_group())
-            self._kernel_agreements[key] = refusal
-        return self._kernel_agreements[key]
-
     def _mini_batch_options(
-        self,
-        device: torch.device,
-        meter: PhaseMeter,
-        calculate_entropy: bool,
-        aux_fn: AuxFn,
-        forward_only: bool,
-        fused_temperature: float | None = None,
+        self, run: MiniBatchRun, aux_fn: AuxFn, fused_temperature: float | None = None
     ) -> ScheduleOptions:
-        """What every group of the mini-batch runs with (built once per mini-batch; agrees on the phase-B
-        kernels with the other ranks the first time, a collective)."""
-        aux_on = self._moe_aux_on(forward_only)
+        """What every group of the mini-batch runs with (built once per mini-batch, from what every rank agreed:
+        the phase-B kernels' refusal)."""
+        aux_on = self.moe_aux_on(run.forward_only)
         return ScheduleOptions(
-            device=device,
-            calculate_entropy=calculate_entropy,
+            device=run.meter.device,
+            calculate_entropy=run.calculate_entropy,
             entropy_fn=self._entropy_fn(),
             autocast=self._autocast(),
-            backward=self._backward,
+            backward=self.backward,
             early_exit=self.reuse_config.early_exit,
-            meter=meter,
+            meter=run.meter,
             phase_b_attention=self.reuse_config.phase_b_attention,
-            phase_b_refusal=self._phase_b_refusal(device, forward_only),
+            phase_b_refusal=run.agreement.kernel_refusal,
             prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             ulysses=self._ulysses(),
             routers=self._moe_routers() if aux_on else None,
@@ -458,149 +422,77 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self._layer_roles_cache = (id(self.module), layer_roles(self.module))
         return self._layer_roles_cache[1]
 
-    def _reuse_batch(self, data: TensorDict, layout: RowLayout, loss_function: Callable, forward_only: bool) -> Any:
-        self._attach_global_normalisation(data)
-        plan = self._plan(data, layout, forward_only)
-        dense_rows = plan.all_dense_rows
-        dense_chunks = self._dense_chunks(data, dense_rows)
-        lockstep = agree_on_schedule(
-            plan, len(dense_chunks), self._agreement_group(), chunk_tokens=self.reuse_config.prefix_chunk_tokens
+    def _dormant(self, run: MiniBatchRun, slot: int, counted: bool) -> Dormant:
+        policy, why = run.policies[slot]
+        stats = run.state.dormant_stats if counted else None
+        return AgreedDormant(
+            policy, why, stats=stats, store_factory=self.offload_store_factory, group=self.agreement_group()
         )
-        # on the agreed count, so that every rank refuses together (a rank without dense rows fills in for them)
-        reasons = ", ".join(reason for reason, rows in plan.dense_rows.items() if rows) or "another rank's rows"
-        self._refuse_dense_under_ulysses(reasons, lockstep.num_dense_chunks)
 
-        device = self._device()
-        meter = PhaseMeter(device, model=self.module)
-        for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
-            meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
-        for path in LAYER_PATHS:
-            meter.count(f"prefix/phase_b_layers/{path}", 0.0)
-        dormant_stats = DormantStats()
-        layout = dataclasses.replace(layout, temperature=per_row_temperature(data))
-        calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
-        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
-        outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
-        record = outputs.record
-        micro_data = data.to(device) if device.type != "cpu" else data
-        pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
-        loss_fn, aux_fn = self._group_losses(micro_data, layout, loss_function, pending)
-        fused_temperature = None  # verl's fused kernels: the batch's one temperature
-        if tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False):
-            fused_temperature = 1.0 if layout.temperature is None else scalar_temperature(layout.temperature)
-        options = self._mini_batch_options(device, meter, calculate_entropy, aux_fn, forward_only, fused_temperature)
-        filler_options = options.for_fillers()
-
-        roots = None
-        if self.reuse_config.tree:
-            roots = plan_tree(
-                layout,
-                plan,
-                self.reuse_config.min_shared_tokens,
-                self._agreement_group(),
-                own_last=self._moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
-                chunk_tokens=self.reuse_config.prefix_chunk_tokens,
-                visual=VisualTokens.of(self.module),  # images keyed by content in the trie (tree_visuals)
-            )
-        if roots is not None:
-            self._run_tree(
-                micro_data,
-                layout,
-                plan,
-                roots,
-                options,
-                loss_function,
-                loss_fn,
-                pending,
-                record,
-                forward_only,
-                self._node_policies(roots, device, dormant_stats) if not forward_only else keep_every_node,
-            )
-        policies = (  # per group slot; the tree decides per node (_node_policies). Every rank agrees on roots
-            agree_on_policies(
-                self.dormant_prefix if not forward_only else "keep",
-                self.dormant_prefix_budget_bytes,
-                self.module,
-                plan,
-                lockstep.num_groups,
-                device,
-                self._agreement_group(),
-                autocast_dtype=getattr(self, "_autocast_dtype", None),  # auto estimates in the compute dtype
-            )
-            if roots is None
-            else []
+    def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
+        state = run.state
+        if run.forward_only:
+            self._infer_group(run, group, state.options)
+            return
+        losses = train_group(
+            self.module, run.layout, group, state.loss_fn, state.options, self._dormant(run, slot, True)
         )
-        for slot in range(lockstep.num_groups if roots is None else 0):
-            group = plan.groups[slot] if slot < len(plan.groups) else None
-            num_micro, prefix_chunks = lockstep.micro_batches[slot], lockstep.prefix_chunks[slot]
-            policy, why = policies[slot]
-            stats = dormant_stats if group is not None else None
-            dormant = AgreedDormant(
-                policy, why, stats=stats, store_factory=self.offload_store_factory, group=self._agreement_group()
-            )
-            if group is None:
-                with meter.phase("lockstep"):
-                    self._dummy_group(num_micro, prefix_chunks, forward_only, filler_options, dormant)
-                continue
-            group = _in_lockstep(group, num_micro, prefix_chunks)
-            if forward_only:
-                self._infer_group(micro_data, layout, group, options, loss_function, record)
-            else:
-                losses = train_group(self.module, layout, group, loss_fn, options, dormant)
-                for (rows, model_output, metrics), loss in zip(pending, losses):
-                    record(rows, model_output, loss.item(), metrics)
-                pending.clear()
+        state.record_pending(run, losses)
 
-        for k in range(lockstep.num_dense_chunks):
-            rows = dense_chunks[k] if k < len(dense_chunks) else None
-            if rows is None:
-                with meter.phase("lockstep"):
-                    self._dummy_dense(forward_only, device)
-                continue
-            micro = tu.index_select_tensor_dict(micro_data, rows)
-            with meter.phase("dense"):
-                _, meta = dense_chunk(self.forward_step, micro, loss_function, forward_only, self._backward)
-            record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
+    def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
+        """A filler group slot, run with the filler options. With the aux on, real groups' phase A runs to
+        the last router and phase C seeds the router leaf: the filler (``options.routers`` set) touches the
+        same parameters, or FSDP2's reduce-scatters would differ in size; it has no real micro-batch, so
+        its loss and aux never run."""
+        layout, group = filler_group(run.lockstep.micro_batches[slot], run.lockstep.prefix_chunks[slot])
+        if run.forward_only:
+            infer_group(self.module, layout, group, run.state.filler_options)
+        else:
+            dormant = self._dormant(run, slot, False)
+            train_group(self.module, layout, group, _no_loss, run.state.filler_options, dormant)
 
-        tree = self._tree_metrics(roots) if roots is not None else {}
-        output = outputs.finish(
-            data,
-            layout,
-            plan,
-            meter,
-            forward_only=forward_only,
-            routed_last_token=self._moe_aux_on(forward_only),
-            extra_metrics=tree,
-            saved_tokens=int(tree.get("prefix/tree_saved_tokens", 0)),
-            shape=self._flop_shape(),
-            roots=roots,
-        )
-        output["metrics"].update(dormant_stats.metrics())
+    def run_tree(self, run: MiniBatchRun) -> None:
+        """Every reuse group of the mini-batch through the tree schedule (``prefix_reuse.tree``), recorded per
+        micro-batch as the one-level path records them; each node under its dormant policy."""
+        assert run.roots is not None
+        state = run.state
+        if run.forward_only:
+            results = infer_tree(self.module, run.layout, run.roots, state.options)
+            for group in run.plan.groups:
+                self._infer_group(run, group, state.options, results)
+            return
+        policies = self._node_policies(run.roots, run.meter.device, state.dormant_stats)
+        losses = train_tree(self.module, run.layout, run.roots, state.loss_fn, state.options, policies)
+        state.record_pending(run, losses)
+
+    def run_dense_filler(self, run: MiniBatchRun) -> None:
+        device = run.meter.device
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        ctx = torch.no_grad() if run.forward_only else nullcontext()
+        with ctx, self._autocast()(), text_only_call(self.module):
+            logits = self.module(
+                input_ids=ids,
+                position_ids=model_positions(self.module, torch.arange(2, device=device)[None]),
+                use_cache=False,
+            ).logits
+            if not run.forward_only:
+                self.backward(logits.sum() * 0.0)
+
+    def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
+        if run.roots is not None:  # ``prefix/tree_*``
+            stats = {**tree_metrics(trie_stats(run.roots)), "prefix/tree_lockstep_fillers": filler_passes(run.roots)}
+            metrics.update({k: float(v) for k, v in stats.items()})
+
+    def after_mini_batch(self, run: MiniBatchRun, metrics: dict) -> None:
+        metrics.update(run.state.dormant_stats.metrics())
         release_pinned_memory()  # offload's host slabs: held from one group to the next, not past the mini-batch
-        if options.ulysses is not None:
-            output["metrics"].update(options.ulysses.metrics())
-        return output
-
-    def _flop_shape(self) -> ModelShape | None:
-        """The model as the FLOP model prices it (``prefix/flops_*``), or None where it cannot read the config."""
-        return model_shape(self.model_config.hf_config)
-
-    def _device(self) -> torch.device:
-        name = get_device_name()
-        return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
-
-    def optimizer_step(self) -> float:
-        start = time.perf_counter()
-        grad_norm = super().optimizer_step()
-        self._optimizer_seconds = time.perf_counter() - start
-        return grad_norm
+        if run.state.options.ulysses is not None:
+            metrics.update(run.state.options.ulysses.metrics())
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
         if self.record_trace_dir:
             self._record(data, loss_function)
-        outputs = super().train_batch(data, loss_function)
-        outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
-        return outputs
+        return super().train_batch(data, loss_function)
 
     def _record(self, data: TensorDict, loss_function: Callable) -> None:
         """Write this update's batch to the trace before anything changes it (``record_trace_dir``)."""
@@ -612,15 +504,12 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self._trace_writer = TraceWriter(directory, model_ref=str(self.model_config.path), append=resume)
         record_train_batch(self._trace_writer, self, data, loss_function)
 
-    def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
-        """Dense rows in micro-batches of verl's size; the loss is globally normalised, so the split is free."""
-        if not rows:
-            return []
-        size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
-        return [rows[i : i + size] for i in range(0, len(rows), size)]
-
     def _group_losses(
-        self, data: TensorDict, layout: RowLayout, loss_function: Callable, pending: list[tuple[list[int], dict, dict]]
+        self,
+        data: TensorDict,
+        layout: RowLayout,
+        loss_function: Callable | None,
+        pending: list[tuple[list[int], dict, dict]],
     ) -> tuple[LossFn, AuxFn]:
         """verl's loss on a suffix micro-batch's rows, and its router aux term; both note the micro-batch
         (rows, model output, metrics) in ``pending`` for the caller to record once the group has run."""
@@ -643,32 +532,6 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         return loss_fn, aux_fn
 
-    def _run_tree(
-        self,
-        data: TensorDict,
-        layout: RowLayout,
-        plan: BatchPlan,
-        roots: list[TrieNode],
-        options: ScheduleOptions,
-        loss_function: Callable | None,
-        loss_fn: LossFn,
-        pending: list[tuple[list[int], dict, dict]],
-        record: Callable,
-        forward_only: bool,
-        policies: NodePolicy,
-    ) -> None:
-        """Every reuse group of the mini-batch through the tree schedule (``prefix_reuse.tree``), recorded per
-        micro-batch as the one-level path records them; ``policies``: each node's dormant policy."""
-        if forward_only:
-            results = infer_tree(self.module, layout, roots, options)
-            for group in plan.groups:
-                self._infer_group(data, layout, group, options, loss_function, record, results)
-            return
-        losses = train_tree(self.module, layout, roots, loss_fn, options, policies)
-        for (rows, model_output, metrics), loss in zip(pending, losses, strict=True):
-            record(rows, model_output, loss.item(), metrics)
-        pending.clear()
-
     def _node_policies(self, roots: list[TrieNode], device: torch.device, stats: DormantStats) -> NodePolicy:
         """Each trie node's ``dormant_prefix`` policy (``auto``: from its own estimate, recomputed nodes agreed
         by every rank position by position, lockstep fillers included), counted per real node in
@@ -680,11 +543,11 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             self.module,
             nodes,
             device,
-            self._agreement_group(),
+            self.agreement_group(),
             autocast_dtype=getattr(self, "_autocast_dtype", None),
         )
         by_node = {id(node): choice for node, choice in zip(nodes, chosen)}
-        group, factory = self._agreement_group(), self.offload_store_factory
+        group, factory = self.agreement_group(), self.offload_store_factory
 
         def policy(node: TrieNode) -> Dormant:
             name, why = by_node[id(node)]
@@ -693,58 +556,43 @@ class PrefixFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         return policy
 
-    def _tree_metrics(self, roots: list[TrieNode]) -> dict[str, float]:
-        """``prefix/tree_*`` of the mini-batch."""
-        return {**tree_metrics(trie_stats(roots)), "prefix/tree_lockstep_fillers": float(filler_passes(roots))}
-
     def _infer_group(
         self,
-        data: TensorDict,
-        layout: RowLayout,
+        run: MiniBatchRun,
         group: GroupPlan,
         options: ScheduleOptions,
-        loss_function: Callable | None,
-        record: Callable,
         results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> None:
         """Record a group's forward-only micro-batches: ``results`` where the tree schedule computed them
         already, else the group's own A/B."""
         if results is None:
-            results = infer_group(self.module, layout, group, options)
+            results = infer_group(self.module, run.layout, group, options)
+        layout = run.layout
         for rows in group.micro_batches:
             log_probs = [results[i][0] for i in rows]
             model_output = {"log_probs": full_length(log_probs, layout, rows)}
             if options.calculate_entropy:
                 model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
-            loss, metrics = micro_batch_loss(loss_function, model_output, data, rows, self.get_data_parallel_group())
-            record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
+            dp_group = self.get_data_parallel_group()
+            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
+            run.record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
 
-    # -- lockstep fillers: FSDP collectives must match across ranks -----------------------------------
 
-    def _dummy_group(
-        self, num_micro: int, prefix_chunks: int, forward_only: bool, options: ScheduleOptions, dormant: Dormant
-    ) -> None:
-        """A filler group slot, run with the filler options. With the aux on, real groups' phase A runs to
-        the last router and phase C seeds the router leaf: the filler (``options.routers`` set) touches the
-        same parameters, or FSDP2's reduce-scatters would differ in size; it has no real micro-batch, so
-        its loss and aux never run."""
-        layout, group = filler_group(num_micro, prefix_chunks)
-        if forward_only:
-            infer_group(self.module, layout, group, options)
-        else:
-            train_group(self.module, layout, group, _no_loss, options, dormant)
+@dataclass
+class _RunState:
+    """The FSDP engine's per-mini-batch state: the groups' options, loss closures and dormant counters."""
 
-    def _dummy_dense(self, forward_only: bool, device: torch.device) -> None:
-        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        ctx = torch.no_grad() if forward_only else nullcontext()
-        with ctx, self._autocast()(), text_only_call(self.module):
-            logits = self.module(
-                input_ids=ids,
-                position_ids=model_positions(self.module, torch.arange(2, device=device)[None]),
-                use_cache=False,
-            ).logits
-            if not forward_only:
-                self._backward(logits.sum() * 0.0)
+    options: ScheduleOptions
+    filler_options: ScheduleOptions
+    loss_fn: LossFn
+    pending: list[tuple[list[int], dict, dict]]  # the running group's micro-batches (rows, output, metrics)
+    dormant_stats: DormantStats
+
+    def record_pending(self, run: MiniBatchRun, losses: list[torch.Tensor]) -> None:
+        """Record the group's micro-batches in the order they ran, each with its loss (aux term included)."""
+        for (rows, model_output, metrics), loss in zip(self.pending, losses, strict=True):
+            run.record(rows, model_output, loss.item(), metrics)
+        self.pending.clear()
 
 
 def _dense_token_mask(data: TensorDict, router_rows: int) -> torch.Tensor:
@@ -762,13 +610,6 @@ def _dense_token_mask(data: TensorDict, router_rows: int) -> torch.Tensor:
 
 def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
     raise AssertionError("a filler group has no real micro-batches")
-
-
-def _in_lockstep(group: GroupPlan, num_micro: int, prefix_chunks: int) -> GroupPlan:
-    """The same group with the lockstep shape all ranks agreed on for its slot: zero-loss filler
-    micro-batches up to ``num_micro``, and at least ``prefix_chunks`` prefix forwards."""
-    fillers = max(0, num_micro - len(group.micro_batches))
-    return dataclasses.replace(group, filler_micro_batches=fillers, min_prefix_chunks=prefix_chunks)
 
 
 def register() -> None:

@@ -2,7 +2,7 @@
 
 Every reason is a metric (``prefix/fallback_<reason>``) and one warning per reason per process
 (``log_fallbacks``); none is silent. Data-parallel ranks agree on one path, since FSDP2 collectives must
-match.
+match (``backend.distributed.mini_batch``).
 """
 
 from __future__ import annotations
@@ -11,16 +11,13 @@ import functools
 import inspect
 import logging
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint
 from tensordict import TensorDict
 from torch import nn
 from verl.utils import tensordict_utils as tu
 from verl.utils.activation_offload import ActivationHandler
-from verl.utils.device import get_device_id
 from verl.utils.model import extract_multi_modal_inputs
 
 from verl_prefix.backend.config import REUSE_OFF, PrefixReuseConfig
@@ -448,13 +445,3 @@ def multimodal_ulysses_error(hf_config: object, reuse: PrefixReuseConfig, ulysse
         f"actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or {REUSE_OFF} to train this model with the "
         "stock engine"
     )
-
-
-def agree_on_fallback(reason: str | None, group: Any) -> str | None:
-    """Every data-parallel rank takes the same path, or their FSDP collectives would not match:
-    when any rank must run dense, all do, and the others count it as ``peer_fallback``."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return reason
-    flag = torch.tensor([0 if reason is None else 1], device=get_device_id())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return reason if reason is not None or int(flag.item()) == 0 else "peer_fallback"

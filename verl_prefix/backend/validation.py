@@ -1,9 +1,7 @@
-"""Data-parallel ranks agree that a mini-batch is valid before any collective of it.
-
-A rank that raises between two collectives leaves its peers waiting until the collective timeout
-(DESIGN trap 15). So each rank checks its own batch locally, catching the error; the ranks all-reduce one
-flag over the data-parallel group; when any rank's batch is bad, the messages are gathered and every rank
-raises the same ``BatchRejected`` naming each bad rank and its samples.
+"""A mini-batch's checks on one rank, no collectives: a rank that raises between two collectives leaves its
+peers waiting until the collective timeout (DESIGN trap 15), so each rank checks its own batch locally and the
+outcome travels in the mini-batch's one exchange (``backend.distributed.mini_batch``): when any rank's batch is
+bad, every rank raises the same ``BatchRejected`` naming each bad rank and its samples.
 
 What is checked (``check_batch``), on every path while reuse is enabled:
 
@@ -21,18 +19,10 @@ With ``prefix_reuse.enable=false`` the engine is the stock one and checks nothin
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_prefix.backend.inputs import row_layout, row_lengths
-from verl_prefix.backend.lockstep import collective_device
 from verl_prefix.schedule.grouping import RowLayout, split_uid_groups, validate_rows
-
-T = TypeVar("T")
 
 
 class BatchRejected(ValueError):
@@ -58,54 +48,3 @@ def check_batch(data: TensorDict, *, forward_only: bool, reuse: bool) -> RowLayo
     layout = row_layout(data)
     validate_rows(layout.prompt_lens, layout.response_lens, advantages)
     return split_uid_groups(layout)
-
-
-def agree_on_validity(check: Callable[[], T], group: Any = None) -> T:
-    """Run ``check`` on this rank and agree with every data-parallel rank on the outcome.
-
-    Must be the first collective of the mini-batch on every rank. Returns ``check()``'s value when every
-    rank's check passed; otherwise raises ``BatchRejected`` on every rank, chained to this rank's own error.
-    """
-    error: Exception | None = None
-    result: Any = None
-    try:
-        result = check()
-    except Exception as exc:  # any local failure must reach the peers before they enter a collective
-        error = exc
-    rejections = _gather_rejections(error, group)
-    if rejections:
-        raise BatchRejected(_describe(rejections)) from error
-    return result
-
-
-def _message(error: Exception) -> str:
-    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-
-
-def _gather_rejections(error: Exception | None, group: Any) -> list[tuple[int, str]]:
-    """``(global rank, message)`` of every rank whose check failed; one flag all-reduce when none did."""
-    return gather_flagged(None if error is None else _message(error), group)
-
-
-def gather_flagged(payload: Any, group: Any = None) -> list[tuple[int, Any]]:
-    """``(global rank, payload)`` of every rank whose ``payload`` is not None, the same list on every rank of
-    ``group``, in rank order: one flag all-reduce when every payload is None, then an object all-gather.
-    A collective: every rank of ``group`` must call it at the same point."""
-    mine = None if payload is None else (dist.get_rank() if dist.is_initialized() else 0, payload)
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [mine] if mine is not None else []
-    flag = torch.tensor([0 if mine is None else 1], device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag.item()) == 0:
-        return []
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    return [entry for entry in gathered if entry is not None]
-
-
-def _describe(rejections: list[tuple[int, str]]) -> str:
-    if len(rejections) == 1:
-        rank, message = rejections[0]
-        return f"rank {rank} rejected the mini-batch (every data-parallel rank stops): {message}"
-    details = "; ".join(f"rank {rank}: {message}" for rank, message in rejections)
-    return f"{len(rejections)} ranks rejected the mini-batch (every data-parallel rank stops): {details}"

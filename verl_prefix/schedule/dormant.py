@@ -619,7 +619,7 @@ class Dormant:
 
     def settle_recompute(self, mismatch: str | None) -> None:
         """Raise a recompute mismatch. Called on every recompute, mismatch or not, so that a data-parallel
-        engine can agree first (``verl_prefix.backend.agreement.AgreedDormant``): a mismatch on one rank only (an
+        engine can agree first (``verl_prefix.backend.distributed.once.AgreedDormant``): a mismatch on one rank only (an
         MoE top-k flip, a nondeterministic kernel) must stop every rank before phase C's backward."""
         if mismatch is not None:
             raise RuntimeError(mismatch)

@@ -4,7 +4,7 @@ A refusal found inside an attention call is found on one rank in the middle of F
 without flash-attn, another GPU, another torch build). ``phase_b_kernel_refusal`` asks the same questions the
 attention call will ask (``merged_attention.merged_refusal``, ``varlen_attention.varlen_refusal``) of a small
 query with the model's head_dim and compute dtype, before anything runs, so that the engine can agree on the
-answer across ranks (``verl_prefix.backend.agreement``). What depends on the attention call's kwargs
+answer across ranks (``verl_prefix.backend.distributed.mini_batch``). What depends on the attention call's kwargs
 (sliding windows, softcapping, sinks, dropout) is the model's, the same on every rank, and not asked here.
 """
 

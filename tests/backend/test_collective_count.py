@@ -1,0 +1,131 @@
+"""How many blocking collectives a mini-batch issues before its first phase-A forward: at most two on the
+default path (the driver's one exchange: an object all-gather is two collectives on the wire, the sizes and
+the bytes), where the stock engine issues one (its loss-token all-reduce). Each is a network round trip per
+mini-batch on a multi-node cluster.
+
+Counted on two gloo ranks by wrapping every collective of ``torch.distributed`` (the functions the package and
+verl call, and those ``all_gather_object`` calls inside) and noting the count when the meter enters phase A for
+the first time. The stock ``fsdp2`` engine is counted the same way up to its first model forward, so the
+counter is shown to see collectives at all."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.ranks import run_ranks
+
+# the c10d functions a collective goes through (FSDP2's own all-gathers run inside the model forward: after A)
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather_object",
+    "reduce",
+)
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object")
+# cases: (reuse config overrides, Ulysses degree, dormant policy)
+CASES = {
+    "default": ({}, 1, "keep"),
+    "tree": ({"tree": True}, 1, "keep"),
+    "ulysses": ({}, 2, "keep"),
+    "dormant_auto": ({}, 1, "auto"),
+}
+
+
+class Counter:
+    """Counts ``torch.distributed`` collectives; ``at_a``: the count when phase A first starts."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.at_a: int | None = None
+        self.at_forward: int | None = None
+
+    def install(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        for name in COLLECTIVES:
+            original = getattr(c10d, name)
+
+            def wrapped(*args, _original=original, _name=name, **kwargs):
+                # an object collective counts as the collectives it issues (all_gather_object: two all_gathers)
+                self.count += _name not in OBJECT_COLLECTIVES
+                return _original(*args, **kwargs)
+
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+    def watch(self, engine) -> None:
+        """Note the count at the first phase A, and at the first forward of the model (for the stock engine)."""
+        from verl_prefix.schedule.telemetry import PhaseMeter
+
+        phase = PhaseMeter.phase
+
+        def noting(meter, name, *args, **kwargs):
+            if name == "A" and self.at_a is None:
+                self.at_a = self.count
+            return phase(meter, name, *args, **kwargs)
+
+        PhaseMeter.phase = noting
+
+        def first_forward(module, args, kwargs):
+            if self.at_forward is None:
+                self.at_forward = self.count
+
+        engine.module.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+
+def _body(rank: int, model_dir: str, case: str) -> dict:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.tools import testing as T
+
+    overrides, sp, dormant = CASES.get(case, ({}, 1, "keep"))
+    batch = T.make_grpo_batch(
+        num_groups=2, group_size=4, prompt_lens=[9, 6], response_len_range=(1, 6), vocab_size=128, seed=11 + rank
+    )
+    kwargs = dict(micro_batch_size_per_gpu=2, use_remove_padding=sp > 1)
+    if sp > 1:
+        kwargs["overrides"] = [f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"]
+    backend = "fsdp2" if case == "stock" else "prefix_fsdp2"
+    engine, loss, _ = T.build_verl_engine(model_dir, backend=backend, **kwargs)
+    if backend == "prefix_fsdp2":
+        engine.reuse_config = PrefixReuseConfig(min_prefix_len=4, min_shared_tokens=4, **overrides)
+        engine.dormant_prefix = dormant
+        if dormant == "auto":
+            engine.dormant_prefix_budget_bytes = 2**40
+    counter = Counter()
+    counter.install()
+    counter.watch(engine)
+    counts = []
+    for _ in range(2):  # the first mini-batch and a later one
+        counter.count, counter.at_a, counter.at_forward = 0, None, None
+        metrics = T.run_train_step(engine, loss, batch)["reduced_metrics"]
+        counts.append({"at_a": counter.at_a, "at_forward": counter.at_forward, "total": counter.count})
+    return {"counts": counts, "groups": metrics.get("prefix/groups", 0.0)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_at_most_two_collectives_before_phase_a(tiny_model, case):
+    results = run_ranks(_body, str(tiny_model("qwen3")), case, world=2)
+    for rank in range(2):
+        assert results[rank]["groups"] > 0, "reuse ran"
+        for counts in results[rank]["counts"]:
+            assert counts["at_a"] is not None, counts
+            assert counts["at_a"] <= 2, (case, rank, counts)
+
+
+def test_the_counter_sees_the_stock_engines_collective(tiny_model):
+    """The stock engine's loss-token all-reduce comes before its first forward: the counter sees it."""
+    results = run_ranks(_body, str(tiny_model("qwen3")), "stock", world=2)
+    for rank in range(2):
+        for counts in results[rank]["counts"]:
+            assert counts["at_forward"] is not None and counts["at_forward"] >= 1, counts
+
+
+pytestmark = pytest.mark.timeout(600)

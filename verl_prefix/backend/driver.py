@@ -1,0 +1,390 @@
+"""One mini-batch, whatever the engine: the driver every ``prefix_*`` engine runs ``forward_backward_batch`` through.
+
+verl calls ``forward_backward_batch(data, loss_function, forward_only)`` once per mini-batch. The driver:
+
+1. **checks and plans locally** (``_local``, no collective): the rank's fallback reason (the engine's
+   ``reuse_reason``), the batch's checks (``validation.check_batch``), its groups (``grouping.plan_batch``: rows or a
+   token budget per suffix micro-batch, as verl sizes its own), its dense chunks, its trie (``local_trie``), its
+   phase-B kernels (``kernel_refusal``) and dormant choices (``group_policies``);
+2. **agrees once** (``distributed.mini_batch``): one gather of every rank's ``RankReport``; every rank derives the
+   same ``Agreement`` (a bad batch anywhere raises the same ``BatchRejected`` everywhere);
+3. runs the whole mini-batch through the **stock engine** where any rank must (``stock_batch``, counted as
+   ``prefix/fallback_<reason>``), else **normalises** the loss as the stock engine does (``batch_num_tokens``,
+   ``dp_size``, ``sp_size``), runs every **group slot** in lockstep (``run_group`` / ``run_filler_group``, or the
+   tree, ``run_tree``), the **dense rows** (``run_dense`` / ``run_dense_filler``), and **finishes** the output and
+   metrics (``outputs.MiniBatchOutputs``).
+
+An engine is an adapter: a subclass of its verl engine with ``ReuseDriver`` first in its bases, supplying only
+what differs (how its model runs a group's three phases, its groups, its stock path). What every engine shares
+lives here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+
+from verl_prefix.backend import fallbacks
+from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.backend.distributed.lockstep import LockstepPlan, in_lockstep
+from verl_prefix.backend.distributed.mini_batch import Agreement, RankReport, agree, error_message, exchange
+from verl_prefix.backend.dormant import slot_policies
+from verl_prefix.backend.inputs import per_row_temperature
+from verl_prefix.backend.outputs import (
+    MiniBatchOutputs,
+    as_micro_batch_lists,
+    dense_batch_output,
+    dense_chunk,
+    model_shape,
+)
+from verl_prefix.backend.trees import padded_trie
+from verl_prefix.backend.validation import check_batch
+from verl_prefix.schedule.flop_model import ModelShape
+from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.schedule.tree_lockstep import trie_shape
+from verl_prefix.schedule.trie import TrieNode
+
+
+@dataclass
+class MiniBatchRun:
+    """One mini-batch on the reuse path, as every rank agreed to run it."""
+
+    data: TensorDict  # the mini-batch, on the device
+    layout: RowLayout
+    plan: BatchPlan
+    lockstep: LockstepPlan
+    dense_chunks: list[list[int]]
+    agreement: Agreement
+    loss_function: Callable | None
+    forward_only: bool
+    calculate_entropy: bool
+    meter: PhaseMeter
+    outputs: MiniBatchOutputs
+    roots: list[TrieNode] | None = None  # the padded trie under ``prefix_reuse.tree``
+    policies: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # per group slot: dormant policy
+    state: Any = None  # the engine's own per-mini-batch state (``start_mini_batch``)
+
+    @property
+    def record(self) -> Callable[[list[int], dict, float, dict], None]:
+        return self.outputs.record
+
+
+@dataclass
+class _Local:
+    """What this rank planned before the exchange (its report's details)."""
+
+    layout: RowLayout
+    plan: BatchPlan
+    dense_chunks: list[list[int]]
+    roots: list[TrieNode] | None
+    policies: list[tuple[str, str]]
+
+
+class ReuseDriver:
+    """The mini-batch driver, mixed in first: ``class PrefixXEngine(ReuseDriver, verl's XEngine)``.
+
+    The engine supplies ``reuse_config`` and the hooks below; the ones with a body here are the common case."""
+
+    reuse_config: PrefixReuseConfig
+    _optimizer_seconds: float = 0.0
+
+    # -- what the engine supplies -------------------------------------------------------------------
+
+    def agreement_group(self) -> Any:
+        """The ranks that must take the same path (the data-parallel group, or every rank under Ulysses)."""
+        return self.get_data_parallel_group()
+
+    def sequence_parallel_size(self) -> int:
+        """verl's ``sp_size`` of the loss's normalisation."""
+        return 1
+
+    def reuse_reason(self, data: TensorDict, forward_only: bool) -> str | None:
+        """This rank's reason to run the whole mini-batch dense (``disabled``: the stock engine, unchecked)."""
+        if not self.reuse_config.enable:
+            return "disabled"
+        if forward_only and not self.reuse_config.forward_only_reuse:
+            return "forward_only_disabled"
+        return fallbacks.batch_fallback_reason(data)
+
+    def moe_aux_on(self, forward_only: bool) -> bool:
+        """Whether the router load-balancing loss is added (``moe_aux_loss_coef > 0``, training)."""
+        return False
+
+    def visual_token_ids(self) -> Any:
+        """The model's image/video placeholder ids (``grouping.plan_batch``), or None."""
+        return None
+
+    def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
+        """Why phase B's merged kernels cannot serve on this rank, or None."""
+        return None
+
+    def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
+        """This rank's trie under ``prefix_reuse.tree`` (None: one-level reuse)."""
+        return None
+
+    def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
+        """``(dormant policy, reason)`` per own group (``backend.dormant.group_policies``)."""
+        return [("keep", "configured")] * len(plan.groups)
+
+    def dense_refusal(self, data: TensorDict, chunks: list[list[int]]) -> str | None:
+        """A dense chunk of this rank the engine cannot run (its description), or None."""
+        return None
+
+    def dense_refusal_error(self, mine: str | None) -> str:
+        """The error every rank raises where some rank's ``dense_refusal`` was not None (``mine``: this rank's)."""
+        raise NotImplementedError
+
+    def refuse_dense(self, reason: str, dense_runs: int) -> None:
+        """Raise where running ``dense_runs`` dense micro-batches for ``reason`` would be silently wrong."""
+
+    def stock_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool) -> dict:
+        """The whole mini-batch through the stock engine (the verl engine after this class in the bases)."""
+        return super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # type: ignore[misc]
+
+    def new_meter(self, device: torch.device) -> PhaseMeter:
+        return PhaseMeter(device)
+
+    def mini_batch_context(self, forward_only: bool) -> AbstractContextManager:
+        """What the reuse path runs inside (an engine's train context, grad mode, autocast)."""
+        return nullcontext()
+
+    def before_mini_batch(self, data: TensorDict) -> None:
+        """What the engine checks before the mini-batch's first collective."""
+
+    def start_mini_batch(self, run: MiniBatchRun) -> Any:
+        """The engine's per-mini-batch state for the reuse path (``run.state``), built once every rank agreed."""
+        return None
+
+    def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
+        """Phases A, B and C of one group, in the lockstep shape of its slot, its outputs recorded."""
+        raise NotImplementedError
+
+    def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
+        """A group slot this rank has no group for: the slot's passes at zero loss."""
+        raise NotImplementedError
+
+    def run_tree(self, run: MiniBatchRun) -> None:
+        """Every group through the tree schedule (``prefix_reuse.tree``)."""
+        raise NotImplementedError
+
+    def run_dense(self, run: MiniBatchRun, rows: list[int]) -> None:
+        """One chunk of dense rows through the stock ``forward_step``, recorded."""
+        micro = tu.index_select_tensor_dict(run.data, rows)
+        _, meta = dense_chunk(self.forward_step, micro, run.loss_function, run.forward_only, self.backward)
+        run.record(rows, meta.pop("model_output", {}), meta["loss"], meta["metrics"])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """A micro-batch's backward (an engine with a loss scaler scales it)."""
+        loss.backward()
+
+    def run_dense_filler(self, run: MiniBatchRun) -> None:
+        """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective."""
+        raise NotImplementedError
+
+    def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
+        """The engine's own metrics of the mini-batch, before the output is assembled from ``run.outputs``."""
+
+    # -- the mini-batch -----------------------------------------------------------------------------
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        output = self._forward_backward(data, loss_function, forward_only)
+        output["metrics"] = as_micro_batch_lists(output["metrics"])
+        return output
+
+    def _forward_backward(self, data: TensorDict, loss_function: Callable | None, forward_only: bool) -> dict:
+        self.before_mini_batch(data)
+        device = self.device()
+        mine, local, own_error = self._local(data, loss_function, forward_only, device)
+        agreement = agree(exchange(mine, self.agreement_group()), mine, self.reuse_config.phase_b_attention, own_error)
+        if self.moe_aux_on(forward_only) and loss_function is not None:
+            tu.assign_non_tensor(data, moe_aux_num_tokens=agreement.moe_tokens)
+        if agreement.reason is not None:
+            if agreement.reason != "disabled":  # reuse switched off is the stock engine, as the user asked
+                self.refuse_dense(agreement.reason, len(data))
+            stock = functools.partial(self.stock_batch, data, loss_function, forward_only)
+            return dense_batch_output(stock, data, agreement.reason, self.new_meter(device), shape=self.flop_shape())
+        assert local is not None and agreement.lockstep is not None, "a rank that reuses has planned its batch"
+        if agreement.dense_refused:
+            raise ValueError(self.dense_refusal_error(mine.dense_refusal))
+        self._attach_global_normalisation(data, agreement.loss_tokens)
+        # on the agreed count, so that every rank refuses together (a rank without dense rows fills in for them)
+        reasons = ", ".join(r for r, rows in local.plan.dense_rows.items() if rows) or "another rank's rows"
+        self.refuse_dense(reasons, agreement.lockstep.num_dense_chunks)
+        run = MiniBatchRun(
+            data=data.to(device) if device.type != "cpu" else data,
+            layout=local.layout,
+            plan=local.plan,
+            lockstep=agreement.lockstep,
+            dense_chunks=local.dense_chunks,
+            agreement=agreement,
+            loss_function=loss_function,
+            forward_only=forward_only,
+            calculate_entropy=bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)),
+            meter=self.new_meter(device),
+            outputs=MiniBatchOutputs(keep_outputs=bool(forward_only or _returns_outputs(data))),
+            roots=padded_trie(local.roots, agreement.tries) if local.roots is not None else None,
+            policies=slot_policies(
+                "keep" if forward_only else self.dormant_knob(),
+                local.policies,
+                agreement.recompute,
+                agreement.lockstep.num_groups,
+            ),
+        )
+        run.state = self.start_mini_batch(run)
+        with self.mini_batch_context(forward_only):
+            self._run_groups(run)
+            self.run_dense_chunks(run)
+        return self._finish(run, data)
+
+    def dormant_knob(self) -> str:
+        """``dormant_prefix`` (``keep`` for engines without dormant policies)."""
+        return "keep"
+
+    def _local(
+        self, data: TensorDict, loss_function: Callable | None, forward_only: bool, device: torch.device
+    ) -> tuple[RankReport, _Local | None, BaseException | None]:
+        """This rank's report, plan and own error; no collective (an error here reaches the peers through the
+        exchange, before any of them enters a collective the others would not)."""
+        try:
+            report = RankReport(reason=self.reuse_reason(data, forward_only))
+            if self.moe_aux_on(forward_only) and loss_function is not None:
+                report.moe_tokens = int(data["input_ids"].offsets()[-1])  # logical tokens, every row
+            if report.reason == "disabled":  # reuse off: the stock engine, which checks nothing
+                return report, None, None
+            layout = check_batch(data, forward_only=forward_only, reuse=report.reason is None)
+            if "loss_mask" in data.keys():
+                report.loss_tokens = data["loss_mask"].sum().item()
+            if report.reason is not None:
+                return report, None, None
+            assert layout is not None
+            layout = dataclasses.replace(layout, temperature=per_row_temperature(data))
+            plan = self._plan(data, layout, forward_only)
+            chunks = self._dense_chunks(data, plan.all_dense_rows)
+            report.lockstep = LockstepPlan.of_plan(plan, len(chunks), self.reuse_config.prefix_chunk_tokens)
+            report.dense_refusal = self.dense_refusal(data, chunks)
+            report.kernel = self.kernel_refusal(device, forward_only)
+            roots = self.local_trie(layout, plan, forward_only)
+            report.trie = trie_shape(roots) if roots is not None else None
+            policies = [] if forward_only or roots is not None else self.group_policies(plan, device, forward_only)
+            report.recompute = [policy == "recompute" for policy, _ in policies]
+            return report, _Local(layout, plan, chunks, roots, policies), None
+        except Exception as exc:  # any local failure must reach the peers before they enter a collective
+            return RankReport(error=error_message(exc)), None, exc
+
+    def _plan(self, data: TensorDict, layout: RowLayout, forward_only: bool) -> BatchPlan:
+        """The rank's groups and suffix micro-batches: ``suffix_micro_batch_size`` / ``suffix_token_budget`` where
+        set, else verl's own sizing (``micro_batch_size_per_gpu``, or under ``use_dynamic_bsz`` the token budget
+        ``max_token_len_per_gpu``)."""
+        use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=False)
+        max_rows = self.reuse_config.suffix_micro_batch_size
+        if max_rows is None and not use_dynamic_bsz:
+            max_rows = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1))
+        max_tokens = self.reuse_config.suffix_token_budget
+        if max_tokens is None and use_dynamic_bsz:
+            max_tokens = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=0)) or None
+        return plan_batch(
+            layout,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            min_prefix_len=self.reuse_config.min_prefix_len,
+            min_group_size=self.reuse_config.min_group_size,
+            extra_tokens_per_row=1 if self.moe_aux_on(forward_only) else 0,  # the routed last token
+            visual_token_ids=self.visual_token_ids(),
+        )
+
+    def _dense_chunks(self, data: TensorDict, rows: list[int]) -> list[list[int]]:
+        """Dense rows in micro-batches of verl's size; the loss is globally normalised, so the split is free."""
+        if not rows:
+            return []
+        size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=1) or 1)
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def _attach_global_normalisation(self, data: TensorDict, loss_tokens: int) -> None:
+        """What the stock engine attaches before splitting (its all-reduce, here from the exchange): loss terms
+        are shares of the mini-batch."""
+        tu.assign_non_tensor(data, sp_size=self.sequence_parallel_size())
+        tu.assign_non_tensor(data, batch_num_tokens=loss_tokens)
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+    def _run_groups(self, run: MiniBatchRun) -> None:
+        """Every group slot every rank agreed on: this rank's group, or a filler where it has none."""
+        if run.roots is not None:
+            self.run_tree(run)
+            return
+        for slot in range(run.lockstep.num_groups):
+            if slot >= len(run.plan.groups):
+                with run.meter.phase("lockstep"):
+                    self.run_filler_group(run, slot)
+                continue
+            group = in_lockstep(
+                run.plan.groups[slot], run.lockstep.micro_batches[slot], run.lockstep.prefix_chunks[slot]
+            )
+            self.run_group(run, slot, group)
+
+    def run_dense_chunks(self, run: MiniBatchRun) -> None:
+        """The rank's dense chunks, then fillers up to the agreed count."""
+        for k in range(run.lockstep.num_dense_chunks):
+            if k >= len(run.dense_chunks):
+                with run.meter.phase("lockstep"):
+                    self.run_dense_filler(run)
+                continue
+            with run.meter.phase("dense"):
+                self.run_dense(run, run.dense_chunks[k])
+
+    def _finish(self, run: MiniBatchRun, data: TensorDict) -> dict:
+        extra: dict[str, float] = {}
+        self.before_finish(run, extra)
+        output = run.outputs.finish(
+            data,
+            run.layout,
+            run.plan,
+            run.meter,
+            forward_only=run.forward_only,
+            routed_last_token=self.moe_aux_on(run.forward_only),
+            extra_metrics=extra,
+            saved_tokens=int(extra.get("prefix/tree_saved_tokens", 0)),
+            shape=self.flop_shape(),
+            roots=run.roots,
+        )
+        self.after_mini_batch(run, output["metrics"])
+        return output
+
+    def after_mini_batch(self, run: MiniBatchRun, metrics: dict) -> None:
+        """Metrics that go in after the phase metrics, and releases at the end of the mini-batch."""
+
+    # -- shared by every engine -----------------------------------------------------------------------
+
+    def flop_shape(self) -> ModelShape | None:
+        """The model as the FLOP model prices it (``prefix/flops_*``), or None where it cannot read the config."""
+        return model_shape(self.model_config.hf_config)
+
+    def device(self) -> torch.device:
+        name = get_device_name()
+        return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+
+    def optimizer_step(self) -> float:
+        start = time.perf_counter()
+        grad_norm = super().optimizer_step()  # type: ignore[misc]
+        self._optimizer_seconds = time.perf_counter() - start
+        return grad_norm
+
+    def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
+        outputs = super().train_batch(data, loss_function)  # type: ignore[misc]
+        outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
+        return outputs
+
+
+def _returns_outputs(data: TensorDict) -> bool:
+    """verl's ``return_model_output``: the model outputs travel back on a training pass too."""
+    return bool(tu.get_non_tensor_data(data=data, key="return_model_output", default=False))
