@@ -279,9 +279,7 @@ def test_auto_says_what_its_budget_bounds(tiny_model, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger=backend_dormant.__name__)
     assert backend_dormant.group_policies("auto", BUDGET_HUGE, model, plan, cpu) == [("keep", "fits_budget")]
     assert "phase C" not in caplog.text
-    assert backend_dormant.group_policies("auto", BUDGET_TINY, model, plan, cpu) == [
-        ("recompute", "over_budget_cpu")
-    ]
+    assert backend_dormant.group_policies("auto", BUDGET_TINY, model, plan, cpu) == [("recompute", "over_budget_cpu")]
     assert "recompute keeps it out of phase B; phase C still holds it whole unless prefix_chunk_tokens" in caplog.text
 
 
