@@ -17,7 +17,7 @@ if cpu_platform_requested():
     ensure_cpu_platform()
 
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixFSDPEngineConfig, PrefixReuseConfig  # noqa: E402
-from verl_prefix.backend.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E402
+from verl_prefix.backend.fsdp.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E402
 
 register()
 
@@ -28,14 +28,14 @@ from verl_prefix.backend import titan_registry as _titan_registry  # noqa: E402
 _titan_registry.register()
 
 # rollout.name=hf: an HF-generate rollout on CPU, so verl's own main_ppo runs without vLLM/SGLang.
-from verl_prefix.backend import rollout_hf as _rollout_hf  # noqa: E402
+from verl_prefix.backend.trainer import rollout_hf as _rollout_hf  # noqa: E402
 
 _rollout_hf.register()
 
 # The trainer mode ("prefix_sync") registers on import. It needs verl's v1 trainer stack
 # (TransferQueue, ray); an engine-only install without it still gets the engine.
 try:
-    from verl_prefix.backend import trainer as _trainer  # noqa: E402, F401
+    from verl_prefix.backend.trainer import modes as _trainer  # noqa: E402, F401
 except ImportError as _error:  # pragma: no cover - depends on the install
     import logging as _logging
 

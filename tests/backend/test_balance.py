@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from verl_prefix.backend.balance import balance_groups
-from verl_prefix.backend.roots import prompt_rows, shared_roots
+from verl_prefix.backend.trainer.balance import balance_groups
+from verl_prefix.backend.trainer.roots import prompt_rows, shared_roots
 
 
 def layout(groups: list[tuple[int, list[int]]], padding: int = 0):

@@ -154,7 +154,7 @@ def test_a_dropout_rate_applied_without_a_module_runs_dense():
     is what says the model samples, so the mini-batch runs dense (``fallback_dropout``); at 0 it reuses."""
     from transformers import AutoModelForCausalLM
 
-    from verl_prefix.backend.fallbacks import has_active_dropout
+    from verl_prefix.backend.model_checks import has_active_dropout
 
     config = Z.tiny_config("seed_oss")
     assert not has_active_dropout(AutoModelForCausalLM.from_config(config).train())

@@ -10,7 +10,7 @@ from helpers.precision import promote_fp32_upcasts
 from verl.utils import tensordict_utils as tu
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend import fallbacks
+from verl_prefix.backend import fallbacks, model_checks
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.grouping import RowLayout, plan_suffix_micro_batches, validate_batch
@@ -119,8 +119,8 @@ def test_a_window_the_module_keeps_but_never_hands_attention_runs_dense(tmp_path
 
     from verl_prefix.tools import model_zoo
 
-    assert not fallbacks.hands_window_to_attention(Qwen2MoeAttention)
-    assert fallbacks.hands_window_to_attention(MistralAttention)
+    assert not model_checks.hands_window_to_attention(Qwen2MoeAttention)
+    assert model_checks.hands_window_to_attention(MistralAttention)
     config = model_zoo.tiny_config("qwen2_moe", use_sliding_window=True, max_window_layers=1, sliding_window=4)
     config.experts_implementation = "eager"  # fp64 experts (grouped_mm has no fp64 kernel)
     out = T.write_tokenizer(tmp_path, VOCAB)

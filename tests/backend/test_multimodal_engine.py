@@ -20,6 +20,7 @@ from helpers.vl_steps import step, worst
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
+from verl_prefix.backend.fsdp import refusals
 from verl_prefix.schedule import executor, grouping, multimodal, visual_chunks
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.tools import testing as T
@@ -254,8 +255,8 @@ def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(vl_model, fp64, 
     ulysses = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
     with pytest.raises(ValueError, match="vision-language models .'qwen2_5_vl'. under Ulysses"):
         T.build_verl_engine(vl_model, backend="prefix_fsdp2", use_remove_padding=True, overrides=ulysses)
-    assert fallbacks.multimodal_ulysses_error(module.config, reuse, ulysses_size=1) is None
-    assert fallbacks.multimodal_ulysses_error(module.config, PrefixReuseConfig(enable=False), 2) is None
+    assert refusals.multimodal_ulysses_error(module.config, reuse, ulysses_size=1) is None
+    assert refusals.multimodal_ulysses_error(module.config, PrefixReuseConfig(enable=False), 2) is None
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None
     monkeypatch.setattr(modeling_qwen2_5_vl.Qwen2_5_VLAttention, "forward", qwen2_vl_attn_forward)
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None  # remembered: served

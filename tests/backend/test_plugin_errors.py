@@ -129,7 +129,7 @@ def test_skip_switch(monkeypatch):
 
 
 def test_trainer_checks_nodes_before_creating_workers(monkeypatch):
-    from verl_prefix.backend import trainer
+    from verl_prefix.backend.trainer import modes as trainer
 
     calls = []
 

@@ -25,8 +25,9 @@ from test_engine_exactness import engines, grpo_batch, worst_relative
 from transformers import AutoModelForCausalLM
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend import engine as engine_module
 from verl_prefix.backend import fallbacks
+from verl_prefix.backend.fsdp import engine as engine_module
+from verl_prefix.backend.fsdp import refusals
 from verl_prefix.schedule import executor, hf_forwards, structure
 from verl_prefix.tools import model_zoo
 from verl_prefix.tools import testing as T
@@ -86,19 +87,19 @@ def test_update_and_infer_match_stock_engine_fp64(hybrid_dir, monkeypatch):
 
 def test_unserved_settings_are_refused_at_initialisation(hybrid_dir, tmp_path):
     """Ulysses and ``merged_varlen`` do not serve recurrent layers: the engine refuses them at initialisation
-    with the reason (``fallbacks.recurrent_settings_error``), not a dense run each step. The served settings
+    with the reason (``refusals.recurrent_settings_error``), not a dense run each step. The served settings
     (every dormant policy, chunked prefixes) pass; models without recurrent layers are never refused."""
     model = AutoModelForCausalLM.from_pretrained(hybrid_dir)
     served = PrefixReuseConfig()
     for reuse in (served, PrefixReuseConfig(prefix_chunk_tokens=64), PrefixReuseConfig(phase_b_attention="concat")):
-        assert fallbacks.recurrent_settings_error(model, reuse, ulysses=False) is None
+        assert refusals.recurrent_settings_error(model, reuse, ulysses=False) is None
     assert fallbacks.recurrent_fallback_reason(model) is None
-    assert "Ulysses sequence parallelism" in fallbacks.recurrent_settings_error(model, served, ulysses=True)
+    assert "Ulysses sequence parallelism" in refusals.recurrent_settings_error(model, served, ulysses=True)
     varlen = PrefixReuseConfig(phase_b_attention="merged_varlen")
-    assert "merged_varlen" in fallbacks.recurrent_settings_error(model, varlen, ulysses=False)
-    assert fallbacks.recurrent_settings_error(model, PrefixReuseConfig(enable=False), ulysses=True) is None
+    assert "merged_varlen" in refusals.recurrent_settings_error(model, varlen, ulysses=False)
+    assert refusals.recurrent_settings_error(model, PrefixReuseConfig(enable=False), ulysses=True) is None
     plain = AutoModelForCausalLM.from_pretrained(T.write_tiny_model(tmp_path / "qwen3", "qwen3"))
-    assert fallbacks.recurrent_settings_error(plain, varlen, ulysses=True) is None
+    assert refusals.recurrent_settings_error(plain, varlen, ulysses=True) is None
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     with pytest.raises(ValueError, match=r"merged_varlen \(its packed suffix row.*not served"):
         T.build_verl_engine(
@@ -312,11 +313,11 @@ def test_remove_padding_is_refused_at_initialisation(hybrid_dir):
     with hf_forwards.hf_recurrent(qwen):
         for model in (qwen, nemotron):
             assert _packed_vs_alone(model, [7, 9]) > 1e-3, type(model).__name__
-            assert fallbacks.recurrent_packed_error(model, served, use_remove_padding=False) is None
-            error = fallbacks.recurrent_packed_error(model, served, use_remove_padding=True)
+            assert refusals.recurrent_packed_error(model, served, use_remove_padding=False) is None
+            error = refusals.recurrent_packed_error(model, served, use_remove_padding=True)
             assert "use_remove_padding=true" in error and "+actor_rollout_ref.actor.prefix_reuse.enable=false" in error
             off = PrefixReuseConfig(enable=False)
-            assert fallbacks.recurrent_packed_error(model, off, use_remove_padding=True) is None
+            assert refusals.recurrent_packed_error(model, off, use_remove_padding=True) is None
         match = r"use_remove_padding=true with recurrent layers \['Qwen3_5GatedDeltaNet'\]"
         with pytest.raises(ValueError, match=match):
             T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", use_remove_padding=True)

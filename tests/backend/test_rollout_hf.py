@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from verl_prefix.backend import rollout_hf
+from verl_prefix.backend.trainer import rollout_hf
 from verl_prefix.tools import testing as T
 
 

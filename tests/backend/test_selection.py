@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 
 import verl_prefix
-from verl_prefix.backend.engine import PrefixFSDPEngineWithLMHead
+from verl_prefix.backend.fsdp.engine import PrefixFSDPEngineWithLMHead
 from verl_prefix.tools import testing as T
 
 

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from verl.utils import activation_offload
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend import fallbacks
+from verl_prefix.backend import fallbacks, model_checks
 from verl_prefix.backend.inputs import row_layout
 from verl_prefix.schedule.executor import prefix_backward, prefix_forward
 from verl_prefix.schedule.options import ScheduleOptions
@@ -269,7 +269,7 @@ def _model_from_config(family: str, **config) -> torch.nn.Module:
 def test_attention_windows_mirror_each_family(family, config, windows):
     """What each HF 5.10.4 family hands its attention as ``sliding_window``, per layer."""
     model = _model_from_config(family, **config)
-    assert sorted(set(fallbacks.attention_windows(model))) == windows
+    assert sorted(set(model_checks.attention_windows(model))) == windows
 
 
 # -- RoPE whose frequencies depend on the longest position of each call ---------------------------------

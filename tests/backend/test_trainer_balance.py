@@ -12,8 +12,8 @@ import transfer_queue as tq
 from omegaconf import OmegaConf
 from transfer_queue import KVBatchMeta
 
-from verl_prefix.backend import trainer as trainer_module
-from verl_prefix.backend.trainer import PrefixPPOTrainer
+from verl_prefix.backend.trainer import modes as trainer_module
+from verl_prefix.backend.trainer.modes import PrefixPPOTrainer
 
 
 def make_trainer(dp_size: int, mini_batch_prompts: int, n: int, prefix_reuse: dict | None = None) -> PrefixPPOTrainer:

@@ -8,7 +8,7 @@ from verl.trainer.ppo.v1 import get_trainer_cls
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from verl_prefix import PrefixFSDPActorConfig, PrefixReuseConfig
-from verl_prefix.backend.trainer import PrefixPPOTrainer
+from verl_prefix.backend.trainer.modes import PrefixPPOTrainer
 from verl_prefix.tools import testing as T
 
 ACTOR = "actor_rollout_ref.actor"

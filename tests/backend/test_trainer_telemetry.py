@@ -11,7 +11,7 @@ import pytest
 from transfer_queue.metadata import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from verl_prefix.backend.trainer import PrefixPPOTrainer, forward_only_telemetry, prefix_metrics_of
+from verl_prefix.backend.trainer.modes import PrefixPPOTrainer, forward_only_telemetry, prefix_metrics_of
 
 
 def worker_output(per_rank: dict[str, list[float]]) -> KVBatchMeta:

@@ -11,9 +11,9 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
-from verl_prefix.backend.roots import shared_roots
+from verl_prefix.backend.trainer.balance import balance_groups
+from verl_prefix.backend.trainer.roots import shared_roots
 from verl_prefix.backend.trees import plan_tree
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.tools import testing as T

@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_prefix.backend.balance import balance_groups
+from verl_prefix.backend.trainer.balance import balance_groups
 from verl_prefix.schedule.telemetry import PHASES, PhaseMeter
 from verl_prefix.tools import dashboard as D
 from verl_prefix.tools import testing as T

@@ -74,7 +74,7 @@ def patched_by_verl(cls: type) -> bool:
 
 def remember_hf_forwards() -> None:
     """Remember HF's forward of every class verl's patch replaces, where it is not patched yet. Runs at import and
-    again before an engine builds its model (``backend.engine``)."""
+    again before an engine builds its model (``backend.fsdp.engine``)."""
     for cls in PATCHED_CLASSES + VISUAL_PATCHED_CLASSES:
         if not patched_by_verl(cls):
             _HF_FORWARDS.setdefault(cls, cls.forward)

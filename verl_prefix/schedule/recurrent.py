@@ -144,7 +144,7 @@ def recurrent_refusal(
     """Why the schedule cannot run ``model`` with these settings because of its recurrent layers, or None.
 
     The engine asks it at initialisation (unserved layers: dense with the reason; unserved settings: an
-    error, ``backend.fallbacks.recurrent_settings_error``) and the schedule again before each group's phase A
+    error, ``backend.fsdp.refusals.recurrent_settings_error``) and the schedule again before each group's phase A
     (a ``ValueError``): what is not served is refused here rather than found inside a layer. Models without
     recurrent layers are never refused. Every dormant policy serves recurrent layers (``dormant_policy`` is
     kept for callers): ``recompute`` re-derives and checks the states like K/V, ``offload`` moves phase A's

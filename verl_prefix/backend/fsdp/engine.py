@@ -38,6 +38,7 @@ from verl_prefix.backend.distributed.mini_batch import local_refusal, model_head
 from verl_prefix.backend.distributed.once import AgreedDormant, agree_on_structure
 from verl_prefix.backend.dormant import agree_on_node_policies, group_policies
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
+from verl_prefix.backend.fsdp import refusals
 from verl_prefix.backend.outputs import full_length, micro_batch_loss
 from verl_prefix.backend.trees import local_trie
 from verl_prefix.schedule import moe
@@ -92,7 +93,7 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         reuse = getattr(engine_config, "prefix_reuse", None)
-        error = fallbacks.multimodal_ulysses_error(
+        error = refusals.multimodal_ulysses_error(
             getattr(model_config, "hf_config", None),
             reuse if reuse is not None else PrefixReuseConfig(),
             int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1),
@@ -144,9 +145,9 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         if self._structure_reason() is not None:
             return
         error = (
-            fallbacks.windowed_varlen_error(self.module, self.reuse_config)
-            or fallbacks.recurrent_settings_error(self.module, self.reuse_config, self.use_ulysses_sp)
-            or fallbacks.recurrent_packed_error(self.module, self.reuse_config, self.use_remove_padding)
+            refusals.windowed_varlen_error(self.module, self.reuse_config)
+            or refusals.recurrent_settings_error(self.module, self.reuse_config, self.use_ulysses_sp)
+            or refusals.recurrent_packed_error(self.module, self.reuse_config, self.use_remove_padding)
         )
         if error is not None:
             raise ValueError(error)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from verl.utils.seqlen_balancing import calculate_workload
 
-from verl_prefix.backend.roots import SharedRoot
+from verl_prefix.backend.trainer.roots import SharedRoot
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ plugin is imported) wraps the balancing every trainer runs: the v1 trainers' ``_
 ``colocate_async``, ``separate_async``: one method of their base class) and the legacy ``RayPPOTrainer``'s
 (``trainer.use_v1=false``). When ``actor_rollout_ref.actor.strategy`` names a prefix engine (``prefix_fsdp2``,
 ``prefix_torchtitan``) the wrapper packs whole groups into (rank, mini-batch) slots
-(``verl_prefix.backend.balance``) and logs the forward-only passes' reuse telemetry; otherwise it calls verl's own
-method unchanged, so a run that never selects a prefix engine trains exactly as before. Groups that still end up
-split (one larger than a slot) are counted as ``actor/prefix/split_groups`` with one warning naming the fix.
+(``verl_prefix.backend.trainer.balance``) and logs the forward-only passes' reuse telemetry; otherwise it
+calls verl's own method unchanged, so a run that never selects a prefix engine trains exactly as before. Groups
+that still end up split (one larger than a slot) are counted as ``actor/prefix/split_groups`` with one warning
+naming the fix.
 
 ``prefix_sync``, the trainer mode earlier versions required, stays as an alias: it is verl's synchronous trainer
 with the same balancing, refusing to start with a stock engine.
@@ -19,7 +20,7 @@ With two lines on top of the stock ``python -m verl.trainer.main_ppo`` config::
     actor_rollout_ref.actor.strategy=prefix_fsdp2
 
 it is verl's synchronous trainer with three changes: ``_balance_batch`` packs whole groups into
-(rank, mini-batch) slots (``verl_prefix.backend.balance``) instead of sorting samples by length, the
+(rank, mini-batch) slots (``verl_prefix.backend.trainer.balance``) instead of sorting samples by length, the
 actor/ref roles run ``PrefixActorRolloutRefWorker``, and the forward-only passes' ``prefix/...``
 telemetry, which verl's trainer drops, is logged as ``actor/prefix/old_log_prob/...`` and
 ``actor/prefix/ref_log_prob/...``. verl compares ``trainer_mode == "sync"`` in
@@ -45,9 +46,9 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.metric import reduce_metrics
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.plugin_check import check_plugin_on_nodes
-from verl_prefix.backend.roots import prompt_rows, shared_roots
+from verl_prefix.backend.trainer.balance import balance_groups
+from verl_prefix.backend.trainer.roots import prompt_rows, shared_roots
 from verl_prefix.schedule.trie import DEFAULT_MIN_SHARED_TOKENS
 
 logger = logging.getLogger(__name__)

@@ -53,7 +53,7 @@ from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry,
 logger = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "hf"
-_ADAPTER_FQN = "verl_prefix.backend.rollout_hf.HFServerAdapter"
+_ADAPTER_FQN = "verl_prefix.backend.trainer.rollout_hf.HFServerAdapter"
 
 
 def _server_name(prefix: str, replica_rank: int, suffix: str = "") -> str:
