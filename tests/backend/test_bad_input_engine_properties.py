@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.validation import BatchRejected
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 VOCAB = 128
 MIN_PREFIX = 2

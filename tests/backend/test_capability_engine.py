@@ -17,9 +17,9 @@ from helpers.reuse import assert_no_reuse
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.agreement import UnsupportedModel
+from verl_prefix.harness import model_zoo as Z
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.capability import structure_refusal
-from verl_prefix.tools import model_zoo as Z
-from verl_prefix.tools import testing as T
 
 TARGET = "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig"
 

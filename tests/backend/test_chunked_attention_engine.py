@@ -21,10 +21,10 @@ from test_engine_exactness import GRAD_TOL, engines
 from transformers import AutoModelForCausalLM
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import model_zoo as Z
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
-from verl_prefix.tools import model_zoo as Z
-from verl_prefix.tools import testing as T
 
 CHUNK = 12
 

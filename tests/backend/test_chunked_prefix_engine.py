@@ -18,7 +18,7 @@ from test_dormant_policies_engine import (
 )
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 

@@ -16,9 +16,9 @@ from test_engine_exactness import compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.agreement import KernelRefused
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools import testing as T
 from verl_prefix.tools.bench_presets import BF16
 
 pytestmark = pytest.mark.skipif(
@@ -193,7 +193,7 @@ def test_tree_with_images_bf16_error_within_the_stock_engines_own(tmp_path):
     once."""
     from test_tree_multimodal_engine import GROUPS, ITEMS, vl_batch
 
-    from verl_prefix.tools import testing_vl as V
+    from verl_prefix.harness import vl as V
 
     model_dir = V.write_tiny_vl_model(tmp_path / "tree_vl")
     batch = vl_batch()

@@ -29,7 +29,7 @@ from test_cuda import bf16_errors, bf16_outputs
 from test_engine_exactness import compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",

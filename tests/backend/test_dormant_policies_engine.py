@@ -16,8 +16,8 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import dormant as D
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 TOL = {"float64": 1e-10, "float32": 1e-5}

@@ -10,8 +10,8 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import executor as schedule
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}

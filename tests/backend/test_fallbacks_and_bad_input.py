@@ -12,9 +12,9 @@ from verl.utils import tensordict_utils as tu
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.grouping import RowLayout, plan_suffix_micro_batches, validate_batch
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 
@@ -117,7 +117,7 @@ def test_a_window_the_module_keeps_but_never_hands_attention_runs_dense(tmp_path
     from transformers.models.mistral.modeling_mistral import MistralAttention
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
 
-    from verl_prefix.tools import model_zoo
+    from verl_prefix.harness import model_zoo
 
     assert not fallbacks.hands_window_to_attention(Qwen2MoeAttention)
     assert fallbacks.hands_window_to_attention(MistralAttention)

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoConfig
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 from verl_prefix.tools.flops import ModelShape, dense_flops, predicted_speedup, reuse_flops
 from verl_prefix.tools.tree_flops import tree_model
 

@@ -25,10 +25,10 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from test_tree_loss_engine import assert_shared_loss_ran, shared_loss_batch
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import executor
 from verl_prefix.schedule.fused_head import scalar_temperature
 from verl_prefix.schedule.hf_forwards import hf_causal_forward
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 # verl's fused kernel returns fp32 log-probs whatever the model's dtype (its output buffer is fp32): an fp64 run's

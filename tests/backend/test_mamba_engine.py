@@ -21,8 +21,8 @@ from test_recurrent_engine import assert_partitions_match, assert_ranks_matched,
 from transformers import AutoModelForCausalLM
 
 from verl_prefix.backend import fallbacks
-from verl_prefix.tools import model_zoo
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import model_zoo
+from verl_prefix.harness import testing as T
 
 VOCAB = 128
 # 4 Mamba heads of 8, d_state 8 in 2 groups, conv kernel 4, one scan chunk as long as the longest sequence (every

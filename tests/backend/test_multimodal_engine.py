@@ -20,10 +20,10 @@ from helpers.vl_steps import step, worst
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
+from verl_prefix.harness import testing as T
+from verl_prefix.harness import vl as V
 from verl_prefix.schedule import executor, grouping, multimodal, visual_chunks
 from verl_prefix.schedule.multimodal import text_only_call
-from verl_prefix.tools import testing as T
-from verl_prefix.tools import testing_vl as V
 
 G = 4
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -290,8 +290,8 @@ def test_coverage_page_lists_the_vision_language_families():
     exact under reuse exactly where ``schedule.multimodal`` serves the family (this file's tests)."""
     from pathlib import Path
 
+    from verl_prefix.harness import model_zoo as Z
     from verl_prefix.schedule.multimodal import SERVED_VISUAL_MODELS
-    from verl_prefix.tools import model_zoo as Z
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     rows = Z.vision_language_rows()

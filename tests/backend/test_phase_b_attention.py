@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_engine_exactness import GRAD_TOL, compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 
 def _assert_reuse_ran(metrics: dict, attention: str, micro_batches: int) -> None:

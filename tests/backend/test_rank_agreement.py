@@ -49,7 +49,7 @@ def _batch(case: str | None, rank: int):
 
 def _body(rank: int, model_dir: str) -> dict:
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     engine, loss_fn, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=4)
@@ -138,9 +138,9 @@ ONE_RANK_CASES = {
 
 def _one_rank_body(rank: int, model_dir: str) -> dict:
     from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import testing as T
     from verl_prefix.schedule import dormant, prefix_kv
     from verl_prefix.schedule import varlen_attention as V
-    from verl_prefix.tools import testing as T
 
     saved = {
         "kv_difference": dormant.kv_difference,

@@ -23,7 +23,7 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks, recipe_keys
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 VOCAB = 128
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from helpers.engine_pairs import worst_relative
 from helpers.reuse import assert_reuse_ran
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 VOCAB = 128
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.model"

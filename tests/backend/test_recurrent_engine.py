@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import engine as engine_module
 from verl_prefix.backend import fallbacks
+from verl_prefix.harness import model_zoo
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import executor, hf_forwards, structure
-from verl_prefix.tools import model_zoo
-from verl_prefix.tools import testing as T
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 MOE_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]

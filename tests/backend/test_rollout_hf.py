@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from verl_prefix.backend import rollout_hf
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +127,8 @@ def vl_patch_state(request, vl_server):
 
 
 def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_patch_state):
+    from verl_prefix.harness.vl import IMAGE_PAD, vl_positions
     from verl_prefix.schedule.hf_forwards import hf_own_forwards
-    from verl_prefix.tools.testing_vl import IMAGE_PAD, vl_positions
 
     srv = vl_patch_state
     ids, image = _image_prompt(srv, (112, 168), seed=0)

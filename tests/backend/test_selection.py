@@ -8,7 +8,7 @@ import pytest
 
 import verl_prefix
 from verl_prefix.backend.engine import PrefixFSDPEngineWithLMHead
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 
 def test_plugin_entry_point_and_registration():

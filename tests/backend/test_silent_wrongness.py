@@ -18,10 +18,10 @@ from verl.utils import activation_offload
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.inputs import row_layout
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.executor import prefix_backward, prefix_forward
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 

@@ -16,8 +16,8 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from test_engine_exactness import GRAD_TOL, compare_update, engines
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
-from verl_prefix.tools import testing as T
 
 LAYERS = ["sliding_attention", "full_attention"]  # one windowed layer, one full layer
 

@@ -31,7 +31,7 @@ MOE = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_si
 def _rank_batch(rank: int, fsdp: bool):
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     shape = dict(num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 7))
     if not fsdp:  # TP ranks hold the same rows
@@ -80,7 +80,7 @@ def _tp_ep_batch(dp_rank: int):
     """Two groups of four per data-parallel rank. verl's own engine packs a micro-batch (four rows) into one
     sequence, which under TP x EP torchtitan's MoE splits over the TP ranks: the reference needs an even
     packed length, so the first seed whose micro-batches have one is taken (prefix_torchtitan pads its own)."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     for seed in range(100 * dp_rank, 100 * dp_rank + 100):
         batch = T.make_grpo_batch(
@@ -99,8 +99,8 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     takes from FSDP x TP)."""
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend import titan_engine, titan_moe
-    from verl_prefix.tools import testing as T
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import testing as T
+    from verl_prefix.harness import titan as TT
 
     layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
     if tp_ep:
@@ -182,7 +182,7 @@ def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
     TP=2): every rank refuses together, before a collective, instead of hanging or failing in DTensor."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     if dp_rank == 0:
         single = T.make_grpo_batch(
@@ -200,7 +200,7 @@ def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
 def _counted_step(prefix, loss_fn, batch) -> list:
     """One more step of ``prefix`` from the same expert bias; the routing counts its bias pre-hook reads."""
     from verl_prefix.backend.titan_moe import moe_layers
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     for m in moe_layers(prefix.module[0]):
         if m.expert_bias_E is not None:
@@ -227,8 +227,8 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
 
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend import titan_pipeline
-    from verl_prefix.tools import testing as T
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import testing as T
+    from verl_prefix.harness import titan as TT
 
     batch = _rank_batch(rank, fsdp=False)
     reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
@@ -266,7 +266,7 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
 
 def _refused_moe_tp(moe_dir: str) -> str:
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import titan as TT
 
     try:
         reuse = PrefixReuseConfig()
@@ -283,7 +283,7 @@ def _loss_fn():
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     a = "actor_rollout_ref.actor"
     knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
@@ -319,9 +319,9 @@ def _worst(want: dict, got: dict) -> tuple[float, str]:
 def moe_dirs(tmp_path_factory) -> tuple[str, str]:
     """A tiny qwen3_moe with torchtitan's load balancing on, and one without (torchtitan counts, moves no bias);
     their flavors share a name and each replaces the other when its engines are built."""
-    from verl_prefix.tools.testing import write_tiny_model
+    from verl_prefix.harness.testing import write_tiny_model
 
-    extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (tools.titan_testing)
+    extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (harness.titan)
     moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe"), "qwen3_moe", **MOE, extra_config=extra)
     moe_off = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe_off"), "qwen3_moe", **MOE, seed=1)
     return str(moe), str(moe_off)
@@ -606,7 +606,7 @@ def test_selected_through_verl_config():
 
     from verl_prefix.backend.titan_config import refusal
     from verl_prefix.backend.titan_registry import build_prefix_torchtitan
-    from verl_prefix.tools.testing import compose_ppo_config
+    from verl_prefix.harness.testing import compose_ppo_config
 
     a = "actor_rollout_ref.actor"
     overrides = [
@@ -631,7 +631,7 @@ def test_flavor_mismatch_is_refused(tiny_model):
     from transformers import AutoConfig
 
     from verl_prefix.backend.titan_flavor import check_flavor, flavor_mismatches
-    from verl_prefix.tools.titan_testing import register_tiny_flavor
+    from verl_prefix.harness.titan import register_tiny_flavor
 
     model_dir = tiny_model("qwen3")
     hf = AutoConfig.from_pretrained(model_dir)

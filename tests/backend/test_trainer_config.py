@@ -9,7 +9,7 @@ from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from verl_prefix import PrefixFSDPActorConfig, PrefixReuseConfig
 from verl_prefix.backend.trainer import PrefixPPOTrainer
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 ACTOR = "actor_rollout_ref.actor"
 

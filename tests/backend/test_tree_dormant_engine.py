@@ -25,9 +25,9 @@ from verl.utils import tensordict_utils as tu
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import agreement
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import tree
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 TOL = {"float64": 1e-10}

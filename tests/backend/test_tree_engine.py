@@ -15,8 +15,8 @@ from verl_prefix.backend.balance import balance_groups
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.backend.roots import shared_roots
 from verl_prefix.backend.trees import plan_tree
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -89,7 +89,7 @@ def test_tree_knob_refuses_what_it_does_not_serve():
 def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     from helpers.precision import promote_fp32_upcasts
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     # lr 0: every step starts from the same weights, so the last steps compare with one stock step
     kwargs = dict(dtype="float64", lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)

@@ -18,10 +18,10 @@ from test_recurrent_engine import fp64_engines
 from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
 from transformers import AutoModelForCausalLM
 
+from verl_prefix.harness import model_zoo
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import merged_attention, tree
 from verl_prefix.schedule.dormant import default_store
-from verl_prefix.tools import model_zoo
-from verl_prefix.tools import testing as T
 
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
 QUESTIONS = (5, 9)  # two groups of G = 3 under the system block: depth 2, the CPU budget

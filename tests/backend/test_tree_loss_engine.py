@@ -23,8 +23,8 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import trees
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import tree, tree_loss
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 TOL = {"float64": 1e-10, "float32": 1e-5}

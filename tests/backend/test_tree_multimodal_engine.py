@@ -24,10 +24,10 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from helpers.vl_steps import step, worst
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import testing as T
+from verl_prefix.harness import vl as V
 from verl_prefix.schedule import tree_visuals, visual_chunks
 from verl_prefix.schedule.multimodal import text_only_call
-from verl_prefix.tools import testing as T
-from verl_prefix.tools import testing_vl as V
 
 G = 3
 SYSTEM = 12

@@ -59,8 +59,8 @@ def _body(rank: int, model_dir: str) -> dict:
     from helpers.precision import promote_fp32_upcasts
     from verl.utils import tensordict_utils as tu
 
+    from verl_prefix.harness import testing as T
     from verl_prefix.schedule import tree
-    from verl_prefix.tools import testing as T
 
     out: dict = {}
     for dtype in ("float64", "float32"):
@@ -151,7 +151,7 @@ def mesh_batch(dp_rank: int):
     (a root with two children, two micro-batches each) on DP rank 0, three groups of G = 2 behind another (a root
     with three children, one micro-batch each) on DP rank 1. Six rows each, so the reference's four ranks hold
     three rows each; the tries differ in shape, so each SP group pads to their union with lockstep fillers."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     if dp_rank == 0:
         return system_batch(seed=3, prompt_lens=(5, 9))
@@ -173,7 +173,7 @@ def _mesh_body(rank: int, model_dir: str) -> dict:
     from helpers.precision import promote_fp32_upcasts
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     kwargs = dict(dtype="float64", use_kl_loss=True, entropy_coeff=0.01, use_remove_padding=True)
     # the reference's three rows in micro-batches of one (token-mean: the split does not change its gradient)

@@ -13,7 +13,7 @@ VOCAB = 128
 def _rank_batch(rank: int):
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     if rank == 0:  # two groups of four
         return T.make_grpo_batch(
@@ -52,7 +52,7 @@ def _body(rank: int, model_dir: str, mixed_fallback: bool) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     batch = _rank_batch(rank)
     if mixed_fallback and rank == 1:  # only this rank's batch asks for something reuse does not cover

@@ -26,7 +26,7 @@ PROMPTS = [[9], [6], [12], [7, 10]]
 
 def _part(index: int, short_prefix: bool = False):
     """One reference rank's mini-batch of four rows."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     prompts = [2] if short_prefix and index == 0 else PROMPTS[index]
     return T.make_grpo_batch(
@@ -51,7 +51,7 @@ def _body(
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     parts = [_part(i, short_prefix) for i in range(world)]
     dp_rank = rank // sp

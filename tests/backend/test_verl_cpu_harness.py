@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 VOCAB = 128
 

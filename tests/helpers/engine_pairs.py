@@ -19,7 +19,7 @@ from verl.workers.utils.losses import ppo_loss
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_reuse_ran
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 
 def build_pair(model_dir: Path, dtype: str) -> tuple:

@@ -7,8 +7,8 @@ from contextlib import nullcontext
 
 from helpers.delta_rule import fp64_delta_net
 from helpers.precision import fp64_throughout
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.multimodal import text_only_call
-from verl_prefix.tools import testing as T
 
 
 def step(engine_and_loss, batch, precision=fp64_throughout) -> dict:

@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.tools import testing as T
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 COEF = 0.5  # large, so that the aux term's gradient is not lost under the policy term's

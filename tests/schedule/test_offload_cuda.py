@@ -22,9 +22,9 @@ from test_dormant_policies import deep_model
 from test_schedule_hf import dense_grads, weighted_loss, worst_relative
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools import testing as T
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools import testing as T
 
 MIB = 1024.0**2
 

@@ -210,7 +210,7 @@ def test_run_bench_rejects_bad_arguments():
 
 
 def test_compile_switch_turns_on_verls_torch_compile_for_both_engines(tiny_qwen3_dir):
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     (cell,) = BP.compiled(TINY.cells)
     assert cell.name == "tiny compile" and set(BP.COMPILE_OVERRIDES) <= set(cell.overrides)

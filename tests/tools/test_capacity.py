@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from verl_prefix.harness import testing as T
 from verl_prefix.tools import bench_presets as BP
 from verl_prefix.tools import bench_runner as BR
 from verl_prefix.tools import bench_tables as BT
 from verl_prefix.tools import capacity as Cap
-from verl_prefix.tools import testing as T
 
 
 @given(st.lists(st.integers(1, 10**5), min_size=1, max_size=12, unique=True), st.integers(0, 10**5 + 1))

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_prefix.backend.balance import balance_groups
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.telemetry import PHASES, PhaseMeter
 from verl_prefix.tools import dashboard as D
-from verl_prefix.tools import testing as T
 from verl_prefix.tools.dashboard_spec import SECTIONS, all_panels
 
 VOCAB = 128

@@ -119,7 +119,7 @@ def test_vision_encoder_count_against_torch_flop_counter(tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForImageTextToText
 
-    from verl_prefix.tools import testing_vl as V
+    from verl_prefix.harness import vl as V
     from verl_prefix.tools.flops import vision_encoder_flops
 
     for family, exact in (("qwen3_vl", True), ("qwen2_5_vl", False)):

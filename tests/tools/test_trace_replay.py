@@ -14,9 +14,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from transformers import AutoConfig
 
 from verl_prefix.backend import trace as TR
+from verl_prefix.harness import testing as T
 from verl_prefix.tools import cli
 from verl_prefix.tools import replay as RP
-from verl_prefix.tools import testing as T
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 from verl_prefix.tools.synthetic_trace import synthetic_trace
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 from verl_prefix.tools.capacity import CapacitySpec
 
 
@@ -43,7 +43,7 @@ class ModelSpec:
     # a sliding window on the layers ``layer_types`` marks "sliding_attention" (every layer without them)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
-    # > 0: a vision-language family of ``testing_vl`` (its vision tower's blocks, width and heads)
+    # > 0: a vision-language family of ``harness.vl`` (its vision tower's blocks, width and heads)
     vision_depth: int = 0
     vision_hidden: int = 0
     vision_heads: int = 2
@@ -64,7 +64,7 @@ class ModelSpec:
         return T.write_tiny_model(directory, family, extra_config=extra or None, **kwargs)
 
     def _write_vl(self, directory: Path) -> Path:
-        from verl_prefix.tools import testing_vl as V
+        from verl_prefix.harness import vl as V
 
         return V.write_tiny_vl_model(
             directory,
@@ -110,7 +110,7 @@ class Cell:
     # of shared stems, level k 2**k stems of ``response_stems[k]`` tokens, then ``response_len_range`` own tokens
     response_stems: tuple[int, ...] = ()
     # "fsdp2": stock fsdp2 vs prefix_fsdp2; "torchtitan": verl's TorchTitan engine vs prefix_torchtitan (one rank,
-    # a qwen3 model: ``titan_testing`` registers the flavor of its shapes; classic cells only)
+    # a qwen3 model: ``harness.titan`` registers the flavor of its shapes; classic cells only)
     engine: str = "fsdp2"
     # a vision-language cell: the patch grid (height, width) of the one image every prompt holds, placed
     # among ``prompt_len`` text tokens (half before it); its visual tokens add to the prompt
@@ -560,7 +560,7 @@ def cell_batch(cell: Cell) -> Any:
         draw = torch.randint(lo, hi + 1, (cell.num_groups,), generator=torch.Generator().manual_seed(0))
         prompt_lens = [int(x) for x in draw]
     if cell.image is not None:
-        from verl_prefix.tools import testing_vl as V
+        from verl_prefix.harness import vl as V
 
         return V.make_vl_grpo_batch(
             images=[[cell.image]] * cell.num_groups,

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from verl_prefix.harness import testing as T
 from verl_prefix.tools import rss_probe
-from verl_prefix.tools import testing as T
 from verl_prefix.tools.bench_attention import (
     attention_kv_bytes,
     count_attention_saved,
@@ -222,7 +222,7 @@ def _fsdp_engines(cell: Cell, model_dir: Path) -> dict[str, tuple[Any, Callable]
 def _titan_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tuple[Any, Callable]]:
     """verl's TorchTitan engine ("dense") and ``prefix_torchtitan`` ("prefix") on this one rank, with verl's PPO
     loss; fp32 parameters (bf16 ones for a bfloat16 cell, torchtitan's default)."""
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import titan as TT
 
     T.init_single_process_group()
     param = "bfloat16" if cell.dtype == "bfloat16" else "float32"

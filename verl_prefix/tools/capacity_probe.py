@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 from verl_prefix.tools.capacity import parse_engine
 from verl_prefix.tools.measure import peak_rss_mib, reset_peak_rss, rss_mib, select_platform, time_update
 

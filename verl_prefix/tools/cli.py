@@ -586,7 +586,7 @@ def _models(args: argparse.Namespace) -> int:
     """``verl-prefix models``: the coverage page from the capability check over every family."""
     import logging
 
-    from verl_prefix.tools import model_zoo
+    from verl_prefix.harness import model_zoo
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rows = model_zoo.matrix_rows(args.family)

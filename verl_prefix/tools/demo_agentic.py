@@ -47,7 +47,7 @@ AGENTIC_TASK = AgenticTask()
 
 def agentic_batch(task: AgenticTask, *, prompts: int, n: int, vocab_size: int, seed: int) -> Any:
     """A GRPO mini-batch of the task's shape (one system block per step, a question per group)."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     lo, hi = task.question_len
     draw = torch.randint(lo, hi + 1, (prompts,), generator=torch.Generator().manual_seed(seed))
@@ -74,7 +74,7 @@ def reuse_configs(micro_batch_size: int) -> dict[str, Any]:
 
 def build_engines(model_dir: Path, *, micro_batch_size: int, lr: float) -> dict[str, tuple[Any, Callable]]:
     """``(engine, loss_fn)`` per engine of ``ENGINES``, from one model directory (identical weights)."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
 
     engines = {}
     for name, reuse in reuse_configs(micro_batch_size).items():
@@ -123,7 +123,7 @@ def run_agentic_demo(
     ``OUT/demo_agentic.json``; returns the summary ``agentic_report`` prints."""
     from transformers import AutoConfig
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import testing as T
     from verl_prefix.tools.flops import ModelShape
     from verl_prefix.tools.measure import select_platform
     from verl_prefix.tools.tree_flops import tree_model

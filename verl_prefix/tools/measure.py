@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from verl_prefix.harness import testing as T
 from verl_prefix.schedule.telemetry import SavedBytes
-from verl_prefix.tools import testing as T
 
 _MIB = 1024.0**2
 

@@ -31,7 +31,7 @@ from verl_prefix.backend.trace import (
     max_token_id_of,
     sequence_lengths,
 )
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 from verl_prefix.tools.measure import (
     machine_info,

@@ -45,7 +45,7 @@ def newline_tokenizer(dir: str | os.PathLike, vocab_size: int) -> Path:
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from verl_prefix.tools.testing import SPECIAL_TOKENS
+    from verl_prefix.harness.testing import SPECIAL_TOKENS
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size - 1)})
@@ -70,7 +70,7 @@ def write_smoke_model(out: str | os.PathLike, *, seed: int = 0, family: str = "l
     expect Qwen's newline token, which a word-level tokenizer does not have. ``family="qwen3"`` (the TorchTitan
     engines' smoke model) gives the tokenizer one, at the last id (``newline_tokenizer``).
     """
-    from verl_prefix.tools.testing import write_tiny_model
+    from verl_prefix.harness.testing import write_tiny_model
 
     if family not in FAMILIES:
         raise ValueError(f"the smoke model is one of {FAMILIES}, got {family!r}")

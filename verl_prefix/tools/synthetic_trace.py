@@ -10,7 +10,7 @@ import numpy as np
 
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.trace import MANIFEST, TraceError, TraceWriter
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import testing as T
 
 
 def _length_range(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:

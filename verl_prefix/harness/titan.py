@@ -29,7 +29,7 @@ def ppo_loss_fn(overrides: list[str] | None = None) -> Any:
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_prefix.tools.testing import compose_ppo_config
+    from verl_prefix.harness.testing import compose_ppo_config
 
     knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=1", *(overrides or [])]
     actor = compose_ppo_config([f"actor_rollout_ref.actor.{k}" for k in knobs]).actor_rollout_ref.actor
