@@ -8,14 +8,14 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from verl_prefix.backend import rollout_hf
-from verl_prefix.harness import testing as T
+from verl_prefix.harness import tiny_models
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from verl.workers.config import RolloutConfig
 
-    model_dir = T.write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama")
+    model_dir = tiny_models.write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama")
     config = RolloutConfig(name="hf", dtype="float32", prompt_length=32, response_length=12, calculate_log_probs=True)
     model_config = OmegaConf.create({"path": str(model_dir), "trust_remote_code": False})
     return rollout_hf.HFRolloutServer(config=config, model_config=model_config, replica_rank=0), model_dir

@@ -210,12 +210,12 @@ def test_run_bench_rejects_bad_arguments():
 
 
 def test_compile_switch_turns_on_verls_torch_compile_for_both_engines(tiny_qwen3_dir):
-    from verl_prefix.harness import testing as T
+    from verl_prefix.harness import verl_engine
 
     (cell,) = BP.compiled(TINY.cells)
     assert cell.name == "tiny compile" and set(BP.COMPILE_OVERRIDES) <= set(cell.overrides)
     for backend in ("fsdp2", "prefix_fsdp2"):
-        engine, _, _ = T.build_verl_engine(tiny_qwen3_dir, backend=backend, overrides=cell.overrides)
+        engine, _, _ = verl_engine.build_verl_engine(tiny_qwen3_dir, backend=backend, overrides=cell.overrides)
         assert engine.engine_config.use_torch_compile
         assert hasattr(engine.compute_entropy_from_logits, "_torchdynamo_orig_callable")  # torch.compile wrapper
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_prefix.harness import testing as T
+from verl_prefix.harness import verl_engine
 from verl_prefix.tools import bench_presets as BP
 from verl_prefix.tools import bench_runner as BR
 from verl_prefix.tools import bench_tables as BT
@@ -192,7 +192,7 @@ def test_gpu_capacity_and_offload_presets_are_valid_configs():
     cell = BP.PRESETS["gpu_offload"].cells[0]
     # build_verl_engine adds mixed_precision first (the preset's _BF16 then overrides it)
     base = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-    config = T.compose_ppo_config([base, *cell.overrides])
+    config = verl_engine.compose_ppo_config([base, *cell.overrides])
     from verl.utils.config import omega_conf_to_dataclass
 
     engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor.fsdp_config)

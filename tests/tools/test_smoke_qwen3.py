@@ -29,7 +29,7 @@ def test_qwen3_smoke_model_takes_verls_qwen_token_builder(tmp_path):
     assert f"t{VOCAB_SIZE - 1}" not in questions.split()  # that id is the newline here
 
     # the Llama smoke tokenizer has no newline token: verl's Qwen builder refuses it
-    from verl_prefix.harness.testing import write_tokenizer
+    from verl_prefix.harness.tiny_models import write_tokenizer
 
     llama = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "llama", VOCAB_SIZE))
     with pytest.raises(ValueError, match="newline"):

@@ -388,8 +388,8 @@ def build(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, length
 
 def write_model(dir: str | os.PathLike, family: str, dtype: torch.dtype = torch.float32) -> Path:
     """``build(family)`` saved with a local tokenizer of ``VOCAB`` ids: a model directory verl's engines load
-    (``verl_prefix.harness.testing.build_verl_engine``)."""
-    from verl_prefix.harness.testing import write_tokenizer
+    (``verl_prefix.harness.verl_engine.build_verl_engine``)."""
+    from verl_prefix.harness.tiny_models import write_tokenizer
 
     out = write_tokenizer(dir, VOCAB)
     build(family, dtype).save_pretrained(out)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.harness import testing as T
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 from verl_prefix.tools.capacity import CapacitySpec
 
 
@@ -26,7 +26,7 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a random-init Qwen3-style model, as ``testing.write_tiny_model`` takes it.
+    """Shape of a random-init Qwen3-style model, as ``tiny_models.write_tiny_model`` takes it.
 
     The capacity search (``capacity.CapacitySpec.model``) and ``dormant_memory`` use these shapes too."""
 
@@ -61,7 +61,7 @@ class ModelSpec:
             kwargs.pop("num_experts_per_tok")
         extra = {"sliding_window": kwargs.pop("sliding_window"), "layer_types": kwargs.pop("layer_types")}
         extra = {k: (list(v) if isinstance(v, tuple) else v) for k, v in extra.items() if v is not None}
-        return T.write_tiny_model(directory, family, extra_config=extra or None, **kwargs)
+        return tiny_models.write_tiny_model(directory, family, extra_config=extra or None, **kwargs)
 
     def _write_vl(self, directory: Path) -> Path:
         from verl_prefix.harness import vl as V
@@ -571,7 +571,7 @@ def cell_batch(cell: Cell) -> Any:
             seed=0,
             family=cell.model.family,
         )
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=cell.num_groups,
         group_size=cell.group_size,
         prompt_lens=prompt_lens,
@@ -593,7 +593,7 @@ def build_variant(cell: Cell, variant: str, model_dir: Path) -> tuple[Any, Calla
     dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
     stock = variant == "fsdp2"
     rows = cell.dense_micro_batch_size if stock and cell.dense_micro_batch_size else cell.micro_batch_size
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         model_dir,
         backend="fsdp2" if stock else "prefix_fsdp2",
         dtype=dtype,

@@ -158,7 +158,7 @@ def run_demo(
     Sets ``WANDB_MODE`` (see ``wandb_mode``) and a default ``WANDB_DIR`` in this process before wandb
     starts, so verl's ``Tracking`` picks them up exactly as in a ``main_ppo`` run.
     """
-    from verl_prefix.harness.testing import write_tiny_model
+    from verl_prefix.harness.tiny_models import write_tiny_model
 
     out = Path(out_dir)
     check_options(out, steps=steps, prompts=prompts, n=n)

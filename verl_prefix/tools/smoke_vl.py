@@ -55,7 +55,7 @@ def write_vl_tokenizer(dir: str | os.PathLike) -> Path:
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from verl_prefix.harness.testing import SPECIAL_TOKENS
+    from verl_prefix.harness.tiny_models import SPECIAL_TOKENS
     from verl_prefix.harness.vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
     vision = {

@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, port: int, cell: tuple[int, int, int, int], res
 
 def run(world: int, cell: tuple[int, int, int, int]) -> list[dict[str, float]]:
     """The figures of every rank of a ``world``-rank sequence-parallel group (1: no sequence parallelism)."""
-    from verl_prefix.harness.testing import free_port
+    from verl_prefix.harness.verl_engine import free_port
 
     ctx = fresh_process_context()
     with ctx.Manager() as manager:
