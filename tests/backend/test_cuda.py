@@ -19,7 +19,7 @@ from verl_prefix.backend.agreement import KernelRefused
 from verl_prefix.harness import verl_engine
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools.bench_presets import BF16
+from verl_prefix.tools.bench.presets import BF16
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",

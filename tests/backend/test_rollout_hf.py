@@ -89,7 +89,7 @@ def vl_server(tmp_path_factory):
     """The server on the CPU smoke recipe's tiny Qwen2.5-VL (image-only processor, remote code)."""
     from verl.workers.config import RolloutConfig
 
-    from verl_prefix.tools.smoke_vl import write_smoke_vl_model
+    from verl_prefix.tools.smoke.vl import write_smoke_vl_model
 
     model_dir = write_smoke_vl_model(tmp_path_factory.mktemp("vl") / "model")
     config = RolloutConfig(name="hf", dtype="float32", prompt_length=96, response_length=8, calculate_log_probs=True)
@@ -102,7 +102,7 @@ def _image_prompt(srv, size, seed):
     import numpy as np
     from PIL import Image
 
-    from verl_prefix.tools.smoke_vl import synthetic_image
+    from verl_prefix.tools.smoke.vl import synthetic_image
 
     image = Image.open(__import__("io").BytesIO(synthetic_image(*size, np.random.default_rng(seed)))).convert("RGB")
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t9 t10 t11"}]}]

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3Config
 
-from verl_prefix.tools import bench_attention as BA
-from verl_prefix.tools import bench_presets as BP
-from verl_prefix.tools import bench_runner as BR
-from verl_prefix.tools import bench_tables as BT
 from verl_prefix.tools import cli
+from verl_prefix.tools.bench import attention as BA
+from verl_prefix.tools.bench import presets as BP
+from verl_prefix.tools.bench import runner as BR
+from verl_prefix.tools.bench import tables as BT
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 
 TINY = BP.Preset(

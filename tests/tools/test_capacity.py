@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verl_prefix.harness import verl_engine
-from verl_prefix.tools import bench_presets as BP
-from verl_prefix.tools import bench_runner as BR
-from verl_prefix.tools import bench_tables as BT
-from verl_prefix.tools import capacity as Cap
+from verl_prefix.tools.bench import capacity as Cap
+from verl_prefix.tools.bench import presets as BP
+from verl_prefix.tools.bench import runner as BR
+from verl_prefix.tools.bench import tables as BT
 
 
 @given(st.lists(st.integers(1, 10**5), min_size=1, max_size=12, unique=True), st.integers(0, 10**5 + 1))

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from verl_prefix.backend.balance import balance_groups
 from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule.telemetry import PHASES, PhaseMeter
-from verl_prefix.tools import dashboard as D
-from verl_prefix.tools.dashboard_spec import SECTIONS, all_panels
+from verl_prefix.tools.report import dashboard as D
+from verl_prefix.tools.report.dashboard_spec import SECTIONS, all_panels
 
 VOCAB = 128
 STEPS = 3

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from verl_prefix.tools.smoke import shaping_score, write_splits
+from verl_prefix.tools.smoke.text import shaping_score, write_splits
 
 DATA_SOURCE = "hiyouga/geometry3k"
 # every message renders as "<s> " + its blocks + "\n"; an image block as Qwen's three vision tokens
@@ -84,7 +84,7 @@ def write_smoke_vl_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from verl_prefix.harness.vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, write_tiny_vl_model
-    from verl_prefix.tools.vl_processor import Qwen2_5_VLProcessor
+    from verl_prefix.tools.smoke.vl_processor import Qwen2_5_VLProcessor
 
     path = write_tiny_vl_model(out, "qwen2_5_vl", seed=seed)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -99,7 +99,9 @@ def write_smoke_vl_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
     )
     Qwen2_5_VLProcessor(image_processor, tokenizer, chat_template=CHAT_TEMPLATE).save_pretrained(path)
     # remote code: AutoProcessor builds the image-only processor (transformers' own needs torchvision)
-    (path / _PROCESSOR_FILE).write_text("from verl_prefix.tools.vl_processor import Qwen2_5_VLProcessor  # noqa\n")
+    (path / _PROCESSOR_FILE).write_text(
+        "from verl_prefix.tools.smoke.vl_processor import Qwen2_5_VLProcessor  # noqa\n"
+    )
     config_path = path / "processor_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     config["processor_class"] = "Qwen2_5_VLProcessor"

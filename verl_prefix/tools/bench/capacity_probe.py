@@ -1,4 +1,4 @@
-"""The child side of a capacity probe: ``python -m verl_prefix.tools.capacity_probe REQUEST`` builds one
+"""The child side of a capacity probe: ``python -m verl_prefix.tools.bench.capacity_probe REQUEST`` builds one
 engine, runs one update on one GRPO group and prints whether it fit the budget, as one JSON line.
 
 ``capacity.probe`` starts it, one fresh process per probe (see ``capacity`` for what the figures mean):
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from verl_prefix.harness import grpo_batches, verl_engine
-from verl_prefix.tools.capacity import parse_engine
+from verl_prefix.tools.bench.capacity import parse_engine
 from verl_prefix.tools.measure import peak_rss_mib, reset_peak_rss, rss_mib, select_platform, time_update
 
 _MIB = 1024.0**2

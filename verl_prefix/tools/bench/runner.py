@@ -31,14 +31,15 @@ from typing import Any
 import torch
 
 from verl_prefix.harness import verl_engine
-from verl_prefix.tools import rss_probe
-from verl_prefix.tools.bench_attention import (
+from verl_prefix.tools.bench import rss_probe
+from verl_prefix.tools.bench.attention import (
     attention_kv_bytes,
     count_attention_saved,
     largest_micro_batch_tokens,
     suffix_repeated_on_cuda,
 )
-from verl_prefix.tools.bench_presets import (
+from verl_prefix.tools.bench.capacity import run_capacity
+from verl_prefix.tools.bench.presets import (
     PHASE_B_ATTENTIONS,
     TREE_VARIANTS,
     Cell,
@@ -51,8 +52,7 @@ from verl_prefix.tools.bench_presets import (
     resolve_preset,
     unavailable_variant,
 )
-from verl_prefix.tools.bench_tables import grad_check
-from verl_prefix.tools.capacity import run_capacity
+from verl_prefix.tools.bench.tables import grad_check
 from verl_prefix.tools.flops import ModelShape, predicted_speedup, vision_encoder_flops
 from verl_prefix.tools.measure import machine_info, measure_update_memory, time_infer, time_update, timestamp
 from verl_prefix.tools.tree_flops import tree_model
@@ -518,7 +518,7 @@ def _run_capacity(
     threads: int | None,
     jobs: int = 1,
 ) -> dict:
-    """A capacity preset: ``verl_prefix.tools.capacity.run_capacity`` with the bench's result header, the
+    """A capacity preset: ``verl_prefix.tools.bench.capacity.run_capacity`` with the bench's result header, the
     JSON rewritten after each engine's search (``complete`` false until the last)."""
     started = time.perf_counter()
     previous = torch.get_num_threads()

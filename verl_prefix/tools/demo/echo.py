@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from verl_prefix._cli_quiet import hide_verl_import_warnings
-from verl_prefix.tools.cpu_loop import CPULoopRun, EchoTask, compare_runs, local_cluster, run_cpu_grpo
+from verl_prefix.tools.cpu_loop.loop import CPULoopRun, EchoTask, compare_runs, local_cluster, run_cpu_grpo
 
 # ~0.9M parameters: small enough for 2 cores, large enough that the shared prompt dominates the update.
 DEMO_MODEL: dict[str, int] = dict(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
-from verl_prefix.tools.capacity import CapacitySpec
+from verl_prefix.tools.bench.capacity import CapacitySpec
 
 
 class BenchError(ValueError):
@@ -130,7 +130,7 @@ class Preset:
     description: str = ""
     # variant cells: each variant's first update also runs once in a fresh process, for its peak RSS
     fresh_rss: bool = False
-    # a capacity preset: a search (``verl_prefix.tools.capacity``) instead of timed cells
+    # a capacity preset: a search (``verl_prefix.tools.bench.capacity``) instead of timed cells
     capacity: CapacitySpec | None = None
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools.demo import DemoError
+from verl_prefix.tools.demo.echo import DemoError
 
 # the echo demo's model shape (0.9M parameters), its vocabulary wide enough for random prompts
 AGENTIC_MODEL: dict[str, int] = dict(

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_prefix.tools.cpu_workers import ACTOR, REF, WORKER_ENV, RunWorkers, WorkerHosts, own_workers
+from verl_prefix.tools.cpu_loop.workers import ACTOR, REF, WORKER_ENV, RunWorkers, WorkerHosts, own_workers
 
 logger = logging.getLogger(__name__)
 
