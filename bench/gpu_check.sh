@@ -164,7 +164,7 @@ for name in (names + " numpy safetensors typing_extensions protobuf packaging").
     except md.PackageNotFoundError:
         print(name, "MISSING")
 # verl_prefix first, as the CLI does: off CUDA it registers verl's "cpu" platform (VERL_PLATFORM=cpu)
-modules = ("verl_prefix", "verl_prefix.tools.bench_runner", "verl_prefix.tools.cli", "ray", "verl")
+modules = ("verl_prefix", "verl_prefix.tools.bench.runner", "verl_prefix.tools.cli", "ray", "verl")
 loaded = {name: importlib.import_module(name) for name in modules}
 engine = importlib.import_module("verl.workers.engine.fsdp.transformer_impl").FSDPEngineWithLMHead
 ray, verl = loaded["ray"], loaded["verl"]

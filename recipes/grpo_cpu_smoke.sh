@@ -85,8 +85,8 @@ case "$TASK" in
   # the tiny Qwen2.5-VL's image-only processor is remote code; the data set opens the PNGs itself (no
   # qwen_vl_utils on CPU); the reward is the same rule-plus-shaping kind as the text task's
   vl) task=(actor_rollout_ref.model.trust_remote_code=true data.trust_remote_code=true
-    data.custom_cls.path=pkg://verl_prefix.tools.smoke_vl data.custom_cls.name=SmokeVLDataset
-    reward.custom_reward_function.path=pkg://verl_prefix.tools.smoke_vl) ;;
+    data.custom_cls.path=pkg://verl_prefix.tools.smoke.vl data.custom_cls.name=SmokeVLDataset
+    reward.custom_reward_function.path=pkg://verl_prefix.tools.smoke.vl) ;;
   *) echo "TASK must be text, agentic or vl, got $TASK" >&2; exit 2 ;;
 esac
 cluster=()

@@ -11,7 +11,7 @@
 #     DEST            where the wheels go (default .whl; its old *.whl are removed first).
 #   MAX_MB=56 (env)   fail when the wheels total more than this many MiB: working tree + carry <= 64 MiB.
 #
-# The set: every distribution that `import verl_prefix.tools.bench_runner, verl_prefix.tools.cli`, verl's
+# The set: every distribution that `import verl_prefix.tools.bench.runner, verl_prefix.tools.cli`, verl's
 # FSDPEngineWithLMHead and a smoke bench run load (sys.modules, mapped to owners through RECORD files),
 # minus those the device image already holds at a usable version. Versions are the ones in this repo's
 # .venv (checked below when .venv exists), so the device runs what the CPU tests ran.

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 import verl_prefix  # noqa: E402, F401  (activates the CPU platform before verl resolves one)
-from verl_prefix.tools.testing import write_tiny_model  # noqa: E402
+from verl_prefix.harness.tiny_models import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

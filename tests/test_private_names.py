@@ -190,7 +190,8 @@ def test_the_check_sees_every_form(tmp_path):
 import subprocess, sys
 import verl_prefix
 import verl_prefix.tools.measure as M
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine as T
+from verl_prefix.harness import grpo_batches as B
 from verl_prefix.tools.measure import _sync
 from verl_prefix._cli_quiet import invoked_as_cli, _drop_platform_noise
 from verl_prefix import _cli_quiet
@@ -199,9 +200,9 @@ T._full(None)
 verl_prefix.tools.measure._train_data
 M.__name__, M.time_update, _cli_quiet.invoked_as_cli
 setattr(M, "_MIB", 1)
-monkeypatch.setattr(T, "_nested", None)
+monkeypatch.setattr(B, "_nested", None)
 monkeypatch.setattr("verl_prefix.tools.measure._infer_data", None)
-subprocess.run([sys.executable, "-c", "from verl_prefix.tools.testing import _pad_right; _pad_right"])
+subprocess.run([sys.executable, "-c", "from verl_prefix.harness.grpo_batches import _pad_right; _pad_right"])
 """
     path = tmp_path / "sample.py"
     path.write_text(code)
@@ -210,12 +211,12 @@ subprocess.run([sys.executable, "-c", "from verl_prefix.tools.testing import _pa
         [
             "verl_prefix.tools.measure._sync",
             "verl_prefix._cli_quiet._drop_platform_noise",
-            "verl_prefix.tools.testing._full",
+            "verl_prefix.harness.verl_engine._full",
             "verl_prefix.tools.measure._train_data",
             "verl_prefix.tools.measure._MIB",
-            "verl_prefix.tools.testing._nested",
+            "verl_prefix.harness.grpo_batches._nested",
             "verl_prefix.tools.measure._infer_data",
-            "verl_prefix.tools.testing._pad_right",
+            "verl_prefix.harness.grpo_batches._pad_right",
         ]
     ), hits
     assert _text_violations("python -c 'from verl_prefix.tools.measure import time_update, _sync as s'") == [

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.validation import BatchRejected
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 
 VOCAB = 128
 MIN_PREFIX = 2
@@ -101,8 +101,8 @@ def engines(tiny_model):
     """(stock, stock loss, reuse engine, reuse loss) in fp64, built once; optimizer steps do nothing."""
     model_dir = tiny_model("qwen3")
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=1)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, d_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=MIN_PREFIX, suffix_micro_batch_size=2)
     for engine in (dense, prefix):
         engine.optimizer.step = lambda *args, **kwargs: None
@@ -133,20 +133,20 @@ def test_random_batches_train_like_stock_or_raise_one_clear_error(engines, spec:
     if expected is not None:
         with pytest.raises(BatchRejected) as raised:
             if spec.forward_only:
-                T.run_infer(prefix, batch)
+                verl_engine.run_infer(prefix, batch)
             else:
-                T.run_train_step(prefix, p_loss, batch)
+                verl_engine.run_train_step(prefix, p_loss, batch)
         assert re.search(expected, str(raised.value)), str(raised.value)
         assert str(raised.value).startswith("rank 0 rejected the mini-batch")
         return
 
     with promote_fp32_upcasts():
         if spec.forward_only:
-            got = T.run_infer(prefix, batch, calculate_entropy=False)
-            want = T.run_infer(dense, batch, calculate_entropy=False)
+            got = verl_engine.run_infer(prefix, batch, calculate_entropy=False)
+            want = verl_engine.run_infer(dense, batch, calculate_entropy=False)
         else:
-            got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-            want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
+            got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
+            want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
     if spec.forward_only:  # every row has its response log-probs, each as the stock engine computes it
         assert torch.equal(got["log_probs"].offsets().diff(), batch["input_ids"].offsets().diff())
         got_lp, want_lp = got["response_log_probs"], want["response_log_probs"]
@@ -154,7 +154,7 @@ def test_random_batches_train_like_stock_or_raise_one_clear_error(engines, spec:
             got_lp, want_lp = got_lp.to_padded_tensor(0.0), want_lp.to_padded_tensor(0.0)
         assert got_lp.shape == want_lp.shape
         assert (got_lp - want_lp).abs().max().item() < 1e-10
-        metrics = T.reduce_step_metrics(got["metrics"])
+        metrics = verl_engine.reduce_step_metrics(got["metrics"])
     else:  # every row contributes to the loss exactly as it does in the stock engine
         assert _worst_relative(got["grads"], want["grads"]) < 1e-10
         metrics = got["reduced_metrics"]

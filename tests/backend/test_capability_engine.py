@@ -17,9 +17,9 @@ from helpers.reuse import assert_no_reuse
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.distributed.once import UnsupportedModel
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
+from verl_prefix.harness import model_zoo as Z
 from verl_prefix.schedule.capability import structure_refusal
-from verl_prefix.tools import model_zoo as Z
-from verl_prefix.tools import testing as T
 
 TARGET = "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig"
 
@@ -30,20 +30,22 @@ def hybrid_dir(tmp_path_factory):
 
 
 def batch():
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 6), vocab_size=Z.VOCAB, seed=3
     )
 
 
 def test_hybrid_runs_dense_with_the_reason_from_step_one(hybrid_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.distributed.once"):
-        prefix, p_loss, _ = T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", dtype="float64")
+        prefix, p_loss, _ = verl_engine.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", dtype="float64")
     said = [r.getMessage() for r in caplog.records if "cannot serve this model" in r.getMessage()]
     assert len(said) == 1 and "model.layers.0.mamba (FalconH1Mixer)" in said[0], said  # at init, before any step
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)  # every group would reuse if it could
-    dense, d_loss, _ = T.build_verl_engine(hybrid_dir, backend="fsdp2", dtype="float64")
-    want = T.run_train_step(dense, d_loss, batch(), capture_grads=True)  # the same stock path: no promotion needed
-    got = T.run_train_step(prefix, p_loss, batch(), capture_grads=True)
+    dense, d_loss, _ = verl_engine.build_verl_engine(hybrid_dir, backend="fsdp2", dtype="float64")
+    want = verl_engine.run_train_step(
+        dense, d_loss, batch(), capture_grads=True
+    )  # the same stock path: no promotion needed
+    got = verl_engine.run_train_step(prefix, p_loss, batch(), capture_grads=True)
     metrics = got["reduced_metrics"]
     assert metrics["prefix/fallback_recurrent_layers"] == 8.0
     assert_no_reuse(metrics)
@@ -51,7 +53,7 @@ def test_hybrid_runs_dense_with_the_reason_from_step_one(hybrid_dir, caplog):
     assert worst < 1e-10
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.distributed.once"):
-        again = T.run_train_step(prefix, p_loss, batch())  # the decision stands: no new log line
+        again = verl_engine.run_train_step(prefix, p_loss, batch())  # the decision stands: no new log line
     assert again["reduced_metrics"]["prefix/fallback_recurrent_layers"] == 8.0
     assert not [r for r in caplog.records if "cannot serve this model" in r.getMessage()]
 
@@ -60,21 +62,21 @@ def dense_from_step_one(model_dir, reason: str, module: str, caplog, attn_implem
     """The prefix engine decides at initialisation (one log line naming ``module`` and ``reason``), then every
     row of every step runs dense, counted as ``prefix/fallback_<reason>``, with the stock engine's gradients."""
     with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.distributed.once"):
-        prefix, p_loss, _ = T.build_verl_engine(
+        prefix, p_loss, _ = verl_engine.build_verl_engine(
             model_dir, backend="prefix_fsdp2", dtype="float64", attn_implementation=attn_implementation
         )
     said = [r.getMessage() for r in caplog.records if "cannot serve this model" in r.getMessage()]
     assert len(said) == 1 and module in said[0] and f"prefix/fallback_{reason}" in said[0], said
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)  # every group would reuse if it could
-    dense, d_loss, _ = T.build_verl_engine(
+    dense, d_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="fsdp2", dtype="float64", attn_implementation=attn_implementation
     )
     # prompts past the tiny models' lengths (DeepSeek-V4's 8-token compression, its 16-token window)
-    data = T.make_grpo_batch(
+    data = grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[21, 13], response_len_range=(2, 6), vocab_size=Z.VOCAB, seed=5
     )
-    want = T.run_train_step(dense, d_loss, data, capture_grads=True)
-    got = T.run_train_step(prefix, p_loss, data.clone(), capture_grads=True)
+    want = verl_engine.run_train_step(dense, d_loss, data, capture_grads=True)
+    got = verl_engine.run_train_step(prefix, p_loss, data.clone(), capture_grads=True)
     metrics = got["reduced_metrics"]
     assert metrics[f"prefix/fallback_{reason}"] == 8.0, sorted(metrics)
     assert_no_reuse(metrics)
@@ -89,7 +91,7 @@ def test_an_unknown_layer_type_runs_dense_from_step_one(tmp_path, monkeypatch, c
 
     allowed = (*configuration_utils.ALLOWED_LAYER_TYPES, "future_attention")
     monkeypatch.setattr(configuration_utils, "ALLOWED_LAYER_TYPES", allowed)
-    model_dir = T.write_tiny_model(
+    model_dir = tiny_models.write_tiny_model(
         tmp_path, "llama", dtype=torch.float64, extra_config={"layer_types": ["full_attention", "future_attention"]}
     )
     dense_from_step_one(
@@ -115,20 +117,20 @@ def test_deepseek_v4_negative_control_past_the_check_reuse_stops_mid_step(tmp_pa
     from verl_prefix.backend.distributed import once as agreement
 
     monkeypatch.setattr(agreement, "structure_refusal", lambda model: None)
-    engine, loss, _ = T.build_verl_engine(
+    engine, loss, _ = verl_engine.build_verl_engine(
         V4.write(tmp_path, [V4.HCA, V4.CSA]), backend="prefix_fsdp2", dtype="float64", attn_implementation="eager"
     )
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    data = T.make_grpo_batch(
+    data = grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[21, 13], response_len_range=(2, 6), vocab_size=Z.VOCAB, seed=5
     )
     with pytest.raises(RuntimeError, match="must match the size"):
-        T.run_train_step(engine, loss, data)
+        verl_engine.run_train_step(engine, loss, data)
 
 
 def test_raise_refuses_at_initialisation_naming_the_module(hybrid_dir):
     with pytest.raises(UnsupportedModel, match=r"model\.layers\.0\.mamba \(FalconH1Mixer\).*recurrent_layers"):
-        T.build_verl_engine(
+        verl_engine.build_verl_engine(
             hybrid_dir,
             backend="prefix_fsdp2",
             overrides=[TARGET, "+actor_rollout_ref.actor.fsdp_config.prefix_reuse.unsupported_model=raise"],
@@ -136,10 +138,10 @@ def test_raise_refuses_at_initialisation_naming_the_module(hybrid_dir):
 
 
 def test_a_served_model_is_decided_once_and_reuses(tiny_model):
-    engine, loss, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine, loss, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     assert structure_refusal(engine.module) is None
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    metrics = T.run_train_step(engine, loss, batch())["reduced_metrics"]
+    metrics = verl_engine.run_train_step(engine, loss, batch())["reduced_metrics"]
     assert metrics["prefix/groups"] == 2.0
     assert not [k for k in metrics if k.startswith("prefix/fallback_") and metrics[k] > 0]
 
@@ -154,7 +156,7 @@ def test_a_dropout_rate_applied_without_a_module_runs_dense():
     is what says the model samples, so the mini-batch runs dense (``fallback_dropout``); at 0 it reuses."""
     from transformers import AutoModelForCausalLM
 
-    from verl_prefix.backend.model_checks import has_active_dropout
+    from verl_prefix.backend.fallbacks import has_active_dropout
 
     config = Z.tiny_config("seed_oss")
     assert not has_active_dropout(AutoModelForCausalLM.from_config(config).train())

@@ -21,10 +21,10 @@ from test_engine_exactness import GRAD_TOL, engines
 from transformers import AutoModelForCausalLM
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
+from verl_prefix.harness import model_zoo as Z
 from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
-from verl_prefix.tools import model_zoo as Z
-from verl_prefix.tools import testing as T
 
 CHUNK = 12
 
@@ -32,7 +32,7 @@ CHUNK = 12
 @pytest.fixture(scope="module")
 def llama4_dir(tmp_path_factory):
     """A tiny Llama-4 text model: layer 0 chunked (RoPE), layer 1 full attention without RoPE, temperature-tuned."""
-    out = T.write_tokenizer(tmp_path_factory.mktemp("llama4_chunked"), Z.VOCAB)
+    out = tiny_models.write_tokenizer(tmp_path_factory.mktemp("llama4_chunked"), Z.VOCAB)
     config = Z.tiny_config(
         "llama4_text", no_rope_layers=[1, 0], attention_chunk_size=CHUNK, floor_scale=8, initializer_range=0.2
     )
@@ -43,7 +43,7 @@ def llama4_dir(tmp_path_factory):
 
 
 def batch():
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=2,
         group_size=4,
         prompt_lens=[37, 50],
@@ -66,8 +66,8 @@ def step(model_dir, dtype: str, attention: str = "auto"):
         model_dir, reuse=reuse, dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01
     )
     with precision(dtype):
-        dense = T.run_train_step(d_engine, d_loss, batch(), capture_grads=True)
-        prefix = T.run_train_step(p_engine, p_loss, batch(), capture_grads=True)
+        dense = verl_engine.run_train_step(d_engine, d_loss, batch(), capture_grads=True)
+        prefix = verl_engine.run_train_step(p_engine, p_loss, batch(), capture_grads=True)
     assert dense["grads"]
     return relative_errors(prefix["grads"], dense["grads"]), prefix
 
@@ -95,8 +95,8 @@ def test_chunked_update_matches_stock_engine(llama4_dir, dtype, attention, serve
 def test_chunked_infer_matches_stock_engine(llama4_dir):
     (d_engine, _, _), (p_engine, _, _) = engines(llama4_dir, dtype="float64", micro_batch_size_per_gpu=2)
     with fp64_throughout():
-        dense = T.run_infer(d_engine, batch(), calculate_entropy=True)
-        prefix = T.run_infer(p_engine, batch(), calculate_entropy=True)
+        dense = verl_engine.run_infer(d_engine, batch(), calculate_entropy=True)
+        prefix = verl_engine.run_infer(p_engine, batch(), calculate_entropy=True)
     assert_infer_matches(dense, prefix, 1e-10, groups=2)
 
 
@@ -112,7 +112,7 @@ def test_negative_control_chunk_ignored_fails(llama4_dir, monkeypatch):
 def test_merged_varlen_refuses_chunked_models_at_initialisation(llama4_dir):
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     with pytest.raises(ValueError, match=r"merged_varlen does not serve chunked attention.*12-token chunks"):
-        T.build_verl_engine(
+        verl_engine.build_verl_engine(
             llama4_dir,
             backend="prefix_fsdp2",
             overrides=[

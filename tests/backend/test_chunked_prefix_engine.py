@@ -18,7 +18,7 @@ from test_dormant_policies_engine import (
 )
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
@@ -36,12 +36,12 @@ def test_chunked_prefix_matches_stock_fsdp2(tiny_model, policy, dtype):
     want = stock_step(model_dir, dtype)
     with promote_fp32_upcasts():
         for chunk_tokens, chunks in ((4, 2.0 + 3.0), (3, 3.0 + 2.0 + 4.0)):
-            prefix, p_loss, _ = T.build_verl_engine(
+            prefix, p_loss, _ = verl_engine.build_verl_engine(
                 model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
             )
             prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk_tokens)
             set_policy(prefix, policy, 1 if policy == "auto" else None)  # auto: nothing fits, recompute (CPU)
-            got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+            got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
             assert worst_relative(got["grads"], want["grads"]) < TOL[dtype], chunk_tokens
             check_reuse_ran(got["reduced_metrics"], "recompute" if policy == "auto" else policy, 3.0)
             check_chunked(got["reduced_metrics"], chunks)
@@ -50,16 +50,18 @@ def test_chunked_prefix_matches_stock_fsdp2(tiny_model, policy, dtype):
 def test_forward_only_chunks_match_stock_fsdp2(tiny_model):
     model_dir = tiny_model("qwen3")
     batch = grpo_batch()
-    stock, _, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
-    prefix, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
+    stock, _, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
+    prefix, _, _ = verl_engine.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
+    )
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=3)
     with promote_fp32_upcasts():
-        want = T.run_infer(stock, batch)
-        got = T.run_infer(prefix, batch)
+        want = verl_engine.run_infer(stock, batch)
+        got = verl_engine.run_infer(prefix, batch)
     for key in ("response_log_probs", "response_entropy"):
         for a, b in zip(got[key].unbind(), want[key].unbind()):
             assert (a - b).abs().max().item() < 1e-10, key
-    metrics = T.reduce_step_metrics(got["metrics"])
+    metrics = verl_engine.reduce_step_metrics(got["metrics"])
     assert metrics["prefix/groups"] == 3.0 and metrics["prefix/physical_tokens"] < metrics["prefix/logical_tokens"]
 
 
@@ -71,14 +73,14 @@ def test_chunks_with_checkpointing_and_moe_aux(tiny_model, policy):
     batch = grpo_batch()
     results = {}
     for name, chunk_tokens in (("whole", None), ("chunked", 3)):
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True
         )
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk_tokens)
         engine.moe_aux_loss_coef = 0.5
         set_policy(engine, "keep" if name == "whole" else policy)
         with promote_fp32_upcasts():
-            results[name] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+            results[name] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
     check_chunked(results["chunked"]["reduced_metrics"], 9.0)
     for result in results.values():
         assert result["reduced_metrics"]["moe_aux_loss"] > 0
@@ -95,11 +97,13 @@ def test_chunked_prefix_through_merged_varlen_matches_stock_fsdp2(tiny_model, po
     model_dir = tiny_model("qwen3", num_kv_heads=2)
     batch = grpo_batch()
     want = stock_step(model_dir, dtype)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
+    )
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=3, phase_b_attention="merged_varlen")
     set_policy(prefix, policy)
     with promote_fp32_upcasts():
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     assert worst_relative(got["grads"], want["grads"]) < TOL[dtype]
     metrics = got["reduced_metrics"]
     check_reuse_ran(metrics, policy, 3.0)
@@ -110,17 +114,17 @@ def test_chunked_prefix_through_merged_varlen_matches_stock_fsdp2(tiny_model, po
 def _rank_body(rank: int, model_dir: str, policy: str, chunk_tokens: int = 8, attention: str = "auto") -> dict:
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True)
     batch = rank_batch(rank)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, d_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(
         min_prefix_len=4, prefix_chunk_tokens=chunk_tokens, phase_b_attention=attention
     )
     set_policy(prefix, policy)
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-        infer_want = T.run_infer(dense, batch)
-        infer_got = T.run_infer(prefix, batch)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        infer_want = verl_engine.run_infer(dense, batch)
+        infer_got = verl_engine.run_infer(prefix, batch)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     worst_lp = max(
         (a - b).abs().max().item()

@@ -83,17 +83,17 @@ class Counter:
 
 def _body(rank: int, model_dir: str, case: str) -> dict:
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches, verl_engine
 
     overrides, sp, dormant = CASES.get(case, ({}, 1, "keep"))
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[9, 6], response_len_range=(1, 6), vocab_size=128, seed=11 + rank
     )
     kwargs = dict(micro_batch_size_per_gpu=2, use_remove_padding=sp > 1)
     if sp > 1:
         kwargs["overrides"] = [f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"]
     backend = "fsdp2" if case == "stock" else "prefix_fsdp2"
-    engine, loss, _ = T.build_verl_engine(model_dir, backend=backend, **kwargs)
+    engine, loss, _ = verl_engine.build_verl_engine(model_dir, backend=backend, **kwargs)
     if backend == "prefix_fsdp2":
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=4, min_shared_tokens=4, **overrides)
         engine.dormant_prefix = dormant
@@ -105,7 +105,7 @@ def _body(rank: int, model_dir: str, case: str) -> dict:
     counts = []
     for _ in range(2):  # the first mini-batch and a later one
         counter.count, counter.at_a, counter.at_forward = 0, None, None
-        metrics = T.run_train_step(engine, loss, batch)["reduced_metrics"]
+        metrics = verl_engine.run_train_step(engine, loss, batch)["reduced_metrics"]
         counts.append({"at_a": counter.at_a, "at_forward": counter.at_forward, "total": counter.count})
     return {"counts": counts, "groups": metrics.get("prefix/groups", 0.0)}
 

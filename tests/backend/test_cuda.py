@@ -16,10 +16,10 @@ from test_engine_exactness import compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.distributed.mini_batch import KernelRefused
+from verl_prefix.harness import verl_engine
 from verl_prefix.schedule.multimodal import text_only_call
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools import testing as T
-from verl_prefix.tools.bench_presets import BF16
+from verl_prefix.tools.bench.presets import BF16
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",
@@ -63,10 +63,12 @@ def test_update_matches_stock_engine_on_cuda(tiny_model, dtype):
 
 @pytest.mark.parametrize("attention", ["merged", "merged_varlen"])
 def test_explicit_two_part_attention_in_fp32_is_refused_before_it_runs(tiny_model, attention):
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
+        tiny_model("qwen3"), backend="prefix_fsdp2", micro_batch_size_per_gpu=2
+    )
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, phase_b_attention=attention)
     with pytest.raises(KernelRefused, match=rf"phase_b_attention={attention} cannot run .*rank 0: kernel_dtype"):
-        T.run_train_step(engine, loss_fn, grpo_batch())
+        verl_engine.run_train_step(engine, loss_fn, grpo_batch())
 
 
 def bf16_outputs(
@@ -84,7 +86,7 @@ def bf16_outputs(
     update. ``bf16``: verl's mixed precision (bf16 compute, fp32 master weights and reduction); else fp32.
     ``tree``, ``min_shared_tokens`` and ``dormant``: the prefix engine's ``prefix_reuse.tree``,
     ``prefix_reuse.min_shared_tokens`` and ``dormant_prefix``; ``overrides``: more Hydra overrides (both precisions)."""
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         model_dir, backend=backend, micro_batch_size_per_gpu=1, overrides=(*(BF16 if bf16 else ()), *overrides)
     )
     if backend == "prefix_fsdp2":
@@ -97,8 +99,10 @@ def bf16_outputs(
         )
         engine.dormant_prefix = dormant
     with text_only_call(engine.module):  # a vision-language model's text-only micro-batches (a no-op for text)
-        log_probs = T.run_infer(engine, batch)["response_log_probs"]  # HF's own fp32 upcasts, as bf16 training has
-        step = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+        log_probs = verl_engine.run_infer(engine, batch)[
+            "response_log_probs"
+        ]  # HF's own fp32 upcasts, as bf16 training has
+        step = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
     log_probs = log_probs.values() if log_probs.is_nested else log_probs
     return log_probs.float().cpu(), {n: g.float().cpu() for n, g in step["grads"].items()}, step["reduced_metrics"]
 
@@ -193,7 +197,7 @@ def test_tree_with_images_bf16_error_within_the_stock_engines_own(tmp_path):
     once."""
     from test_tree_multimodal_engine import GROUPS, ITEMS, vl_batch
 
-    from verl_prefix.tools import testing_vl as V
+    from verl_prefix.harness import vl as V
 
     model_dir = V.write_tiny_vl_model(tmp_path / "tree_vl")
     batch = vl_batch()
@@ -219,7 +223,7 @@ def test_allocator_peak_is_per_phase():
 def test_process_group_uses_nccl_for_cuda_tensors():
     import torch.distributed as dist
 
-    T.init_single_process_group()
+    verl_engine.init_single_process_group()
     assert "nccl" in str(dist.get_backend())
     value = torch.ones(1, device="cuda")
     dist.all_reduce(value)

@@ -29,7 +29,7 @@ from test_cuda import bf16_errors, bf16_outputs
 from test_engine_exactness import compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",
@@ -54,11 +54,13 @@ def test_fsdp_setting_keeps_reuse_exact(tiny_model, setting):
     print(f"{setting}: grads {grads:.2e}, update {update:.2e}")
     assert grads < 1e-10 and update < 1e-9
     assert_reuse_ran(prefix["metrics"], groups=3)
-    stock, _, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", **kwargs)
-    reuse, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype="float64", **kwargs)
+    stock, _, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", **kwargs)
+    reuse, _, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype="float64", **kwargs)
     reuse.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     with promote_fp32_upcasts():
-        assert_infer_matches(T.run_infer(stock, grpo_batch()), T.run_infer(reuse, grpo_batch()), 1e-10, groups=3)
+        assert_infer_matches(
+            verl_engine.run_infer(stock, grpo_batch()), verl_engine.run_infer(reuse, grpo_batch()), 1e-10, groups=3
+        )
 
 
 def test_activation_offload_on_cuda(tiny_model):
@@ -70,14 +72,16 @@ def test_activation_offload_on_cuda(tiny_model):
     kwargs = dict(dtype="float64", gradient_checkpointing=True, micro_batch_size_per_gpu=2, overrides=overrides)
     model_dir = tiny_model("qwen3", num_layers=3)  # verl wraps nothing below three FSDP units
     (stock, s_loss, _), (reuse, r_loss, _) = (
-        T.build_verl_engine(model_dir, backend=b, **kwargs) for b in ("fsdp2", "prefix_fsdp2")
+        verl_engine.build_verl_engine(model_dir, backend=b, **kwargs) for b in ("fsdp2", "prefix_fsdp2")
     )
     reuse.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     with promote_fp32_upcasts():
-        assert_infer_matches(T.run_infer(stock, grpo_batch()), T.run_infer(reuse, grpo_batch()), 1e-10, groups=3)
-        want = T.run_train_step(stock, s_loss, grpo_batch(), capture_grads=True)
-        got = T.run_train_step(reuse, r_loss, grpo_batch(), capture_grads=True)
-    metrics = T.reduce_step_metrics(got["metrics"])
+        assert_infer_matches(
+            verl_engine.run_infer(stock, grpo_batch()), verl_engine.run_infer(reuse, grpo_batch()), 1e-10, groups=3
+        )
+        want = verl_engine.run_train_step(stock, s_loss, grpo_batch(), capture_grads=True)
+        got = verl_engine.run_train_step(reuse, r_loss, grpo_batch(), capture_grads=True)
+    metrics = verl_engine.reduce_step_metrics(got["metrics"])
     assert metrics["prefix/fallback_activation_offload"] > 0 and metrics["prefix/groups"] == 0.0, metrics
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     assert worst < 1e-10

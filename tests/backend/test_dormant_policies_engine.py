@@ -16,8 +16,8 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.ranks import run_two_ranks
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule import dormant as D
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -26,7 +26,7 @@ BUDGET_HUGE = 1 << 40  # everything fits: auto keeps
 
 
 def grpo_batch(seed: int = 3):
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=3,
         group_size=4,
         prompt_lens=[9, 5, 12],
@@ -41,9 +41,11 @@ def grpo_batch(seed: int = 3):
 def stock_step(model_dir, dtype: str) -> dict:
     """verl's stock fsdp2 on ``grpo_batch()``, one update: built and run once per model and dtype in a test
     process, since every policy (and chunk size) compares its gradients with the same reference."""
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    stock, s_loss, _ = verl_engine.build_verl_engine(
+        model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
+    )
     with promote_fp32_upcasts():
-        return T.run_train_step(stock, s_loss, grpo_batch(), capture_grads=True)
+        return verl_engine.run_train_step(stock, s_loss, grpo_batch(), capture_grads=True)
 
 
 def set_policy(engine, policy: str, budget: int | None = None, store=O.RecordingStore) -> None:
@@ -81,11 +83,13 @@ def test_every_policy_matches_stock_fsdp2(tiny_model, policy, budget, runs, dtyp
     model_dir = tiny_model("qwen3")
     batch = grpo_batch()
     want = stock_step(model_dir, dtype)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
+    )
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     set_policy(prefix, policy, budget)
     with promote_fp32_upcasts():
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     assert worst_relative(got["grads"], want["grads"]) < TOL[dtype]
     m = got["reduced_metrics"]
     check_reuse_ran(m, runs, 3.0)
@@ -111,14 +115,14 @@ def test_policies_with_checkpointing_and_moe_aux(tiny_model, policy):
     batch = grpo_batch()
     results = {}
     for name in ("keep", policy):
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True
         )
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
         engine.moe_aux_loss_coef = 0.5
         set_policy(engine, name)
         with promote_fp32_upcasts():
-            results[name] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+            results[name] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
     for name, result in results.items():
         check_reuse_ran(result["reduced_metrics"], name, 3.0)
         assert result["reduced_metrics"]["moe_aux_loss"] > 0
@@ -132,14 +136,14 @@ def _offload_through_fsdp2(model_dir, store):
     stock engine's; returns (worst relative gradient difference, reduced metrics, the stores, the module)."""
     batch = grpo_batch()
     want = stock_step(model_dir, "float64")
-    prefix, p_loss, _ = T.build_verl_engine(
+    prefix, p_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
     )
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     set_policy(prefix, "offload", store=store)
     O.RecordingStore.instances.clear()
     with promote_fp32_upcasts():
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     return (
         worst_relative(got["grads"], want["grads"]),
         got["reduced_metrics"],
@@ -201,7 +205,7 @@ def test_auto_picks_by_the_compute_dtype_and_the_peak(tiny_model):
 
 def test_offload_is_refused_on_a_cpu_run(tiny_model):
     with pytest.raises(ValueError, match="this run's device is the CPU"):
-        T.build_verl_engine(
+        verl_engine.build_verl_engine(
             tiny_model("qwen3"),
             backend="prefix_fsdp2",
             overrides=[
@@ -215,14 +219,14 @@ def rank_batch(rank: int):
     from verl.utils import tensordict_utils as tu
 
     if rank == 0:  # two groups of four, one with a long prefix
-        return T.make_grpo_batch(
+        return grpo_batches.make_grpo_batch(
             num_groups=2, group_size=4, prompt_lens=[40, 5], response_len_range=(1, 6), vocab_size=VOCAB, seed=11
         )
     # one group of four plus four singletons with a short prompt: one reuse group and two dense chunks
-    group = T.make_grpo_batch(
+    group = grpo_batches.make_grpo_batch(
         num_groups=1, group_size=4, prompt_lens=12, response_len_range=(1, 6), vocab_size=VOCAB, seed=12
     )
-    singles = T.make_grpo_batch(
+    singles = grpo_batches.make_grpo_batch(
         num_groups=4, group_size=1, prompt_lens=3, response_len_range=(2, 4), vocab_size=VOCAB, seed=13
     )
     return tu.concat_tensordict([group, singles])
@@ -231,13 +235,13 @@ def rank_batch(rank: int):
 def _rank_body(rank: int, model_dir: str, policy: str, budget: int | None) -> dict:
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, gradient_checkpointing=True)
     batch = rank_batch(rank)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, d_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
     set_policy(prefix, policy, budget)
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     return {"worst": worst, "metrics": got["reduced_metrics"]}
 

@@ -10,8 +10,8 @@ from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule import executor as schedule
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -29,12 +29,12 @@ def grpo_batch(**overrides):
         calculate_entropy=True,
     )
     args.update(overrides)
-    return T.make_grpo_batch(**args)
+    return grpo_batches.make_grpo_batch(**args)
 
 
 def engines(model_dir, *, reuse: PrefixReuseConfig | None = None, **kwargs):
-    dense = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix[0].reuse_config = reuse or PrefixReuseConfig(min_prefix_len=2)
     return dense, prefix
 
@@ -43,13 +43,13 @@ def compare_update(model_dir, batch, dtype="float64", reuse=None, **kwargs):
     """One update through both engines; returns (worst grad rel, worst update rel, dense, prefix results).
     Fails unless the prefix engine reused: a silent fallback to dense would match trivially."""
     (d_engine, d_loss, _), (p_engine, p_loss, _) = engines(model_dir, reuse=reuse, dtype=dtype, **kwargs)
-    before = T.params_of(d_engine)
+    before = verl_engine.params_of(d_engine)
     with promote_fp32_upcasts():
-        dense = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
-        prefix = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+        dense = verl_engine.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+        prefix = verl_engine.run_train_step(p_engine, p_loss, batch, capture_grads=True)
     assert dense["grads"], "the stock engine produced no gradients"
     assert_reuse_ran(prefix["metrics"])
-    d_after, p_after = T.params_of(d_engine), T.params_of(p_engine)
+    d_after, p_after = verl_engine.params_of(d_engine), verl_engine.params_of(p_engine)
     d_update = {n: d_after[n] - before[n] for n in before}
     p_update = {n: p_after[n] - before[n] for n in before}
     return worst_relative(prefix["grads"], dense["grads"]), worst_relative(p_update, d_update), dense, prefix
@@ -179,8 +179,8 @@ def test_infer_batch_matches_stock(tiny_model, dtype, attn):
     )
     batch = grpo_batch()
     with promote_fp32_upcasts():
-        dense = T.run_infer(d_engine, batch, calculate_entropy=True)
-        prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
+        dense = verl_engine.run_infer(d_engine, batch, calculate_entropy=True)
+        prefix = verl_engine.run_infer(p_engine, batch, calculate_entropy=True)
     tol = 1e-10 if dtype == "float64" else 1e-5
     assert_infer_matches(dense, prefix, tol, groups=3)
 
@@ -211,7 +211,7 @@ def test_entropy_variants_follow_the_engine_config(tiny_model, knob, tol):
     )
     assert getattr(p_engine.engine_config, knob)
     with promote_fp32_upcasts():
-        dense = T.run_train_step(d_engine, d_loss, grpo_batch(), capture_grads=True)
-        prefix = T.run_train_step(p_engine, p_loss, grpo_batch(), capture_grads=True)
+        dense = verl_engine.run_train_step(d_engine, d_loss, grpo_batch(), capture_grads=True)
+        prefix = verl_engine.run_train_step(p_engine, p_loss, grpo_batch(), capture_grads=True)
     assert_reuse_ran(prefix["metrics"], groups=3)
     assert worst_relative(prefix["grads"], dense["grads"]) < tol

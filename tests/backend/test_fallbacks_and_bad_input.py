@@ -12,9 +12,9 @@ from verl.utils import tensordict_utils as tu
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks, model_checks
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.grouping import RowLayout, plan_suffix_micro_batches, validate_batch
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 
@@ -22,20 +22,20 @@ VOCAB = 128
 def grpo_batch(**overrides):
     args = dict(num_groups=2, group_size=4, prompt_lens=[9, 5], response_len_range=(1, 6), vocab_size=VOCAB, seed=5)
     args.update(overrides)
-    return T.make_grpo_batch(**args)
+    return grpo_batches.make_grpo_batch(**args)
 
 
 def run_both(model_dir, batch, reuse: PrefixReuseConfig, **kwargs):
-    dense, d_loss, _ = T.build_verl_engine(
+    dense, d_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2, **kwargs
     )
-    prefix, p_loss, _ = T.build_verl_engine(
+    prefix, p_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, **kwargs
     )
     prefix.reuse_config = reuse
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     assert worst < 1e-10, "a fallback must still give the stock gradients"
     return got["reduced_metrics"]
@@ -48,7 +48,9 @@ def test_short_prefix_runs_dense_and_is_counted(tiny_model):
 
 
 def test_small_group_runs_dense_and_is_counted(tiny_model):
-    batch = T.make_grpo_batch(num_groups=4, group_size=1, prompt_lens=8, response_len_range=(2, 5), vocab_size=VOCAB)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=4, group_size=1, prompt_lens=8, response_len_range=(2, 5), vocab_size=VOCAB
+    )
     metrics = run_both(tiny_model("qwen3"), batch, PrefixReuseConfig(min_prefix_len=2, min_group_size=2))
     assert metrics["prefix/fallback_small_group"] == 4.0
     assert metrics["prefix/groups"] == 0.0
@@ -61,31 +63,35 @@ def test_disabled_runs_the_stock_path_and_is_counted(tiny_model):
 
 def test_dropout_runs_dense_and_is_counted(tiny_model):
     # Dropout is random, so compare nothing but the decision: one prefix dropout sample would be shared.
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         tiny_model("qwen3"),
         backend="prefix_fsdp2",
         overrides=["+actor_rollout_ref.model.override_config.attention_dropout=0.1"],
     )
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    result = T.run_train_step(engine, loss_fn, grpo_batch())
+    result = verl_engine.run_train_step(engine, loss_fn, grpo_batch())
     assert result["reduced_metrics"]["prefix/fallback_dropout"] == 8.0
     # Forward-only passes run in eval mode, where dropout is off: they still reuse.
-    assert T.reduce_step_metrics(T.run_infer(engine, grpo_batch())["metrics"])["prefix/groups"] == 2.0
+    assert (
+        verl_engine.reduce_step_metrics(verl_engine.run_infer(engine, grpo_batch())["metrics"])["prefix/groups"] == 2.0
+    )
 
 
 def test_reentrant_checkpointing_runs_dense_and_is_counted(tiny_model):
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine, loss_fn, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    result = T.run_train_step(engine, loss_fn, grpo_batch())
+    result = verl_engine.run_train_step(engine, loss_fn, grpo_batch())
     assert result["reduced_metrics"]["prefix/fallback_reentrant_checkpointing"] == 8.0
 
 
 def test_forward_only_reuse_switch(tiny_model):
-    engine, _, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine, _, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, forward_only_reuse=False)
     assert (
-        T.reduce_step_metrics(T.run_infer(engine, grpo_batch())["metrics"])["prefix/fallback_forward_only_disabled"]
+        verl_engine.reduce_step_metrics(verl_engine.run_infer(engine, grpo_batch())["metrics"])[
+            "prefix/fallback_forward_only_disabled"
+        ]
         == 8.0
     )
 
@@ -117,13 +123,13 @@ def test_a_window_the_module_keeps_but_never_hands_attention_runs_dense(tmp_path
     from transformers.models.mistral.modeling_mistral import MistralAttention
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
 
-    from verl_prefix.tools import model_zoo
+    from verl_prefix.harness import model_zoo
 
     assert not model_checks.hands_window_to_attention(Qwen2MoeAttention)
     assert model_checks.hands_window_to_attention(MistralAttention)
     config = model_zoo.tiny_config("qwen2_moe", use_sliding_window=True, max_window_layers=1, sliding_window=4)
     config.experts_implementation = "eager"  # fp64 experts (grouped_mm has no fp64 kernel)
-    out = T.write_tokenizer(tmp_path, VOCAB)
+    out = tiny_models.write_tokenizer(tmp_path, VOCAB)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     metrics = run_both(out, grpo_batch(), PrefixReuseConfig(min_prefix_len=2))
     assert metrics["prefix/fallback_sliding_window"] == 8.0
@@ -145,7 +151,7 @@ def test_unsupported_attention_runs_dense_and_is_counted(tiny_model, monkeypatch
 def test_batch_features_the_schedule_does_not_cover_are_named(tiny_model, flag, reason, knob, caplog):
     """Each reason's one warning names the knob, by its full override path, that lets such batches reuse; fused
     kernels are no reason any more (``test_fused_kernels_engine.py``)."""
-    engine, _, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine, _, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     batch = grpo_batch()
     tu.assign_non_tensor(batch, **{flag: True})
     assert fallbacks.batch_fallback_reason(batch) == reason
@@ -164,14 +170,16 @@ def test_remove_padding_dense_rows_match_the_padded_stock_engine(tiny_model):
     """Reuse pads inside a group; its dense rows go through verl's packed path. Both must agree with
     the stock engine without remove-padding (transformers finds packed sequences by position ids)."""
     model_dir = tiny_model("qwen3")
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
-    prefix, p_loss, _ = T.build_verl_engine(
+    dense, d_loss, _ = verl_engine.build_verl_engine(
+        model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2
+    )
+    prefix, p_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, use_remove_padding=True
     )
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=6)  # the P=5 group runs dense, packed
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, grpo_batch(), capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, grpo_batch(), capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, grpo_batch(), capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, grpo_batch(), capture_grads=True)
     assert got["reduced_metrics"]["prefix/fallback_short_prefix"] == 4.0
     assert max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items()) < 1e-10
 
@@ -180,7 +188,7 @@ def test_remove_padding_dense_rows_match_the_padded_stock_engine(tiny_model):
 
 
 def prefix_engine(tiny_model):
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine, loss_fn, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     return engine, loss_fn
 
@@ -200,7 +208,9 @@ def test_rows_sharing_too_little_of_their_prompt_run_dense_counted(tiny_model):
     """Prompts A, A, B, B, C, C; uid "same" over A, A, B, C (a per-sample system prompt on two of its rows): A's
     pair reuses, B and C alone run dense as ``prompt_mismatch``; the uids holding the other B and C alone are
     ``small_group``; every row with the stock gradients."""
-    batch = T.make_grpo_batch(num_groups=3, group_size=2, prompt_lens=9, response_len_range=(1, 6), vocab_size=VOCAB)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=3, group_size=2, prompt_lens=9, response_len_range=(1, 6), vocab_size=VOCAB
+    )
     tu.assign_non_tensor_stack(batch, "uid", ["same", "same", "same", "x", "same", "y"])
     metrics = run_both(tiny_model("qwen3"), batch, PrefixReuseConfig(min_prefix_len=2, min_group_size=2))
     assert metrics["prefix/groups"] == 1
@@ -218,7 +228,7 @@ def test_non_finite_advantages_are_an_error(tiny_model):
     rows[6][-1] = float("inf")
     batch["advantages"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     with pytest.raises(ValueError, match=r"samples \[3, 6\] have non-finite advantages"):
-        T.run_train_step(engine, loss_fn, batch)
+        verl_engine.run_train_step(engine, loss_fn, batch)
 
 
 def test_missing_uid_is_an_error(tiny_model):
@@ -226,7 +236,7 @@ def test_missing_uid_is_an_error(tiny_model):
     batch = grpo_batch()
     del batch["uid"]
     with pytest.raises(ValueError, match="uid"):
-        T.run_train_step(engine, loss_fn, batch)
+        verl_engine.run_train_step(engine, loss_fn, batch)
 
 
 def test_empty_response_is_an_error():

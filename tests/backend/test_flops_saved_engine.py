@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoConfig
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.tools.flops import ModelShape, dense_flops, predicted_speedup, reuse_flops
 from verl_prefix.tools.tree_flops import tree_model
 
@@ -28,7 +28,7 @@ def model_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine, loss_fn, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
     return engine, loss_fn
 
 
@@ -60,7 +60,7 @@ def groups_of(batch, min_group_size: int = 2) -> tuple[list[tuple[int, list[int]
 
 
 def grouped_batch():
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[48, 40], response_len_range=(2, 6), vocab_size=VOCAB, seed=4
     )
 
@@ -74,7 +74,7 @@ def test_update_ratio_is_the_flop_models(engine, shape):
     eng, loss_fn = engine
     eng.reuse_config = PrefixReuseConfig()
     batch = grouped_batch()
-    m = T.run_train_step(eng, loss_fn, batch)["reduced_metrics"]
+    m = verl_engine.run_train_step(eng, loss_fn, batch)["reduced_metrics"]
     groups, _ = groups_of(batch)
     assert m["prefix/flops_saved_ratio"] == pytest.approx(predicted_speedup(shape, groups), rel=1e-12)
     assert m["prefix/flops_saved_ratio"] > 1
@@ -89,7 +89,7 @@ def test_forward_only_pass_logs_the_same_ratio(engine, shape):
     eng, _ = engine
     eng.reuse_config = PrefixReuseConfig()
     batch = grouped_batch()
-    m = T.reduce_step_metrics(T.run_infer(eng, batch)["metrics"])
+    m = verl_engine.reduce_step_metrics(verl_engine.run_infer(eng, batch)["metrics"])
     groups, _ = groups_of(batch)
     assert m["prefix/flops_saved_ratio"] == pytest.approx(predicted_speedup(shape, groups), rel=1e-12)
     assert_consistent(m)
@@ -99,11 +99,11 @@ def test_dense_rows_count_on_both_sides(engine, shape):
     """A group of one runs dense beside two reusing groups: its FLOPs are added to dense and schedule alike."""
     eng, loss_fn = engine
     eng.reuse_config = PrefixReuseConfig()
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=3, group_size=3, prompt_lens=[48, 40, 36], response_len_range=(2, 6), vocab_size=VOCAB, seed=5
     )
     batch["uid"] = np.array([*list(batch["uid"])[:-1], "alone"], dtype=object)  # a group of one: small_group
-    m = T.run_train_step(eng, loss_fn, batch)["reduced_metrics"]
+    m = verl_engine.run_train_step(eng, loss_fn, batch)["reduced_metrics"]
     groups, dense = groups_of(batch)
     assert m["prefix/fallback_small_group"] == 1 == m["prefix/dense_samples"] == len(dense)
     row = sum(dense_flops(shape, n, [0]) for n in dense)
@@ -124,8 +124,8 @@ def test_everything_dense_saves_exactly_nothing(engine, shape, config, reason):
     try:
         batch = grouped_batch()
         for m in (
-            T.run_train_step(eng, loss_fn, batch)["reduced_metrics"],
-            T.reduce_step_metrics(T.run_infer(eng, batch)["metrics"]),
+            verl_engine.run_train_step(eng, loss_fn, batch)["reduced_metrics"],
+            verl_engine.reduce_step_metrics(verl_engine.run_infer(eng, batch)["metrics"]),
         ):
             assert m[f"prefix/fallback_{reason}"] == len(batch) == m["prefix/dense_samples"]
             assert m["prefix/flops_saved_ratio"] == 1.0
@@ -145,7 +145,7 @@ def test_tree_counts_shared_nodes_once(engine, shape):
     config = PrefixReuseConfig(tree=True, min_shared_tokens=8)
     eng.reuse_config = config
     try:
-        batch = T.make_grpo_batch(
+        batch = grpo_batches.make_grpo_batch(
             num_groups=3,
             group_size=3,
             prompt_lens=[48, 44, 40],
@@ -154,7 +154,7 @@ def test_tree_counts_shared_nodes_once(engine, shape):
             seed=6,
             shared_system=32,
         )
-        m = T.run_train_step(eng, loss_fn, batch)["reduced_metrics"]
+        m = verl_engine.run_train_step(eng, loss_fn, batch)["reduced_metrics"]
         model = tree_model(batch, config)
         assert m["prefix/tree_nodes"] > len(model.groups)  # the shared block is a node of its own
         assert m["prefix/flops_saved_ratio"] == pytest.approx(model.speedups(shape)["tree"], rel=1e-12)

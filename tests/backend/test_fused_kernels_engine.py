@@ -25,10 +25,10 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from test_tree_loss_engine import assert_shared_loss_ran, shared_loss_batch
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule import executor
 from verl_prefix.schedule.fused_head import scalar_temperature
 from verl_prefix.schedule.hf_forwards import hf_causal_forward
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 # verl's fused kernel returns fp32 log-probs whatever the model's dtype (its output buffer is fp32): an fp64 run's
@@ -65,7 +65,7 @@ def batch(**overrides):
         temperature=0.7,
     )
     args.update(overrides)
-    return T.make_grpo_batch(**args)
+    return grpo_batches.make_grpo_batch(**args)
 
 
 def precision(dtype: str):
@@ -74,8 +74,8 @@ def precision(dtype: str):
 
 def engines(model_dir, dtype: str, *, stock_fused: bool = True, reuse: PrefixReuseConfig | None = None, **kwargs):
     kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, **kwargs)
-    dense = T.build_verl_engine(model_dir, backend="fsdp2", overrides=FUSED if stock_fused else (), **kwargs)
-    prefix = T.build_verl_engine(model_dir, backend="prefix_fsdp2", overrides=FUSED, **kwargs)
+    dense = verl_engine.build_verl_engine(model_dir, backend="fsdp2", overrides=FUSED if stock_fused else (), **kwargs)
+    prefix = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", overrides=FUSED, **kwargs)
     prefix[0].reuse_config = reuse or PrefixReuseConfig(min_prefix_len=2)
     return dense, prefix
 
@@ -96,8 +96,8 @@ def step(dense, prefix, data, dtype: str) -> tuple[float, dict]:
     (d_engine, d_loss, _), (p_engine, p_loss, _) = dense, prefix
     with precision(dtype):
         with unfused(d_engine):
-            want = T.run_train_step(d_engine, d_loss, data, capture_grads=True)
-        got = T.run_train_step(p_engine, p_loss, data, capture_grads=True)
+            want = verl_engine.run_train_step(d_engine, d_loss, data, capture_grads=True)
+        got = verl_engine.run_train_step(p_engine, p_loss, data, capture_grads=True)
     return worst(got["grads"], want["grads"]), got
 
 
@@ -115,8 +115,8 @@ def test_tied_embeddings_match_the_stock_engine_with_fused_kernels(tiny_model, d
     assert error < TOL[dtype], error
     assert_fused_reuse(got["metrics"], groups=2)
     with precision(dtype):
-        want_infer = T.run_infer(dense[0], batch(), calculate_entropy=True)
-        got_infer = T.run_infer(prefix[0], batch(), calculate_entropy=True)
+        want_infer = verl_engine.run_infer(dense[0], batch(), calculate_entropy=True)
+        got_infer = verl_engine.run_infer(prefix[0], batch(), calculate_entropy=True)
     assert_infer_matches(want_infer, got_infer, TOL[dtype], groups=2)
 
 
@@ -125,9 +125,11 @@ def test_untied_embeddings_reuse_where_verls_fused_forward_fails(tiny_model):
     equal to the stock engine without fused kernels (fp64), its dense rows (the 4-token prefix group, below
     ``min_prefix_len``) on verl's unfused path."""
     model_dir = tiny_model("qwen3")
-    stock_fused, stock_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", overrides=FUSED)
+    stock_fused, stock_loss, _ = verl_engine.build_verl_engine(
+        model_dir, backend="fsdp2", dtype="float64", overrides=FUSED
+    )
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
-        T.run_train_step(stock_fused, stock_loss, batch())
+        verl_engine.run_train_step(stock_fused, stock_loss, batch())
     reuse = PrefixReuseConfig(min_prefix_len=9)  # the 9-token prompts' group (prefix 8) runs dense
     dense, prefix = engines(model_dir, "float64", stock_fused=False, reuse=reuse)
     error, got = step(dense, prefix, batch(), "float64")
@@ -137,8 +139,8 @@ def test_untied_embeddings_reuse_where_verls_fused_forward_fails(tiny_model):
     assert m["prefix/fallback_short_prefix"] == 4
     with promote_fp32_upcasts():
         with unfused(dense[0]):
-            want_infer = T.run_infer(dense[0], batch(), calculate_entropy=True)
-        got_infer = T.run_infer(prefix[0], batch(), calculate_entropy=True)
+            want_infer = verl_engine.run_infer(dense[0], batch(), calculate_entropy=True)
+        got_infer = verl_engine.run_infer(prefix[0], batch(), calculate_entropy=True)
     assert_infer_matches(want_infer, got_infer, TOL["float64"], groups=1)
 
 
@@ -167,7 +169,9 @@ def test_tree_loss_carrying_nodes_use_the_fused_kernel(tiny_model):
     assert error < TOL["float64"], error
     assert_shared_loss_ran(got["metrics"])
     with promote_fp32_upcasts():
-        assert_infer_matches(T.run_infer(dense[0], data), T.run_infer(prefix[0], data), TOL["float64"], groups=4)
+        assert_infer_matches(
+            verl_engine.run_infer(dense[0], data), verl_engine.run_infer(prefix[0], data), TOL["float64"], groups=4
+        )
 
 
 def test_per_sample_temperatures_are_refused_as_verl_refuses_them():

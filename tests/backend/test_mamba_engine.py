@@ -21,8 +21,7 @@ from test_recurrent_engine import assert_partitions_match, assert_ranks_matched,
 from transformers import AutoModelForCausalLM
 
 from verl_prefix.backend import fallbacks
-from verl_prefix.tools import model_zoo
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import model_zoo, tiny_models, verl_engine
 
 VOCAB = 128
 # 4 Mamba heads of 8, d_state 8 in 2 groups, conv kernel 4, one scan chunk as long as the longest sequence (every
@@ -34,15 +33,15 @@ NEMOTRON = dict(
     **NEMOTRON_MIXERS,
     mamba_chunk_size=20,
     initializer_range=0.2,
-    pad_token_id=T.PAD_ID,
-    bos_token_id=T.BOS_ID,
-    eos_token_id=T.EOS_ID,
+    pad_token_id=tiny_models.PAD_ID,
+    bos_token_id=tiny_models.BOS_ID,
+    eos_token_id=tiny_models.EOS_ID,
 )
 
 
 @pytest.fixture(scope="module")
 def nemotron_dir(tmp_path_factory):
-    out = T.write_tokenizer(tmp_path_factory.mktemp("tiny_nemotron_h"), VOCAB)
+    out = tiny_models.write_tokenizer(tmp_path_factory.mktemp("tiny_nemotron_h"), VOCAB)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(model_zoo.tiny_config("nemotron_h", **NEMOTRON)).save_pretrained(out)
     return out
@@ -58,14 +57,14 @@ def test_fp64_update_partitions_and_chunks_match_stock_engine(nemotron_dir):
     )
     batch = grpo_batch()
     with fp64_throughout():
-        dense = T.run_infer(d_engine, batch, calculate_entropy=True)
-        assert_infer_matches(dense, T.run_infer(p_engine, batch, calculate_entropy=True), 1e-10, groups=3)
-        before = T.params_of(d_engine)
-        want = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+        dense = verl_engine.run_infer(d_engine, batch, calculate_entropy=True)
+        assert_infer_matches(dense, verl_engine.run_infer(p_engine, batch, calculate_entropy=True), 1e-10, groups=3)
+        before = verl_engine.params_of(d_engine)
+        want = verl_engine.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(p_engine, p_loss, batch, capture_grads=True)
         assert_reuse_ran(got["metrics"], groups=3)
         assert worst_relative(got["grads"], want["grads"]) < 1e-10
-        d_after, p_after = T.params_of(d_engine), T.params_of(p_engine)
+        d_after, p_after = verl_engine.params_of(d_engine), verl_engine.params_of(p_engine)
         moved = lambda after: {n: after[n] - before[n] for n in before}  # noqa: E731
         assert worst_relative(moved(p_after), moved(d_after)) < 1e-9
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-10)

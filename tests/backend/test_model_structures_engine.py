@@ -19,8 +19,8 @@ from helpers.reuse import assert_reuse_ran, reduced
 from test_engine_exactness import GRAD_TOL, compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness.tiny_models import write_tiny_model
 from verl_prefix.schedule import executor
-from verl_prefix.tools.testing import write_tiny_model
 
 ENGINE = dict(micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
 

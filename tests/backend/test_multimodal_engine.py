@@ -21,10 +21,10 @@ from helpers.vl_steps import step, worst
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.fsdp import refusals
+from verl_prefix.harness import verl_engine
+from verl_prefix.harness import vl as V
 from verl_prefix.schedule import executor, grouping, multimodal, visual_chunks
 from verl_prefix.schedule.multimodal import text_only_call
-from verl_prefix.tools import testing as T
-from verl_prefix.tools import testing_vl as V
 
 G = 4
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -45,8 +45,8 @@ def vl_batch(**kwargs):
 def build(model_dir, dtype):
     """The stock engine and prefix_fsdp2 on the same model; lr 0 keeps the weights for every later comparison."""
     args = dict(dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
-    dense = T.build_verl_engine(model_dir, backend="fsdp2", **args)
-    prefix = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **args)
+    dense = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **args)
+    prefix = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **args)
     prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2)
     return dense, prefix
 
@@ -119,7 +119,7 @@ def test_freeze_vision_tower_flag_is_honoured(vl_model, fp64):
     a = "actor_rollout_ref.actor"
     overrides = [f"{a}._target_=verl_prefix.PrefixFSDPActorConfig", f"{a}.freeze_vision_tower=true"]
     args = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
-    prefix = T.build_verl_engine(vl_model, backend="prefix_fsdp2", overrides=overrides, **args)
+    prefix = verl_engine.build_verl_engine(vl_model, backend="prefix_fsdp2", overrides=overrides, **args)
     assert not any(p.requires_grad for p in prefix[0].module.model.visual.parameters())
     prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2)
     dense_tower = fp64[0][0].module.model.visual
@@ -139,8 +139,8 @@ def forward_only_matches(engines) -> dict:
     (dense, _, _), (prefix, _, _) = engines
     with fp64_throughout():
         with text_only_call(dense.module):
-            want = T.run_infer(dense, vl_batch())
-        got = T.run_infer(prefix, vl_batch())
+            want = verl_engine.run_infer(dense, vl_batch())
+        got = verl_engine.run_infer(prefix, vl_batch())
     assert_infer_matches(want, got, 1e-10, groups=len(IMAGES))
     assert_encoder_calls(got["metrics"])
     return want
@@ -235,7 +235,7 @@ def test_chunk_boundary_inside_an_image_matches_stock_engine(fp64, monkeypatch):
 
     monkeypatch.setattr(visual_chunks.EncodedVisuals, "token_range", unshifted)
     with fp64_throughout():
-        wrong = T.run_infer(prefix_engine, vl_batch())
+        wrong = verl_engine.run_infer(prefix_engine, vl_batch())
     off = wrong["response_log_probs"].values() - want["response_log_probs"].values()
     assert off.abs().max().item() > 1e-4
     assert_reuse_ran(wrong["metrics"], groups=len(IMAGES))
@@ -254,7 +254,7 @@ def test_what_reuse_does_not_serve_yet_is_refused_with_a_reason(vl_model, fp64, 
     reuse = PrefixReuseConfig()
     ulysses = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
     with pytest.raises(ValueError, match="vision-language models .'qwen2_5_vl'. under Ulysses"):
-        T.build_verl_engine(vl_model, backend="prefix_fsdp2", use_remove_padding=True, overrides=ulysses)
+        verl_engine.build_verl_engine(vl_model, backend="prefix_fsdp2", use_remove_padding=True, overrides=ulysses)
     assert refusals.multimodal_ulysses_error(module.config, reuse, ulysses_size=1) is None
     assert refusals.multimodal_ulysses_error(module.config, PrefixReuseConfig(enable=False), 2) is None
     assert fallbacks.model_fallback_reason(module, reuse, forward_only=True) is None
@@ -276,7 +276,7 @@ def test_remove_padding_path_reuses_with_hf_attention(vl_model, fp64, monkeypatc
     batch = vl_batch()
     want = step(fp64[0], batch, fp64_throughout)
     args = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
-    prefix = T.build_verl_engine(vl_model, backend="prefix_fsdp2", use_remove_padding=True, **args)
+    prefix = verl_engine.build_verl_engine(vl_model, backend="prefix_fsdp2", use_remove_padding=True, **args)
     assert multimodal.attention_bypassed(prefix[0].module) is False
     assert modeling_qwen2_5_vl.Qwen2_5_VLAttention.forward.__module__.startswith("verl."), "verl patched it"
     prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2)
@@ -291,8 +291,8 @@ def test_coverage_page_lists_the_vision_language_families():
     exact under reuse exactly where ``schedule.multimodal`` serves the family (this file's tests)."""
     from pathlib import Path
 
+    from verl_prefix.harness import model_zoo as Z
     from verl_prefix.schedule.multimodal import SERVED_VISUAL_MODELS
-    from verl_prefix.tools import model_zoo as Z
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     rows = Z.vision_language_rows()
@@ -475,8 +475,8 @@ def test_qwen3_5_vision_language_matches_stock_engine(tmp_path, monkeypatch):
         assert_encoder_calls(got["metrics"])
     assert reduced(got["metrics"])["prefix/chunked_groups"] == len(IMAGES)
     with fp64_throughout(), fp64_delta_net(dense[0].module), fp64_delta_net(prefix[0].module):
-        infer_want = T.run_infer(dense[0], batch)
-        infer_got = T.run_infer(prefix[0], batch)
+        infer_want = verl_engine.run_infer(dense[0], batch)
+        infer_got = verl_engine.run_infer(prefix[0], batch)
     assert_infer_matches(infer_want, infer_got, 1e-10, groups=len(IMAGES))
     assert_encoder_calls(infer_got["metrics"])
     # a video (each frame marked on its own) next to an image-and-video group

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_engine_exactness import GRAD_TOL, compare_update, grpo_batch
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 
 
 def _assert_reuse_ran(metrics: dict, attention: str, micro_batches: int) -> None:
@@ -47,19 +47,21 @@ def test_merged_for_every_partition(qwen3_pair, rows):
 
 def test_forward_only_merged_matches_stock(tiny_model):
     model_dir = tiny_model("qwen3")
-    dense, _, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
-    prefix, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
+    dense, _, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
+    prefix, _, _ = verl_engine.build_verl_engine(
+        model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
+    )
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, phase_b_attention="merged")
     batch = grpo_batch()
     with promote_fp32_upcasts():
-        want = T.run_infer(dense, batch, calculate_entropy=True)
-        got = T.run_infer(prefix, batch, calculate_entropy=True)
+        want = verl_engine.run_infer(dense, batch, calculate_entropy=True)
+        got = verl_engine.run_infer(prefix, batch, calculate_entropy=True)
     for key in ("response_log_probs", "response_entropy"):
         w, g = want[key], got[key]
         torch.testing.assert_close(
             g.values() if g.is_nested else g, w.values() if w.is_nested else w, rtol=1e-10, atol=1e-10
         )
-    _assert_reuse_ran(T.reduce_step_metrics(got["metrics"]), "merged", 3 * 2)
+    _assert_reuse_ran(verl_engine.reduce_step_metrics(got["metrics"]), "merged", 3 * 2)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -78,18 +80,20 @@ def test_merged_varlen_matches_stock_engine(tiny_model, dtype, kv_heads):
         assert prefix["grad_norm"] == pytest.approx(dense["grad_norm"], rel=1e-5)
         _assert_reuse_ran(prefix["reduced_metrics"], "merged_varlen", 3 * (4 // rows))
     if dtype == "float64":
-        dense, _, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
-        engine, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+        dense, _, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", dtype=dtype, micro_batch_size_per_gpu=2)
+        engine, _, _ = verl_engine.build_verl_engine(
+            model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
+        )
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, phase_b_attention="merged_varlen")
         with promote_fp32_upcasts():
-            want = T.run_infer(dense, grpo_batch(), calculate_entropy=True)
-            got = T.run_infer(engine, grpo_batch(), calculate_entropy=True)
+            want = verl_engine.run_infer(dense, grpo_batch(), calculate_entropy=True)
+            got = verl_engine.run_infer(engine, grpo_batch(), calculate_entropy=True)
         for key in ("response_log_probs", "response_entropy"):
             w, g = want[key], got[key]
             torch.testing.assert_close(
                 g.values() if g.is_nested else g, w.values() if w.is_nested else w, rtol=1e-10, atol=1e-10
             )
-        _assert_reuse_ran(T.reduce_step_metrics(got["metrics"]), "merged_varlen", 3 * 2)
+        _assert_reuse_ran(verl_engine.reduce_step_metrics(got["metrics"]), "merged_varlen", 3 * 2)
 
 
 def test_merged_varlen_negative_control_wrong_offsets(tiny_model, monkeypatch):
@@ -123,9 +127,9 @@ def _bf16_run(engine_and_loss, batch, autocast: bool) -> tuple[torch.Tensor, flo
     engine, loss_fn, _ = engine_and_loss
     if autocast:
         engine._autocast_dtype = torch.bfloat16  # CPU bf16 autocast over fp32 parameters, both engines
-    log_probs = T.run_infer(engine, batch)["response_log_probs"]
+    log_probs = verl_engine.run_infer(engine, batch)["response_log_probs"]
     log_probs = log_probs.values() if log_probs.is_nested else log_probs
-    step = T.run_train_step(engine, loss_fn, batch)
+    step = verl_engine.run_train_step(engine, loss_fn, batch)
     return log_probs.float(), float(step["grad_norm"]), step["reduced_metrics"]
 
 
@@ -136,9 +140,13 @@ def test_bf16_error_within_the_stock_engines_own(tiny_model):
     model_dir = tiny_model("qwen3", num_kv_heads=1)
     batch = grpo_batch(num_groups=1, group_size=16, prompt_lens=[40], response_len_range=(4, 12), use_kl=False)
     kwargs = dict(dtype="float32", micro_batch_size_per_gpu=1)
-    ref_lp, ref_gn, _ = _bf16_run(T.build_verl_engine(model_dir, backend="fsdp2", **kwargs), batch, autocast=False)
-    dense_lp, dense_gn, _ = _bf16_run(T.build_verl_engine(model_dir, backend="fsdp2", **kwargs), batch, autocast=True)
-    prefix = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    ref_lp, ref_gn, _ = _bf16_run(
+        verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs), batch, autocast=False
+    )
+    dense_lp, dense_gn, _ = _bf16_run(
+        verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs), batch, autocast=True
+    )
+    prefix = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix[0].reuse_config = PrefixReuseConfig(min_prefix_len=2, suffix_micro_batch_size=1, phase_b_attention="merged")
     reuse_lp, reuse_gn, metrics = _bf16_run(prefix, batch, autocast=True)
     dense_err = ((dense_lp - ref_lp).abs().mean().item(), abs(dense_gn - ref_gn) / ref_gn)

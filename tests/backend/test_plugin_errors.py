@@ -99,7 +99,7 @@ def _main_ppo_runtime_env(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    from verl_prefix.tools.testing import compose_ppo_config
+    from verl_prefix.harness.verl_engine import compose_ppo_config
 
     config = compose_ppo_config(overrides)
     merged = OmegaConf.merge(get_ppo_ray_runtime_env(config), config.ray_kwargs.ray_init.runtime_env)

@@ -49,23 +49,23 @@ def _batch(case: str | None, rank: int):
 
 def _body(rank: int, model_dir: str) -> dict:
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
-    engine, loss_fn, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=4)
     results: dict = {}
     for case, (forward_only, _, _) in CASES.items():
         batch = _batch(case, rank)
         try:
             if forward_only:
-                T.run_infer(engine, batch)
+                verl_engine.run_infer(engine, batch)
             else:
-                T.run_train_step(engine, loss_fn, batch)
+                verl_engine.run_train_step(engine, loss_fn, batch)
             results[case] = {"raised": None}
         except ValueError as exc:
             results[case] = {"raised": type(exc).__name__, "message": str(exc)}
     # after the rejections both ranks are still in lockstep: a good mini-batch trains, with reuse
-    good = T.run_train_step(engine, loss_fn, _batch(None, rank))
+    good = verl_engine.run_train_step(engine, loss_fn, _batch(None, rank))
     results["good"] = {k: good["reduced_metrics"][k] for k in ("prefix/groups", "prefix/physical_tokens")}
     results["good"]["logical"] = good["reduced_metrics"]["prefix/logical_tokens"]
     # one uid over both prompts on rank 0 only (a per-sample prompt): no error on either rank, both reuse
@@ -73,7 +73,7 @@ def _body(rank: int, model_dir: str) -> dict:
 
     _, prompts, responses, uids = groups_batch(GROUPS, seed=3 + rank)
     split = rows_batch(prompts, responses, ["same"] * len(uids) if rank == 0 else uids, seed=3 + rank)
-    results["split"] = T.run_train_step(engine, loss_fn, split)["reduced_metrics"]["prefix/groups"]
+    results["split"] = verl_engine.run_train_step(engine, loss_fn, split)["reduced_metrics"]["prefix/groups"]
     return results
 
 
@@ -138,9 +138,9 @@ ONE_RANK_CASES = {
 
 def _one_rank_body(rank: int, model_dir: str) -> dict:
     from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import verl_engine
     from verl_prefix.schedule import dormant, prefix_kv
     from verl_prefix.schedule import varlen_attention as V
-    from verl_prefix.tools import testing as T
 
     saved = {
         "kv_difference": dormant.kv_difference,
@@ -150,13 +150,15 @@ def _one_rank_body(rank: int, model_dir: str) -> dict:
     }
     results: dict = {}
     for case, (attention, policy) in ONE_RANK_CASES.items():
-        engine, loss_fn, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
+            model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2
+        )
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=4, phase_b_attention=attention)
         engine.dormant_prefix = policy
         if rank == 1:
             _trip_on_this_rank(case)
         try:
-            step = T.run_train_step(engine, loss_fn, _batch(None, rank))
+            step = verl_engine.run_train_step(engine, loss_fn, _batch(None, rank))
             metrics = step["reduced_metrics"]
             results[case] = {"raised": None, **{k: v for k, v in metrics.items() if "phase_b_attention" in k}}
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the finding
@@ -165,7 +167,7 @@ def _one_rank_body(rank: int, model_dir: str) -> dict:
             _untrip(saved)
         # both ranks are still in lockstep afterwards: the same engine trains a good batch, reusing
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=4)
-        good = T.run_train_step(engine, loss_fn, _batch(None, rank))["reduced_metrics"]
+        good = verl_engine.run_train_step(engine, loss_fn, _batch(None, rank))["reduced_metrics"]
         results[case]["good_groups"] = good["prefix/groups"]
     return results
 

@@ -23,7 +23,7 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks, recipe_keys
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import grpo_batches, verl_engine
 
 VOCAB = 128
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def verl_keys() -> dict[str, object]:
 def grpo_batch(**overrides):
     args = dict(num_groups=2, group_size=4, prompt_lens=[9, 6], response_len_range=(1, 6), vocab_size=VOCAB, seed=5)
     args.update(overrides)
-    return T.make_grpo_batch(use_kl=True, **args)
+    return grpo_batches.make_grpo_batch(use_kl=True, **args)
 
 
 def unclassified(keys) -> list[str]:
@@ -150,11 +150,13 @@ def _loss_fn(base, engine_actor_config, settings: tuple[str, ...]):
 
 
 def test_loss_keys_reuse(tiny_model):
-    engine, _, actor_config = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", lr=0.0)
+    engine, _, actor_config = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", lr=0.0)
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    base = T.compose_ppo_config([f"{A}.ppo_micro_batch_size_per_gpu=4"]).actor_rollout_ref.actor
+    base = verl_engine.compose_ppo_config([f"{A}.ppo_micro_batch_size_per_gpu=4"]).actor_rollout_ref.actor
     for settings in LOSS_SETTINGS:
-        metrics = T.run_train_step(engine, _loss_fn(base, actor_config, settings), grpo_batch())["reduced_metrics"]
+        metrics = verl_engine.run_train_step(engine, _loss_fn(base, actor_config, settings), grpo_batch())[
+            "reduced_metrics"
+        ]
         assert metrics["prefix/groups"] == 2.0, settings
         assert not [k for k, v in metrics.items() if k.startswith("prefix/fallback_") and v], settings
 
@@ -251,11 +253,13 @@ def test_served_keys_reuse(tiny_model, build, monkeypatch):
     monkeypatch.setattr(Qwen3ForCausalLM, "forward", Qwen3ForCausalLM.forward)
     kwargs, settings = BUILDS[build]
     overrides = [f"actor_rollout_ref.{s}" for s in settings]
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", overrides=overrides, **kwargs)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
+        tiny_model("qwen3"), backend="prefix_fsdp2", overrides=overrides, **kwargs
+    )
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     for metrics in (
-        T.run_train_step(engine, loss_fn, grpo_batch())["reduced_metrics"],
-        T.reduce_step_metrics(T.run_infer(engine, grpo_batch())["metrics"]),
+        verl_engine.run_train_step(engine, loss_fn, grpo_batch())["reduced_metrics"],
+        verl_engine.reduce_step_metrics(verl_engine.run_infer(engine, grpo_batch())["metrics"]),
     ):
         assert metrics["prefix/groups"] == 2.0, build
         assert not [k for k, v in metrics.items() if k.startswith("prefix/fallback_") and v], build
@@ -280,9 +284,9 @@ def flipped_no_effect_keys() -> list[str]:
 def test_no_effect_keys_set_together_still_reuse(tiny_model):
     overrides = flipped_no_effect_keys()
     assert len(overrides) > 40  # optimizer, checkpoint, profiler, MTP, Megatron LoRA, VeOmni blocks and the rest
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", overrides=overrides)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", overrides=overrides)
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    metrics = T.run_train_step(engine, loss_fn, grpo_batch())["reduced_metrics"]
+    metrics = verl_engine.run_train_step(engine, loss_fn, grpo_batch())["reduced_metrics"]
     assert metrics["prefix/groups"] == 2.0
     assert not [k for k, v in metrics.items() if k.startswith("prefix/fallback_") and v]
 
@@ -293,13 +297,13 @@ def _warned(caplog, reason: str, key: str) -> None:
 
 def test_calculate_sum_pi_squared_runs_dense_and_names_the_key(tiny_model, caplog):
     """verl's trainer asks the old-log-prob pass for sum(pi^2) when ``actor.calculate_sum_pi_squared`` is set."""
-    engine, _, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine, _, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     batch = grpo_batch()
     tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
     fallbacks.LOGGED_REASONS.discard("sum_pi_squared")
     with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.fallbacks"):
-        metrics = T.reduce_step_metrics(T.run_infer(engine, batch)["metrics"])
+        metrics = verl_engine.reduce_step_metrics(verl_engine.run_infer(engine, batch)["metrics"])
     assert metrics["prefix/fallback_sum_pi_squared"] == 8.0
     _warned(caplog, "sum_pi_squared", "actor.calculate_sum_pi_squared")
 
@@ -313,7 +317,7 @@ def test_activation_offload_runs_dense_and_names_the_key(tiny_model, monkeypatch
         "offload",
         staticmethod(lambda tensor, pin_memory=True: original(tensor, pin_memory=False)),
     )
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         tiny_model("qwen3", num_layers=3),
         backend="prefix_fsdp2",
         gradient_checkpointing=True,
@@ -322,6 +326,6 @@ def test_activation_offload_runs_dense_and_names_the_key(tiny_model, monkeypatch
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     fallbacks.LOGGED_REASONS.discard("activation_offload")
     with caplog.at_level(logging.WARNING, logger="verl_prefix.backend.fallbacks"):
-        metrics = T.run_train_step(engine, loss_fn, grpo_batch())["reduced_metrics"]
+        metrics = verl_engine.run_train_step(engine, loss_fn, grpo_batch())["reduced_metrics"]
     assert metrics["prefix/fallback_activation_offload"] == 8.0
     _warned(caplog, "activation_offload", "model.enable_activation_offload")

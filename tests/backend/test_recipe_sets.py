@@ -16,7 +16,7 @@ from helpers.engine_pairs import worst_relative
 from helpers.reuse import assert_reuse_ran
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import grpo_batches, verl_engine
 
 VOCAB = 128
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.model"
@@ -60,12 +60,12 @@ def test_recipe_sets_match_the_stock_engine(tiny_model, recipe, monkeypatch):
     model_dir = tiny_model("qwen3", tie_word_embeddings=recipe == "fused_kernels")
     build = dict(dtype="float32", micro_batch_size_per_gpu=2, overrides=overrides, **kwargs)
     torch.manual_seed(0)  # LoRA's A matrices start random: the same draw for both engines
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **build)
+    stock, s_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **build)
     torch.manual_seed(0)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **build)
-    assert worst_relative(T.params_of(prefix), T.params_of(stock)) == 0.0
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **build)
+    assert worst_relative(verl_engine.params_of(prefix), verl_engine.params_of(stock)) == 0.0
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=3,
         group_size=4,
         prompt_lens=[9, 5, 12],
@@ -75,12 +75,14 @@ def test_recipe_sets_match_the_stock_engine(tiny_model, recipe, monkeypatch):
         use_kl=True,
         calculate_entropy=True,
     )
-    want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
-    got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-    infer = T.run_infer(prefix, batch)
+    want = verl_engine.run_train_step(stock, s_loss, batch, capture_grads=True)
+    got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
+    infer = verl_engine.run_infer(prefix, batch)
     for metrics in (got["metrics"], infer["metrics"]):
         assert_reuse_ran(metrics, groups=3)
-        fell = {k: v for k, v in T.reduce_step_metrics(metrics).items() if k.startswith("prefix/fallback_") and v}
+        fell = {
+            k: v for k, v in verl_engine.reduce_step_metrics(metrics).items() if k.startswith("prefix/fallback_") and v
+        }
         assert not fell, fell
     assert want["grads"] and got["grads"].keys() == want["grads"].keys()
     assert worst_relative(got["grads"], want["grads"]) < 1e-5

@@ -28,9 +28,8 @@ from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.fsdp import engine as engine_module
 from verl_prefix.backend.fsdp import refusals
+from verl_prefix.harness import grpo_batches, model_zoo, tiny_models, verl_engine
 from verl_prefix.schedule import executor, hf_forwards, structure
-from verl_prefix.tools import model_zoo
-from verl_prefix.tools import testing as T
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 MOE_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
@@ -38,7 +37,7 @@ MOE_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
-    return T.write_tiny_model(
+    return tiny_models.write_tiny_model(
         tmp_path_factory.mktemp("tiny_qwen3_5_text"),
         "qwen3_5_text",
         num_layers=4,
@@ -68,17 +67,17 @@ def test_update_and_infer_match_stock_engine_fp64(hybrid_dir, monkeypatch):
     monkeypatch.setattr(executor, "layer_roles", counted)
     batch = grpo_batch()
     with fp64_engines(d_engine, p_engine):
-        dense = T.run_infer(d_engine, batch, calculate_entropy=True)
-        prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
+        dense = verl_engine.run_infer(d_engine, batch, calculate_entropy=True)
+        prefix = verl_engine.run_infer(p_engine, batch, calculate_entropy=True)
     assert_infer_matches(dense, prefix, 1e-10, groups=3)
 
-    before = T.params_of(d_engine)
+    before = verl_engine.params_of(d_engine)
     with fp64_engines(d_engine, p_engine):
-        dense = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
-        prefix = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+        dense = verl_engine.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+        prefix = verl_engine.run_train_step(p_engine, p_loss, batch, capture_grads=True)
     assert_reuse_ran(prefix["metrics"], groups=3)
     assert worst_relative(prefix["grads"], dense["grads"]) < 1e-10
-    d_after, p_after = T.params_of(d_engine), T.params_of(p_engine)
+    d_after, p_after = verl_engine.params_of(d_engine), verl_engine.params_of(p_engine)
     update = worst_relative({n: p_after[n] - before[n] for n in before}, {n: d_after[n] - before[n] for n in before})
     assert update < 1e-9
     assert prefix["loss"] == pytest.approx(dense["loss"], rel=1e-10)
@@ -98,11 +97,11 @@ def test_unserved_settings_are_refused_at_initialisation(hybrid_dir, tmp_path):
     varlen = PrefixReuseConfig(phase_b_attention="merged_varlen")
     assert "merged_varlen" in refusals.recurrent_settings_error(model, varlen, ulysses=False)
     assert refusals.recurrent_settings_error(model, PrefixReuseConfig(enable=False), ulysses=True) is None
-    plain = AutoModelForCausalLM.from_pretrained(T.write_tiny_model(tmp_path / "qwen3", "qwen3"))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_models.write_tiny_model(tmp_path / "qwen3", "qwen3"))
     assert refusals.recurrent_settings_error(plain, varlen, ulysses=True) is None
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     with pytest.raises(ValueError, match=r"merged_varlen \(its packed suffix row.*not served"):
-        T.build_verl_engine(
+        verl_engine.build_verl_engine(
             hybrid_dir,
             backend="prefix_fsdp2",
             overrides=[
@@ -121,8 +120,8 @@ def assert_partitions_match(dense: tuple, prefix: tuple, cases: tuple) -> None:
     for rows, chunk in cases:
         p_engine.reuse_config = PrefixReuseConfig(min_prefix_len=2, prefix_chunk_tokens=chunk)
         batch = grpo_batch(worker_settings={"micro_batch_size_per_gpu": rows})
-        want = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(p_engine, p_loss, batch, capture_grads=True)
         assert_reuse_ran(got["metrics"], groups=3)
         assert worst_relative(got["grads"], want["grads"]) < 1e-10, (rows, chunk)
     assert cases[-1][1] == 2
@@ -139,7 +138,7 @@ def test_moe_hybrids_match_stock_engine_fp64(tmp_path, family):
     """One pair of engines per family (``lr=0``: the weights stay put, so every case compares on the same
     model; the update itself is compared above): forward-only, training in micro-batches of 2, 1 and G = 4 rows,
     prefix chunks of 2 tokens; then the router aux loss on, against the engine's own dense path with the aux."""
-    model_dir = T.write_tiny_model(
+    model_dir = tiny_models.write_tiny_model(
         tmp_path,
         family,
         num_layers=3,
@@ -151,8 +150,8 @@ def test_moe_hybrids_match_stock_engine_fp64(tmp_path, family):
         model_dir, dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01, lr=0.0
     )
     with fp64_engines(d_engine, p_engine):
-        dense = T.run_infer(d_engine, grpo_batch(), calculate_entropy=True)
-        prefix = T.run_infer(p_engine, grpo_batch(), calculate_entropy=True)
+        dense = verl_engine.run_infer(d_engine, grpo_batch(), calculate_entropy=True)
+        prefix = verl_engine.run_infer(p_engine, grpo_batch(), calculate_entropy=True)
         assert_infer_matches(dense, prefix, 1e-10, groups=3)
         assert_partitions_match((d_engine, d_loss), (p_engine, p_loss), ((2, None), (1, None), (4, None), (2, 2)))
         # the aux is a mean per micro-batch: both paths must cut the mini-batch alike, here one group per micro-batch
@@ -160,7 +159,7 @@ def test_moe_hybrids_match_stock_engine_fp64(tmp_path, family):
         aux = {}
         for name, reuse in (("dense", PrefixReuseConfig(enable=False)), ("reuse", PrefixReuseConfig(min_prefix_len=2))):
             p_engine.reuse_config = reuse
-            aux[name] = T.run_train_step(p_engine, p_loss, batch_of(4), capture_grads=True)
+            aux[name] = verl_engine.run_train_step(p_engine, p_loss, batch_of(4), capture_grads=True)
     assert_reuse_ran(aux["reuse"]["metrics"], groups=3)
     assert worst_relative(aux["reuse"]["grads"], aux["dense"]["grads"]) < 1e-10
     got_aux, want_aux = (aux[k]["reduced_metrics"]["moe_aux_loss"] for k in ("reuse", "dense"))
@@ -175,9 +174,11 @@ def rank_batch(rank: int):
 
     shape = dict(response_len_range=(1, 6), vocab_size=128, global_batch_size=16)
     if rank == 0:
-        return T.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[9, 5], seed=11, **shape)
-    group = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=12, seed=12, **shape)
-    return tu.concat_tensordict([group, T.make_grpo_batch(num_groups=4, group_size=1, prompt_lens=3, seed=13, **shape)])
+        return grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[9, 5], seed=11, **shape)
+    group = grpo_batches.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=12, seed=12, **shape)
+    return tu.concat_tensordict(
+        [group, grpo_batches.make_grpo_batch(num_groups=4, group_size=1, prompt_lens=3, seed=13, **shape)]
+    )
 
 
 def two_rank_step(rank: int, model_dir: str, fp64: Callable) -> dict:
@@ -185,12 +186,12 @@ def two_rank_step(rank: int, model_dir: str, fp64: Callable) -> dict:
     (the family's true-fp64 context): the worst relative gradient difference and the prefix engine's metrics."""
     batch = rank_batch(rank)
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, d_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
     with fp64(dense, prefix):
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     return {"worst": worst, "metrics": got["reduced_metrics"]}
 
@@ -220,9 +221,9 @@ def test_fp32_and_bf16_within_the_stock_engines_own_rounding(hybrid_dir):
     within 1.5x the fp32 stock engine's own error; bf16 (verl's mixed precision) against the fp32 stock run
     likewise (mean |log-prob| error and the gradients' relative error), as ``test_cuda`` judges bf16 on a GPU."""
     batch = grpo_batch(num_groups=1, group_size=16, prompt_lens=[40], response_len_range=(4, 12), use_kl=False)
-    truth, t_loss, _ = T.build_verl_engine(hybrid_dir, dtype="float64", micro_batch_size_per_gpu=1)
+    truth, t_loss, _ = verl_engine.build_verl_engine(hybrid_dir, dtype="float64", micro_batch_size_per_gpu=1)
     with fp64_engines(truth):
-        truth_grads = T.run_train_step(truth, t_loss, batch, capture_grads=True)["grads"]
+        truth_grads = verl_engine.run_train_step(truth, t_loss, batch, capture_grads=True)["grads"]
     reference = bf16_outputs(hybrid_dir, "fsdp2", batch, bf16=False)
     fp32 = bf16_outputs(hybrid_dir, "prefix_fsdp2", batch, bf16=False)
     as64 = lambda grads: {n: g.double() for n, g in grads.items()}  # noqa: E731
@@ -265,14 +266,14 @@ def test_verl_patched_forward_serves_with_hf_forwards(hybrid_dir, monkeypatch):
     assert all(hf_forwards.patched_by_verl(cls) for cls in hf_forwards.PATCHED_CLASSES), "verl's patch is in"
     batch = grpo_batch(num_groups=2, prompt_lens=[9, 12])
     with fp64_engines(d_engine, p_engine):
-        dense = T.run_infer(d_engine, batch, calculate_entropy=True)
+        dense = verl_engine.run_infer(d_engine, batch, calculate_entropy=True)
         assert calls, "the stock engine did not run verl's forwards"
         calls.clear()
-        prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
+        prefix = verl_engine.run_infer(p_engine, batch, calculate_entropy=True)
         assert not calls, "the schedule ran verl's forwards"
         assert_infer_matches(dense, prefix, 1e-10, groups=2)
-        dense = T.run_train_step(d_engine, d_loss, batch, capture_grads=True)
-        prefix = T.run_train_step(p_engine, p_loss, batch, capture_grads=True)
+        dense = verl_engine.run_train_step(d_engine, d_loss, batch, capture_grads=True)
+        prefix = verl_engine.run_train_step(p_engine, p_loss, batch, capture_grads=True)
     assert_reuse_ran(prefix["metrics"], groups=2)
     assert worst_relative(prefix["grads"], dense["grads"]) < 1e-10
     assert all(hf_forwards.patched_by_verl(cls) for cls in hf_forwards.PATCHED_CLASSES), "verl's patch is back"
@@ -320,4 +321,4 @@ def test_remove_padding_is_refused_at_initialisation(hybrid_dir):
             assert refusals.recurrent_packed_error(model, off, use_remove_padding=True) is None
         match = r"use_remove_padding=true with recurrent layers \['Qwen3_5GatedDeltaNet'\]"
         with pytest.raises(ValueError, match=match):
-            T.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", use_remove_padding=True)
+            verl_engine.build_verl_engine(hybrid_dir, backend="prefix_fsdp2", use_remove_padding=True)

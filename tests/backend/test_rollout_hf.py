@@ -8,14 +8,14 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from verl_prefix.backend.trainer import rollout_hf
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import tiny_models
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from verl.workers.config import RolloutConfig
 
-    model_dir = T.write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama")
+    model_dir = tiny_models.write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama")
     config = RolloutConfig(name="hf", dtype="float32", prompt_length=32, response_length=12, calculate_log_probs=True)
     model_config = OmegaConf.create({"path": str(model_dir), "trust_remote_code": False})
     return rollout_hf.HFRolloutServer(config=config, model_config=model_config, replica_rank=0), model_dir
@@ -89,7 +89,7 @@ def vl_server(tmp_path_factory):
     """The server on the CPU smoke recipe's tiny Qwen2.5-VL (image-only processor, remote code)."""
     from verl.workers.config import RolloutConfig
 
-    from verl_prefix.tools.smoke_vl import write_smoke_vl_model
+    from verl_prefix.tools.smoke.vl import write_smoke_vl_model
 
     model_dir = write_smoke_vl_model(tmp_path_factory.mktemp("vl") / "model")
     config = RolloutConfig(name="hf", dtype="float32", prompt_length=96, response_length=8, calculate_log_probs=True)
@@ -102,7 +102,7 @@ def _image_prompt(srv, size, seed):
     import numpy as np
     from PIL import Image
 
-    from verl_prefix.tools.smoke_vl import synthetic_image
+    from verl_prefix.tools.smoke.vl import synthetic_image
 
     image = Image.open(__import__("io").BytesIO(synthetic_image(*size, np.random.default_rng(seed)))).convert("RGB")
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "t9 t10 t11"}]}]
@@ -127,8 +127,8 @@ def vl_patch_state(request, vl_server):
 
 
 def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_patch_state):
+    from verl_prefix.harness.vl import IMAGE_PAD, vl_positions
     from verl_prefix.schedule.hf_forwards import hf_own_forwards
-    from verl_prefix.tools.testing_vl import IMAGE_PAD, vl_positions
 
     srv = vl_patch_state
     ids, image = _image_prompt(srv, (112, 168), seed=0)

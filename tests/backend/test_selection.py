@@ -8,7 +8,7 @@ import pytest
 
 import verl_prefix
 from verl_prefix.backend.fsdp.engine import PrefixFSDPEngineWithLMHead
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 
 
 def test_plugin_entry_point_and_registration():
@@ -18,7 +18,7 @@ def test_plugin_entry_point_and_registration():
 
 
 def test_actor_strategy_selects_the_prefix_engine(tiny_qwen3_dir):
-    engine, _, actor_config = T.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2")
+    engine, _, actor_config = verl_engine.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2")
     assert type(engine) is PrefixFSDPEngineWithLMHead
     assert actor_config.strategy == "prefix_fsdp2"
     assert engine.engine_config.strategy == "fsdp2"  # what verl's FSDP code branches on
@@ -28,7 +28,7 @@ def test_actor_strategy_selects_the_prefix_engine(tiny_qwen3_dir):
 
 def test_reuse_knobs_from_yaml(tiny_qwen3_dir):
     fsdp = "actor_rollout_ref.actor.fsdp_config"
-    engine, _, _ = T.build_verl_engine(
+    engine, _, _ = verl_engine.build_verl_engine(
         tiny_qwen3_dir,
         backend="prefix_fsdp2",
         overrides=[
@@ -44,7 +44,7 @@ def test_reuse_knobs_from_yaml(tiny_qwen3_dir):
 def test_invalid_knob_fails_at_config_time(tiny_qwen3_dir):
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     with pytest.raises(Exception, match="min_prefix_len must be >= 1"):
-        T.build_verl_engine(
+        verl_engine.build_verl_engine(
             tiny_qwen3_dir,
             backend="prefix_fsdp2",
             overrides=[

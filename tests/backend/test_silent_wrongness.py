@@ -18,10 +18,10 @@ from verl.utils import activation_offload
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks, model_checks
 from verl_prefix.backend.inputs import row_layout
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 from verl_prefix.schedule.executor import prefix_backward, prefix_forward
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 
@@ -29,7 +29,7 @@ VOCAB = 128
 def grpo_batch(**overrides):
     args = dict(num_groups=2, group_size=4, prompt_lens=[9, 5], response_len_range=(1, 6), vocab_size=VOCAB, seed=5)
     args.update(overrides)
-    return T.make_grpo_batch(**args)
+    return grpo_batches.make_grpo_batch(**args)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def tiny_config_model(tmp_path_factory):
     def make(family: str, **kwargs):
         key = repr((family, sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = T.write_tiny_model(tmp_path_factory.mktemp(f"tiny_{family}"), family, **kwargs)
+            cache[key] = tiny_models.write_tiny_model(tmp_path_factory.mktemp(f"tiny_{family}"), family, **kwargs)
         return cache[key]
 
     return make
@@ -58,10 +58,10 @@ def worst_relative(got: dict, want: dict) -> float:
 def compare(model_dir, batch, *, setup=None, reuse=None, **kwargs):
     """One update through verl's stock fsdp2 and prefix_fsdp2 (fp64, ``setup`` applied to both engines):
     (worst relative gradient difference, the prefix engine's reduced metrics)."""
-    dense, d_loss, _ = T.build_verl_engine(
+    dense, d_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2, **kwargs
     )
-    prefix, p_loss, _ = T.build_verl_engine(
+    prefix, p_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2, **kwargs
     )
     prefix.reuse_config = reuse or PrefixReuseConfig(min_prefix_len=2)
@@ -69,8 +69,8 @@ def compare(model_dir, batch, *, setup=None, reuse=None, **kwargs):
         if setup is not None:
             setup(engine)
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     assert want["grads"], "the stock engine produced no gradients"
     return worst_relative(got["grads"], want["grads"]), got["reduced_metrics"]
 
@@ -107,13 +107,13 @@ def test_verl_activation_offload_forward_only_still_reuses(tiny_model, offload_o
     kwargs = dict(dtype="float64", gradient_checkpointing=True)
     kwargs["overrides"] = ["actor_rollout_ref.model.enable_activation_offload=True"]
     model_dir = tiny_model("qwen3", num_layers=3)
-    dense, _, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, _, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, _, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     with promote_fp32_upcasts():
-        want = T.run_infer(dense, grpo_batch())
-        got = T.run_infer(prefix, grpo_batch())
-    assert T.reduce_step_metrics(got["metrics"])["prefix/groups"] == 2.0
+        want = verl_engine.run_infer(dense, grpo_batch())
+        got = verl_engine.run_infer(prefix, grpo_batch())
+    assert verl_engine.reduce_step_metrics(got["metrics"])["prefix/groups"] == 2.0
     for w, g in zip(want["response_log_probs"].unbind(), got["response_log_probs"].unbind()):
         assert (w - g).abs().max() < 1e-10
 
@@ -167,11 +167,11 @@ def hidden_reentrant_layers(engine) -> None:
 
 def test_undetected_graphless_prefix_is_a_clear_error(tiny_model):
     """The net under detection: phase C refuses to drop the prefix gradient (before: it skipped every root)."""
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", dtype="float64")
+    engine, loss_fn, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", dtype="float64")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     hidden_reentrant_layers(engine)
     with pytest.raises(RuntimeError, match=r"phase C: the prefix K of layer 0 has no autograd graph"):
-        T.run_train_step(engine, loss_fn, grpo_batch())
+        verl_engine.run_train_step(engine, loss_fn, grpo_batch())
 
 
 def _hf_model(model_dir):
@@ -313,14 +313,14 @@ def test_rope_below_its_original_length_still_reuses_exactly(tiny_config_model, 
 
 def test_each_fallback_reason_is_logged_once_per_process(tiny_model, monkeypatch, caplog):
     monkeypatch.setattr(fallbacks, "LOGGED_REASONS", set())
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
+    engine, loss_fn, _ = verl_engine.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2")
     caplog.set_level(logging.WARNING, logger=fallbacks.__name__)
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=6)  # the P=5 group runs dense (short_prefix)
     for _ in range(2):
-        T.run_train_step(engine, loss_fn, grpo_batch())
+        verl_engine.run_train_step(engine, loss_fn, grpo_batch())
     engine.reuse_config = PrefixReuseConfig(enable=False)  # the whole mini-batch runs dense (disabled)
     for _ in range(2):
-        T.run_train_step(engine, loss_fn, grpo_batch())
+        verl_engine.run_train_step(engine, loss_fn, grpo_batch())
     lines = [r.getMessage() for r in caplog.records if r.name == fallbacks.__name__]
     assert sum("prefix/fallback_short_prefix" in line for line in lines) == 1
     assert sum("prefix/fallback_disabled" in line for line in lines) == 1

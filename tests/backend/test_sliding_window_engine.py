@@ -16,8 +16,8 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from test_engine_exactness import GRAD_TOL, compare_update, engines
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
-from verl_prefix.tools import testing as T
 
 LAYERS = ["sliding_attention", "full_attention"]  # one windowed layer, one full layer
 
@@ -35,7 +35,7 @@ def windowed_batch(**overrides):
         calculate_entropy=True,
     )
     args.update(overrides)
-    return T.make_grpo_batch(**args)
+    return grpo_batches.make_grpo_batch(**args)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def windowed_model(tmp_path_factory):
 
     def make(family: str):
         if family not in cache:
-            cache[family] = T.write_tiny_model(
+            cache[family] = tiny_models.write_tiny_model(
                 tmp_path_factory.mktemp(f"windowed_{family}"),
                 family,
                 hidden_size=32,
@@ -106,8 +106,8 @@ def test_windowed_infer_matches_stock(windowed_model, family, attn):
     )
     batch = windowed_batch()
     with promote_fp32_upcasts():
-        dense = T.run_infer(d_engine, batch, calculate_entropy=True)
-        prefix = T.run_infer(p_engine, batch, calculate_entropy=True)
+        dense = verl_engine.run_infer(d_engine, batch, calculate_entropy=True)
+        prefix = verl_engine.run_infer(p_engine, batch, calculate_entropy=True)
     assert_infer_matches(dense, prefix, 1e-10, groups=2)
 
 
@@ -133,7 +133,7 @@ def test_negative_control_window_ignored_on_the_prefix(windowed_model, monkeypat
 def test_merged_varlen_refuses_windowed_models_at_initialisation(windowed_model):
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     with pytest.raises(ValueError, match=r"merged_varlen does not serve sliding-window attention.*\[16\]"):
-        T.build_verl_engine(
+        verl_engine.build_verl_engine(
             windowed_model("gemma3_text"),
             backend="prefix_fsdp2",
             overrides=[

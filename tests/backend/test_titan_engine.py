@@ -31,19 +31,19 @@ MOE = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_si
 def _rank_batch(rank: int, fsdp: bool):
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches
 
     shape = dict(num_groups=2, group_size=4, prompt_lens=[12, 9], response_len_range=(2, 7))
     if not fsdp:  # TP ranks hold the same rows
-        return T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=7, use_kl=True)
+        return grpo_batches.make_grpo_batch(**shape, vocab_size=VOCAB, seed=7, use_kl=True)
     if rank == 0:
-        return T.make_grpo_batch(**shape, vocab_size=VOCAB, seed=8, use_kl=True, global_batch_size=16)
+        return grpo_batches.make_grpo_batch(**shape, vocab_size=VOCAB, seed=8, use_kl=True, global_batch_size=16)
     # data-parallel rank 1: one group and four singletons (dense): the ranks' schedules differ (lockstep fillers)
-    group = T.make_grpo_batch(
+    group = grpo_batches.make_grpo_batch(
         num_groups=1, group_size=4, prompt_lens=10, response_len_range=(2, 6), vocab_size=VOCAB, seed=9, use_kl=True,
         global_batch_size=16,
     )  # fmt: skip
-    singles = T.make_grpo_batch(
+    singles = grpo_batches.make_grpo_batch(
         num_groups=4, group_size=1, prompt_lens=6, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
         global_batch_size=16,
     )  # fmt: skip
@@ -80,10 +80,10 @@ def _tp_ep_batch(dp_rank: int):
     """Two groups of four per data-parallel rank. verl's own engine packs a micro-batch (four rows) into one
     sequence, which under TP x EP torchtitan's MoE splits over the TP ranks: the reference needs an even
     packed length, so the first seed whose micro-batches have one is taken (prefix_torchtitan pads its own)."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches
 
     for seed in range(100 * dp_rank, 100 * dp_rank + 100):
-        batch = T.make_grpo_batch(
+        batch = grpo_batches.make_grpo_batch(
             num_groups=2, group_size=4, prompt_lens=[12 - dp_rank, 9], response_len_range=(2, 7), vocab_size=VOCAB,
             seed=seed, use_kl=True, global_batch_size=16,
         )  # fmt: skip
@@ -99,8 +99,8 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     takes from FSDP x TP)."""
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend import titan_engine, titan_moe
-    from verl_prefix.tools import testing as T
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import titan as TT
+    from verl_prefix.harness import verl_engine
 
     layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
     if tp_ep:
@@ -112,7 +112,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
     batch = _tp_ep_batch(stock.get_data_parallel_rank()) if tp_ep else _rank_batch(rank, fsdp)
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, **layout)
-    out = {"want_infer": T.run_infer(stock, batch), "got_infer": T.run_infer(prefix, batch)}
+    out = {"want_infer": verl_engine.run_infer(stock, batch), "got_infer": verl_engine.run_infer(prefix, batch)}
     if not (fsdp or ep or tp_ep):  # what the rollout receives (every rank iterates: the gather is a collective)
         out["synced"] = {name: tensor.detach().clone() for name, tensor in prefix.get_per_tensor_param()[0]}
         # no data parallelism: each rank's data-parallel group is itself (verl's worker gathers metrics over it)
@@ -123,7 +123,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         engine.optimizer_step = lambda step=step, counts=counts, engine=engine: (
             counts.update(routed=_expert_counts(engine)) or step()
         )
-        out[key] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)  # it drops the wrapper after
+        out[key] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)  # it drops the wrapper after
         bias = _expert_bias(engine)
         out[key].update(counts, bias=bias)
     if ep and negative:  # negative control: the prefix's routing counted once per group instead of once per row
@@ -145,7 +145,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         skip_c = titan_engine.prefix_backward
         titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
         try:
-            out["no_phase_c"] = T.run_train_step(prefix, loss_fn, batch, capture_grads=True)
+            out["no_phase_c"] = verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
         finally:
             titan_engine.prefix_backward = skip_c
     if not (fsdp or ep or tp_ep):  # last: it zeroes the weights before restoring them
@@ -182,16 +182,16 @@ def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
     TP=2): every rank refuses together, before a collective, instead of hanging or failing in DTensor."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches, verl_engine
 
     if dp_rank == 0:
-        single = T.make_grpo_batch(
+        single = grpo_batches.make_grpo_batch(
             num_groups=1, group_size=1, prompt_lens=6, response_len_range=(3, 3), vocab_size=VOCAB, seed=5,
             use_kl=True, global_batch_size=16,
         )  # fmt: skip
         batch = tu.concat_tensordict([batch, single])
     try:
-        T.run_train_step(prefix, loss_fn, batch)
+        verl_engine.run_train_step(prefix, loss_fn, batch)
     except ValueError as error:
         return str(error)
     return "ran"
@@ -200,7 +200,7 @@ def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
 def _counted_step(prefix, loss_fn, batch) -> list:
     """One more step of ``prefix`` from the same expert bias; the routing counts its bias pre-hook reads."""
     from verl_prefix.backend.titan_moe import moe_layers
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
     for m in moe_layers(prefix.module[0]):
         if m.expert_bias_E is not None:
@@ -209,7 +209,7 @@ def _counted_step(prefix, loss_fn, batch) -> list:
     step = prefix.optimizer_step
     prefix.optimizer_step = lambda: counts.update(routed=_expert_counts(prefix)) or step()
     try:
-        T.run_train_step(prefix, loss_fn, batch)
+        verl_engine.run_train_step(prefix, loss_fn, batch)
     finally:
         prefix.__dict__.pop("optimizer_step", None)
     return counts["routed"]
@@ -227,8 +227,8 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
 
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend import titan_pipeline
-    from verl_prefix.tools import testing as T
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import titan as TT
+    from verl_prefix.harness import verl_engine
 
     batch = _rank_batch(rank, fsdp=False)
     reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
@@ -238,14 +238,14 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     out = {"stage": (link.stage, link.num_stages, engine.is_mp_src_rank_with_outputs())}
     # what the rollout receives: every stage's weights on every rank (both iterate: the broadcasts are collective)
     out["synced"] = {name: tensor.detach().clone() for name, tensor in engine.get_per_tensor_param()[0]}
-    out["got_infer"] = T.run_infer(engine, batch)
+    out["got_infer"] = verl_engine.run_infer(engine, batch)
     out["got_infer"] = {k: out["got_infer"][k] for k in ("response_log_probs", "response_entropy", "metrics")}
-    out["got"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    out["got"] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
     seeded = titan_pipeline.seeded_backward
     # negative control: each stage's phase C seeded by its own leaves only, never by the next stage's gradient
     titan_pipeline.seeded_backward = lambda prefix, seeds, model=None, extra=(): seeded(prefix, seeds, model)
     try:
-        out["not_crossing"] = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+        out["not_crossing"] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
     finally:
         titan_pipeline.seeded_backward = seeded
     # reuse off under verl's dynamic batch size: its token-budget micro-batches, pipelined (rows reordered, restored)
@@ -253,10 +253,10 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=48)
     for key, config, rows in (("mixed", dict(min_prefix_len=10), batch), ("dense", dict(enable=False), dynamic)):
         engine.reuse_config = dataclasses.replace(reuse, **config)
-        out[key] = T.run_train_step(engine, loss_fn, rows, capture_grads=True)
+        out[key] = verl_engine.run_train_step(engine, loss_fn, rows, capture_grads=True)
     # stages handed different rows (verl hands a pipeline's ranks the same ones): both refuse, neither hangs
     try:
-        T.run_train_step(engine, loss_fn, batch if rank == 0 else _rank_batch(rank, fsdp=True))
+        verl_engine.run_train_step(engine, loss_fn, batch if rank == 0 else _rank_batch(rank, fsdp=True))
         out["different_rows"] = "ran"
     except ValueError as error:
         out["different_rows"] = str(error)
@@ -266,7 +266,7 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
 
 def _refused_moe_tp(moe_dir: str) -> str:
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import titan as TT
 
     try:
         reuse = PrefixReuseConfig()
@@ -283,11 +283,11 @@ def _loss_fn():
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
     a = "actor_rollout_ref.actor"
     knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
-    actor = T.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
+    actor = verl_engine.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
     return functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
 
 
@@ -319,9 +319,9 @@ def _worst(want: dict, got: dict) -> tuple[float, str]:
 def moe_dirs(tmp_path_factory) -> tuple[str, str]:
     """A tiny qwen3_moe with torchtitan's load balancing on, and one without (torchtitan counts, moves no bias);
     their flavors share a name and each replaces the other when its engines are built."""
-    from verl_prefix.tools.testing import write_tiny_model
+    from verl_prefix.harness.tiny_models import write_tiny_model
 
-    extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (tools.titan_testing)
+    extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (harness.titan)
     moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe"), "qwen3_moe", **MOE, extra_config=extra)
     moe_off = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_moe_off"), "qwen3_moe", **MOE, seed=1)
     return str(moe), str(moe_off)
@@ -606,7 +606,7 @@ def test_selected_through_verl_config():
 
     from verl_prefix.backend.titan_config import refusal
     from verl_prefix.backend.titan_registry import build_prefix_torchtitan
-    from verl_prefix.tools.testing import compose_ppo_config
+    from verl_prefix.harness.verl_engine import compose_ppo_config
 
     a = "actor_rollout_ref.actor"
     overrides = [
@@ -631,7 +631,7 @@ def test_flavor_mismatch_is_refused(tiny_model):
     from transformers import AutoConfig
 
     from verl_prefix.backend.titan_flavor import check_flavor, flavor_mismatches
-    from verl_prefix.tools.titan_testing import register_tiny_flavor
+    from verl_prefix.harness.titan import register_tiny_flavor
 
     model_dir = tiny_model("qwen3")
     hf = AutoConfig.from_pretrained(model_dir)

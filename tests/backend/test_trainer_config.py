@@ -9,7 +9,7 @@ from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from verl_prefix import PrefixFSDPActorConfig, PrefixReuseConfig
 from verl_prefix.backend.trainer.modes import PrefixPPOTrainer
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -30,7 +30,7 @@ def compose(model_dir, *extra):
         "algorithm.adv_estimator=grpo",
         *extra,
     ]
-    config = T.compose_ppo_config(overrides)
+    config = verl_engine.compose_ppo_config(overrides)
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     return config
 
@@ -47,7 +47,7 @@ def test_two_lines_select_the_trainer_mode_and_engine(tiny_qwen3_dir):
 
 
 def test_knobs_reach_the_engine_through_the_actor_config(tiny_qwen3_dir):
-    engine, _, _ = T.build_verl_engine(
+    engine, _, _ = verl_engine.build_verl_engine(
         tiny_qwen3_dir,
         backend="prefix_fsdp2",
         overrides=[

@@ -25,9 +25,9 @@ from verl.utils import tensordict_utils as tu
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.distributed import once as agreement
+from verl_prefix.harness import verl_engine
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import tree
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 TOL = {"float64": 1e-10}
@@ -57,7 +57,7 @@ def dormant_batch(seed: int = 0):
 
 def step(engine, actor_config) -> dict:
     with promote_fp32_upcasts():
-        return T.run_train_step(engine, loss_with(actor_config), dormant_batch(), capture_grads=True)
+        return verl_engine.run_train_step(engine, loss_with(actor_config), dormant_batch(), capture_grads=True)
 
 
 def run_tree(pair: tuple, policy: str, budget: int | None = None, reuse: PrefixReuseConfig = REUSE) -> tuple:

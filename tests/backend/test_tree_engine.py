@@ -15,8 +15,8 @@ from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.backend.trainer.balance import balance_groups
 from verl_prefix.backend.trainer.roots import shared_roots
 from verl_prefix.backend.trees import plan_tree
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -26,7 +26,7 @@ SYSTEM = 24
 def system_batch(seed: int = 3, prompt_lens: tuple[int, ...] = (5, 9, 4, 7)):
     """``len(prompt_lens)`` groups of G = 3 whose prompts are one 24-token system block, then 4-9 tokens of their
     own."""
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=len(prompt_lens),
         group_size=3,
         prompt_lens=list(prompt_lens),
@@ -59,21 +59,21 @@ def model_dir(tiny_model):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_tree_update_and_log_probs_match_stock_engine(model_dir, dtype):
     kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, d_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = tree_reuse()
     batch = system_batch()
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     assert worst < GRAD_TOL[dtype]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert_tree_ran(got["metrics"])
     if dtype == "float64":  # forward-only once: it shares every line of phase A/B with training (CPU budget)
         with promote_fp32_upcasts():
-            want_infer = T.run_infer(dense, system_batch())
-            got_infer = T.run_infer(prefix, system_batch())
+            want_infer = verl_engine.run_infer(dense, system_batch())
+            got_infer = verl_engine.run_infer(prefix, system_batch())
         assert_infer_matches(want_infer, got_infer, GRAD_TOL[dtype], groups=4)
         assert_tree_ran(got_infer["metrics"])
 
@@ -89,12 +89,12 @@ def test_tree_knob_refuses_what_it_does_not_serve():
 def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     from helpers.precision import promote_fp32_upcasts
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches, verl_engine
 
     # lr 0: every step starts from the same weights, so the last steps compare with one stock step
     kwargs = dict(dtype="float64", lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, d_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = tree_reuse()
     out = {}
     # the rows the balancer placed on this rank (one system prompt's two groups): the same trie shape on both
@@ -104,7 +104,7 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
     same = system_batch(seed=seeds[rank], prompt_lens=(5, 9))
     differ = system_batch(seed=5, prompt_lens=(5, 9))
     if rank == 1:
-        differ = T.make_grpo_batch(
+        differ = grpo_batches.make_grpo_batch(
             num_groups=2,
             group_size=3,
             prompt_lens=[29, 33],
@@ -118,16 +118,16 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
         ((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items()
     )
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, same, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, same, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, same, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, same, capture_grads=True)
         out["worst"], out["same"] = worst(got, want), got["reduced_metrics"]
-        want = T.run_train_step(dense, d_loss, differ, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, differ, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, differ, capture_grads=True)
         out["worst_differ"], out["differ"] = worst(got, want), got["reduced_metrics"]
         # recompute per node (test_tree_dormant_engine) on tries of different shapes: a filler standing where the
         # peer's real node recomputes runs its forward again too and joins that node's agreed check
         prefix.dormant_prefix = "recompute"
-        got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, differ, capture_grads=True)
         out["worst_recompute"], out["recompute"] = worst(got, want), got["reduced_metrics"]
         # auto, with estimates that differ between the ranks (``auto_budget``): on its own rank 0 keeps every node,
         # rank 1 recomputes both roots; the per-position agreement makes rank 0 recompute its root and the filler
@@ -136,7 +136,7 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
         passes = []
         hook = prefix.module.get_input_embeddings().register_forward_hook(lambda *_: passes.append(1))
         try:
-            got = T.run_train_step(prefix, p_loss, differ, capture_grads=True)
+            got = verl_engine.run_train_step(prefix, p_loss, differ, capture_grads=True)
         finally:
             hook.remove()
         out["worst_auto"], out["auto"], out["auto_passes"] = worst(got, want), got["reduced_metrics"], len(passes)
@@ -144,7 +144,7 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
         # run the LM head), rank 1's do not; rank 1's nodes there run it too, seeded with zeros, and both run
         # the tree (before, the mini-batch ran one-level reuse)
         prefix.dormant_prefix = "keep"
-        kinds = T.make_grpo_batch(
+        kinds = grpo_batches.make_grpo_batch(
             num_groups=2,
             group_size=3,
             prompt_lens=[5, 9],
@@ -156,8 +156,8 @@ def _two_rank_body(rank: int, model_dir: str, seeds: list[int]) -> dict:
             shared_system=SYSTEM,
             response_stems=(10,) if rank == 0 else (),
         )
-        want = T.run_train_step(dense, d_loss, kinds, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, kinds, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, kinds, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, kinds, capture_grads=True)
         out["worst_kinds"], out["kinds"] = worst(got, want), got["reduced_metrics"]
     return out
 

@@ -18,10 +18,9 @@ from test_recurrent_engine import fp64_engines
 from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
 from transformers import AutoModelForCausalLM
 
+from verl_prefix.harness import model_zoo, tiny_models, verl_engine
 from verl_prefix.schedule import merged_attention, tree
 from verl_prefix.schedule.dormant import default_store
-from verl_prefix.tools import model_zoo
-from verl_prefix.tools import testing as T
 
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
 QUESTIONS = (5, 9)  # two groups of G = 3 under the system block: depth 2, the CPU budget
@@ -30,7 +29,7 @@ WINDOWED_LAYERS = ["sliding_attention", "full_attention"]  # a 16-token window: 
 
 @pytest.fixture(scope="module")
 def hybrid_engines(tmp_path_factory):
-    model_dir = T.write_tiny_model(
+    model_dir = tiny_models.write_tiny_model(
         tmp_path_factory.mktemp("tree_qwen3_5_text"),
         "qwen3_5_text",
         num_layers=3,
@@ -49,8 +48,8 @@ def tree_step(dense, d_loss, prefix, p_loss, precision) -> tuple[float, dict]:
     relative gradient difference and the prefix engine's result."""
     batch = system_batch(prompt_lens=QUESTIONS)
     with precision:
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     return worst, got
 
@@ -69,8 +68,8 @@ def test_hybrid_tree_carries_the_recurrent_state_across_nodes(hybrid_engines):
     assert_tree_ran(got["metrics"], groups=2)
     dense, _, prefix, _ = hybrid_engines
     with fp64_engines(dense, prefix):
-        want_infer = T.run_infer(dense, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
-        got_infer = T.run_infer(prefix, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
+        want_infer = verl_engine.run_infer(dense, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
+        got_infer = verl_engine.run_infer(prefix, system_batch(prompt_lens=QUESTIONS), calculate_entropy=True)
     assert_infer_matches(want_infer, got_infer, 1e-10, groups=2)
     assert_tree_ran(got_infer["metrics"], groups=2)
     prefix.dormant_prefix = "recompute"  # each node rebuilt in phase C from its parent's state leaf, and checked
@@ -132,7 +131,7 @@ def windowed_layers(metrics: dict) -> float:
 def test_windowed_tree_matches_stock_engine(tmp_path_factory, dtype, monkeypatch):
     """fp64 also runs the negative control on the same engines: the path's K/V cut one position short of the
     window (in phase A's node forwards and phase B's suffixes alike) gives wrong gradients, the tree running."""
-    model_dir = T.write_tiny_model(
+    model_dir = tiny_models.write_tiny_model(
         tmp_path_factory.mktemp("tree_gemma3_text"),
         "gemma3_text",
         hidden_size=32,
@@ -159,7 +158,7 @@ def test_mamba2_hybrid_tree_matches_stock_engine(tmp_path_factory):
     """Nemotron-H (Mamba-2, MLP, attention, Mamba-2 blocks): the SSM and conv states cross the node boundaries as
     the delta-net's do; fp64 within 1e-10. One scan chunk covers the longest row (past it both engines' torch
     scans differ from the recurrence, ``mamba_multichunk``)."""
-    model_dir = T.write_tokenizer(tmp_path_factory.mktemp("tree_nemotron_h"), NEMOTRON["vocab_size"])
+    model_dir = tiny_models.write_tokenizer(tmp_path_factory.mktemp("tree_nemotron_h"), NEMOTRON["vocab_size"])
     torch.manual_seed(0)
     config = model_zoo.tiny_config("nemotron_h", **{**NEMOTRON, "mamba_chunk_size": 48})
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)

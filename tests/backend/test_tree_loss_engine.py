@@ -23,8 +23,8 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import trees
+from verl_prefix.harness import verl_engine
 from verl_prefix.schedule import tree, tree_loss
-from verl_prefix.tools import testing as T
 
 VOCAB = 128
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -81,22 +81,22 @@ def model_dir(tiny_model):
 def test_shared_loss_tokens_match_stock_engine_for_every_loss_agg_mode(model_dir, dtype, monkeypatch):
     # lr 0: every step sees the same weights, so one engine pair serves every mode and the control
     kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=4, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
-    dense, _, actor_config = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, _, actor_config = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, _, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)
     batch = shared_loss_batch()
     with promote_fp32_upcasts():
         for mode in MODES:
             loss = loss_for(actor_config, mode)
-            want = T.run_train_step(dense, loss, batch, capture_grads=True)
-            got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+            want = verl_engine.run_train_step(dense, loss, batch, capture_grads=True)
+            got = verl_engine.run_train_step(prefix, loss, batch, capture_grads=True)
             worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
             assert worst < TOL[dtype], (mode, worst)
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), mode
             assert_shared_loss_ran(got["metrics"])
         if dtype == "float32":  # recompute per node, loss-carrying nodes rebuilt (fp64: test_tree_dormant_engine)
             prefix.dormant_prefix = "recompute"
-            got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+            got = verl_engine.run_train_step(prefix, loss, batch, capture_grads=True)
             prefix.dormant_prefix = "keep"
             worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
             assert worst < TOL[dtype], worst
@@ -105,12 +105,12 @@ def test_shared_loss_tokens_match_stock_engine_for_every_loss_agg_mode(model_dir
             assert m["prefix/policy/recompute"] == m["prefix/tree_nodes"] > 0 and m["prefix/tree_depth"] >= 2, m
             assert m["prefix/max_saved_for_backward_mib/A"] == 0.0  # no node's phase A kept a graph
         if dtype == "float64":  # forward-only, chunked nodes and the controls once (CPU budget)
-            want_infer, got_infer = T.run_infer(dense, batch), T.run_infer(prefix, batch)
+            want_infer, got_infer = verl_engine.run_infer(dense, batch), verl_engine.run_infer(prefix, batch)
             assert_infer_matches(want_infer, got_infer, TOL[dtype], groups=GROUPS)
             assert_shared_loss_ran(got_infer["metrics"])
             assert_chunked_nodes_match(prefix, loss, batch, want["grads"])
             control = counted_once(monkeypatch)
-            got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+            got = verl_engine.run_train_step(prefix, loss, batch, capture_grads=True)
             assert len(control) >= 4, "the control must have withheld some shared values"
             worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
             assert worst > 1e-3, worst
@@ -141,7 +141,7 @@ def test_shared_loss_tokens_with_the_moe_aux_loss_match_the_dense_path(tiny_mode
         ("dense", PrefixReuseConfig(enable=False)),
         ("tree", PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)),
     ):
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             model_dir,
             backend="prefix_fsdp2",
             dtype="float64",
@@ -158,8 +158,8 @@ def test_shared_loss_tokens_with_the_moe_aux_loss_match_the_dense_path(tiny_mode
     def compare() -> tuple[dict, float, float]:
         with promote_fp32_upcasts():
             if not dense_runs:
-                dense_runs.append(T.run_train_step(*engines["dense"], stem_pairs_batch(), capture_grads=True))
-            got = T.run_train_step(*engines["tree"], stem_pairs_batch(), capture_grads=True)
+                dense_runs.append(verl_engine.run_train_step(*engines["dense"], stem_pairs_batch(), capture_grads=True))
+            got = verl_engine.run_train_step(*engines["tree"], stem_pairs_batch(), capture_grads=True)
         want = dense_runs[0]
         worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
         return got, worst, want["reduced_metrics"]["moe_aux_loss"]
@@ -205,7 +205,7 @@ def assert_chunked_nodes_match(prefix, loss, batch, want: dict) -> None:
         return roots
 
     def worst() -> tuple[float, dict]:
-        got = T.run_train_step(prefix, loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, loss, batch, capture_grads=True)
         return max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want.items()), got["metrics"]
 
     whole = prefix.reuse_config

@@ -24,10 +24,10 @@ from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from helpers.vl_steps import step, worst
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import verl_engine
+from verl_prefix.harness import vl as V
 from verl_prefix.schedule import tree_visuals, visual_chunks
 from verl_prefix.schedule.multimodal import text_only_call
-from verl_prefix.tools import testing as T
-from verl_prefix.tools import testing_vl as V
 
 G = 3
 SYSTEM = 12
@@ -61,8 +61,8 @@ def tree(**overrides) -> PrefixReuseConfig:
 
 def build(model_dir, dtype):
     args = dict(dtype=dtype, micro_batch_size_per_gpu=3, use_kl_loss=True, entropy_coeff=0.01, lr=0.0)
-    dense = T.build_verl_engine(model_dir, backend="fsdp2", **args)
-    prefix = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **args)
+    dense = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **args)
+    prefix = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **args)
     return dense, prefix
 
 
@@ -114,8 +114,8 @@ def test_forward_only_and_recompute_match_the_stock_engine(fp64):
     prefix[0].reuse_config = tree(prefix_chunk_tokens=5)
     with fp64_throughout():
         with text_only_call(dense[0].module):
-            want_infer = T.run_infer(dense[0], vl_batch())
-        got_infer = T.run_infer(prefix[0], vl_batch())
+            want_infer = verl_engine.run_infer(dense[0], vl_batch())
+        got_infer = verl_engine.run_infer(prefix[0], vl_batch())
     assert_infer_matches(want_infer, got_infer, 1e-10, groups=GROUPS)
     assert_tree_ran(got_infer["metrics"])
     # recompute: each node's phase C runs it again, an owner encoding its images again; the later chunks' slices

@@ -59,16 +59,18 @@ def _body(rank: int, model_dir: str) -> dict:
     from helpers.precision import promote_fp32_upcasts
     from verl.utils import tensordict_utils as tu
 
+    from verl_prefix.harness import verl_engine
     from verl_prefix.schedule import tree
-    from verl_prefix.tools import testing as T
 
     out: dict = {}
     for dtype in ("float64", "float32"):
         kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
         kwargs.update(use_remove_padding=True, lr=0.0)  # lr 0: the control sees the same weights
-        ref, ref_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+        ref, ref_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
         sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
-        got_engine, got_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", overrides=sp, **kwargs)
+        got_engine, got_loss, _ = verl_engine.build_verl_engine(
+            model_dir, backend="prefix_fsdp2", overrides=sp, **kwargs
+        )
         assert got_engine.use_ulysses_sp and got_engine.get_data_parallel_size() == 1
         for name, batch, reuse in (
             ("system", system_batch(), tree_reuse()),
@@ -78,21 +80,21 @@ def _body(rank: int, model_dir: str) -> dict:
             part = tu.index_select_tensor_dict(batch, list(range(rank * half, (rank + 1) * half)))
             got_engine.reuse_config = reuse
             with promote_fp32_upcasts():
-                want = T.run_train_step(ref, ref_loss, part, capture_grads=True)
-                got = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                want = verl_engine.run_train_step(ref, ref_loss, part, capture_grads=True)
+                got = verl_engine.run_train_step(got_engine, got_loss, batch, capture_grads=True)
                 key = f"{name}/{dtype}"
                 out[key] = {"worst": _worst(got, want), "metrics": got["reduced_metrics"]}
                 if dtype == "float64":  # forward-only once: it shares every line of phase A/B with training
-                    got_infer, want_infer = T.run_infer(got_engine, batch), T.run_infer(ref, part)
+                    got_infer, want_infer = verl_engine.run_infer(got_engine, batch), verl_engine.run_infer(ref, part)
                     out[key]["infer"] = _infer_gap(got_infer, want_infer, rank * half)
-                    out[key]["infer_metrics"] = T.reduce_step_metrics(got_infer["metrics"])
+                    out[key]["infer_metrics"] = verl_engine.reduce_step_metrics(got_infer["metrics"])
                 if dtype == "float64" and name == "shared_loss":  # nodes as chains of chunks of 3, sliced too
                     got_engine.reuse_config = dataclasses.replace(reuse, prefix_chunk_tokens=3)
-                    chunked = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                    chunked = verl_engine.run_train_step(got_engine, got_loss, batch, capture_grads=True)
                     out["chunked"] = {"worst": _worst(chunked, want), "metrics": chunked["reduced_metrics"]}
                     # dormant_prefix=recompute per node (test_tree_dormant_engine): each rebuilt slice checked
                     got_engine.reuse_config, got_engine.dormant_prefix = reuse, "recompute"
-                    rebuilt = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                    rebuilt = verl_engine.run_train_step(got_engine, got_loss, batch, capture_grads=True)
                     got_engine.dormant_prefix = "keep"
                     out["recompute"] = {"worst": _worst(rebuilt, want), "metrics": rebuilt["reduced_metrics"]}
                 if dtype == "float64" and name == "system":  # the control once (CPU budget)
@@ -100,7 +102,7 @@ def _body(rank: int, model_dir: str) -> dict:
                     original = tree.prefix_forward
                     tree.prefix_forward = _misplaced_shards(original, shifted)
                     try:
-                        control = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+                        control = verl_engine.run_train_step(got_engine, got_loss, batch, capture_grads=True)
                     finally:
                         tree.prefix_forward = original
                     out["control"] = {"worst": _worst(control, want), "shifted": len(shifted)}
@@ -151,11 +153,11 @@ def mesh_batch(dp_rank: int):
     (a root with two children, two micro-batches each) on DP rank 0, three groups of G = 2 behind another (a root
     with three children, one micro-batch each) on DP rank 1. Six rows each, so the reference's four ranks hold
     three rows each; the tries differ in shape, so each SP group pads to their union with lockstep fillers."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches
 
     if dp_rank == 0:
         return system_batch(seed=3, prompt_lens=(5, 9))
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=3,
         group_size=2,
         prompt_lens=[4, 7, 6],
@@ -173,13 +175,13 @@ def _mesh_body(rank: int, model_dir: str) -> dict:
     from helpers.precision import promote_fp32_upcasts
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
     kwargs = dict(dtype="float64", use_kl_loss=True, entropy_coeff=0.01, use_remove_padding=True)
     # the reference's three rows in micro-batches of one (token-mean: the split does not change its gradient)
-    ref, ref_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", micro_batch_size_per_gpu=1, **kwargs)
+    ref, ref_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", micro_batch_size_per_gpu=1, **kwargs)
     sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
-    got_engine, got_loss, _ = T.build_verl_engine(
+    got_engine, got_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="prefix_fsdp2", overrides=sp, micro_batch_size_per_gpu=2, **kwargs
     )
     assert got_engine.use_ulysses_sp and got_engine.get_data_parallel_size() == 2
@@ -188,8 +190,8 @@ def _mesh_body(rank: int, model_dir: str) -> dict:
     half = len(batch) // 2
     part = tu.index_select_tensor_dict(batch, list(range((rank % 2) * half, (rank % 2 + 1) * half)))
     with promote_fp32_upcasts():
-        want = T.run_train_step(ref, ref_loss, part, capture_grads=True)
-        got = T.run_train_step(got_engine, got_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(ref, ref_loss, part, capture_grads=True)
+        got = verl_engine.run_train_step(got_engine, got_loss, batch, capture_grads=True)
     return {"worst": _worst(got, want), "metrics": got["reduced_metrics"]}
 
 

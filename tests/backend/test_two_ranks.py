@@ -13,10 +13,10 @@ VOCAB = 128
 def _rank_batch(rank: int):
     from verl.utils import tensordict_utils as tu
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches
 
     if rank == 0:  # two groups of four
-        return T.make_grpo_batch(
+        return grpo_batches.make_grpo_batch(
             num_groups=2,
             group_size=4,
             prompt_lens=[9, 5],
@@ -26,7 +26,7 @@ def _rank_batch(rank: int):
             global_batch_size=16,
         )
     # one group of four plus four singletons with a short prompt: one reuse group and two dense chunks
-    group = T.make_grpo_batch(
+    group = grpo_batches.make_grpo_batch(
         num_groups=1,
         group_size=4,
         prompt_lens=12,
@@ -35,7 +35,7 @@ def _rank_batch(rank: int):
         seed=12,
         global_batch_size=16,
     )
-    singles = T.make_grpo_batch(
+    singles = grpo_batches.make_grpo_batch(
         num_groups=4,
         group_size=1,
         prompt_lens=3,
@@ -52,27 +52,27 @@ def _body(rank: int, model_dir: str, mixed_fallback: bool) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
     batch = _rank_batch(rank)
     if mixed_fallback and rank == 1:  # only this rank's batch asks for something reuse does not cover
         tu.assign_non_tensor(batch, calculate_sum_pi_squared=True)
     kwargs = dict(dtype="float64", micro_batch_size_per_gpu=2, use_kl_loss=False, entropy_coeff=0.01)
-    dense, d_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
+    dense, d_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **kwargs)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **kwargs)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=4)
     with promote_fp32_upcasts():
-        want = T.run_train_step(dense, d_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
-        got_infer = T.run_infer(prefix, batch)
-        want_infer = T.run_infer(dense, batch)
+        want = verl_engine.run_train_step(dense, d_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        got_infer = verl_engine.run_infer(prefix, batch)
+        want_infer = verl_engine.run_infer(dense, batch)
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     lp = (got_infer["response_log_probs"].values() - want_infer["response_log_probs"].values()).abs().max()
     return {
         "worst": worst,
         "infer": lp.item(),
         "metrics": got["reduced_metrics"],
-        "infer_metrics": T.reduce_step_metrics(got_infer["metrics"]),
+        "infer_metrics": verl_engine.reduce_step_metrics(got_infer["metrics"]),
     }
 
 

@@ -26,10 +26,10 @@ PROMPTS = [[9], [6], [12], [7, 10]]
 
 def _part(index: int, short_prefix: bool = False):
     """One reference rank's mini-batch of four rows."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches
 
     prompts = [2] if short_prefix and index == 0 else PROMPTS[index]
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=len(prompts),
         group_size=4 // len(prompts),
         prompt_lens=prompts,
@@ -51,7 +51,7 @@ def _body(
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
     parts = [_part(i, short_prefix) for i in range(world)]
     dp_rank = rank // sp
@@ -59,8 +59,8 @@ def _body(
     reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2, prefix_chunk_tokens=chunks)
     kwargs = dict(dtype=dtype, micro_batch_size_per_gpu=2, entropy_coeff=0.01, use_remove_padding=True)
     ref_backend = "prefix_fsdp2" if aux else "fsdp2"
-    ref, ref_loss, _ = T.build_verl_engine(model_dir, backend=ref_backend, **kwargs)
-    got_engine, got_loss, _ = T.build_verl_engine(
+    ref, ref_loss, _ = verl_engine.build_verl_engine(model_dir, backend=ref_backend, **kwargs)
+    got_engine, got_loss, _ = verl_engine.build_verl_engine(
         model_dir,
         backend="prefix_fsdp2",
         overrides=[f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"],
@@ -75,12 +75,12 @@ def _body(
     assert got_engine.use_ulysses_sp and got_engine.get_data_parallel_size() == world // sp
     with promote_fp32_upcasts():
         try:
-            got = T.run_train_step(got_engine, got_loss, mine, capture_grads=True)
+            got = verl_engine.run_train_step(got_engine, got_loss, mine, capture_grads=True)
         except ValueError as error:
             return {"error_message": str(error)}
-        want = T.run_train_step(ref, ref_loss, parts[rank], capture_grads=True)
-        got_infer = T.run_infer(got_engine, mine)
-        want_infer = T.run_infer(ref, parts[rank])
+        want = verl_engine.run_train_step(ref, ref_loss, parts[rank], capture_grads=True)
+        got_infer = verl_engine.run_infer(got_engine, mine)
+        want_infer = verl_engine.run_infer(ref, parts[rank])
     worst = max(((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items())
     offset = (rank % sp) * len(parts[rank])  # this rank's part inside its SP group's mini-batch
     infer = 0.0
@@ -92,7 +92,7 @@ def _body(
         "infer": infer,
         "grad_norm": (got["grad_norm"], want["grad_norm"]),
         "metrics": got["reduced_metrics"],
-        "infer_metrics": T.reduce_step_metrics(got_infer["metrics"]),
+        "infer_metrics": verl_engine.reduce_step_metrics(got_infer["metrics"]),
         "want_metrics": want["reduced_metrics"],
     }
 

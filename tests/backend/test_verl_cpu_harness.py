@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 
 VOCAB = 128
 
@@ -22,7 +22,7 @@ def _batch(layout="v1", **kw):
         layout=layout,
     )
     args.update(kw)
-    return T.make_grpo_batch(**args)
+    return grpo_batches.make_grpo_batch(**args)
 
 
 def _hf_model(model_dir, dtype=torch.float32):
@@ -32,7 +32,7 @@ def _hf_model(model_dir, dtype=torch.float32):
 @pytest.fixture(scope="module")
 def stock(tiny_qwen3_dir):
     # 8 samples in micro-batches of 2: gradient accumulation over 4 calls, each group split in two.
-    return T.build_verl_engine(
+    return verl_engine.build_verl_engine(
         tiny_qwen3_dir,
         backend="fsdp2",
         micro_batch_size_per_gpu=2,
@@ -71,16 +71,16 @@ def test_batch_layout():
 
     legacy = _batch("legacy")
     assert not legacy["prompts"].is_nested and legacy["input_ids"].is_nested
-    assert legacy["prompts"][:, 0].eq(T.PAD_ID).any()  # left-padded
+    assert legacy["prompts"][:, 0].eq(tiny_models.PAD_ID).any()  # left-padded
     assert torch.equal(legacy["input_ids"].values(), b["input_ids"].values())
 
 
 def test_infer_matches_hf(stock, tiny_qwen3_dir):
     engine, _, _ = stock
     batch = _batch()
-    out = T.run_infer(engine, batch, calculate_entropy=True)
+    out = verl_engine.run_infer(engine, batch, calculate_entropy=True)
     with torch.no_grad():
-        ref = T.hf_log_probs(_hf_model(tiny_qwen3_dir), batch, calculate_entropy=True)
+        ref = verl_engine.hf_log_probs(_hf_model(tiny_qwen3_dir), batch, calculate_entropy=True)
     mask = batch["response_mask"]
     from verl.workers.utils.padding import response_from_nested
 
@@ -89,20 +89,20 @@ def test_infer_matches_hf(stock, tiny_qwen3_dir):
         torch.testing.assert_close(got.values(), want.values(), rtol=1e-5, atol=1e-5)
 
     # The legacy (padded) layout yields the same numbers, right-padded.
-    legacy = T.run_infer(engine, _batch("legacy"), calculate_entropy=False)["response_log_probs"]
+    legacy = verl_engine.run_infer(engine, _batch("legacy"), calculate_entropy=False)["response_log_probs"]
     torch.testing.assert_close(legacy, out["response_log_probs"].to_padded_tensor(0.0), rtol=1e-5, atol=1e-5)
 
 
 def test_train_batch_matches_hf_loss_and_grads(stock, tiny_qwen3_dir):
     engine, loss_fn, actor_config = stock
     batch = _batch()
-    before = T.params_of(engine)
+    before = verl_engine.params_of(engine)
     model = _hf_model(tiny_qwen3_dir)
     hf_params = dict(model.named_parameters())
     for name, p in before.items():  # the engine starts from the checkpoint the reference loads
         torch.testing.assert_close(p, hf_params[name].detach(), rtol=0, atol=0)
 
-    res = T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+    res = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
     grads = res["grads"]
     assert set(grads) == {n for n, p in model.named_parameters() if p.requires_grad}
     for name, g in grads.items():
@@ -111,19 +111,19 @@ def test_train_batch_matches_hf_loss_and_grads(stock, tiny_qwen3_dir):
     assert res["grad_norm"] > 0
     assert res["lr"] == pytest.approx(engine.optimizer_config.lr)  # constant schedule, no warm-up
 
-    ref_loss = T.hf_ppo_loss(model, actor_config, batch)
+    ref_loss = verl_engine.hf_ppo_loss(model, actor_config, batch)
     ref_loss.backward()
     assert abs(res["loss"] - ref_loss.item()) < 1e-6
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
-    after = T.params_of(engine)
+    after = verl_engine.params_of(engine)
     assert any(not torch.equal(before[n], after[n]) for n in before), "optimizer step changed nothing"
 
 
 def test_fp64_engine(tiny_qwen3_dir):
-    engine, loss_fn, _ = T.build_verl_engine(tiny_qwen3_dir, dtype="float64", micro_batch_size_per_gpu=8)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(tiny_qwen3_dir, dtype="float64", micro_batch_size_per_gpu=8)
     assert {p.dtype for p in engine.module.parameters()} == {torch.float64}
-    res = T.run_train_step(engine, loss_fn, _batch(use_kl=False), capture_grads=True)
+    res = verl_engine.run_train_step(engine, loss_fn, _batch(use_kl=False), capture_grads=True)
     assert {g.dtype for g in res["grads"].values()} == {torch.float64}
     assert all(torch.isfinite(g).all() for g in res["grads"].values())

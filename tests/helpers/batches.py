@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from verl_prefix.tools.testing import PAD_ID, SPECIAL_TOKENS
+from verl_prefix.harness.tiny_models import PAD_ID, SPECIAL_TOKENS
 
 
 def nested(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -31,7 +31,7 @@ def rows_batch(
     vocab: int = 128,
 ) -> TensorDict:
     """A per-rank actor-update mini-batch as ``TrainingWorker.train_batch`` receives it (see
-    ``verl_prefix.tools.testing.make_grpo_batch`` for the two layouts), one row per prompt/response pair.
+    ``verl_prefix.harness.grpo_batches.make_grpo_batch`` for the two layouts), one row per prompt/response pair.
     ``uids=None`` leaves the ``uid`` field out; ``advantages`` default to random per-token values."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding

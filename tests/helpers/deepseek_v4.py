@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from verl_prefix.tools import model_zoo as Z
-from verl_prefix.tools.testing import write_tokenizer
+from verl_prefix.harness import model_zoo as Z
+from verl_prefix.harness.tiny_models import write_tokenizer
 
 HCA, CSA = "heavily_compressed_attention", "compressed_sparse_attention"
 SIZES = {

@@ -19,15 +19,15 @@ from verl.workers.utils.losses import ppo_loss
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_reuse_ran
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 
 
 def build_pair(model_dir: Path, dtype: str) -> tuple:
     """``(stock engine, prefix engine, actor config)`` on ``model_dir``: KL loss and entropy bonus on, lr 0,
     two rows per micro-batch unless a batch says otherwise."""
     knobs = dict(dtype=dtype, lr=0.0, micro_batch_size_per_gpu=2, use_kl_loss=True, entropy_coeff=0.01)
-    dense, _, actor_config = T.build_verl_engine(model_dir, backend="fsdp2", **knobs)
-    prefix, _, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", **knobs)
+    dense, _, actor_config = verl_engine.build_verl_engine(model_dir, backend="fsdp2", **knobs)
+    prefix, _, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", **knobs)
     return dense, prefix, actor_config
 
 
@@ -61,8 +61,8 @@ def compare_on_pair(
     loss_fn = loss_fn or loss_with(actor_config)
     tu.assign_non_tensor(batch, micro_batch_size_per_gpu=micro_batch_size)
     with promote_fp32_upcasts():
-        dense = T.run_train_step(dense_engine, loss_fn, batch, capture_grads=True)
-        prefix = T.run_train_step(prefix_engine, loss_fn, batch, capture_grads=True)
+        dense = verl_engine.run_train_step(dense_engine, loss_fn, batch, capture_grads=True)
+        prefix = verl_engine.run_train_step(prefix_engine, loss_fn, batch, capture_grads=True)
     assert dense["grads"], "the stock engine produced no gradients"
     assert all(torch.isfinite(g).all() for g in dense["grads"].values())
     assert_reuse_ran(prefix["metrics"])

@@ -1,5 +1,5 @@
 """The coverage matrix's per-family checks (``tests/tools/test_model_matrix_*.py``): each family of the installed
-transformers lands in one column (``verl_prefix.tools.model_zoo``). Served families train under reuse against plain
+transformers lands in one column (``verl_prefix.harness.model_zoo``). Served families train under reuse against plain
 HF dense gradients, under one-level reuse and under the tree schedule (``prefix_reuse.tree``: two groups behind one
 system block); the others are refused by the capability check with a reason naming a module.
 
@@ -17,12 +17,12 @@ import torch
 from helpers.layouts import make_layout, token_weights
 from helpers.precision import fp64_throughout
 from helpers.schedule_runs import reused_grads
+from verl_prefix.harness import model_zoo as Z
 from verl_prefix.schedule.capability import structure_refusal
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.tree import train_tree
 from verl_prefix.schedule.trie import build_trie, trie_stats
-from verl_prefix.tools import model_zoo as Z
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 GROUPS = [(Z.PROMPT_LEN, list(Z.RESPONSE_LENS))]  # G = 3, two suffix micro-batches of <= 2 rows

@@ -16,7 +16,7 @@ from multiprocessing.context import BaseContext
 import torch
 import torch.multiprocessing as mp
 
-from verl_prefix.tools.testing import free_port
+from verl_prefix.harness.verl_engine import free_port
 
 # what every CPU rank needs imported; the forkserver loads these once (it starts on first use, after
 # pytest has collected, so every test directory is already on its sys.path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from verl_prefix.tools.testing import reduce_step_metrics
+from verl_prefix.harness.verl_engine import reduce_step_metrics
 
 
 def reduced(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -11,7 +11,7 @@ import torch
 from tensordict import NonTensorData, TensorDict
 from verl.utils import tensordict_utils as tu
 
-from verl_prefix.tools.testing import SPECIAL_TOKENS
+from verl_prefix.harness.tiny_models import SPECIAL_TOKENS
 
 
 def tokens(gen: torch.Generator, n: int, vocab: int) -> torch.Tensor:

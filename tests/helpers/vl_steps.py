@@ -7,8 +7,8 @@ from contextlib import nullcontext
 
 from helpers.delta_rule import fp64_delta_net
 from helpers.precision import fp64_throughout
+from verl_prefix.harness import verl_engine
 from verl_prefix.schedule.multimodal import text_only_call
-from verl_prefix.tools import testing as T
 
 
 def step(engine_and_loss, batch, precision=fp64_throughout) -> dict:
@@ -19,7 +19,7 @@ def step(engine_and_loss, batch, precision=fp64_throughout) -> dict:
     engine, loss_fn, _ = engine_and_loss
     delta_rule = fp64_delta_net(engine.module) if precision is fp64_throughout else nullcontext()
     with precision(), delta_rule, text_only_call(engine.module):
-        return T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+        return verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
 
 
 def worst(got: dict, want: dict) -> float:

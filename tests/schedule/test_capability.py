@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from verl_prefix.harness import model_zoo as Z
 from verl_prefix.schedule.capability import FAMILY_REFUSALS, UNSERVED_RECURRENT_FAMILIES, structure_refusal
-from verl_prefix.tools import model_zoo as Z
 
 
 class InterfaceAttention(nn.Module):

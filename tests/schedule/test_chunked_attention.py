@@ -29,6 +29,7 @@ from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss,
 from transformers import AutoModelForCausalLM
 from transformers.masking_utils import causal_mask_function, chunked_overlay, sliding_window_overlay
 
+from verl_prefix.harness import model_zoo as Z
 from verl_prefix.schedule import positions, prefix_kv, windows
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
@@ -36,7 +37,6 @@ from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.tree import train_tree
 from verl_prefix.schedule.trie import build_trie, trie_stats
-from verl_prefix.tools import model_zoo as Z
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}

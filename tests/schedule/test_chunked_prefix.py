@@ -20,7 +20,7 @@ from test_schedule_hf import TOLERANCE, dense_grads, dense_response_outputs, tin
 from verl_prefix.schedule import chunked as C
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools.dormant_memory import LiveSaved
+from verl_prefix.tools.bench.dormant_memory import LiveSaved
 
 CPU = torch.device("cpu")
 # prefixes of 12, 7 and 3 tokens: chunks of 4 divide 12, chunks of 5 divide none

@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import ALLOWED_LAYER_TYPES
 
+from verl_prefix.harness import model_zoo as Z
 from verl_prefix.schedule import known_structures as K
 from verl_prefix.schedule.capability import structure_refusal
-from verl_prefix.tools import model_zoo as Z
-from verl_prefix.tools.dashboard_spec import all_panels
+from verl_prefix.tools.report.dashboard_spec import all_panels
 
 MODELS = Path(transformers.__file__).parent / "models"
 LAYER_TYPES = {**K.SERVED_LAYER_TYPES, **K.REFUSED_LAYER_TYPES}

@@ -21,9 +21,9 @@ from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weight
 from transformers import AutoModelForCausalLM
 from transformers.models.nemotron_h import modeling_nemotron_h
 
+from verl_prefix.harness import model_zoo
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import executor, mamba, prefix_kv, recurrent
-from verl_prefix.tools import model_zoo
 
 MAMBA = {"initializer_range": 0.2, "use_mamba_kernels": False, "vocab_size": VOCAB, "hidden_size": 32}
 

@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.tools import testing as T
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 COEF = 0.5  # large, so that the aux term's gradient is not lost under the policy term's
@@ -304,7 +304,7 @@ def engine_batch(prompt_lens=(9, 5, 12), group_size=4, seed=3, extra=None):
     is a per-micro-batch mean, so only the same partition can be compared. ``extra`` rows follow."""
     from verl.utils import tensordict_utils as tu
 
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=len(prompt_lens),
         group_size=group_size,
         prompt_lens=list(prompt_lens),
@@ -334,14 +334,14 @@ def moe_dir(tiny_model):
 
 def step(engine, loss_fn, batch):
     with promote_fp32_upcasts():
-        return T.run_train_step(engine, loss_fn, batch, capture_grads=True)
+        return verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
 
 
 def test_knob_off_matches_stock_fsdp2(tiny_model):
     model_dir = tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2)  # transformers' grouped_mm experts
     batch = engine_batch()
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", micro_batch_size_per_gpu=2)
-    prefix, p_loss, _ = T.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+    stock, s_loss, _ = verl_engine.build_verl_engine(model_dir, backend="fsdp2", micro_batch_size_per_gpu=2)
+    prefix, p_loss, _ = verl_engine.build_verl_engine(model_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
     assert prefix.moe_aux_loss_coef == 0.0
     want, got = step(stock, s_loss, batch), step(prefix, p_loss, batch)
@@ -351,7 +351,7 @@ def test_knob_off_matches_stock_fsdp2(tiny_model):
     # router jitter samples per forward: reuse would share one prefix sample, so it runs dense
     prefix.module.config.router_jitter_noise = 0.1
     jitter = step(prefix, p_loss, batch)["metrics"]
-    assert T.reduce_step_metrics(jitter)["prefix/fallback_router_jitter"] == 12.0
+    assert verl_engine.reduce_step_metrics(jitter)["prefix/fallback_router_jitter"] == 12.0
     assert_no_reuse(jitter)
 
 
@@ -363,7 +363,7 @@ def test_knob_on_dense_path_equals_reuse_path(tiny_model, dtype):
     batch = engine_batch()
     engines = []
     for reuse in (PrefixReuseConfig(enable=False), PrefixReuseConfig(min_prefix_len=6)):
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             model_dir, backend="prefix_fsdp2", dtype=dtype, micro_batch_size_per_gpu=2
         )
         engine.reuse_config = reuse
@@ -391,7 +391,7 @@ def test_engine_aux_is_hf_aux_for_one_micro_batch(tiny_model, use_remove_padding
 
     model_dir = moe_dir(tiny_model)
     batch = engine_batch(prompt_lens=(9, 5))
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         model_dir,
         backend="prefix_fsdp2",
         dtype="float64",
@@ -421,7 +421,7 @@ def test_invalid_knob_is_an_error(tiny_model):
     assert PrefixFSDPEngineConfig(moe_aux_loss_coef=0.001).moe_aux_loss_coef == 0.001
     # the YAML route reaches the engine; a dense model with the knob on is an error naming its class
     fsdp = "actor_rollout_ref.actor.fsdp_config"
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         tiny_model("qwen3"),
         backend="prefix_fsdp2",
         overrides=[f"{fsdp}._target_=verl_prefix.config.PrefixFSDPEngineConfig", f"+{fsdp}.moe_aux_loss_coef=0.01"],
@@ -430,7 +430,7 @@ def test_invalid_knob_is_an_error(tiny_model):
     with pytest.raises(ValueError, match="finite number >= 0"):
         engine.moe_aux_loss_coef = float("nan")
     with pytest.raises(ValueError, match="Qwen3ForCausalLM: it is not a mixture-of-experts model"):
-        T.run_train_step(engine, loss_fn, engine_batch(prompt_lens=(9,)))
+        verl_engine.run_train_step(engine, loss_fn, engine_batch(prompt_lens=(9,)))
 
 
 def _two_rank_body(rank: int, model_dir: str) -> dict:
@@ -439,14 +439,14 @@ def _two_rank_body(rank: int, model_dir: str) -> dict:
     if rank == 0:  # two reuse groups
         batch = engine_batch(prompt_lens=(9, 12), seed=11)
     else:  # one reuse group and four short-prompt singletons that run dense: lockstep fillers on both
-        singles = T.make_grpo_batch(
+        singles = grpo_batches.make_grpo_batch(
             num_groups=4, group_size=1, prompt_lens=3, response_len_range=(2, 4), vocab_size=ENGINE_VOCAB, seed=13
         )
         batch = engine_batch(prompt_lens=(10,), seed=12, extra=singles)
     tu.assign_non_tensor(batch, global_batch_size=16)
     out = {}
     for name, reuse in (("dense", PrefixReuseConfig(enable=False)), ("reuse", PrefixReuseConfig(min_prefix_len=4))):
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
         )
         engine.reuse_config = reuse

@@ -22,9 +22,9 @@ from test_dormant_policies import deep_model
 from test_schedule_hf import dense_grads, weighted_loss, worst_relative
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools import testing as T
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",
@@ -90,11 +90,13 @@ def test_offload_under_fsdp2_on_cuda(tiny_model):
     """Through the engine on CUDA (FSDP2 unshards into ``nn.Parameter``s; ``linear`` saves ``weight.t()``):
     no parameter bytes move, and the update matches the stock engine at fp64 1e-10 with reuse running."""
     model_dir = tiny_model("qwen3", num_layers=4)
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=3, group_size=4, prompt_lens=[9, 5, 12], response_len_range=(1, 7), vocab_size=128, seed=3
     )
-    stock, s_loss, _ = T.build_verl_engine(model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2)
-    prefix, p_loss, _ = T.build_verl_engine(
+    stock, s_loss, _ = verl_engine.build_verl_engine(
+        model_dir, backend="fsdp2", dtype="float64", micro_batch_size_per_gpu=2
+    )
+    prefix, p_loss, _ = verl_engine.build_verl_engine(
         model_dir, backend="prefix_fsdp2", dtype="float64", micro_batch_size_per_gpu=2
     )
     prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2)
@@ -102,8 +104,8 @@ def test_offload_under_fsdp2_on_cuda(tiny_model):
     prefix.offload_store_factory = O.RecordingStore  # the real CUDA store, with its log on
     O.RecordingStore.instances.clear()
     with promote_fp32_upcasts():
-        want = T.run_train_step(stock, s_loss, batch, capture_grads=True)
-        got = T.run_train_step(prefix, p_loss, batch, capture_grads=True)
+        want = verl_engine.run_train_step(stock, s_loss, batch, capture_grads=True)
+        got = verl_engine.run_train_step(prefix, p_loss, batch, capture_grads=True)
     assert_reuse_ran(got["metrics"], groups=3)
     assert worst_relative(got["grads"], want["grads"]) < 1e-10
     assert len(O.RecordingStore.instances) == 3

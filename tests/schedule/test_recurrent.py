@@ -24,11 +24,11 @@ from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weight
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from verl_prefix.harness import model_zoo
 from verl_prefix.schedule import executor, prefix_kv, recurrent
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.tools import model_zoo
 
 CPU = torch.device("cpu")
 # layer 3, the last, is recurrent: phase A's early exit comes after a recurrent layer's state
@@ -532,7 +532,7 @@ def test_olmo_hybrid_split_convolutions_and_a_decoder_layer_that_drops_keywords(
     chunks), forward-only; suffixes from a zero state must fail."""
     from helpers.precision import fp64_throughout
 
-    from verl_prefix.tools import model_zoo
+    from verl_prefix.harness import model_zoo
 
     model = model_zoo.build("olmo_hybrid", torch.float64)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

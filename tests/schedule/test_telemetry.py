@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from verl_prefix import PrefixReuseConfig
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.tools import testing as T
 
 MIB = 1024.0**2
 
@@ -24,13 +24,15 @@ def prefix_kv_mib(engine, prefix_len: int) -> float:
 
 
 def test_update_reports_every_phase(tiny_qwen3_dir):
-    engine, loss_fn, _ = T.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
+        tiny_qwen3_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2
+    )
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=6)  # one group reuses, one runs dense
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[12, 5], response_len_range=(2, 6), vocab_size=128
     )
     start = time.perf_counter()
-    metrics = T.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
+    metrics = verl_engine.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
     wall = time.perf_counter() - start
     phases = [metrics[f"prefix/time_s/{p}"] for p in ("A", "B", "C", "dense")]
     assert all(t > 0 for t in phases)
@@ -55,12 +57,12 @@ def test_update_reports_every_phase(tiny_qwen3_dir):
 
 
 def test_forward_only_reports_phases_without_saved_tensors(tiny_qwen3_dir):
-    engine, _, _ = T.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2")
+    engine, _, _ = verl_engine.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[12, 5], response_len_range=(2, 6), vocab_size=128
     )
-    metrics = T.reduce_step_metrics(T.run_infer(engine, batch)["metrics"])
+    metrics = verl_engine.reduce_step_metrics(verl_engine.run_infer(engine, batch)["metrics"])
     assert metrics["prefix/time_s/A"] > 0 and metrics["prefix/time_s/B"] > 0
     assert "prefix/time_s/C" not in metrics
     assert metrics["prefix/max_saved_for_backward_held_mib"] == 0.0
@@ -69,10 +71,12 @@ def test_forward_only_reports_phases_without_saved_tensors(tiny_qwen3_dir):
 
 
 def test_dense_fallback_reports_no_prefix_cache(tiny_qwen3_dir):
-    engine, loss_fn, _ = T.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2")
+    engine, loss_fn, _ = verl_engine.build_verl_engine(tiny_qwen3_dir, backend="prefix_fsdp2")
     engine.reuse_config = PrefixReuseConfig(enable=False)
-    batch = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=[12], response_len_range=(2, 4), vocab_size=128)
-    metrics = T.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=[12], response_len_range=(2, 4), vocab_size=128
+    )
+    metrics = verl_engine.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
     assert metrics["prefix/fallback_disabled"] == 4
     assert metrics["prefix/time_s/dense"] > 0 and "prefix/time_s/A" not in metrics
     assert "prefix/max_prefix_kv_mib" not in metrics
@@ -98,14 +102,16 @@ def test_engine_counts_checkpointed_layers(tiny_qwen3_dir):
     """verl's non-reentrant gradient checkpointing through the engine: phases A and B hold the layers'
     inputs plus the largest layer's recompute, at least 1/layers of the plain figure and below it (the
     schedule-level reference is in ``test_telemetry_honesty``)."""
-    batch = T.make_grpo_batch(num_groups=1, group_size=4, prompt_lens=[24], response_len_range=(16, 20), vocab_size=128)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=[24], response_len_range=(16, 20), vocab_size=128
+    )
     saved = {}
     for checkpointing in (False, True):
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             tiny_qwen3_dir, backend="prefix_fsdp2", micro_batch_size_per_gpu=2, gradient_checkpointing=checkpointing
         )
         engine.reuse_config = PrefixReuseConfig(min_prefix_len=2)
-        metrics = T.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
+        metrics = verl_engine.run_train_step(engine, loss_fn, batch)["reduced_metrics"]
         assert metrics["prefix/groups"] == 1
         saved[checkpointing] = {p: metrics[f"prefix/max_saved_for_backward_mib/{p}"] for p in "AB"}
     layers = engine.module.config.num_hidden_layers

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3Config
 
-from verl_prefix.tools import bench_attention as BA
-from verl_prefix.tools import bench_presets as BP
-from verl_prefix.tools import bench_runner as BR
-from verl_prefix.tools import bench_tables as BT
 from verl_prefix.tools import cli
+from verl_prefix.tools.bench import attention as BA
+from verl_prefix.tools.bench import presets as BP
+from verl_prefix.tools.bench import runner as BR
+from verl_prefix.tools.bench import tables as BT
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 
 TINY = BP.Preset(
@@ -210,12 +210,12 @@ def test_run_bench_rejects_bad_arguments():
 
 
 def test_compile_switch_turns_on_verls_torch_compile_for_both_engines(tiny_qwen3_dir):
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
     (cell,) = BP.compiled(TINY.cells)
     assert cell.name == "tiny compile" and set(BP.COMPILE_OVERRIDES) <= set(cell.overrides)
     for backend in ("fsdp2", "prefix_fsdp2"):
-        engine, _, _ = T.build_verl_engine(tiny_qwen3_dir, backend=backend, overrides=cell.overrides)
+        engine, _, _ = verl_engine.build_verl_engine(tiny_qwen3_dir, backend=backend, overrides=cell.overrides)
         assert engine.engine_config.use_torch_compile
         assert hasattr(engine.compute_entropy_from_logits, "_torchdynamo_orig_callable")  # torch.compile wrapper
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_prefix.tools import bench_presets as BP
-from verl_prefix.tools import bench_runner as BR
-from verl_prefix.tools import bench_tables as BT
-from verl_prefix.tools import capacity as Cap
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
+from verl_prefix.tools.bench import capacity as Cap
+from verl_prefix.tools.bench import presets as BP
+from verl_prefix.tools.bench import runner as BR
+from verl_prefix.tools.bench import tables as BT
 
 
 @given(st.lists(st.integers(1, 10**5), min_size=1, max_size=12, unique=True), st.integers(0, 10**5 + 1))
@@ -192,7 +192,7 @@ def test_gpu_capacity_and_offload_presets_are_valid_configs():
     cell = BP.PRESETS["gpu_offload"].cells[0]
     # build_verl_engine adds mixed_precision first (the preset's _BF16 then overrides it)
     base = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-    config = T.compose_ppo_config([base, *cell.overrides])
+    config = verl_engine.compose_ppo_config([base, *cell.overrides])
     from verl.utils.config import omega_conf_to_dataclass
 
     engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.actor.fsdp_config)

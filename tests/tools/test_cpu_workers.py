@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from verl_prefix.tools.cpu_workers import RunWorkers, WorkerHosts, plain_config
+from verl_prefix.tools.cpu_loop.workers import RunWorkers, WorkerHosts, plain_config
 
 
 def _config(lr: float):

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_prefix.backend.trainer.balance import balance_groups
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule.telemetry import PHASES, PhaseMeter
-from verl_prefix.tools import dashboard as D
-from verl_prefix.tools import testing as T
-from verl_prefix.tools.dashboard_spec import SECTIONS, all_panels
+from verl_prefix.tools.report import dashboard as D
+from verl_prefix.tools.report.dashboard_spec import SECTIONS, all_panels
 
 VOCAB = 128
 STEPS = 3
@@ -59,17 +59,22 @@ def _trainer_timing_keys() -> set[str]:
 @pytest.fixture(scope="module")
 def logged(tiny_model):
     """The engine's real update and old-log-prob metrics, keyed as verl's trainer logs them."""
-    engine, loss_fn, _ = T.build_verl_engine(tiny_model("qwen3"), backend="prefix_fsdp2", micro_batch_size_per_gpu=2)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
+        tiny_model("qwen3"), backend="prefix_fsdp2", micro_batch_size_per_gpu=2
+    )
     # two groups of 4 share their prompts; a group of one cannot (fallback_small_group)
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=3, group_size=1, prompt_lens=[40, 40, 40], response_len_range=(2, 5), vocab_size=VOCAB, seed=3
     )
-    grouped = T.make_grpo_batch(
+    grouped = grpo_batches.make_grpo_batch(
         num_groups=2, group_size=4, prompt_lens=[48, 40], response_len_range=(2, 6), vocab_size=VOCAB, seed=4
     )
-    update, update_small = T.run_train_step(engine, loss_fn, grouped), T.run_train_step(engine, loss_fn, batch)
-    infer = T.run_infer(engine, grouped)
-    infer_small = T.run_infer(engine, batch)
+    update, update_small = (
+        verl_engine.run_train_step(engine, loss_fn, grouped),
+        verl_engine.run_train_step(engine, loss_fn, batch),
+    )
+    infer = verl_engine.run_infer(engine, grouped)
+    infer_small = verl_engine.run_infer(engine, batch)
     # verl logs the update's metrics under actor/; the reusing step's values win where both report a key
     actor = {
         f"actor/{k}": v
@@ -83,7 +88,7 @@ def logged(tiny_model):
             old.update(
                 {
                     f"{head}{k.removeprefix('prefix/')}": v
-                    for k, v in T.reduce_step_metrics(r["metrics"]).items()
+                    for k, v in verl_engine.reduce_step_metrics(r["metrics"]).items()
                     if k.startswith("prefix/")
                 }
             )

@@ -9,8 +9,7 @@ import torch
 from transformers import Qwen3Config
 
 from verl_prefix.tools import cli
-from verl_prefix.tools.demo import DemoError
-from verl_prefix.tools.demo_agentic import (
+from verl_prefix.tools.demo.agentic import (
     AGENTIC_MODEL,
     AGENTIC_TASK,
     ENGINES,
@@ -18,6 +17,7 @@ from verl_prefix.tools.demo_agentic import (
     check_agentic_options,
     reuse_configs,
 )
+from verl_prefix.tools.demo.echo import DemoError
 from verl_prefix.tools.flops import ModelShape
 from verl_prefix.tools.tree_flops import tree_model
 

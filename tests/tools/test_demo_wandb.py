@@ -22,7 +22,7 @@ import pytest
 from helpers.reuse import assert_reuse_ran
 
 from verl_prefix.tools import cli
-from verl_prefix.tools.demo import DemoError, read_wandb_run, wandb_login_configured, wandb_mode
+from verl_prefix.tools.demo.echo import DemoError, read_wandb_run, wandb_login_configured, wandb_mode
 
 STEPS = 2
 PHASES = ("A", "B", "C")

@@ -1,4 +1,4 @@
-"""``verl_prefix.tools.dormant_memory`` on tiny sizes: the figures it reports order the policies as the
+"""``verl_prefix.tools.bench.dormant_memory`` on tiny sizes: the figures it reports order the policies as the
 schedule promises (recompute holds less in phase B than keep; chunks lower recompute's live peak; offload,
 with the CPU stand-in store, leaves nothing of the graph resident in phase B and part of it in phase C), and
 the CLI runs each policy in a child process and prints a row per policy."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from verl_prefix.tools import dormant_memory as M
-from verl_prefix.tools.bench_presets import SMOKE_MODEL
+from verl_prefix.tools.bench import dormant_memory as M
+from verl_prefix.tools.bench.presets import SMOKE_MODEL
 
 CELL = dict(prefix_len=192, suffix_len=4, group_size=2, rows=2, spec=SMOKE_MODEL)
 

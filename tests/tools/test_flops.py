@@ -80,7 +80,7 @@ def test_window_preset_model_is_a_windowed_gemma3(tmp_path):
     three 512-token windows and one full layer (what the table's FLOP column rests on)."""
     from transformers import AutoConfig
 
-    from verl_prefix.tools.bench_presets import PRESETS
+    from verl_prefix.tools.bench.presets import PRESETS
 
     (cell,) = PRESETS["window"].cells
     config = AutoConfig.from_pretrained(cell.model.write(tmp_path / "model"))
@@ -94,7 +94,7 @@ def test_hybrid_preset_counts_delta_net_layers_as_linear_in_length(tmp_path):
     conv, ``8 d_k d_v`` per value head) and add no attention pairs; only the full layer's pairs grow as P^2."""
     from transformers import AutoConfig
 
-    from verl_prefix.tools.bench_presets import PRESETS
+    from verl_prefix.tools.bench.presets import PRESETS
     from verl_prefix.tools.flops import delta_net_per_token
 
     (cell,) = PRESETS["hybrid"].cells
@@ -119,7 +119,7 @@ def test_vision_encoder_count_against_torch_flop_counter(tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForImageTextToText
 
-    from verl_prefix.tools import testing_vl as V
+    from verl_prefix.harness import vl as V
     from verl_prefix.tools.flops import vision_encoder_flops
 
     for family, exact in (("qwen3_vl", True), ("qwen2_5_vl", False)):
@@ -141,7 +141,7 @@ def test_vl_preset_counts_the_encoder_once_per_row_dense_once_per_group_reused(t
     responses of 128, G=8, on a Qwen2.5-VL; the FLOP model adds the encoder G times dense and once reused."""
     from transformers import AutoConfig
 
-    from verl_prefix.tools.bench_presets import PRESETS, cell_batch
+    from verl_prefix.tools.bench.presets import PRESETS, cell_batch
     from verl_prefix.tools.flops import vision_encoder_flops
 
     (cell,) = PRESETS["vl"].cells

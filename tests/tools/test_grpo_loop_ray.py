@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 from helpers.reuse import assert_reuse_ran
 
-from verl_prefix.tools.cpu_loop import compare_runs, cpu_grpo_config, local_cluster, run_cpu_grpo, split_groups
-from verl_prefix.tools.cpu_workers import worker_hosts
+from verl_prefix.tools.cpu_loop.loop import compare_runs, cpu_grpo_config, local_cluster, run_cpu_grpo, split_groups
+from verl_prefix.tools.cpu_loop.workers import worker_hosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -17,7 +17,7 @@ from helpers.recipe_runs import (
     run_dense_and_prefix,
 )
 
-from verl_prefix.tools.smoke import AGENTIC_SYSTEM_WORDS
+from verl_prefix.tools.smoke.text import AGENTIC_SYSTEM_WORDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import model_matrix as M
 
-from verl_prefix.tools import model_zoo as Z
+from verl_prefix.harness import model_zoo as Z
 
 SHARD, SHARDS = 0, 2
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from helpers import model_matrix as M
 
-from verl_prefix.tools import model_zoo as Z
+from verl_prefix.harness import model_zoo as Z
 
 SHARD, SHARDS = 1, 2
 

@@ -78,7 +78,7 @@ def test_cpu_recipe_vl_variant(tmp_path):
     assert config.actor_rollout_ref.rollout.name == "hf"
     assert config.actor_rollout_ref.model.trust_remote_code and config.data.trust_remote_code
     assert get_dataset_class(config.data).__name__ == "SmokeVLDataset"
-    assert config.reward.custom_reward_function.path == "pkg://verl_prefix.tools.smoke_vl"
+    assert config.reward.custom_reward_function.path == "pkg://verl_prefix.tools.smoke.vl"
     # the dense twin composes too, on the stock engine
     env["MODE"] = "dense"
     dense = _compose(_recorded_launches(tmp_path / "dense", "grpo_cpu_smoke.sh", env)[0])

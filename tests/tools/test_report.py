@@ -5,7 +5,7 @@ import json
 import pytest
 
 from verl_prefix.tools import cli
-from verl_prefix.tools import report as R
+from verl_prefix.tools.report import plots as R
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, vocab_size=1024)

@@ -15,7 +15,7 @@ def test_qwen3_smoke_model_takes_verls_qwen_token_builder(tmp_path):
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
     from verl_prefix.tools.cli import main
-    from verl_prefix.tools.smoke import VOCAB_SIZE
+    from verl_prefix.tools.smoke.text import VOCAB_SIZE
 
     out = tmp_path / "qwen3"
     assert main(["smoke-data", "--family", "qwen3", "--out", str(out), "--train", "2", "--test", "1"]) == 0
@@ -29,7 +29,7 @@ def test_qwen3_smoke_model_takes_verls_qwen_token_builder(tmp_path):
     assert f"t{VOCAB_SIZE - 1}" not in questions.split()  # that id is the newline here
 
     # the Llama smoke tokenizer has no newline token: verl's Qwen builder refuses it
-    from verl_prefix.tools.testing import write_tokenizer
+    from verl_prefix.harness.tiny_models import write_tokenizer
 
     llama = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "llama", VOCAB_SIZE))
     with pytest.raises(ValueError, match="newline"):
@@ -41,7 +41,7 @@ def test_agentic_smoke_data_shares_one_system_message(tmp_path):
     """``smoke-data --task agentic``: every prompt (train and test) opens with the same system message of
     ``AGENTIC_SYSTEM_WORDS`` words, then its own question, as ``TASK=agentic`` feeds the tree."""
     from verl_prefix.tools.cli import main
-    from verl_prefix.tools.smoke import AGENTIC_SYSTEM_WORDS
+    from verl_prefix.tools.smoke.text import AGENTIC_SYSTEM_WORDS
 
     out = tmp_path / "agentic"
     assert main(["smoke-data", "--task", "agentic", "--out", str(out), "--train", "3", "--test", "2"]) == 0

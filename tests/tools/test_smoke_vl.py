@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from verl_prefix.tools import smoke_vl
-from verl_prefix.tools.testing_vl import IMAGE_PAD
+from verl_prefix.harness.vl import IMAGE_PAD
+from verl_prefix.tools.smoke import vl as smoke_vl
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""The sequence-parallel memory figure (``verl_prefix.tools.sp_memory``) on a small cell."""
+"""The sequence-parallel memory figure (``verl_prefix.tools.bench.sp_memory``) on a small cell."""
 
 from __future__ import annotations
 
 import pytest
 
-from verl_prefix.tools import sp_memory
+from verl_prefix.tools.bench import sp_memory
 
 
 def test_sequence_parallel_halves_what_each_rank_holds_in_phase_b():

@@ -14,9 +14,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from transformers import AutoConfig
 
 from verl_prefix.backend import trace as TR
+from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.tools import cli
 from verl_prefix.tools import replay as RP
-from verl_prefix.tools import testing as T
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 from verl_prefix.tools.synthetic_trace import synthetic_trace
 
@@ -64,11 +64,11 @@ def assert_same_tensordict(a: TensorDict, b: TensorDict) -> None:
 def test_round_trip_is_exact(tmp_path, layout):
     from verl.utils import tensordict_utils as tu
 
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=3, group_size=4, prompt_lens=[9, 12, 5], response_len_range=(1, 7), vocab_size=64, use_kl=True
     )
     if layout == "legacy":
-        batch = T.make_grpo_batch(
+        batch = grpo_batches.make_grpo_batch(
             num_groups=2, group_size=3, prompt_lens=7, response_len_range=(2, 5), vocab_size=64, layout="legacy"
         )
     tu.assign_non_tensor(
@@ -90,7 +90,9 @@ def test_round_trip_is_exact(tmp_path, layout):
 
 
 def test_manifest_and_append(tmp_path):
-    batch = T.make_grpo_batch(num_groups=2, group_size=3, prompt_lens=10, response_len_range=(2, 5), vocab_size=64)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=2, group_size=3, prompt_lens=10, response_len_range=(2, 5), vocab_size=64
+    )
     writer = TR.TraceWriter(tmp_path, model_ref="m", config={"lr": 1e-6, "micro_batch_size_per_gpu": 2})
     writer.record(batch, step=0)
     writer.record(batch, step=0, config={"lr": 2e-6})
@@ -120,7 +122,9 @@ def test_load_trace_errors(tmp_path):
         TR.load_trace(tmp_path)
 
     good = tmp_path / "good"
-    batch = T.make_grpo_batch(num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64
+    )
     TR.TraceWriter(good).record(batch)
     TR.TraceWriter(good, append=True).record(batch)
     (good / "batch_000000.pt").write_bytes(b"garbage")
@@ -132,7 +136,9 @@ def test_load_trace_errors(tmp_path):
 
 
 def test_unplain_values_are_refused(tmp_path):
-    batch = T.make_grpo_batch(num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64
+    )
     batch["weird"] = NonTensorData(object())
     with pytest.raises(TR.TraceError, match="weird"):
         TR.TraceWriter(tmp_path).record(batch)
@@ -144,7 +150,9 @@ def test_chat_messages_with_images_round_trip(tmp_path):
     from PIL import Image
     from verl.utils import tensordict_utils as tu
 
-    batch = T.make_grpo_batch(num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=2, prompt_lens=4, response_len_range=(1, 2), vocab_size=64
+    )
     image = Image.fromarray(np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3))
     message = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "t9"}]}]
     tu.assign_non_tensor(batch, raw_prompt=[message, message])
@@ -190,8 +198,10 @@ def test_synthetic_trace_shapes(tmp_path):
 
 def test_recording_a_live_engine(tmp_path, tiny_model):
     model = tiny_model("qwen3", **TINY)
-    engine, loss_fn, _ = T.build_verl_engine(model, backend="fsdp2", micro_batch_size_per_gpu=2, lr=1e-4)
-    batch = T.make_grpo_batch(num_groups=2, group_size=3, prompt_lens=12, response_len_range=(2, 5), vocab_size=64)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(model, backend="fsdp2", micro_batch_size_per_gpu=2, lr=1e-4)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=2, group_size=3, prompt_lens=12, response_len_range=(2, 5), vocab_size=64
+    )
     received = []
     original = engine.train_batch
 
@@ -201,8 +211,8 @@ def test_recording_a_live_engine(tmp_path, tiny_model):
 
     engine.train_batch = spy
     with TR.recording(engine, tmp_path / "rec", model_ref=str(model)) as writer:
-        T.run_train_step(engine, loss_fn, batch)
-        T.run_train_step(engine, loss_fn, batch)
+        verl_engine.run_train_step(engine, loss_fn, batch)
+        verl_engine.run_train_step(engine, loss_fn, batch)
     assert engine.train_batch is spy  # the instance's own override is restored, not dropped
     del engine.train_batch
     assert len(writer) == 2
@@ -219,15 +229,17 @@ def test_record_trace_dir_option_records_from_a_yaml_config(tmp_path, tiny_model
     """The config route a real run uses: every update_actor batch lands in the trace, then replays."""
     model = tiny_model("qwen3", **TINY)
     actor = "actor_rollout_ref.actor"
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         model,
         backend="prefix_fsdp2",
         micro_batch_size_per_gpu=2,
         overrides=[f"{actor}._target_=verl_prefix.PrefixFSDPActorConfig", f"+{actor}.record_trace_dir={tmp_path}/run"],
     )
-    batch = T.make_grpo_batch(num_groups=2, group_size=3, prompt_lens=12, response_len_range=(2, 5), vocab_size=64)
+    batch = grpo_batches.make_grpo_batch(
+        num_groups=2, group_size=3, prompt_lens=12, response_len_range=(2, 5), vocab_size=64
+    )
     for _ in range(2):
-        T.run_train_step(engine, loss_fn, batch)
+        verl_engine.run_train_step(engine, loss_fn, batch)
     trace = TR.load_trace(tmp_path / "run")
     assert len(trace) == 2 and trace.model_ref == str(model)
     assert trace.steps[0].config["backend"] == "fsdp2"  # what verl's FSDP code sees; replay picks both engines
@@ -356,13 +368,15 @@ def test_a_recorded_tree_batch_replays_with_the_same_result(tmp_path, tiny_model
     from verl_prefix.tools.tree_flops import tree_model
 
     model = tiny_model("qwen3", **TINY)
-    engine, loss_fn, _ = T.build_verl_engine(model, backend="prefix_fsdp2", micro_batch_size_per_gpu=2, lr=1e-3)
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
+        model, backend="prefix_fsdp2", micro_batch_size_per_gpu=2, lr=1e-3
+    )
     engine.reuse_config = verl_prefix.PrefixReuseConfig(min_prefix_len=2, tree=True, min_shared_tokens=8)
-    batch = T.make_grpo_batch(
+    batch = grpo_batches.make_grpo_batch(
         num_groups=2, group_size=3, prompt_lens=[5, 9], response_len_range=(2, 5), vocab_size=64, shared_system=24
     )
     with TR.recording(engine, tmp_path / "rec", model_ref=str(model)):
-        recorded = T.run_train_step(engine, loss_fn, batch)
+        recorded = verl_engine.run_train_step(engine, loss_fn, batch)
     del engine
     trace = TR.load_trace(tmp_path / "rec")
     assert trace.steps[0].config["prefix_reuse"]["tree"] is True

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from verl_prefix.tools.bench_presets import ModelSpec
+    from verl_prefix.tools.bench.presets import ModelSpec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,7 +48,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (separate so tests and docs can inspect it)."""
-    from verl_prefix.tools.bench_presets import PRESETS
+    from verl_prefix.tools.bench.presets import PRESETS
 
     presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
     parser = _Parser(prog="verl-prefix", description="Shared-prefix reuse for verl GRPO actor updates.")
@@ -292,11 +292,11 @@ def _smoke_data(args: argparse.Namespace) -> int:
         if args.family != "llama":
             print("smoke-data: --family is the text task's model (--task vl writes a Qwen2.5-VL)", file=sys.stderr)
             return 2
-        from verl_prefix.tools.smoke_vl import write_smoke_vl
+        from verl_prefix.tools.smoke.vl import write_smoke_vl
 
         paths = write_smoke_vl(args.out, train=args.train, test=args.test, seed=args.seed)
     else:
-        from verl_prefix.tools.smoke import AGENTIC_SYSTEM_WORDS, write_smoke
+        from verl_prefix.tools.smoke.text import AGENTIC_SYSTEM_WORDS, write_smoke
 
         system_words = AGENTIC_SYSTEM_WORDS if args.task == "agentic" else 0
         paths = write_smoke(
@@ -307,9 +307,9 @@ def _smoke_data(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from verl_prefix.tools.bench_presets import BenchError, resolve_preset
-    from verl_prefix.tools.bench_runner import run_bench
-    from verl_prefix.tools.bench_tables import grad_check_failures, markdown_table, update_table_file
+    from verl_prefix.tools.bench.presets import BenchError, resolve_preset
+    from verl_prefix.tools.bench.runner import run_bench
+    from verl_prefix.tools.bench.tables import grad_check_failures, markdown_table, update_table_file
 
     try:
         resolve_preset(args.preset, args.reps, args.threads, args.cell)
@@ -444,7 +444,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _model_spec(name: str) -> ModelSpec:
-    from verl_prefix.tools.bench_presets import MODEL_29M, SMOKE_MODEL, ModelSpec
+    from verl_prefix.tools.bench.presets import MODEL_29M, SMOKE_MODEL, ModelSpec
 
     tiny = ModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=64)
     return {"tiny": tiny, "smoke": SMOKE_MODEL, "29m": MODEL_29M}[name]
@@ -461,7 +461,7 @@ def _model_vocab(path: Path) -> int | None:
 
 def _replay(args: argparse.Namespace, argv: list[str]) -> int:
     from verl_prefix.backend.trace import TraceError, load_trace
-    from verl_prefix.tools.bench_tables import update_table_file
+    from verl_prefix.tools.bench.tables import update_table_file
     from verl_prefix.tools.replay import replay, replay_table
 
     for path, what in ((args.out, "--out"), (args.table, "--table")):
@@ -507,7 +507,7 @@ def _replay(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from verl_prefix.tools.report import ReportError, write_report
+    from verl_prefix.tools.report.plots import ReportError, write_report
 
     try:
         paths = write_report(args.result, args.out)
@@ -521,7 +521,7 @@ def _report(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import time
 
-    from verl_prefix.tools.demo import DemoError, check_options, demo_report, quiet_libraries, run_demo, wandb_mode
+    from verl_prefix.tools.demo.echo import DemoError, check_options, demo_report, quiet_libraries, run_demo, wandb_mode
 
     start = time.perf_counter()
     if not args.verbose:
@@ -531,7 +531,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"[demo {time.perf_counter() - start:5.1f}s] {message}", flush=True)
 
     if args.task == "agentic":
-        from verl_prefix.tools.demo_agentic import agentic_report, run_agentic_demo
+        from verl_prefix.tools.demo.agentic import agentic_report, run_agentic_demo
 
         try:
             summary = run_agentic_demo(
@@ -567,7 +567,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _dashboard(args: argparse.Namespace) -> int:
-    from verl_prefix.tools.dashboard import WORKSPACE_NAME, DashboardError, save_workspace, write_html
+    from verl_prefix.tools.report.dashboard import WORKSPACE_NAME, DashboardError, save_workspace, write_html
 
     try:
         if args.dashboard_command == "html":
@@ -586,7 +586,7 @@ def _models(args: argparse.Namespace) -> int:
     """``verl-prefix models``: the coverage page from the capability check over every family."""
     import logging
 
-    from verl_prefix.tools import model_zoo
+    from verl_prefix.harness import model_zoo
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rows = model_zoo.matrix_rows(args.family)

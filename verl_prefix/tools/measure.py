@@ -4,7 +4,7 @@ backward).
 
 The benches, the capacity search and its probes, replay and the CLI all measure through these, so that a
 "peak RSS" or an "update time" means the same thing in every result file. Below every command in the
-tools layer: it imports only ``testing`` (the settings verl's worker adds to a batch).
+tools layer: it imports only the harness's ``verl_engine`` (the settings verl's worker adds to a batch).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from verl_prefix.harness import verl_engine
 from verl_prefix.schedule.telemetry import SavedBytes
-from verl_prefix.tools import testing as T
 
 _MIB = 1024.0**2
 
@@ -149,7 +149,7 @@ def _train_data(engine: Any, batch: Any) -> Any:
     from verl.utils import tensordict_utils as tu
 
     data = batch.copy()
-    for key, val in T.worker_defaults(engine, infer=False).items():
+    for key, val in verl_engine.worker_defaults(engine, infer=False).items():
         if key not in data.keys():
             tu.assign_non_tensor(data, **{key: val})
     tu.maybe_fix_3d_position_ids(data)
@@ -161,7 +161,9 @@ def _infer_data(engine: Any, batch: Any) -> Any:
     from verl.utils import tensordict_utils as tu
 
     data = batch.copy()
-    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, **T.worker_defaults(engine, infer=True))
+    tu.assign_non_tensor(
+        data, calculate_entropy=True, compute_loss=False, **verl_engine.worker_defaults(engine, infer=True)
+    )
     tu.maybe_fix_3d_position_ids(data)
     return data
 
@@ -182,7 +184,7 @@ def time_update(engine: Any, loss_fn: Callable, batch: Any, *, capture_grads: bo
         _sync()
         elapsed = time.perf_counter() - start
         if capture_grads:
-            output["grads"] = T.grads_of(engine)
+            output["grads"] = verl_engine.grads_of(engine)
     return elapsed, output
 
 

@@ -31,7 +31,7 @@ from verl_prefix.backend.trace import (
     max_token_id_of,
     sequence_lengths,
 )
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import verl_engine
 from verl_prefix.tools.flops import ModelShape, predicted_speedup
 from verl_prefix.tools.measure import (
     machine_info,
@@ -171,7 +171,7 @@ def replay(
         kwargs = {k: config[k] for k in ENGINE_KWARGS if k in config}
         overrides = tuple(config.get("overrides", ()))
         build = functools.partial(
-            T.build_verl_engine,
+            verl_engine.build_verl_engine,
             model_path,
             dtype=dtype,
             attn_implementation=attn_implementation,
@@ -182,8 +182,8 @@ def replay(
         prefix, prefix_loss, _ = build(backend="prefix_fsdp2")
         prefix.reuse_config = verl_prefix.PrefixReuseConfig(**config.get("prefix_reuse", {}))
         noisy = build(backend="fsdp2")[:2] if noise else None
-        p_initial = T.params_of(dense)
-        identical = _distance(p_initial, T.params_of(prefix)) == 0.0
+        p_initial = verl_engine.params_of(dense)
+        identical = _distance(p_initial, verl_engine.params_of(prefix)) == 0.0
         params = sum(p.numel() for p in p_initial.values())
 
         rows_out: list[dict[str, Any]] = []
@@ -202,18 +202,18 @@ def replay(
                     prefix_s.append(t_prefix)
             gc.collect()
             with measure_update_memory(dense) as dense_mem:
-                out_dense = T.run_train_step(dense, dense_loss, batch)
+                out_dense = verl_engine.run_train_step(dense, dense_loss, batch)
             with measure_update_memory(prefix, count_saved=False) as prefix_mem:
-                out_prefix = T.run_train_step(prefix, prefix_loss, batch)
-            p_dense, p_prefix = T.params_of(dense), T.params_of(prefix)
+                out_prefix = verl_engine.run_train_step(prefix, prefix_loss, batch)
+            p_dense, p_prefix = verl_engine.params_of(dense), verl_engine.params_of(prefix)
             update = _distance(p_dense, p_initial)
             drift = _distance(p_prefix, p_dense) / update if update > 0 else math.nan
             row_noise, variant, out_noise = math.nan, None, None
             if noisy is not None:
                 noise_batch, variant = _noise_batch(batch)
                 if noise_batch is not None:
-                    out_noise = T.run_train_step(noisy[0], noisy[1], noise_batch)
-                    row_noise = _distance(T.params_of(noisy[0]), p_dense) / update if update > 0 else math.nan
+                    out_noise = verl_engine.run_train_step(noisy[0], noisy[1], noise_batch)
+                    row_noise = _distance(verl_engine.params_of(noisy[0]), p_dense) / update if update > 0 else math.nan
             del p_dense, p_prefix
             metrics = {k: v for k, v in out_prefix["reduced_metrics"].items() if k.startswith("prefix/")}
             groups = batch_groups(batch)

@@ -10,7 +10,7 @@ import numpy as np
 
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.trace import MANIFEST, TraceError, TraceWriter
-from verl_prefix.tools import testing as T
+from verl_prefix.harness import grpo_batches, tiny_models
 
 
 def _length_range(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
@@ -41,7 +41,7 @@ def synthetic_trace(
 
     Each step has ``groups`` uid groups of ``group_size`` samples; a group's prompt length (the shared
     prefix) is drawn uniformly from ``prefix_len`` and each response length from ``suffix_len`` (an int or
-    an inclusive ``(lo, hi)``). Batches come from ``testing.make_grpo_batch`` (GRPO advantages through
+    an inclusive ``(lo, hi)``). Batches come from ``grpo_batches.make_grpo_batch`` (GRPO advantages through
     verl's estimator), with the settings ``TrainingWorker`` injects, so they look like what an engine
     receives. ``overwrite`` replaces an existing trace in ``dir``. ``system_len``: every prompt of a step starts
     with one block of that many tokens (a system prompt, what ``prefix_reuse.tree`` computes once) before its
@@ -55,8 +55,8 @@ def synthetic_trace(
         raise TraceError(f"system_len must be >= 0, got {system_len}")
     p_lo, p_hi = _length_range(prefix_len, "prefix_len")
     s_range = _length_range(suffix_len, "suffix_len")
-    if vocab_size <= len(T.SPECIAL_TOKENS):
-        raise TraceError(f"vocab_size must exceed {len(T.SPECIAL_TOKENS)}, got {vocab_size}")
+    if vocab_size <= len(tiny_models.SPECIAL_TOKENS):
+        raise TraceError(f"vocab_size must exceed {len(tiny_models.SPECIAL_TOKENS)}, got {vocab_size}")
     root = Path(dir)
     if root.exists() and not root.is_dir():
         raise TraceError(f"{root} exists and is not a directory")
@@ -93,7 +93,7 @@ def synthetic_trace(
         use_fused_kernels=False,
     )
     for step in range(steps):
-        batch = T.make_grpo_batch(
+        batch = grpo_batches.make_grpo_batch(
             num_groups=groups,
             group_size=group_size,
             prompt_lens=[int(x) for x in rng.integers(p_lo, p_hi + 1, size=groups)],

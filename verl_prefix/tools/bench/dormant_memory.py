@@ -1,6 +1,6 @@
 """Memory of the dormant-prefix policies on one bench cell, one fresh process per policy.
 
-``python -m verl_prefix.tools.dormant_memory`` runs, for each policy, a child process that builds the
+``python -m verl_prefix.tools.bench.dormant_memory`` runs, for each policy, a child process that builds the
 29M-parameter bench model (``bench_presets.MODEL_29M``, fp32, random init, no checkpointing), trains one GRPO
 group (prefix 2048, G=8 suffixes of 128, micro-batches of 4) through the schedule on CPU, and reports
 the bytes held for backward during phase B (``prefix/max_saved_for_backward_held_in_B_mib/<policy>``),
@@ -32,7 +32,7 @@ from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
-from verl_prefix.tools.bench_presets import MODEL_29M, SMOKE_MODEL, ModelSpec
+from verl_prefix.tools.bench.presets import MODEL_29M, SMOKE_MODEL, ModelSpec
 from verl_prefix.tools.measure import fresh_process_context
 
 _MIB = 1024.0**2
@@ -102,7 +102,7 @@ def measure(
 ) -> dict[str, float]:
     """One group through A/B/C under ``policy`` (prefix in chunks of ``chunk_tokens`` if set) in this
     process; the figures of ``main``. With ``ulysses`` this rank runs its sequence-parallel share
-    (``verl_prefix.tools.sp_memory``)."""
+    (``verl_prefix.tools.bench.sp_memory``)."""
     torch.set_num_threads(1)
     model = _model(spec)
     loaded_rss = psutil.Process().memory_info().rss

@@ -2,7 +2,7 @@
 
 ``verl-prefix smoke-data --task vl --out DIR`` writes
 
-- ``DIR/model``: a random-init Qwen2.5-VL (``testing_vl.write_tiny_vl_model``: a 2-block vision tower, 14-pixel
+- ``DIR/model``: a random-init Qwen2.5-VL (``harness.vl.write_tiny_vl_model``: a 2-block vision tower, 14-pixel
   patches merged 2 x 2, a 2-layer decoder) with a local word-level tokenizer that knows Qwen's vision tokens and
   a newline (verl's Qwen builders of the rollout prompt need one), a chat template that renders image blocks as
   ``<|vision_start|><|image_pad|><|vision_end|>``, and an image-only processor (``vl_processor``, remote code:
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from verl_prefix.tools.smoke import shaping_score, write_splits
+from verl_prefix.tools.smoke.text import shaping_score, write_splits
 
 DATA_SOURCE = "hiyouga/geometry3k"
 # every message renders as "<s> " + its blocks + "\n"; an image block as Qwen's three vision tokens
@@ -51,12 +51,12 @@ _PROCESSOR_FILE = "processing_smoke_vl.py"
 
 def write_vl_tokenizer(dir: str | os.PathLike) -> Path:
     """The word-level tokenizer of the tiny vision-language vocabulary: ``SPECIAL_TOKENS``, ``"\\n"``, words
-    ``t5``.., and Qwen's vision tokens at their ids (``testing_vl.VISION_START``..)."""
+    ``t5``.., and Qwen's vision tokens at their ids (``harness.vl.VISION_START``..)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from verl_prefix.tools.testing import SPECIAL_TOKENS
-    from verl_prefix.tools.testing_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+    from verl_prefix.harness.tiny_models import SPECIAL_TOKENS
+    from verl_prefix.harness.vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
     vision = {
         "<|vision_start|>": VISION_START,
@@ -83,8 +83,8 @@ def write_smoke_vl_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
     """The tiny Qwen2.5-VL, its tokenizer, chat template and image-only processor in ``out``."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from verl_prefix.tools.testing_vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, write_tiny_vl_model
-    from verl_prefix.tools.vl_processor import Qwen2_5_VLProcessor
+    from verl_prefix.harness.vl import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, write_tiny_vl_model
+    from verl_prefix.tools.smoke.vl_processor import Qwen2_5_VLProcessor
 
     path = write_tiny_vl_model(out, "qwen2_5_vl", seed=seed)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -99,7 +99,9 @@ def write_smoke_vl_model(out: str | os.PathLike, *, seed: int = 0) -> Path:
     )
     Qwen2_5_VLProcessor(image_processor, tokenizer, chat_template=CHAT_TEMPLATE).save_pretrained(path)
     # remote code: AutoProcessor builds the image-only processor (transformers' own needs torchvision)
-    (path / _PROCESSOR_FILE).write_text("from verl_prefix.tools.vl_processor import Qwen2_5_VLProcessor  # noqa\n")
+    (path / _PROCESSOR_FILE).write_text(
+        "from verl_prefix.tools.smoke.vl_processor import Qwen2_5_VLProcessor  # noqa\n"
+    )
     config_path = path / "processor_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     config["processor_class"] = "Qwen2_5_VLProcessor"
@@ -143,7 +145,7 @@ def smoke_vl_rows(
 ) -> list[dict[str, Any]]:
     """``num`` geo3k-shaped rows: an image of one of ``IMAGE_SIZES`` (row ``i`` takes size ``i % 3``) and a
     question of random words (ids 9 and up; 5..8 spell the instruction)."""
-    from verl_prefix.tools.testing_vl import TEXT_VOCAB
+    from verl_prefix.harness.vl import TEXT_VOCAB
 
     rng = np.random.default_rng(seed)
     rows = []

@@ -1,4 +1,4 @@
-"""The child side of a capacity probe: ``python -m verl_prefix.tools.capacity_probe REQUEST`` builds one
+"""The child side of a capacity probe: ``python -m verl_prefix.tools.bench.capacity_probe REQUEST`` builds one
 engine, runs one update on one GRPO group and prints whether it fit the budget, as one JSON line.
 
 ``capacity.probe`` starts it, one fresh process per probe (see ``capacity`` for what the figures mean):
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools import testing as T
-from verl_prefix.tools.capacity import parse_engine
+from verl_prefix.harness import grpo_batches, verl_engine
+from verl_prefix.tools.bench.capacity import parse_engine
 from verl_prefix.tools.measure import peak_rss_mib, reset_peak_rss, rss_mib, select_platform, time_update
 
 _MIB = 1024.0**2
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(req["threads"])
     what = parse_engine(req["engine"])
     rows = what["rows"] if what["stock"] else spec["micro_batch_size"]
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         Path(req["model_dir"]),
         backend="fsdp2" if what["stock"] else "prefix_fsdp2",
         dtype=spec["dtype"],
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.offload_store_factory = HostOffload  # CPU stand-in: the host copies stay in RSS
 
     def group(prefix_len: int) -> Any:
-        return T.make_grpo_batch(
+        return grpo_batches.make_grpo_batch(
             num_groups=1,
             group_size=spec["group_size"],
             prompt_lens=prefix_len + 1,

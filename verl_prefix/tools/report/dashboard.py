@@ -1,6 +1,6 @@
 """``verl-prefix dashboard``: the engine's metrics as a wandb workspace, or as one offline HTML page.
 
-Both draw the panels of ``verl_prefix.tools.dashboard_spec``. The wandb workspace is built with
+Both draw the panels of ``verl_prefix.tools.report.dashboard_spec``. The wandb workspace is built with
 ``wandb-workspaces`` (the ``dashboard`` extra) and saved to a project; the HTML page is drawn from runs on
 disk (offline wandb run directories, read with ``read_wandb_run``, or verl's ``file`` logger JSONL) as
 inline SVG with a few lines of inline script (legend toggles): no network when viewed.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_prefix.tools.dashboard_spec import ACTOR, PASSES, SECTIONS, Panel, all_panels
+from verl_prefix.tools.report.dashboard_spec import ACTOR, PASSES, SECTIONS, Panel, all_panels
 
 WORKSPACE_NAME = "verl-prefix: dense vs prefix reuse"
 
@@ -112,7 +112,7 @@ def _numbers(row: dict[str, Any]) -> dict[str, float]:
 
 
 def _wandb_run(run_dir: Path) -> RunSeries:
-    from verl_prefix.tools.demo import read_wandb_run
+    from verl_prefix.tools.demo.echo import read_wandb_run
 
     run = read_wandb_run(run_dir)
     steps, rows = [], []

@@ -3,7 +3,7 @@
 ``verl-prefix smoke-data --out DIR`` writes
 
 - ``DIR/model``: a random-init Llama-style model and its local word-level tokenizer
-  (``testing.write_tiny_model``), plus a chat template, because verl's agent loop builds every prompt with
+  (``tiny_models.write_tiny_model``), plus a chat template, because verl's agent loop builds every prompt with
   ``apply_chat_template``; with ``--family qwen3`` a Qwen3 of the same size (what the TorchTitan engines take:
   torchtitan has a qwen3 model and no Llama of Qwen's layout), whose tokenizer also has a newline token;
 - ``DIR/data/train.parquet`` and ``DIR/data/test.parquet`` in verl's RL dataset format, the columns
@@ -40,12 +40,12 @@ AGENTIC_SYSTEM_WORDS = 64
 
 
 def newline_tokenizer(dir: str | os.PathLike, vocab_size: int) -> Path:
-    """The word-level tokenizer of ``testing.write_tokenizer`` with ``"\\n"`` as its last id instead of a word:
+    """The word-level tokenizer of ``tiny_models.write_tokenizer`` with ``"\\n"`` as its last id instead of a word:
     verl's Qwen token builders need a newline that encodes to one token."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from verl_prefix.tools.testing import SPECIAL_TOKENS
+    from verl_prefix.harness.tiny_models import SPECIAL_TOKENS
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size - 1)})
@@ -70,7 +70,7 @@ def write_smoke_model(out: str | os.PathLike, *, seed: int = 0, family: str = "l
     expect Qwen's newline token, which a word-level tokenizer does not have. ``family="qwen3"`` (the TorchTitan
     engines' smoke model) gives the tokenizer one, at the last id (``newline_tokenizer``).
     """
-    from verl_prefix.tools.testing import write_tiny_model
+    from verl_prefix.harness.tiny_models import write_tiny_model
 
     if family not in FAMILIES:
         raise ValueError(f"the smoke model is one of {FAMILIES}, got {family!r}")

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from verl_prefix.tools.testing import BOS_ID, EOS_ID, PAD_ID, make_grpo_batch, write_tokenizer
+from verl_prefix.harness.grpo_batches import make_grpo_batch
+from verl_prefix.harness.tiny_models import BOS_ID, EOS_ID, PAD_ID, write_tokenizer
 
 # the last ids of a tiny vocabulary: <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 124, 125, 126, 127

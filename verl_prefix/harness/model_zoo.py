@@ -388,8 +388,8 @@ def build(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, length
 
 def write_model(dir: str | os.PathLike, family: str, dtype: torch.dtype = torch.float32) -> Path:
     """``build(family)`` saved with a local tokenizer of ``VOCAB`` ids: a model directory verl's engines load
-    (``verl_prefix.tools.testing.build_verl_engine``)."""
-    from verl_prefix.tools.testing import write_tokenizer
+    (``verl_prefix.harness.verl_engine.build_verl_engine``)."""
+    from verl_prefix.harness.tiny_models import write_tokenizer
 
     out = write_tokenizer(dir, VOCAB)
     build(family, dtype).save_pretrained(out)
@@ -564,7 +564,7 @@ def render(rows: list[MatrixRow]) -> str:
         "tests/tools/test_model_matrix_*.py check it -->",
         "",
         f"Every `model_type` of transformers {transformers.__version__}'s causal-LM auto mapping, built from a tiny "
-        "random config of its own config class (`verl_prefix.tools.model_zoo`: hidden 64, 2 layers, 4 heads / 2 "
+        "random config of its own config class (`verl_prefix.harness.model_zoo`: hidden 64, 2 layers, 4 heads / 2 "
         f"KV heads, small experts, dropout 0, a sliding window of {WINDOW} tokens where the family has one). "
         "The capability check (`verl_prefix.schedule.capability`) decides at engine initialisation whether reuse "
         "serves it; *exact under reuse* families are trained under reuse against plain HF dense gradients in fp32 "

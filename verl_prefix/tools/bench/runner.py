@@ -30,15 +30,16 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools import rss_probe
-from verl_prefix.tools import testing as T
-from verl_prefix.tools.bench_attention import (
+from verl_prefix.harness import verl_engine
+from verl_prefix.tools.bench import rss_probe
+from verl_prefix.tools.bench.attention import (
     attention_kv_bytes,
     count_attention_saved,
     largest_micro_batch_tokens,
     suffix_repeated_on_cuda,
 )
-from verl_prefix.tools.bench_presets import (
+from verl_prefix.tools.bench.capacity import run_capacity
+from verl_prefix.tools.bench.presets import (
     PHASE_B_ATTENTIONS,
     TREE_VARIANTS,
     Cell,
@@ -51,8 +52,7 @@ from verl_prefix.tools.bench_presets import (
     resolve_preset,
     unavailable_variant,
 )
-from verl_prefix.tools.bench_tables import grad_check
-from verl_prefix.tools.capacity import run_capacity
+from verl_prefix.tools.bench.tables import grad_check
 from verl_prefix.tools.flops import ModelShape, predicted_speedup, vision_encoder_flops
 from verl_prefix.tools.measure import machine_info, measure_update_memory, time_infer, time_update, timestamp
 from verl_prefix.tools.tree_flops import tree_model
@@ -118,7 +118,7 @@ def max_rel_grad_diff(dense: dict[str, torch.Tensor], prefix: dict[str, torch.Te
 
 def _prefix_metrics(output: dict) -> dict[str, float]:
     """The engine's ``prefix/*`` counters for one mini-batch (reuse factor, fallbacks)."""
-    return T.reduce_step_metrics({k: v for k, v in output["metrics"].items() if k.startswith("prefix/")})
+    return verl_engine.reduce_step_metrics({k: v for k, v in output["metrics"].items() if k.startswith("prefix/")})
 
 
 def measure_cell(
@@ -186,7 +186,7 @@ def measure_cell(
         (prompt_lens[g * cell.group_size], response_lens[g * cell.group_size : (g + 1) * cell.group_size])
         for g in range(cell.num_groups)
     ]
-    params = sum(p.numel() for p in T.params_of(dense).values())
+    params = sum(p.numel() for p in verl_engine.params_of(dense).values())
     del engines, dense, prefix
     gc.collect()
     return {
@@ -211,7 +211,7 @@ def _fsdp_engines(cell: Cell, model_dir: Path) -> dict[str, tuple[Any, Callable]
     dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
     engines = {}
     for key, backend in (("dense", "fsdp2"), ("prefix", "prefix_fsdp2")):
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             model_dir, backend=backend, dtype=dtype, micro_batch_size_per_gpu=cell.micro_batch_size,
             overrides=cell.overrides,
         )  # fmt: skip
@@ -222,9 +222,9 @@ def _fsdp_engines(cell: Cell, model_dir: Path) -> dict[str, tuple[Any, Callable]
 def _titan_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tuple[Any, Callable]]:
     """verl's TorchTitan engine ("dense") and ``prefix_torchtitan`` ("prefix") on this one rank, with verl's PPO
     loss; fp32 parameters (bf16 ones for a bfloat16 cell, torchtitan's default)."""
-    from verl_prefix.tools import titan_testing as TT
+    from verl_prefix.harness import titan as TT
 
-    T.init_single_process_group()
+    verl_engine.init_single_process_group()
     param = "bfloat16" if cell.dtype == "bfloat16" else "float32"
     loss_fn = TT.ppo_loss_fn()
     engines = {}
@@ -321,7 +321,7 @@ def measure_variants(
         if tick is not None:
             tick()
 
-    params = sum(p.numel() for p in T.params_of(engines[variants[0]][0]).values())
+    params = sum(p.numel() for p in verl_engine.params_of(engines[variants[0]][0]).values())
     del engines
     gc.collect()
     response_lens = [int(r.numel()) for r in batch["responses"].unbind()]
@@ -518,7 +518,7 @@ def _run_capacity(
     threads: int | None,
     jobs: int = 1,
 ) -> dict:
-    """A capacity preset: ``verl_prefix.tools.capacity.run_capacity`` with the bench's result header, the
+    """A capacity preset: ``verl_prefix.tools.bench.capacity.run_capacity`` with the bench's result header, the
     JSON rewritten after each engine's search (``complete`` false until the last)."""
     started = time.perf_counter()
     previous = torch.get_num_threads()

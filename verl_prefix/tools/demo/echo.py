@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from verl_prefix._cli_quiet import hide_verl_import_warnings
-from verl_prefix.tools.cpu_loop import CPULoopRun, EchoTask, compare_runs, local_cluster, run_cpu_grpo
+from verl_prefix.tools.cpu_loop.loop import CPULoopRun, EchoTask, compare_runs, local_cluster, run_cpu_grpo
 
 # ~0.9M parameters: small enough for 2 cores, large enough that the shared prompt dominates the update.
 DEMO_MODEL: dict[str, int] = dict(
@@ -158,7 +158,7 @@ def run_demo(
     Sets ``WANDB_MODE`` (see ``wandb_mode``) and a default ``WANDB_DIR`` in this process before wandb
     starts, so verl's ``Tracking`` picks them up exactly as in a ``main_ppo`` run.
     """
-    from verl_prefix.tools.testing import write_tiny_model
+    from verl_prefix.harness.tiny_models import write_tiny_model
 
     out = Path(out_dir)
     check_options(out, steps=steps, prompts=prompts, n=n)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools import testing as T
-from verl_prefix.tools.capacity import CapacitySpec
+from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
+from verl_prefix.tools.bench.capacity import CapacitySpec
 
 
 class BenchError(ValueError):
@@ -26,7 +26,7 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a random-init Qwen3-style model, as ``testing.write_tiny_model`` takes it.
+    """Shape of a random-init Qwen3-style model, as ``tiny_models.write_tiny_model`` takes it.
 
     The capacity search (``capacity.CapacitySpec.model``) and ``dormant_memory`` use these shapes too."""
 
@@ -43,7 +43,7 @@ class ModelSpec:
     # a sliding window on the layers ``layer_types`` marks "sliding_attention" (every layer without them)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
-    # > 0: a vision-language family of ``testing_vl`` (its vision tower's blocks, width and heads)
+    # > 0: a vision-language family of ``harness.vl`` (its vision tower's blocks, width and heads)
     vision_depth: int = 0
     vision_hidden: int = 0
     vision_heads: int = 2
@@ -61,10 +61,10 @@ class ModelSpec:
             kwargs.pop("num_experts_per_tok")
         extra = {"sliding_window": kwargs.pop("sliding_window"), "layer_types": kwargs.pop("layer_types")}
         extra = {k: (list(v) if isinstance(v, tuple) else v) for k, v in extra.items() if v is not None}
-        return T.write_tiny_model(directory, family, extra_config=extra or None, **kwargs)
+        return tiny_models.write_tiny_model(directory, family, extra_config=extra or None, **kwargs)
 
     def _write_vl(self, directory: Path) -> Path:
-        from verl_prefix.tools import testing_vl as V
+        from verl_prefix.harness import vl as V
 
         return V.write_tiny_vl_model(
             directory,
@@ -110,7 +110,7 @@ class Cell:
     # of shared stems, level k 2**k stems of ``response_stems[k]`` tokens, then ``response_len_range`` own tokens
     response_stems: tuple[int, ...] = ()
     # "fsdp2": stock fsdp2 vs prefix_fsdp2; "torchtitan": verl's TorchTitan engine vs prefix_torchtitan (one rank,
-    # a qwen3 model: ``titan_testing`` registers the flavor of its shapes; classic cells only)
+    # a qwen3 model: ``harness.titan`` registers the flavor of its shapes; classic cells only)
     engine: str = "fsdp2"
     # a vision-language cell: the patch grid (height, width) of the one image every prompt holds, placed
     # among ``prompt_len`` text tokens (half before it); its visual tokens add to the prompt
@@ -130,7 +130,7 @@ class Preset:
     description: str = ""
     # variant cells: each variant's first update also runs once in a fresh process, for its peak RSS
     fresh_rss: bool = False
-    # a capacity preset: a search (``verl_prefix.tools.capacity``) instead of timed cells
+    # a capacity preset: a search (``verl_prefix.tools.bench.capacity``) instead of timed cells
     capacity: CapacitySpec | None = None
 
 
@@ -560,7 +560,7 @@ def cell_batch(cell: Cell) -> Any:
         draw = torch.randint(lo, hi + 1, (cell.num_groups,), generator=torch.Generator().manual_seed(0))
         prompt_lens = [int(x) for x in draw]
     if cell.image is not None:
-        from verl_prefix.tools import testing_vl as V
+        from verl_prefix.harness import vl as V
 
         return V.make_vl_grpo_batch(
             images=[[cell.image]] * cell.num_groups,
@@ -571,7 +571,7 @@ def cell_batch(cell: Cell) -> Any:
             seed=0,
             family=cell.model.family,
         )
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=cell.num_groups,
         group_size=cell.group_size,
         prompt_lens=prompt_lens,
@@ -593,7 +593,7 @@ def build_variant(cell: Cell, variant: str, model_dir: Path) -> tuple[Any, Calla
     dtype = "float32" if cell.dtype in ("float32", "bfloat16") else cell.dtype
     stock = variant == "fsdp2"
     rows = cell.dense_micro_batch_size if stock and cell.dense_micro_batch_size else cell.micro_batch_size
-    engine, loss_fn, _ = T.build_verl_engine(
+    engine, loss_fn, _ = verl_engine.build_verl_engine(
         model_dir,
         backend="fsdp2" if stock else "prefix_fsdp2",
         dtype=dtype,

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from verl_prefix.tools.capacity import capacity_table
+from verl_prefix.tools.bench.capacity import capacity_table
 
 # The tolerance ``max_rel_grad_diff`` (the worst parameter's ||g - g_ref|| / ||g_ref|| against the stock engine,
 # or against concat where the stock engine does not run) is held to, by the dtype the engines compute in. Every

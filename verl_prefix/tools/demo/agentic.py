@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools.demo import DemoError
+from verl_prefix.tools.demo.echo import DemoError
 
 # the echo demo's model shape (0.9M parameters), its vocabulary wide enough for random prompts
 AGENTIC_MODEL: dict[str, int] = dict(
@@ -47,11 +47,11 @@ AGENTIC_TASK = AgenticTask()
 
 def agentic_batch(task: AgenticTask, *, prompts: int, n: int, vocab_size: int, seed: int) -> Any:
     """A GRPO mini-batch of the task's shape (one system block per step, a question per group)."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import grpo_batches
 
     lo, hi = task.question_len
     draw = torch.randint(lo, hi + 1, (prompts,), generator=torch.Generator().manual_seed(seed))
-    return T.make_grpo_batch(
+    return grpo_batches.make_grpo_batch(
         num_groups=prompts,
         group_size=n,
         prompt_lens=[int(x) for x in draw],
@@ -74,12 +74,12 @@ def reuse_configs(micro_batch_size: int) -> dict[str, Any]:
 
 def build_engines(model_dir: Path, *, micro_batch_size: int, lr: float) -> dict[str, tuple[Any, Callable]]:
     """``(engine, loss_fn)`` per engine of ``ENGINES``, from one model directory (identical weights)."""
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import verl_engine
 
     engines = {}
     for name, reuse in reuse_configs(micro_batch_size).items():
         backend = "fsdp2" if reuse is None else "prefix_fsdp2"
-        engine, loss_fn, _ = T.build_verl_engine(
+        engine, loss_fn, _ = verl_engine.build_verl_engine(
             model_dir, backend=backend, micro_batch_size_per_gpu=micro_batch_size, lr=lr
         )
         if reuse is not None:
@@ -123,7 +123,7 @@ def run_agentic_demo(
     ``OUT/demo_agentic.json``; returns the summary ``agentic_report`` prints."""
     from transformers import AutoConfig
 
-    from verl_prefix.tools import testing as T
+    from verl_prefix.harness import tiny_models, verl_engine
     from verl_prefix.tools.flops import ModelShape
     from verl_prefix.tools.measure import select_platform
     from verl_prefix.tools.tree_flops import tree_model
@@ -134,11 +134,11 @@ def run_agentic_demo(
     check_agentic_options(out, steps=steps, prompts=prompts, n=n)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model_dir = T.write_tiny_model(out / "model", "qwen3", **AGENTIC_MODEL)
+    model_dir = tiny_models.write_tiny_model(out / "model", "qwen3", **AGENTIC_MODEL)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
     engines = build_engines(model_dir, micro_batch_size=micro_batch_size, lr=lr)
     say(f"built stock fsdp2, prefix_fsdp2 one-level and tree from {model_dir}")
-    before = T.params_of(engines["stock"][0])
+    before = verl_engine.params_of(engines["stock"][0])
     rows = []
     for step in range(1, steps + 1):
         batch = agentic_batch(task, prompts=prompts, n=n, vocab_size=AGENTIC_MODEL["vocab_size"], seed=seed + step)
@@ -149,10 +149,10 @@ def run_agentic_demo(
         params = {}
         for name, (engine, loss_fn) in engines.items():
             t0 = time.perf_counter()
-            result = T.run_train_step(engine, loss_fn, batch)
+            result = verl_engine.run_train_step(engine, loss_fn, batch)
             seconds = time.perf_counter() - t0
             metrics = result["reduced_metrics"]
-            params[name] = T.params_of(engine)
+            params[name] = verl_engine.params_of(engine)
             row[name] = {
                 "update_s": seconds,
                 "loss": result["loss"],

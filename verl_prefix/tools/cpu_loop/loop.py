@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_prefix.tools.cpu_workers import ACTOR, REF, WORKER_ENV, RunWorkers, WorkerHosts, own_workers
+from verl_prefix.tools.cpu_loop.workers import ACTOR, REF, WORKER_ENV, RunWorkers, WorkerHosts, own_workers
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def cpu_grpo_config(
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_prefix.tools.testing import compose_ppo_config
+    from verl_prefix.harness.verl_engine import compose_ppo_config
 
     a, r, m = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model"
     ref = "actor_rollout_ref.ref"
@@ -401,7 +401,7 @@ def local_cluster(num_cpus: int = 16, log_to_driver: bool = True) -> Iterator[No
 
 
 def _default_tq_config() -> Any:
-    from verl_prefix.tools.testing import compose_ppo_config
+    from verl_prefix.harness.verl_engine import compose_ppo_config
 
     conf = compose_ppo_config(["transfer_queue.backend.SimpleStorage.num_data_storage_units=1"]).transfer_queue
     conf.enable = True

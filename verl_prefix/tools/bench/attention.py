@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.tools.bench_presets import PHASE_B_ATTENTIONS, Cell, ModelSpec
+from verl_prefix.tools.bench.presets import PHASE_B_ATTENTIONS, Cell, ModelSpec
 
 
 @contextmanager

@@ -121,7 +121,7 @@ def probe(spec: CapacitySpec, engine: str, prefix_len: int, model_dir: Path) -> 
         }
     )
     start = time.perf_counter()
-    code, stdout, stderr = run_fresh("verl_prefix.tools.capacity_probe", request, timeout_s=spec.timeout_s)
+    code, stdout, stderr = run_fresh("verl_prefix.tools.bench.capacity_probe", request, timeout_s=spec.timeout_s)
     if code is None:
         return {"fits": False, "error": f"timed out after {spec.timeout_s:.0f} s", "wall_s": spec.timeout_s}
     wall = time.perf_counter() - start
@@ -299,7 +299,7 @@ def plot_capacity(result: dict[str, Any], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m verl_prefix.tools.capacity RESULT.json PLOT.png``: the table and the plot of a
+    """``python -m verl_prefix.tools.bench.capacity RESULT.json PLOT.png``: the table and the plot of a
     ``verl-prefix bench --preset capacity`` result."""
     import argparse
 

@@ -3,7 +3,7 @@
 
 A peak read in the bench's own process would carry the other variants' earlier peaks, so each variant
 gets its own: ``probe`` runs ``main`` in a fresh process (``measure.run_fresh``, as
-``python -m verl_prefix.tools.rss_probe REQUEST`` would) and reads back the JSON line it prints there.
+``python -m verl_prefix.tools.bench.rss_probe REQUEST`` would) and reads back the JSON line it prints there.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from verl_prefix.tools.bench_presets import Cell, build_variant, cell_batch, cell_from_dict
+from verl_prefix.tools.bench.presets import Cell, build_variant, cell_batch, cell_from_dict
 from verl_prefix.tools.measure import peak_rss_mib, reset_peak_rss, rss_mib, run_fresh, select_platform, time_update
 
 
@@ -32,7 +32,7 @@ def probe(cell: Cell, variant: str, model_dir: Path, *, timeout_s: float = 3600.
             "threads": torch.get_num_threads(),
         }
     )
-    code, stdout, stderr = run_fresh("verl_prefix.tools.rss_probe", request, timeout_s=timeout_s)
+    code, stdout, stderr = run_fresh("verl_prefix.tools.bench.rss_probe", request, timeout_s=timeout_s)
     lines = stdout.strip().splitlines()
     if code != 0 or not lines:
         raise RuntimeError(f"rss probe for {cell.name} {variant} failed (exit {code}): {stderr[-2000:]}")

@@ -2,7 +2,7 @@
 
 verl derives a torchtitan flavor from ``(hidden_size, num_hidden_layers, vocab_size)``; torchtitan's smallest
 qwen3 flavor has 8 layers of width 256. ``register_tiny_flavor`` registers a qwen3 flavor with exactly the
-shapes of a tiny HF checkpoint (``testing.write_tiny_model``), so the engines load it like any other (the
+shapes of a tiny HF checkpoint (``tiny_models.write_tiny_model``), so the engines load it like any other (the
 engine factories do the same on their own where torchtitan has no flavor of those shapes).
 """
 
@@ -29,7 +29,7 @@ def ppo_loss_fn(overrides: list[str] | None = None) -> Any:
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_prefix.tools.testing import compose_ppo_config
+    from verl_prefix.harness.verl_engine import compose_ppo_config
 
     knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=1", *(overrides or [])]
     actor = compose_ppo_config([f"actor_rollout_ref.actor.{k}" for k in knobs]).actor_rollout_ref.actor
