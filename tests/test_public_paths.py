@@ -99,3 +99,16 @@ def test_entry_points_point_at_importable_code():
     assert callable(script.load())
     (plugin,) = entry_points(group="verl.plugins", name="verl_prefix")
     assert plugin.value == "verl_prefix"
+
+
+def test_strategy_and_trainer_mode_names():
+    """The names a recipe writes: ``actor.strategy=prefix_fsdp2 | prefix_torchtitan`` select engines registered
+    with verl, and ``trainer.v1.trainer_mode=prefix_sync`` a trainer verl's registry returns."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.workers.engine.base import EngineRegistry
+
+    import verl_prefix  # noqa: F401  (registers on import)
+
+    engines = EngineRegistry._engines.get("language_model", {})
+    assert {"prefix_fsdp2", "prefix_torchtitan"} <= set(engines), sorted(engines)
+    assert get_trainer_cls("prefix_sync").__name__ == "PrefixPPOTrainer"
