@@ -17,7 +17,7 @@ if cpu_platform_requested():
     ensure_cpu_platform()
 
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixFSDPEngineConfig, PrefixReuseConfig  # noqa: E402
-from verl_prefix.backend.fsdp.engine import PrefixFSDPEngineWithLMHead, register  # noqa: E402
+from verl_prefix.backend.fsdp.engine import PrefixFSDPEngineWithLMHead, is_registered, register  # noqa: E402
 
 register()
 
@@ -42,14 +42,6 @@ except ImportError as _error:  # pragma: no cover - depends on the install
     _logging.getLogger(__name__).warning("verl_prefix trainer mode unavailable: %s", _error)
 
 from verl_prefix.backend.actor_config import PrefixFSDPActorConfig  # noqa: E402
-
-
-def is_registered() -> bool:
-    """True when ``prefix_fsdp2`` is in verl's engine registry (plugin failures are silent in verl)."""
-    from verl.workers.engine.base import EngineRegistry
-
-    return PREFIX_BACKEND in EngineRegistry._engines.get("language_model", {})
-
 
 __all__ = [
     "PREFIX_BACKEND",

@@ -28,6 +28,7 @@ def plugin_probe() -> Callable[[], dict[str, Any]]:
     """
 
     def probe() -> dict[str, Any]:
+        import importlib as _importlib
         import os as _os
         import socket
         import sys
@@ -39,8 +40,8 @@ def plugin_probe() -> Callable[[], dict[str, Any]]:
             "import_error": None,
             "registered": False,
         }
-        try:
-            import verl_prefix  # verl's plugin loading swallows this error; here it is reported
+        try:  # verl's plugin loading swallows this error; here it is reported
+            verl_prefix = _importlib.import_module("verl_prefix")
         except Exception as exc:  # any import failure is what the report is for
             report["import_error"] = f"{type(exc).__name__}: {exc}"
             return report
@@ -69,9 +70,7 @@ def wheel_name(release: str | None = None) -> str:
 
 def package_dir() -> str:
     """The directory this process imports ``verl_prefix`` from (what ``py_modules`` ships to the workers)."""
-    import verl_prefix
-
-    return os.path.dirname(os.path.abspath(verl_prefix.__file__))
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # verl_prefix/backend/plugin_check.py
 
 
 def shipping_runtime_env(module_dir: str | None = None) -> dict[str, Any]:

@@ -621,3 +621,8 @@ def register() -> None:
         EngineRegistry.register(model_type="language_model", backend=PREFIX_BACKEND, device=devices)(
             PrefixFSDPEngineWithLMHead
         )
+
+
+def is_registered() -> bool:
+    """True when ``prefix_fsdp2`` is in verl's engine registry (plugin failures are silent in verl)."""
+    return PREFIX_BACKEND in EngineRegistry._engines.get("language_model", {})

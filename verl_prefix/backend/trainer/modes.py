@@ -65,9 +65,9 @@ class PrefixActorRolloutRefWorker(ActorRolloutRefWorker):
     """
 
     def __init__(self, config: DictConfig, role: str, **kwargs: Any) -> None:
-        import verl_prefix
+        from verl_prefix.backend.fsdp.engine import is_registered
 
-        if not verl_prefix.is_registered():
+        if not is_registered():
             raise RuntimeError(
                 "verl_prefix is imported but prefix_fsdp2 is not registered in verl's EngineRegistry in this "
                 "worker: install verl-prefix on every node (or ship it with the job's runtime_env)"
