@@ -56,7 +56,7 @@ def _expert_counts(engine) -> list:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from verl_prefix.backend.titan_moe import moe_layers
+    from verl_prefix.backend.titan.moe import moe_layers
 
     local = [m.tokens_per_expert_E.detach() for m in moe_layers(engine.module[0])]
     counts = [(c.to_local() if isinstance(c, DTensor) else c).clone() for c in local]
@@ -70,7 +70,7 @@ def _expert_counts(engine) -> list:
 def _expert_bias(engine) -> list:
     from torch.distributed.tensor import DTensor
 
-    from verl_prefix.backend.titan_moe import moe_layers
+    from verl_prefix.backend.titan.moe import moe_layers
 
     bias = [m.expert_bias_E.detach() for m in moe_layers(engine.module[0]) if m.expert_bias_E is not None]
     return [(b.to_local() if isinstance(b, DTensor) else b).clone() for b in bias]
@@ -199,7 +199,7 @@ def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
 
 def _counted_step(prefix, loss_fn, batch) -> list:
     """One more step of ``prefix`` from the same expert bias; the routing counts its bias pre-hook reads."""
-    from verl_prefix.backend.titan_moe import moe_layers
+    from verl_prefix.backend.titan.moe import moe_layers
     from verl_prefix.tools import testing as T
 
     for m in moe_layers(prefix.module[0]):
@@ -418,8 +418,8 @@ def test_tp2_without_phase_c_is_wrong(ranks):
 def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
     """The weights a rollout receives from a TP=2 engine (verl's ``get_per_tensor_param``: shards gathered, HF
     names from torchtitan's state-dict adapter), and from a PP=2 one (every stage's on every rank), before any
-    step, are the checkpoint's, exactly and in fp32 (verl casts them to bf16; ``platform_titan`` keeps an fp32
-    engine's fp32). With no data parallelism each rank's data-parallel group is itself (``platform_titan``), so
+    step, are the checkpoint's, exactly and in fp32 (verl casts them to bf16; ``titan.platform`` keeps an fp32
+    engine's fp32). With no data parallelism each rank's data-parallel group is itself (``titan.platform``), so
     verl's worker gathers metrics as usual."""
     from transformers import AutoModelForCausalLM
 
@@ -438,7 +438,7 @@ def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
 
 def test_tp2_checkpoint_saved_when_verl_asks_and_restored(ranks):
     """verl saves at its ``save_freq``; torchtitan's checkpointer writes only every ``interval`` (500) steps, so
-    verl's checkpoint held no weights (``platform_titan`` makes every requested save write). Loading it back
+    verl's checkpoint held no weights (``titan.platform`` makes every requested save write). Loading it back
     restores each TP shard of every parameter (zeroed in between); at PP=2 each stage's parameters."""
     for rank in range(2):
         ckpt = ranks[rank]["tp2"]["checkpoint"]
@@ -539,7 +539,7 @@ def test_moe_with_tp_only_is_refused_at_build(ranks):
 
 def test_refusals_at_config_time():
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig, refusal
+    from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig, refusal
 
     assert refusal(PrefixTorchtitanEngineConfig()) is None
     for knob, value, words in (
@@ -577,7 +577,7 @@ def test_model_types_outside_the_allowlist_are_refused_at_build():
     from transformers import CONFIG_MAPPING
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend.titan_config import SERVED_MODEL_TYPES, PrefixTorchtitanEngineConfig, model_refusal
+    from verl_prefix.backend.titan.config import SERVED_MODEL_TYPES, PrefixTorchtitanEngineConfig, model_refusal
 
     on, off = PrefixTorchtitanEngineConfig(), PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False))
     for model_type in SERVED_MODEL_TYPES:
@@ -604,15 +604,15 @@ def test_selected_through_verl_config():
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine import EngineRegistry
 
-    from verl_prefix.backend.titan_config import refusal
-    from verl_prefix.backend.titan_registry import build_prefix_torchtitan
+    from verl_prefix.backend.titan.config import refusal
+    from verl_prefix.backend.titan.registry import build_prefix_torchtitan
     from verl_prefix.tools.testing import compose_ppo_config
 
     a = "actor_rollout_ref.actor"
     overrides = [
         "model_engine=torchtitan",
         f"{a}.strategy=prefix_torchtitan",
-        f"{a}.torchtitan._target_=verl_prefix.backend.titan_config.PrefixTorchtitanEngineConfig",
+        f"{a}.torchtitan._target_=verl_prefix.config.PrefixTorchtitanEngineConfig",
         f"{a}.torchtitan.strategy=prefix_torchtitan",
         f"+{a}.torchtitan.prefix_reuse.min_prefix_len=8",
         f"{a}.ppo_micro_batch_size_per_gpu=2",
@@ -630,7 +630,7 @@ def test_flavor_mismatch_is_refused(tiny_model):
     from torchtitan.models import qwen3
     from transformers import AutoConfig
 
-    from verl_prefix.backend.titan_flavor import check_flavor, flavor_mismatches
+    from verl_prefix.backend.titan.flavor import check_flavor, flavor_mismatches
     from verl_prefix.tools.titan_testing import register_tiny_flavor
 
     model_dir = tiny_model("qwen3")

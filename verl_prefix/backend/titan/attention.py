@@ -5,7 +5,7 @@ head shard, so what is captured and served is the local shard: dK/dV stay on the
 and phase C backpropagates through the rank's own projections (their TP collectives run as in dense).
 Phase B attends each row's queries to ``cat(prefix_leaf.expand(B), row_kv)`` with a flex block mask whose key
 length is ``P - 1 + S`` (flex expresses query length != key length): every prefix key, then the row's own
-keys causally. On CPU the platform layer computes that mask densely (``platform_titan``); on CUDA the flex
+keys causally. On CPU the platform layer computes that mask densely (``titan.platform``); on CUDA the flex
 kernel runs it.
 """
 
@@ -89,7 +89,7 @@ class InnerAttentionHooks:
     def capturing(self, prefix: PrefixKV, early_exit: bool, keep: int | None = None) -> Iterator[PrefixKV]:
         """Phase A: record every layer's K/V (graph-attached, ``[1, kv_heads, P-1, head_dim]`` local shards);
         with ``early_exit`` the forward stops right after the last layer's K/V. ``keep``: the first positions
-        to record when the prefix was padded at the end (``titan_sequence``)."""
+        to record when the prefix was padded at the end (``titan.sequence``)."""
         self.early_exit, self.keep = early_exit, keep
         try:
             with self._mode("capture", prefix):

@@ -19,7 +19,7 @@ TITAN_BACKEND = "prefix_torchtitan"
 class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
     """verl's TorchTitan engine config plus ``prefix_reuse``; accepts ``strategy: prefix_torchtitan``.
 
-    Select it with ``actor_rollout_ref.actor.torchtitan._target_=verl_prefix.backend.titan_config.
+    Select it with ``actor_rollout_ref.actor.torchtitan._target_=verl_prefix.backend.titan.config.
     PrefixTorchtitanEngineConfig`` to set knobs from YAML; the engine also accepts verl's own config (defaults).
     ``mixed_precision_param`` is torchtitan's parameter/compute dtype under FSDP (``bfloat16``, its default, or
     ``float32``); verl's own config has no way to set it.
@@ -144,9 +144,9 @@ def pipeline_refusal(config: Any) -> str | None:
 def refusal(config: Any) -> str | None:
     """Why this engine config cannot run the schedule (checked when the engine is built), or None.
 
-    ``spmd_backend: default`` is torchtitan 0.3.0's ``partial_dtensor`` (``platform_titan``). Reuse switched off refuses
+    ``spmd_backend: default`` is torchtitan 0.3.0's ``partial_dtensor`` (``titan.platform``). Reuse switched off refuses
     nothing but pipeline combinations (``pipeline_refusal``): the engine is then verl's own TorchTitan engine, with
-    its passes pipelined by ``titan_pipeline`` under PP.
+    its passes pipelined by ``titan.pipeline`` under PP.
     """
     reuse = getattr(config, "prefix_reuse", None)
     if isinstance(reuse, Mapping):  # from YAML without a _target_

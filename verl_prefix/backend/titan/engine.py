@@ -5,7 +5,7 @@ optimizer step (torchtitan's grad clipping across TP/EP meshes) and checkpoints;
 ``forward_backward_batch`` changes, through the mini-batch driver (``backend.driver``) every engine shares:
 this adapter supplies how torchtitan's model runs a group's phases. Per group: phase A runs ``prompt[:-1]``
 once through the model with every
-layer's K/V captured at ``inner_attention`` (``titan_attention``); phase B runs the suffix rows as micro-batches
+layer's K/V captured at ``inner_attention`` (``titan.attention``); phase B runs the suffix rows as micro-batches
 whose attention sees the prefix leaves, each micro-batch's verl loss backpropagated at once; phase C
 backpropagates the prefix once, seeded with the leaves' dK/dV. Grouping, the prefix K/V container, suffix
 batches and phase C's seeded backward are the schedule layer's (``verl_prefix.schedule``); only the
@@ -14,9 +14,9 @@ torchtitan-specific calls live here.
 Rows that cannot reuse (short prefix, a group of one) run through verl's own ``forward_step`` and are counted
 under ``prefix/fallback_<reason>`` with one log line. Data-parallel ranks keep FSDP's collectives matched with
 the driver's lockstep (``backend.distributed``: agreed shape, zero-loss fillers). What this slice does not
-serve is refused when the engine is built (``titan_config.refusal``), and so is a torchtitan flavor that does
-not match the checkpoint (``titan_flavor``). Under pipeline parallelism each rank holds one stage of the model
-and the same three phases cross the stages by point-to-point sends (``titan_pipeline``); without it the same code
+serve is refused when the engine is built (``titan.config.refusal``), and so is a torchtitan flavor that does
+not match the checkpoint (``titan.flavor``). Under pipeline parallelism each rank holds one stage of the model
+and the same three phases cross the stages by point-to-point sends (``titan.pipeline``); without it the same code
 runs as a pipeline of one stage.
 """
 
@@ -37,24 +37,24 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.utils import prepare_micro_batches
 
-from verl_prefix.backend import platform_titan
 from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.distributed.collectives import is_distributed
 from verl_prefix.backend.distributed.lockstep import filler_group
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.outputs import MiniBatchOutputs, full_length, micro_batch_loss
-from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
-from verl_prefix.backend.titan_config import model_refusal, refusal
-from verl_prefix.backend.titan_flavor import check_flavor
-from verl_prefix.backend.titan_moe import ExpertCounts
-from verl_prefix.backend.titan_pipeline import (
+from verl_prefix.backend.titan import platform as titan_platform
+from verl_prefix.backend.titan.attention import InnerAttentionHooks, causal_mask, suffix_mask
+from verl_prefix.backend.titan.config import model_refusal, refusal
+from verl_prefix.backend.titan.flavor import check_flavor
+from verl_prefix.backend.titan.moe import ExpertCounts
+from verl_prefix.backend.titan.pipeline import (
     StageLink,
     StageStep,
     backward_across,
     batch_fingerprint,
     run_micro_batches,
 )
-from verl_prefix.backend.titan_sequence import pad_tokens, padded_length, sequence_multiple
+from verl_prefix.backend.titan.sequence import pad_tokens, padded_length, sequence_multiple
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
@@ -62,7 +62,7 @@ from verl_prefix.schedule.prefix_kv import PrefixKV
 
 logger = logging.getLogger(__name__)
 
-_impl = platform_titan.ensure_titan_platform()
+_impl = titan_platform.ensure_titan_platform()
 
 
 class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLMHead):
@@ -77,10 +77,10 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
             reuse = PrefixReuseConfig(**reuse)
         self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
         backend = getattr(engine_config, "spmd_backend", None)
-        engine_config = platform_titan.replace_config(
+        engine_config = titan_platform.replace_config(
             engine_config,
             strategy="torchtitan",
-            spmd_backend=platform_titan.SPMD_BACKEND_RENAMES.get(backend, backend),
+            spmd_backend=titan_platform.SPMD_BACKEND_RENAMES.get(backend, backend),
         )
         super().__init__(model_config, engine_config, *args, **kwargs)
         check_flavor(self.config.model_spec, model_config.hf_config)
@@ -135,7 +135,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         stack = ExitStack()
         stack.enter_context(self.trainer.train_context())
         stack.enter_context(torch.no_grad() if forward_only else nullcontext())
-        stack.enter_context(platform_titan.engine_autocast(self.engine_config, get_device_name()))
+        stack.enter_context(titan_platform.engine_autocast(self.engine_config, get_device_name()))
         return stack
 
     def start_mini_batch(self, run: MiniBatchRun) -> ScheduleOptions:
@@ -152,7 +152,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         if self.link.num_stages == 1:
             super().run_dense_chunks(run)
             return
-        with run.meter.phase("dense"):  # one data-parallel rank per stage (titan_config): no lockstep peers
+        with run.meter.phase("dense"):  # one data-parallel rank per stage (titan.config): no lockstep peers
             self._pipelined_dense(run.data, run.dense_chunks, run.loss_function, run.forward_only, run.record)
 
     def run_dense_filler(self, run: MiniBatchRun) -> None:
@@ -198,7 +198,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         filler: bool = False,
     ) -> None:
         """Phases A, B and C of one uid group on this rank's stage of torchtitan's model (the whole model without
-        pipeline parallelism; ``titan_pipeline``); ``filler``: a lockstep slot, uncounted."""
+        pipeline parallelism; ``titan.pipeline``); ``filler``: a lockstep slot, uncounted."""
         assert self.hooks is not None
         model, meter, device, link = self.module[0], options.meter, options.device, self.link
         forward_only = run.forward_only
@@ -212,7 +212,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         # the last stage exits early: the others' outputs feed the next stage's layers.
         copies = 0.0 if filler else float(len(group.rows))
         early_exit = self.reuse_config.early_exit and not counts and link.is_last
-        ids, pos, copies = pad_tokens(ids, pos, copies, self.sequence_multiple)  # TP x EP (titan_sequence)
+        ids, pos, copies = pad_tokens(ids, pos, copies, self.sequence_multiple)  # TP x EP (titan.sequence)
         mask = causal_mask(ids.shape[1], device)
 
         def phase_a(inputs: torch.Tensor) -> torch.Tensor | None:
@@ -363,13 +363,13 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
         grad = torch.no_grad() if forward_only else nullcontext()
-        autocast = platform_titan.engine_autocast(self.engine_config, get_device_name())
+        autocast = titan_platform.engine_autocast(self.engine_config, get_device_name())
         with self.trainer.train_context(), grad, autocast:
             self._pipelined_dense(data, [list(rows) for rows in indices], loss_function, forward_only, outputs.record)
         outputs.replace(self.link.share((outputs.outputs, outputs.order)))
         return outputs.collected(data)
 
     def _counted(self, weights: torch.Tensor | float) -> Any:
-        """MoE routing counted with ``weights`` per token (``titan_moe``); nothing to do for a dense model."""
+        """MoE routing counted with ``weights`` per token (``titan.moe``); nothing to do for a dense model."""
         counts = self.expert_counts
         return counts.weighted(weights) if counts else nullcontext()
