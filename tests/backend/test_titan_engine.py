@@ -98,7 +98,8 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     EP=2 and FSDP=``tp_ep`` (the MoE's tokens split over the TP ranks, its experts over EP, which torchtitan
     takes from FSDP x TP)."""
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend import titan_engine, titan_moe
+    from verl_prefix.backend.titan import engine as titan_engine
+    from verl_prefix.backend.titan import moe as titan_moe
     from verl_prefix.tools import testing as T
     from verl_prefix.tools import titan_testing as TT
 
@@ -226,7 +227,7 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend import titan_pipeline
+    from verl_prefix.backend.titan import pipeline as titan_pipeline
     from verl_prefix.tools import testing as T
     from verl_prefix.tools import titan_testing as TT
 
