@@ -12,6 +12,7 @@ same weights).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,6 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     EP=2 and FSDP=``tp_ep`` (the MoE's tokens split over the TP ranks, its experts over EP, which torchtitan
     takes from FSDP x TP)."""
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend.titan import engine as titan_engine
     from verl_prefix.backend.titan import moe as titan_moe
     from verl_prefix.tools import testing as T
     from verl_prefix.tools import titan_testing as TT
@@ -142,18 +142,29 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         finally:
             titan_moe.shard_like = shard_like
         out["odd_dense_refused"] = _odd_dense_refusal(prefix, loss_fn, batch, stock.get_data_parallel_rank())
-    if negative:
-        skip_c = titan_engine.prefix_backward
-        titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
-        try:
+    if negative:  # negative control: phase C skipped (the engine's own phases, or the one schedule's)
+        with _phase_c_skipped():
             out["no_phase_c"] = T.run_train_step(prefix, loss_fn, batch, capture_grads=True)
-        finally:
-            titan_engine.prefix_backward = skip_c
     if not (fsdp or ep or tp_ep):  # last: it zeroes the weights before restoring them
         out["checkpoint"] = _checkpoint_round_trip(prefix, Path(model_dir).parent / "titan_tp2_checkpoint")
     for key in ("want_infer", "got_infer"):
         out[key] = {k: out[key][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     return out
+
+
+@contextlib.contextmanager
+def _phase_c_skipped():
+    """Phase C does nothing, wherever the engine runs it: its own phases (``titan.engine._group``) or the one
+    schedule's (``schedule.executor.train_group``)."""
+    from verl_prefix.backend.titan import engine as titan_engine
+    from verl_prefix.schedule import executor
+
+    saved = titan_engine.prefix_backward, executor.prefix_backward
+    titan_engine.prefix_backward = executor.prefix_backward = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        titan_engine.prefix_backward, executor.prefix_backward = saved
 
 
 def _checkpoint_round_trip(engine, root: Path) -> dict:
@@ -553,14 +564,17 @@ def test_refusals_at_config_time():
     ):
         reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
         assert reason is not None and knob in reason and words in reason, (knob, reason)
-    # reuse knobs built for prefix_fsdp2 only: refused, never ignored
+    # knobs only the one schedule serves: served at PP=1 with EP=1 (tests/backend/test_titan_schedule.py), refused,
+    # never ignored, where the engine keeps its own phases (pipeline stages, MoE under EP)
     for reuse, words in (
         (PrefixReuseConfig(tree=True), "prefix_reuse.tree"),
         (PrefixReuseConfig(prefix_chunk_tokens=64), "prefix_chunk_tokens"),
         (PrefixReuseConfig(phase_b_attention="merged"), "phase_b_attention"),
     ):
-        reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse))
-        assert reason is not None and words in reason, (reuse, reason)
+        assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse)) is None
+        for own in (dict(pipeline_parallel_size=2), dict(expert_parallel_size=2)):
+            reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, **own))
+            assert reason is not None and words in reason, (reuse, own, reason)
     assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False, tree=True))) is None
     # pipeline parallelism is served alone (one stage per rank), reuse on or off: the engine pipelines every pass
     assert refusal(PrefixTorchtitanEngineConfig(pipeline_parallel_size=2)) is None
