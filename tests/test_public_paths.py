@@ -19,6 +19,7 @@ DOCUMENTED = [
     ("verl_prefix", "PrefixReuseConfig"),
     ("verl_prefix", "is_registered"),
     ("verl_prefix.config", "PrefixFSDPEngineConfig"),  # the YAML `_target_` path of the engine config
+    ("verl_prefix.config", "PrefixTorchtitanEngineConfig"),  # ... and of prefix_torchtitan's
     ("verl_prefix.backend.trace", "recording"),
     ("verl_prefix.backend.trace", "load_trace"),
     ("verl_prefix.tools.synthetic_trace", "synthetic_trace"),

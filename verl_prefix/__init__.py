@@ -23,7 +23,7 @@ register()
 
 # prefix_torchtitan (and verl's torchtitan, which verl 0.9.1 cannot import with torchtitan 0.3.0) as factories:
 # torchtitan is imported only when such an engine is built.
-from verl_prefix.backend import titan_registry as _titan_registry  # noqa: E402
+from verl_prefix.backend.titan import registry as _titan_registry  # noqa: E402
 
 _titan_registry.register()
 

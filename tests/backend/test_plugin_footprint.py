@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from verl_prefix.backend.titan_registry import STOCK_ENV
+from verl_prefix.backend.titan.registry import STOCK_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -152,7 +152,7 @@ def test_opt_ins_add_exactly_what_is_documented(stock):
     }
     verl_titan = set(stock["engines"].get("language_model", {}).get("torchtitan", {}))
     titan = {
-        ("language_model", "torchtitan", device): "verl_prefix.backend.titan_registry.build_stock_torchtitan"
+        ("language_model", "torchtitan", device): "verl_prefix.backend.titan.registry.build_stock_torchtitan"
         for device in ("cuda", "cpu")
         if device not in verl_titan
     }

@@ -39,8 +39,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, s
 def test_suffix_mask_cpu_dense():
     from torch.nn.attention.flex_attention import create_mask
 
-    from verl_prefix.backend.platform_titan import dense_masked_attention
-    from verl_prefix.backend.titan_attention import suffix_mask
+    from verl_prefix.backend.titan.attention import suffix_mask
+    from verl_prefix.backend.titan.platform import dense_masked_attention
 
     q, k, v, prefix, suffix = _inputs("cpu", torch.float64)
     mask = suffix_mask(q.shape[0], prefix, suffix, torch.device("cpu"))
@@ -60,7 +60,7 @@ def test_suffix_mask_cpu_dense():
 def test_suffix_mask_cuda_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    from verl_prefix.backend.titan_attention import suffix_mask
+    from verl_prefix.backend.titan.attention import suffix_mask
 
     q, k, v, prefix, suffix = _inputs("cuda", torch.float32)
     mask = suffix_mask(q.shape[0], prefix, suffix, torch.device("cuda"))

@@ -1,4 +1,4 @@
-"""The engine factories' flavor of the checkpoint (``backend.titan_checkpoint_flavor``): registered where verl's
+"""The engine factories' flavor of the checkpoint (``backend.titan.checkpoint_flavor``): registered where verl's
 shape lookup would find no torchtitan flavor, matching the checkpoint field by field, and left alone where
 torchtitan has one; plus the CPU platform's training config (no CPU offload on CPU). No engine is built here:
 ``test_titan_engine`` and the ``ENGINE=torchtitan`` end-to-end run build them."""
@@ -22,15 +22,15 @@ def _qwen3(**changes):
 
 
 def test_flavor_of_the_checkpoint_where_torchtitan_has_none():
-    from verl_prefix.backend.platform_titan import ensure_titan_platform
+    from verl_prefix.backend.titan.platform import ensure_titan_platform
 
     ensure_titan_platform()  # what the factories do first (verl's torchtitan package imports after it)
     from torchtitan.models import qwen3
     from transformers import AutoConfig
     from verl.workers.engine.torchtitan.utils import derive_torchtitan_name_and_flavor
 
-    from verl_prefix.backend.titan_checkpoint_flavor import ensure_checkpoint_flavor, flavor_name
-    from verl_prefix.backend.titan_flavor import flavor_mismatches
+    from verl_prefix.backend.titan.checkpoint_flavor import ensure_checkpoint_flavor, flavor_name
+    from verl_prefix.backend.titan.flavor import flavor_mismatches
 
     hf = _qwen3()
     name = flavor_name(hf)
@@ -63,7 +63,7 @@ def test_flavor_of_the_checkpoint_where_torchtitan_has_none():
 def test_cpu_platform_training_config_has_no_cpu_offload():
     """verl offloads a forward-only engine (the reference policy): on CPU that would pin memory, which needs an
     accelerator; the parameters are in host memory already."""
-    from verl_prefix.backend.platform_titan import ensure_titan_platform
+    from verl_prefix.backend.titan.platform import ensure_titan_platform
 
     impl = ensure_titan_platform()
     assert impl.TrainingConfig(enable_cpu_offload=True).enable_cpu_offload is False

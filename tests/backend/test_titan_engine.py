@@ -12,6 +12,7 @@ same weights).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def _expert_counts(engine) -> list:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from verl_prefix.backend.titan_moe import moe_layers
+    from verl_prefix.backend.titan.moe import moe_layers
 
     local = [m.tokens_per_expert_E.detach() for m in moe_layers(engine.module[0])]
     counts = [(c.to_local() if isinstance(c, DTensor) else c).clone() for c in local]
@@ -70,7 +71,7 @@ def _expert_counts(engine) -> list:
 def _expert_bias(engine) -> list:
     from torch.distributed.tensor import DTensor
 
-    from verl_prefix.backend.titan_moe import moe_layers
+    from verl_prefix.backend.titan.moe import moe_layers
 
     bias = [m.expert_bias_E.detach() for m in moe_layers(engine.module[0]) if m.expert_bias_E is not None]
     return [(b.to_local() if isinstance(b, DTensor) else b).clone() for b in bias]
@@ -98,7 +99,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
     EP=2 and FSDP=``tp_ep`` (the MoE's tokens split over the TP ranks, its experts over EP, which torchtitan
     takes from FSDP x TP)."""
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend import titan_engine, titan_moe
+    from verl_prefix.backend.titan import moe as titan_moe
     from verl_prefix.harness import titan as TT
     from verl_prefix.harness import verl_engine
 
@@ -141,18 +142,29 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         finally:
             titan_moe.shard_like = shard_like
         out["odd_dense_refused"] = _odd_dense_refusal(prefix, loss_fn, batch, stock.get_data_parallel_rank())
-    if negative:
-        skip_c = titan_engine.prefix_backward
-        titan_engine.prefix_backward = lambda *args, **kwargs: None  # negative control: phase C skipped
-        try:
+    if negative:  # negative control: phase C skipped (the engine's own phases, or the one schedule's)
+        with _phase_c_skipped():
             out["no_phase_c"] = verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
-        finally:
-            titan_engine.prefix_backward = skip_c
     if not (fsdp or ep or tp_ep):  # last: it zeroes the weights before restoring them
         out["checkpoint"] = _checkpoint_round_trip(prefix, Path(model_dir).parent / "titan_tp2_checkpoint")
     for key in ("want_infer", "got_infer"):
         out[key] = {k: out[key][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     return out
+
+
+@contextlib.contextmanager
+def _phase_c_skipped():
+    """Phase C does nothing, wherever the engine runs it: its own phases (``titan.engine._group``) or the one
+    schedule's (``schedule.executor.train_group``)."""
+    from verl_prefix.backend.titan import engine as titan_engine
+    from verl_prefix.schedule import executor
+
+    saved = titan_engine.prefix_backward, executor.prefix_backward
+    titan_engine.prefix_backward = executor.prefix_backward = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        titan_engine.prefix_backward, executor.prefix_backward = saved
 
 
 def _checkpoint_round_trip(engine, root: Path) -> dict:
@@ -199,7 +211,7 @@ def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
 
 def _counted_step(prefix, loss_fn, batch) -> list:
     """One more step of ``prefix`` from the same expert bias; the routing counts its bias pre-hook reads."""
-    from verl_prefix.backend.titan_moe import moe_layers
+    from verl_prefix.backend.titan.moe import moe_layers
     from verl_prefix.harness import verl_engine
 
     for m in moe_layers(prefix.module[0]):
@@ -226,7 +238,7 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend import titan_pipeline
+    from verl_prefix.backend.titan import pipeline as titan_pipeline
     from verl_prefix.harness import titan as TT
     from verl_prefix.harness import verl_engine
 
@@ -418,8 +430,8 @@ def test_tp2_without_phase_c_is_wrong(ranks):
 def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
     """The weights a rollout receives from a TP=2 engine (verl's ``get_per_tensor_param``: shards gathered, HF
     names from torchtitan's state-dict adapter), and from a PP=2 one (every stage's on every rank), before any
-    step, are the checkpoint's, exactly and in fp32 (verl casts them to bf16; ``platform_titan`` keeps an fp32
-    engine's fp32). With no data parallelism each rank's data-parallel group is itself (``platform_titan``), so
+    step, are the checkpoint's, exactly and in fp32 (verl casts them to bf16; ``titan.platform`` keeps an fp32
+    engine's fp32). With no data parallelism each rank's data-parallel group is itself (``titan.platform``), so
     verl's worker gathers metrics as usual."""
     from transformers import AutoModelForCausalLM
 
@@ -438,7 +450,7 @@ def test_tp2_weight_sync_is_the_checkpoint_in_fp32(ranks, tiny_model):
 
 def test_tp2_checkpoint_saved_when_verl_asks_and_restored(ranks):
     """verl saves at its ``save_freq``; torchtitan's checkpointer writes only every ``interval`` (500) steps, so
-    verl's checkpoint held no weights (``platform_titan`` makes every requested save write). Loading it back
+    verl's checkpoint held no weights (``titan.platform`` makes every requested save write). Loading it back
     restores each TP shard of every parameter (zeroed in between); at PP=2 each stage's parameters."""
     for rank in range(2):
         ckpt = ranks[rank]["tp2"]["checkpoint"]
@@ -539,7 +551,7 @@ def test_moe_with_tp_only_is_refused_at_build(ranks):
 
 def test_refusals_at_config_time():
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig, refusal
+    from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig, refusal
 
     assert refusal(PrefixTorchtitanEngineConfig()) is None
     for knob, value, words in (
@@ -552,14 +564,17 @@ def test_refusals_at_config_time():
     ):
         reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
         assert reason is not None and knob in reason and words in reason, (knob, reason)
-    # reuse knobs built for prefix_fsdp2 only: refused, never ignored
+    # knobs only the one schedule serves: served at PP=1 with EP=1 (tests/backend/test_titan_schedule.py), refused,
+    # never ignored, where the engine keeps its own phases (pipeline stages, MoE under EP)
     for reuse, words in (
         (PrefixReuseConfig(tree=True), "prefix_reuse.tree"),
         (PrefixReuseConfig(prefix_chunk_tokens=64), "prefix_chunk_tokens"),
         (PrefixReuseConfig(phase_b_attention="merged"), "phase_b_attention"),
     ):
-        reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse))
-        assert reason is not None and words in reason, (reuse, reason)
+        assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse)) is None
+        for own in (dict(pipeline_parallel_size=2), dict(expert_parallel_size=2)):
+            reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, **own))
+            assert reason is not None and words in reason, (reuse, own, reason)
     assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False, tree=True))) is None
     # pipeline parallelism is served alone (one stage per rank), reuse on or off: the engine pipelines every pass
     assert refusal(PrefixTorchtitanEngineConfig(pipeline_parallel_size=2)) is None
@@ -577,7 +592,7 @@ def test_model_types_outside_the_allowlist_are_refused_at_build():
     from transformers import CONFIG_MAPPING
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend.titan_config import SERVED_MODEL_TYPES, PrefixTorchtitanEngineConfig, model_refusal
+    from verl_prefix.backend.titan.config import SERVED_MODEL_TYPES, PrefixTorchtitanEngineConfig, model_refusal
 
     on, off = PrefixTorchtitanEngineConfig(), PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False))
     for model_type in SERVED_MODEL_TYPES:
@@ -603,16 +618,16 @@ def test_selected_through_verl_config():
     YAML defaults (spmd_types, selective checkpointing, compile) are refused with the knob to set."""
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine import EngineRegistry
-
-    from verl_prefix.backend.titan_config import refusal
-    from verl_prefix.backend.titan_registry import build_prefix_torchtitan
     from verl_prefix.harness.verl_engine import compose_ppo_config
+
+    from verl_prefix.backend.titan.config import refusal
+    from verl_prefix.backend.titan.registry import build_prefix_torchtitan
 
     a = "actor_rollout_ref.actor"
     overrides = [
         "model_engine=torchtitan",
         f"{a}.strategy=prefix_torchtitan",
-        f"{a}.torchtitan._target_=verl_prefix.backend.titan_config.PrefixTorchtitanEngineConfig",
+        f"{a}.torchtitan._target_=verl_prefix.config.PrefixTorchtitanEngineConfig",
         f"{a}.torchtitan.strategy=prefix_torchtitan",
         f"+{a}.torchtitan.prefix_reuse.min_prefix_len=8",
         f"{a}.ppo_micro_batch_size_per_gpu=2",
@@ -629,9 +644,9 @@ def test_flavor_mismatch_is_refused(tiny_model):
     """verl picks a flavor by (hidden, layers, vocab): the dense and MoE debug flavors share them."""
     from torchtitan.models import qwen3
     from transformers import AutoConfig
-
-    from verl_prefix.backend.titan_flavor import check_flavor, flavor_mismatches
     from verl_prefix.harness.titan import register_tiny_flavor
+
+    from verl_prefix.backend.titan.flavor import check_flavor, flavor_mismatches
 
     model_dir = tiny_model("qwen3")
     hf = AutoConfig.from_pretrained(model_dir)

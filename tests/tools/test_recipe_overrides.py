@@ -89,7 +89,7 @@ def test_cpu_recipe_torchtitan_variant(tmp_path):
     """``ENGINE=torchtitan``: ``configs/prefix_grpo_torchtitan.yaml`` under the smoke overlay, TP=2 on the two
     ranks, the actor and the reference policy on ``prefix_torchtitan`` with fp32 parameters; ``MODE=dense`` is
     verl's own TorchTitan engine and synchronous trainer."""
-    from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig
+    from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig
 
     env = {"ENGINE": "torchtitan", "OUT": str(tmp_path / "out"), "STEPS": "2", "SAVE_AT": "2", "MODE": "prefix"}
     (launch,) = _recorded_launches(tmp_path, "grpo_cpu_smoke.sh", env)

@@ -274,6 +274,7 @@ ENGINES = ("prefix_fsdp2", "prefix_torchtitan")
 TB = "tests/backend/test_trainer_balance.py"
 TT = "tests/backend/test_titan_engine.py"
 _TITAN_REFUSALS = f"{TT}::test_refusals_at_config_time"
+TS = "tests/backend/test_titan_schedule.py"
 
 MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
     (
@@ -402,7 +403,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             "prefix_fsdp2": Cell(
                 "reuses", "", ("tests/backend/test_tree_engine.py::test_tree_update_and_log_probs_match_stock_engine",)
             ),
-            "prefix_torchtitan": Cell("refused", "FSDP engine only so far", (_TITAN_REFUSALS,)),
+            "prefix_torchtitan": Cell(
+                "reuses",
+                "one pipeline stage, dense flavors; refused under PP and for MoE flavors",
+                (f"{TS}::test_schedule_knob_matches_verl_torchtitan_engine", _TITAN_REFUSALS),
+            ),
         },
     ),
 )

@@ -17,9 +17,9 @@ from typing import Any
 
 def register_tiny_flavor(model_dir: str | os.PathLike) -> str:
     """Register (idempotent) a torchtitan qwen3 flavor with the shapes of the qwen3 or qwen3_moe checkpoint in
-    ``model_dir`` (``backend.titan_checkpoint_flavor``, which the engine factories also call in every worker);
+    ``model_dir`` (``backend.titan.checkpoint_flavor``, which the engine factories also call in every worker);
     returns its name. Registering in the parent before ranks fork makes every rank see it."""
-    from verl_prefix.backend.titan_checkpoint_flavor import register_checkpoint_flavor
+    from verl_prefix.backend.titan.checkpoint_flavor import register_checkpoint_flavor
 
     return register_checkpoint_flavor(json.loads((Path(model_dir) / "config.json").read_text()))
 
@@ -53,8 +53,8 @@ def build_titan_engine(
     from verl.workers.config import HFModelConfig, TorchtitanOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
-    from verl_prefix.backend.titan_config import PrefixTorchtitanEngineConfig
-    from verl_prefix.backend.titan_registry import STOCK_BACKEND, register_stock
+    from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig
+    from verl_prefix.backend.titan.registry import STOCK_BACKEND, register_stock
 
     if backend == STOCK_BACKEND:
         register_stock()  # the adapted stock engine is opt-in (importing the plugin leaves verl's entry alone)

@@ -4,10 +4,10 @@ find none.
 verl's TorchTitan engine derives its flavor inside each Ray worker from ``(hidden_size, num_hidden_layers,
 vocab_size)`` against torchtitan's own flavor table, so a checkpoint of other shapes (a small model of one's
 own, the CPU recipe's smoke model) fails there with "No matching torchtitan flavor". The engine factories
-(``titan_registry``, which ``import verl`` loads in every process) call ``ensure_checkpoint_flavor`` right before
+(``titan.registry``, which ``import verl`` loads in every process) call ``ensure_checkpoint_flavor`` right before
 the engine is built: when torchtitan has no flavor of those shapes, one is built from the checkpoint's config
 and registered under a name that says its shapes. When torchtitan has one, verl's choice stands (and
-``titan_flavor.check_flavor`` still compares it with the checkpoint).
+``titan.flavor.check_flavor`` still compares it with the checkpoint).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def flavor_name(hf_config: Any) -> str:
 
 def checkpoint_model_config(hf: dict[str, Any], attn_backend: str = "flex") -> Any:
     """torchtitan's ``Qwen3Model.Config`` of the checkpoint's architecture: its heads, K/V heads, head size,
-    FFN or experts, RoPE theta, norm epsilon and weight tying (what ``titan_flavor`` checks)."""
+    FFN or experts, RoPE theta, norm epsilon and weight tying (what ``titan.flavor`` checks)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.config_utils import get_attention_config, make_gqa_config
     from torchtitan.models.common.nn_modules import RMSNorm
@@ -132,7 +132,7 @@ def ensure_checkpoint_flavor(hf_config: Any) -> str | None:
     checkpoints of one ``hidden x layers x vocab`` may differ in heads or FFN size."""
     if getattr(hf_config, "model_type", None) not in MODEL_TYPES:
         return None
-    from verl_prefix.backend.platform_titan import ensure_titan_platform
+    from verl_prefix.backend.titan.platform import ensure_titan_platform
 
     ensure_titan_platform()  # verl's torchtitan package imports only after the platform layer
     from verl.workers.engine.torchtitan.utils import derive_torchtitan_name_and_flavor

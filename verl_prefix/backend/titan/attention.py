@@ -5,8 +5,13 @@ head shard, so what is captured and served is the local shard: dK/dV stay on the
 and phase C backpropagates through the rank's own projections (their TP collectives run as in dense).
 Phase B attends each row's queries to ``cat(prefix_leaf.expand(B), row_kv)`` with a flex block mask whose key
 length is ``P - 1 + S`` (flex expresses query length != key length): every prefix key, then the row's own
-keys causally. On CPU the platform layer computes that mask densely (``platform_titan``); on CUDA the flex
+keys causally. On CPU the platform layer computes that mask densely (``titan.platform``); on CUDA the flex
 kernel runs it.
+
+The third mode, ``scheduling``, hands each layer's q/k/v to the schedule's own attention instead
+(``prefix_kv.CaptureContext`` / ``ServeContext.attend``, which ``titan.causal_lm`` passes as ``prefix_ctx``): local
+shards transposed to HF's ``[B, heads, L, head_dim]`` layout, with an ``AttentionShim`` carrying what ``attend``
+reads off an HF attention module; the output goes back as the kind of tensor torchtitan handed in.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from verl_prefix.schedule.prefix_kv import PrefixCaptured, PrefixKV
 
@@ -64,6 +70,21 @@ def suffix_mask(batch: int, prefix_len: int, suffix_len: int, device: torch.devi
     return create_block_mask(keep, batch, None, suffix_len, prefix_len + suffix_len, device=device)
 
 
+class AttentionShim:
+    """What the schedule's ``attend`` (and HF's sdpa function it calls) reads off an HF attention module, for one
+    torchtitan layer: its index, the query heads per K/V head (this rank's shards: the same ratio), causality,
+    and ``wrapped``, the layer's real attention module (phase C unshards the FSDP units around it,
+    ``executor.unshard_cut_short``). No ``config``: no sliding window or attention chunks (``windows``)."""
+
+    is_causal = True
+    training = False
+
+    def __init__(self, layer_idx: int, groups: int, wrapped: nn.Module) -> None:
+        self.layer_idx = layer_idx
+        self.num_key_value_groups = groups
+        self.wrapped = wrapped
+
+
 class InnerAttentionHooks:
     """Wraps every layer's ``inner_attention``: pass-through (dense), capture (phase A) or serve (phase B)."""
 
@@ -73,6 +94,7 @@ class InnerAttentionHooks:
         self.early_exit = False
         self.keep: int | None = None
         self.kv: PrefixKV | None = None
+        self.ctx: Any = None  # the schedule's prefix context (``scheduling``)
         for index, layer in enumerate(self.layers):
             inner = layer.attention.inner_attention
             if getattr(inner, "_verl_prefix_hook", None) is not None:
@@ -89,7 +111,7 @@ class InnerAttentionHooks:
     def capturing(self, prefix: PrefixKV, early_exit: bool, keep: int | None = None) -> Iterator[PrefixKV]:
         """Phase A: record every layer's K/V (graph-attached, ``[1, kv_heads, P-1, head_dim]`` local shards);
         with ``early_exit`` the forward stops right after the last layer's K/V. ``keep``: the first positions
-        to record when the prefix was padded at the end (``titan_sequence``)."""
+        to record when the prefix was padded at the end (``titan.sequence``)."""
         self.early_exit, self.keep = early_exit, keep
         try:
             with self._mode("capture", prefix):
@@ -109,7 +131,24 @@ class InnerAttentionHooks:
             yield
 
     @contextmanager
-    def _mode(self, mode: str, kv: PrefixKV) -> Iterator[None]:
+    def scheduling(self, ctx: Any) -> Iterator[None]:
+        """A forward of the one schedule: every layer attends through ``ctx.attend`` (phase A's capture, phase B's
+        serve, a chunk over earlier chunks' leaves), which owns the K/V, early exit included."""
+        self.ctx = ctx
+        try:
+            with self._mode("schedule", None):
+                yield
+        finally:
+            self.ctx = None
+
+    def _attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any) -> torch.Tensor:
+        ql, kl, vl = (_local(t).transpose(1, 2) for t in (q, k, v))
+        shim = AttentionShim(index, ql.shape[1] // kl.shape[1], self.layers[index].attention)
+        out, _ = self.ctx.attend(shim, sdpa_attention_forward, ql, kl, vl, scaling=scale)
+        return _like(out, q)  # [B, L, heads, head_dim], as torchtitan's inner attention returns it
+
+    @contextmanager
+    def _mode(self, mode: str, kv: PrefixKV | None) -> Iterator[None]:
         if self.mode is not None:
             raise RuntimeError(f"prefix_torchtitan: {mode} inside {self.mode}")
         self.mode, self.kv = mode, kv
@@ -121,6 +160,8 @@ class InnerAttentionHooks:
     def _forward(
         self, index: int, original: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor:
+        if self.mode == "schedule":
+            return self._attend(index, q, k, v, kwargs.get("scale"))
         if self.mode == "capture":
             assert self.kv is not None
             self.kv.keys[index] = _local(k)[:, : self.keep].transpose(1, 2)

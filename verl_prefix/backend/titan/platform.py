@@ -23,7 +23,7 @@ any engine is built, in every process that builds one), not in tests only:
   parameters the rollout then samples from rounded weights and its log-probs are not the actor's. An fp32
   engine's sync keeps fp32 (the casts read ``torch.bfloat16`` through the engine module's ``torch``, below).
 - verl's ``spmd_backend: default`` is ``partial_dtensor`` in 0.3.0 (renamed); ``spmd_types`` fails at init with
-  TP or FSDP > 1 on torch 2.13, so the prefix engine refuses it (``backend.titan_config``).
+  TP or FSDP > 1 on torch 2.13, so the prefix engine refuses it (``backend.titan.config``).
 - verl looks the data-parallel mesh up as ``loss`` / ``fsdp`` / ``dp_replicate``; with TP or EP only there is
   no such dimension and torchtitan raises instead of returning None: the lookup tolerates its absence. With no
   data parallelism at all (TP=2 on two ranks) verl's engine then has no data-parallel group while the world is
@@ -43,7 +43,7 @@ any engine is built, in every process that builds one), not in tests only:
   differs from one call at bf16 precision: with float32 parameters the experts compute in float32
   (``torch._grouped_mm`` runs fp32); with bf16 parameters torchtitan's own forward runs.
 - verl registers its TorchTitan engine for cuda/npu only, and only when its import succeeds (it does not with
-  0.3.0): ``titan_registry`` registers ``prefix_torchtitan`` for cuda and cpu as factories, and verl's own
+  0.3.0): ``titan.registry`` registers ``prefix_torchtitan`` for cuda and cpu as factories, and verl's own
   engine the same way only on request (``VERL_PREFIX_STOCK_TORCHTITAN=1`` or ``register_stock``).
 """
 
@@ -67,6 +67,9 @@ TORCHTITAN_VERSION = "0.3.0"
 # verl's engine config default ("spmd_types") fails at init with TP or FSDP > 1 on torch 2.13; "default" is the
 # pre-0.3.0 name of partial_dtensor.
 SPMD_BACKEND_RENAMES = {"default": "partial_dtensor"}
+# verl's own engine's backend name, and the attribute ``registry`` sets on its factory for it (``release_stock``)
+STOCK_BACKEND = "torchtitan"
+STOCK_FACTORY_MARK = "_verl_prefix_stock_factory"
 
 # Per thread: the parameter dtype of the engine being built (verl builds torchtitan's TrainingConfig without one;
 # torchtitan's default is bf16), and whether the running forward_step is of an fp32 engine (no autocast).
@@ -96,7 +99,7 @@ def check_version() -> None:
     if found != TORCHTITAN_VERSION:
         raise RuntimeError(
             f"prefix_torchtitan is pinned to torchtitan {TORCHTITAN_VERSION} (found {found}); its platform "
-            "adaptations (verl_prefix.backend.platform_titan) are written against that version"
+            "adaptations (verl_prefix.backend.titan.platform) are written against that version"
         )
 
 
@@ -376,6 +379,21 @@ def patch_grouped_experts() -> None:
     GroupedExperts._verl_prefix_fp32 = True
 
 
+def release_stock() -> None:
+    """Drop the ``torchtitan`` factories on the devices verl's own module registers (cuda, npu) right before that
+    module is imported: its decorator refuses a key that is already there. The CPU factory stays. Ours are the
+    factories ``registry`` marked with ``STOCK_FACTORY_MARK`` (the registry sits above this module)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    engines = EngineRegistry._engines.get("language_model", {})
+    registered = engines.get(STOCK_BACKEND, {})
+    for device in ("cuda", "npu"):
+        if getattr(registered.get(device), STOCK_FACTORY_MARK, False):
+            del registered[device]
+    if STOCK_BACKEND in engines and not registered:
+        del engines[STOCK_BACKEND]  # nothing of ours left: verl's decorator recreates the entry as it would
+
+
 def ensure_titan_platform() -> types.ModuleType:
     """Apply every adaptation (idempotent) and return verl's TorchTitan engine module."""
     from verl_prefix.backend.platform_cpu import cpu_platform_requested
@@ -387,8 +405,6 @@ def ensure_titan_platform() -> types.ModuleType:
         patch_cpu_device()
     name = "verl.workers.engine.torchtitan.transformer_impl"
     if name not in sys.modules:
-        from verl_prefix.backend.titan_registry import release_stock
-
         release_stock()
     impl = importlib.import_module(name)
     if cpu:

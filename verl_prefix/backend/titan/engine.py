@@ -5,7 +5,7 @@ optimizer step (torchtitan's grad clipping across TP/EP meshes) and checkpoints;
 ``forward_backward_batch`` changes, through the mini-batch driver (``backend.driver``) every engine shares:
 this adapter supplies how torchtitan's model runs a group's phases. Per group: phase A runs ``prompt[:-1]``
 once through the model with every
-layer's K/V captured at ``inner_attention`` (``titan_attention``); phase B runs the suffix rows as micro-batches
+layer's K/V captured at ``inner_attention`` (``titan.attention``); phase B runs the suffix rows as micro-batches
 whose attention sees the prefix leaves, each micro-batch's verl loss backpropagated at once; phase C
 backpropagates the prefix once, seeded with the leaves' dK/dV. Grouping, the prefix K/V container, suffix
 batches and phase C's seeded backward are the schedule layer's (``verl_prefix.schedule``); only the
@@ -14,10 +14,16 @@ torchtitan-specific calls live here.
 Rows that cannot reuse (short prefix, a group of one) run through verl's own ``forward_step`` and are counted
 under ``prefix/fallback_<reason>`` with one log line. Data-parallel ranks keep FSDP's collectives matched with
 the driver's lockstep (``backend.distributed``: agreed shape, zero-loss fillers). What this slice does not
-serve is refused when the engine is built (``titan_config.refusal``), and so is a torchtitan flavor that does
-not match the checkpoint (``titan_flavor``). Under pipeline parallelism each rank holds one stage of the model
-and the same three phases cross the stages by point-to-point sends (``titan_pipeline``); without it the same code
+serve is refused when the engine is built (``titan.config.refusal``), and so is a torchtitan flavor that does
+not match the checkpoint (``titan.flavor``). Under pipeline parallelism each rank holds one stage of the model
+and the same three phases cross the stages by point-to-point sends (``titan.pipeline``); without it the same code
 runs as a pipeline of one stage.
+
+Without pipeline parallelism and with a dense flavor, a group's phases are the one schedule's, as
+``prefix_fsdp2`` runs them (``schedule.executor.train_group`` / ``infer_group``, ``schedule.tree``): torchtitan's
+model behind an HF causal-LM call (``titan.causal_lm``), so the tree, a chunked prefix, merged phase-B attention
+and the dormant policies are served here too. MoE flavors (torchtitan's expert-load counts: the prefix routed once
+per row, each row's last token routed) and pipeline stages keep this module's own phases (``_group``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import functools
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,32 +44,51 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.utils import prepare_micro_batches
 
-from verl_prefix.backend import platform_titan
 from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.distributed.collectives import is_distributed
 from verl_prefix.backend.distributed.lockstep import filler_group
+from verl_prefix.backend.distributed.mini_batch import local_refusal
+from verl_prefix.backend.distributed.once import AgreedDormant
+from verl_prefix.backend.dormant import agree_on_node_policies, group_policies
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.outputs import MiniBatchOutputs, full_length, micro_batch_loss
-from verl_prefix.backend.titan_attention import InnerAttentionHooks, causal_mask, suffix_mask
-from verl_prefix.backend.titan_config import model_refusal, refusal
-from verl_prefix.backend.titan_flavor import check_flavor
-from verl_prefix.backend.titan_moe import ExpertCounts
-from verl_prefix.backend.titan_pipeline import (
+from verl_prefix.backend.titan import platform as titan_platform
+from verl_prefix.backend.titan.attention import InnerAttentionHooks, causal_mask, suffix_mask
+from verl_prefix.backend.titan.causal_lm import TitanCausalLM
+from verl_prefix.backend.titan.config import model_refusal, own_phases_refusal, refusal
+from verl_prefix.backend.titan.flavor import check_flavor
+from verl_prefix.backend.titan.moe import ExpertCounts
+from verl_prefix.backend.titan.pipeline import (
     StageLink,
     StageStep,
     backward_across,
     batch_fingerprint,
     run_micro_batches,
 )
-from verl_prefix.backend.titan_sequence import pad_tokens, padded_length, sequence_multiple
-from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
-from verl_prefix.schedule.grouping import GroupPlan, RowLayout
+from verl_prefix.backend.titan.sequence import pad_tokens, padded_length, sequence_multiple
+from verl_prefix.backend.trees import local_trie
+from verl_prefix.schedule.dormant import (
+    Dormant,
+    DormantStats,
+    default_store,
+    refuse_offload_on,
+    release_pinned_memory,
+    validate_policy,
+)
+from verl_prefix.schedule.executor import LossFn, build_suffix_batch, infer_group, prefix_backward, train_group
+from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.prefix_kv import LAYER_PATHS, PrefixKV
+from verl_prefix.schedule.structure import LayerRoles, kernel_head_dim
+from verl_prefix.schedule.telemetry import tree_metrics
+from verl_prefix.schedule.tree import infer_tree, train_tree
+from verl_prefix.schedule.tree_dormant import NodePolicy
+from verl_prefix.schedule.tree_lockstep import filler_passes
+from verl_prefix.schedule.trie import TrieNode, run_order, trie_stats
 
 logger = logging.getLogger(__name__)
 
-_impl = platform_titan.ensure_titan_platform()
+_impl = titan_platform.ensure_titan_platform()
 
 
 class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLMHead):
@@ -77,15 +103,25 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
             reuse = PrefixReuseConfig(**reuse)
         self.reuse_config: PrefixReuseConfig = reuse if reuse is not None else PrefixReuseConfig()
         backend = getattr(engine_config, "spmd_backend", None)
-        engine_config = platform_titan.replace_config(
+        engine_config = titan_platform.replace_config(
             engine_config,
             strategy="torchtitan",
-            spmd_backend=platform_titan.SPMD_BACKEND_RENAMES.get(backend, backend),
+            spmd_backend=titan_platform.SPMD_BACKEND_RENAMES.get(backend, backend),
         )
         super().__init__(model_config, engine_config, *args, **kwargs)
         check_flavor(self.config.model_spec, model_config.hf_config)
         self.hooks: InnerAttentionHooks | None = None
         self.expert_counts: ExpertCounts | None = None
+        self.causal_lm: TitanCausalLM | None = None  # the one schedule's model (``scheduled``)
+        self.dormant_prefix = validate_policy(
+            getattr(engine_config, "dormant_prefix", "keep"),
+            getattr(engine_config, "dormant_prefix_budget_bytes", None),
+        )
+        self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
+        if self.reuse_config.enable and self.dormant_prefix == "offload":
+            refuse_offload_on(self.device())
+        self.offload_store_factory = default_store
+        self._kernel_answers: dict[tuple, tuple[str, str] | None] = {}
 
     def initialize(self) -> None:
         super().initialize()
@@ -110,6 +146,20 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
                 f"actor_rollout_ref.actor.torchtitan.expert_parallel_size > 1 (TP x EP is served), or {TITAN_REUSE_OFF}"
             )
         self.hooks = InnerAttentionHooks(self.module[0])
+        if self.scheduled:
+            self.causal_lm = TitanCausalLM(self.module[0], self.hooks, self.model_config.hf_config)
+        elif self.reuse_config.enable:
+            reason = own_phases_refusal(
+                self.reuse_config, self.dormant_prefix, "MoE flavor" if self.expert_counts else "pipeline stages"
+            )
+            if reason is not None:
+                raise ValueError(reason)
+
+    @property
+    def scheduled(self) -> bool:
+        """Groups run through the one schedule (``titan.causal_lm``): one pipeline stage, no MoE layers (their
+        expert-load counts need this engine's own phases, ``_group``)."""
+        return self.link.num_stages == 1 and not self.expert_counts
 
     # -- the mini-batch -----------------------------------------------------------------------------
 
@@ -135,24 +185,151 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         stack = ExitStack()
         stack.enter_context(self.trainer.train_context())
         stack.enter_context(torch.no_grad() if forward_only else nullcontext())
-        stack.enter_context(platform_titan.engine_autocast(self.engine_config, get_device_name()))
+        stack.enter_context(titan_platform.engine_autocast(self.engine_config, get_device_name()))
         return stack
 
-    def start_mini_batch(self, run: MiniBatchRun) -> ScheduleOptions:
-        return ScheduleOptions(device=run.meter.device, meter=run.meter)
+    def start_mini_batch(self, run: MiniBatchRun) -> Any:
+        if not self.scheduled:
+            return ScheduleOptions(device=run.meter.device, meter=run.meter)
+        for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
+            run.meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
+        for path in LAYER_PATHS:
+            run.meter.count(f"prefix/phase_b_layers/{path}", 0.0)
+        pending: list[tuple[list[int], dict, dict]] = []
+        options = ScheduleOptions(
+            device=run.meter.device,
+            calculate_entropy=run.calculate_entropy,
+            entropy_fn=self.compute_entropy_from_logits,
+            backward=self.backward,  # autocast: the mini-batch's context (``mini_batch_context``)
+            early_exit=self.reuse_config.early_exit,
+            meter=run.meter,
+            phase_b_attention=self.reuse_config.phase_b_attention,
+            phase_b_refusal=run.agreement.kernel_refusal,
+            prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
+            layer_roles=LayerRoles({}, frozenset()),  # torchtitan's decoders: no KV-shared or recurrent layers
+        )
+        loss_fn = self._suffix_loss(run, pending)
+        return _ScheduledRun(options, options.for_fillers(), loss_fn, pending, DormantStats())
 
     def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
-        self._group(run, run.layout, group, run.state, run.loss_function)
+        if not self.scheduled:
+            self._group(run, run.layout, group, run.state, run.loss_function)
+            return
+        state, model = run.state, self.causal_lm
+        if run.forward_only:
+            self._record_inferred(run, group, infer_group(model, run.layout, group, state.options))
+            return
+        losses = train_group(model, run.layout, group, state.loss_fn, state.options, self._dormant(run, slot, True))
+        state.record_pending(run, losses)
 
     def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
-        layout, group = filler_group(run.lockstep.micro_batches[slot])
-        self._group(run, layout, group, run.state, None, filler=True)
+        if not self.scheduled:
+            layout, group = filler_group(run.lockstep.micro_batches[slot])
+            self._group(run, layout, group, run.state, None, filler=True)
+            return
+        layout, group = filler_group(run.lockstep.micro_batches[slot], run.lockstep.prefix_chunks[slot])
+        if run.forward_only:
+            infer_group(self.causal_lm, layout, group, run.state.filler_options)
+        else:
+            dormant = self._dormant(run, slot, False)
+            train_group(self.causal_lm, layout, group, _no_loss, run.state.filler_options, dormant)
+
+    def run_tree(self, run: MiniBatchRun) -> None:
+        """Every reuse group through the tree schedule (``prefix_reuse.tree``), as ``prefix_fsdp2`` runs it."""
+        assert run.roots is not None and self.causal_lm is not None
+        state, model = run.state, self.causal_lm
+        if run.forward_only:
+            results = infer_tree(model, run.layout, run.roots, state.options)
+            for group in run.plan.groups:
+                self._record_inferred(run, group, results)
+            return
+        policies = self._node_policies(run.roots, run.meter.device, state.dormant_stats)
+        losses = train_tree(model, run.layout, run.roots, state.loss_fn, state.options, policies)
+        state.record_pending(run, losses)
+
+    def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
+        """This rank's answer on phase B's merged kernels (asked once per setting; the exchange agrees)."""
+        attention = self.reuse_config.phase_b_attention
+        if not self.scheduled:
+            return None
+        dtype = torch.float32 if self.engine_config.mixed_precision_param == "float32" else torch.bfloat16
+        key = (attention, dtype, device, forward_only)
+        if key not in self._kernel_answers:
+            head_dim = kernel_head_dim(self.model_config.hf_config.get_text_config())
+            self._kernel_answers[key] = local_refusal(attention, device, dtype, head_dim, not forward_only)
+        return self._kernel_answers[key]
+
+    def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
+        if not self.reuse_config.tree or not self.scheduled:
+            return None
+        return local_trie(
+            layout, plan, self.reuse_config.min_shared_tokens, chunk_tokens=self.reuse_config.prefix_chunk_tokens
+        )
+
+    def dormant_knob(self) -> str:
+        return self.dormant_prefix if self.scheduled else "keep"
+
+    def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
+        if not self.scheduled:
+            return super().group_policies(plan, device, forward_only)
+        return group_policies(self.dormant_prefix, self.dormant_prefix_budget_bytes, self.causal_lm, plan, device)
+
+    def after_mini_batch(self, run: MiniBatchRun, metrics: dict) -> None:
+        if isinstance(run.state, _ScheduledRun):
+            metrics.update(run.state.dormant_stats.metrics())
+            release_pinned_memory()  # offload's host slabs: not held past the mini-batch
+
+    def _dormant(self, run: MiniBatchRun, slot: int, counted: bool) -> Dormant:
+        policy, why = run.policies[slot]
+        stats = run.state.dormant_stats if counted else None
+        return AgreedDormant(
+            policy, why, stats=stats, store_factory=self.offload_store_factory, group=self.agreement_group()
+        )
+
+    def _node_policies(self, roots: list[TrieNode], device: torch.device, stats: DormantStats) -> NodePolicy:
+        """Each trie node's dormant policy, agreed over the data-parallel ranks (``backend.dormant``)."""
+        nodes = run_order(roots)
+        knob, budget, group = self.dormant_prefix, self.dormant_prefix_budget_bytes, self.agreement_group()
+        chosen = agree_on_node_policies(knob, budget, self.causal_lm, nodes, device, group)
+        by_node = {id(node): choice for node, choice in zip(nodes, chosen)}
+
+        def policy(node: TrieNode) -> Dormant:
+            name, why = by_node[id(node)]
+            counted = None if node.filler else stats
+            return AgreedDormant(name, why, stats=counted, store_factory=self.offload_store_factory, group=group)
+
+        return policy
+
+    def _suffix_loss(self, run: MiniBatchRun, pending: list[tuple[list[int], dict, dict]]) -> LossFn:
+        """verl's loss on a suffix micro-batch's rows (the mini-batch's normalisation attached by the driver); the
+        micro-batch noted in ``pending`` to be recorded with its loss once the group has run."""
+        layout, dp_group = run.layout, self.get_data_parallel_group()
+
+        def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+            model_output = {"log_probs": full_length(log_probs, layout, rows)}
+            if entropy is not None:
+                model_output["entropy"] = full_length(entropy, layout, rows)
+            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
+            pending.append((rows, model_output, metrics))
+            return loss
+
+        return loss_fn
+
+    def _record_inferred(self, run: MiniBatchRun, group: GroupPlan, results: dict) -> None:
+        """A forward-only group's micro-batches recorded as verl's outputs (``results``: row -> log-probs, entropy)."""
+        layout, dp_group = run.layout, self.get_data_parallel_group()
+        for rows in group.micro_batches:
+            model_output = {"log_probs": full_length([results[i][0] for i in rows], layout, rows)}
+            if run.calculate_entropy:
+                model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
+            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
+            run.record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
 
     def run_dense_chunks(self, run: MiniBatchRun) -> None:
         if self.link.num_stages == 1:
             super().run_dense_chunks(run)
             return
-        with run.meter.phase("dense"):  # one data-parallel rank per stage (titan_config): no lockstep peers
+        with run.meter.phase("dense"):  # one data-parallel rank per stage (titan.config): no lockstep peers
             self._pipelined_dense(run.data, run.dense_chunks, run.loss_function, run.forward_only, run.record)
 
     def run_dense_filler(self, run: MiniBatchRun) -> None:
@@ -168,6 +345,9 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
 
     def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
         run.outputs.replace(self.link.share((run.outputs.outputs, run.outputs.order)))  # the last stage's
+        if run.roots is not None:  # ``prefix/tree_*``
+            stats = {**tree_metrics(trie_stats(run.roots)), "prefix/tree_lockstep_fillers": filler_passes(run.roots)}
+            metrics.update({k: float(v) for k, v in stats.items()})
 
     def dense_refusal(self, data: TensorDict, chunks: list[list[int]]) -> str | None:
         """verl's ``forward_step`` packs a dense chunk into one sequence; under TP x EP torchtitan's MoE needs
@@ -198,7 +378,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         filler: bool = False,
     ) -> None:
         """Phases A, B and C of one uid group on this rank's stage of torchtitan's model (the whole model without
-        pipeline parallelism; ``titan_pipeline``); ``filler``: a lockstep slot, uncounted."""
+        pipeline parallelism; ``titan.pipeline``); ``filler``: a lockstep slot, uncounted."""
         assert self.hooks is not None
         model, meter, device, link = self.module[0], options.meter, options.device, self.link
         forward_only = run.forward_only
@@ -212,7 +392,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         # the last stage exits early: the others' outputs feed the next stage's layers.
         copies = 0.0 if filler else float(len(group.rows))
         early_exit = self.reuse_config.early_exit and not counts and link.is_last
-        ids, pos, copies = pad_tokens(ids, pos, copies, self.sequence_multiple)  # TP x EP (titan_sequence)
+        ids, pos, copies = pad_tokens(ids, pos, copies, self.sequence_multiple)  # TP x EP (titan.sequence)
         mask = causal_mask(ids.shape[1], device)
 
         def phase_a(inputs: torch.Tensor) -> torch.Tensor | None:
@@ -363,13 +543,34 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
         grad = torch.no_grad() if forward_only else nullcontext()
-        autocast = platform_titan.engine_autocast(self.engine_config, get_device_name())
+        autocast = titan_platform.engine_autocast(self.engine_config, get_device_name())
         with self.trainer.train_context(), grad, autocast:
             self._pipelined_dense(data, [list(rows) for rows in indices], loss_function, forward_only, outputs.record)
         outputs.replace(self.link.share((outputs.outputs, outputs.order)))
         return outputs.collected(data)
 
     def _counted(self, weights: torch.Tensor | float) -> Any:
-        """MoE routing counted with ``weights`` per token (``titan_moe``); nothing to do for a dense model."""
+        """MoE routing counted with ``weights`` per token (``titan.moe``); nothing to do for a dense model."""
         counts = self.expert_counts
         return counts.weighted(weights) if counts else nullcontext()
+
+
+@dataclass
+class _ScheduledRun:
+    """A mini-batch through the one schedule: the groups' options, the loss closure and dormant counters."""
+
+    options: ScheduleOptions
+    filler_options: ScheduleOptions
+    loss_fn: LossFn
+    pending: list[tuple[list[int], dict, dict]] = field(default_factory=list)
+    dormant_stats: DormantStats = field(default_factory=DormantStats)
+
+    def record_pending(self, run: MiniBatchRun, losses: list[torch.Tensor]) -> None:
+        """The group's micro-batches in the order they ran, each with its loss."""
+        for (rows, model_output, metrics), loss in zip(self.pending, losses, strict=True):
+            run.record(rows, model_output, loss.item(), metrics)
+        self.pending.clear()
+
+
+def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+    raise AssertionError("a filler group has no real micro-batches")

@@ -1,11 +1,11 @@
 """Register ``prefix_torchtitan`` without importing torchtitan: ``import verl`` loads this package as a plugin in
 every process, and torchtitan's import is heavy. The registry holds factories; the first engine built applies the
-platform layer (``platform_titan.ensure_titan_platform``) and imports the engine classes. Each factory first
-registers a torchtitan flavor of the checkpoint's shapes where torchtitan has none (``titan_checkpoint_flavor``):
+platform layer (``titan.platform.ensure_titan_platform``) and imports the engine classes. Each factory first
+registers a torchtitan flavor of the checkpoint's shapes where torchtitan has none (``titan.checkpoint_flavor``):
 verl derives the flavor inside the worker that builds the engine, so that is where it must exist.
 
 Importing the plugin leaves verl's own ``torchtitan`` backend as verl registered it. verl 0.9.1 registers that
-engine only when its import succeeds, which with torchtitan 0.3.0 it does not (a moved module, ``platform_titan``);
+engine only when its import succeeds, which with torchtitan 0.3.0 it does not (a moved module, ``titan.platform``);
 the adapted stock engine (the dense twin the tests and benchmarks compare against) is opt-in: ``register_stock``,
 called by a process that builds it, or ``VERL_PREFIX_STOCK_TORCHTITAN=1`` in the environment of every process
 that imports verl (a Ray job's workers too), which adds a factory for ``torchtitan`` on the devices verl left empty.
@@ -18,17 +18,17 @@ from typing import Any
 
 from verl.workers.engine.base import EngineRegistry
 
-from verl_prefix.backend.titan_config import TITAN_BACKEND
+from verl_prefix.backend.titan.config import TITAN_BACKEND
+from verl_prefix.backend.titan.platform import STOCK_BACKEND, STOCK_FACTORY_MARK
 
 DEVICES = ("cuda", "cpu")
 STOCK_ENV = "VERL_PREFIX_STOCK_TORCHTITAN"
-STOCK_BACKEND = "torchtitan"
 
 
 def _prepare(args: tuple, kwargs: dict) -> Any:
     """The platform layer, then the checkpoint's flavor where torchtitan has none; verl's engine module."""
-    from verl_prefix.backend.platform_titan import ensure_titan_platform
-    from verl_prefix.backend.titan_checkpoint_flavor import ensure_checkpoint_flavor
+    from verl_prefix.backend.titan.checkpoint_flavor import ensure_checkpoint_flavor
+    from verl_prefix.backend.titan.platform import ensure_titan_platform
 
     impl = ensure_titan_platform()
     model_config = kwargs["model_config"] if "model_config" in kwargs else args[0]
@@ -39,7 +39,7 @@ def _prepare(args: tuple, kwargs: dict) -> Any:
 def build_prefix_torchtitan(*args: Any, **kwargs: Any) -> Any:
     """``EngineRegistry.new``'s constructor for ``prefix_torchtitan``."""
     _prepare(args, kwargs)
-    from verl_prefix.backend.titan_engine import PrefixTorchtitanEngineWithLMHead
+    from verl_prefix.backend.titan.engine import PrefixTorchtitanEngineWithLMHead
 
     return PrefixTorchtitanEngineWithLMHead(*args, **kwargs)
 
@@ -47,6 +47,10 @@ def build_prefix_torchtitan(*args: Any, **kwargs: Any) -> Any:
 def build_stock_torchtitan(*args: Any, **kwargs: Any) -> Any:
     """``EngineRegistry.new``'s constructor for verl's own ``torchtitan`` engine, after the platform layer."""
     return _prepare(args, kwargs).TorchTitanEngineWithLMHead(*args, **kwargs)
+
+
+# marked so that the platform layer (below this module) finds it without importing it back (``release_stock``)
+setattr(build_stock_torchtitan, STOCK_FACTORY_MARK, True)
 
 
 def stock_requested() -> bool:
@@ -72,15 +76,3 @@ def register_stock() -> None:
     """Idempotent opt-in: verl's ``torchtitan`` engine, through the platform layer, on the devices where verl
     registered none (its own registrations are kept)."""
     _register(STOCK_BACKEND, build_stock_torchtitan)
-
-
-def release_stock() -> None:
-    """Drop the ``torchtitan`` factories on the devices verl's own module registers (cuda, npu) right before that
-    module is imported: its decorator refuses a key that is already there. The CPU factory stays."""
-    engines = EngineRegistry._engines.get("language_model", {})
-    registered = engines.get(STOCK_BACKEND, {})
-    for device in ("cuda", "npu"):
-        if registered.get(device) is build_stock_torchtitan:
-            del registered[device]
-    if STOCK_BACKEND in engines and not registered:
-        del engines[STOCK_BACKEND]  # nothing of ours left: verl's decorator recreates the entry as it would

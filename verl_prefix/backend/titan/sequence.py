@@ -6,7 +6,7 @@ fails inside DTensor's shape propagation otherwise. Phase A's prefix (``P - 1`` 
 widths are whatever the data make them, so the schedule pads them at the end to a multiple of TP. The
 padding is exact: it comes after every real token (causal attention never reads it), the MoE routes each
 token on its own (torchtitan's experts drop no tokens), it is trimmed from the captured K/V and the logits,
-and its expert counts weigh zero (``titan_moe``).
+and its expert counts weigh zero (``titan.moe``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from typing import Any
 from verl.workers.config import TorchtitanEngineConfig
 
 from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
+from verl_prefix.schedule.dormant import validate_policy
 
 TITAN_BACKEND = "prefix_torchtitan"
 
@@ -19,10 +20,11 @@ TITAN_BACKEND = "prefix_torchtitan"
 class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
     """verl's TorchTitan engine config plus ``prefix_reuse``; accepts ``strategy: prefix_torchtitan``.
 
-    Select it with ``actor_rollout_ref.actor.torchtitan._target_=verl_prefix.backend.titan_config.
+    Select it with ``actor_rollout_ref.actor.torchtitan._target_=verl_prefix.backend.titan.config.
     PrefixTorchtitanEngineConfig`` to set knobs from YAML; the engine also accepts verl's own config (defaults).
     ``mixed_precision_param`` is torchtitan's parameter/compute dtype under FSDP (``bfloat16``, its default, or
-    ``float32``); verl's own config has no way to set it.
+    ``float32``); verl's own config has no way to set it. ``dormant_prefix`` / ``dormant_prefix_budget_bytes``:
+    where a group's phase-A graph waits until phase C, as on ``prefix_fsdp2`` (``schedule.dormant``).
     """
 
     strategy: str = TITAN_BACKEND
@@ -32,6 +34,8 @@ class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
     spmd_backend: str = "default"
     activation_checkpoint: str = "none"
     use_torch_compile: bool = False
+    dormant_prefix: str = "keep"
+    dormant_prefix_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         requested = self.strategy
@@ -39,6 +43,7 @@ class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
             object.__setattr__(self, "strategy", "torchtitan")  # let the parent's validation run unchanged
         super().__post_init__()
         object.__setattr__(self, "strategy", requested)
+        validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
 
 
 # knob -> (value the schedule needs, why anything else is refused)
@@ -144,9 +149,9 @@ def pipeline_refusal(config: Any) -> str | None:
 def refusal(config: Any) -> str | None:
     """Why this engine config cannot run the schedule (checked when the engine is built), or None.
 
-    ``spmd_backend: default`` is torchtitan 0.3.0's ``partial_dtensor`` (``platform_titan``). Reuse switched off refuses
+    ``spmd_backend: default`` is torchtitan 0.3.0's ``partial_dtensor`` (``titan.platform``). Reuse switched off refuses
     nothing but pipeline combinations (``pipeline_refusal``): the engine is then verl's own TorchTitan engine, with
-    its passes pipelined by ``titan_pipeline`` under PP.
+    its passes pipelined by ``titan.pipeline`` under PP.
     """
     reuse = getattr(config, "prefix_reuse", None)
     if isinstance(reuse, Mapping):  # from YAML without a _target_
@@ -160,18 +165,39 @@ def refusal(config: Any) -> str | None:
         got = getattr(config, knob, value)
         if got != value:
             return f"prefix_torchtitan: {knob}={got!r} is refused ({why}); set {knob}={value!r}"
-    if reuse is not None:
-        if reuse.prefix_chunk_tokens is not None:
-            return "prefix_torchtitan: prefix_chunk_tokens (chunked prefix) is not built for torchtitan yet"
-        if reuse.tree:
-            return (
-                "prefix_torchtitan: prefix_reuse.tree (the token trie) is not built for torchtitan yet; it runs on "
-                "prefix_fsdp2 (docs/trees.md), or set +actor_rollout_ref.actor.torchtitan.prefix_reuse.tree=false for "
-                "one-level reuse"
-            )
-        if reuse.phase_b_attention not in ("auto", "concat"):
-            return (
-                f"prefix_torchtitan: phase_b_attention={reuse.phase_b_attention!r} is not built for torchtitan "
-                "yet; phase B concatenates the prefix leaves with each row's K/V (auto or concat)"
-            )
+    if reuse is not None and getattr(config, "pipeline_parallel_size", 1) > 1:
+        return own_phases_refusal(reuse, getattr(config, "dormant_prefix", "keep"), "pipeline stages")
+    if reuse is not None and getattr(config, "expert_parallel_size", 1) > 1:
+        return own_phases_refusal(reuse, getattr(config, "dormant_prefix", "keep"), "MoE flavor")
     return None
+
+
+# what torchtitan's own phases (``engine._group``: pipeline stages, MoE expert-load counts) do not run, and why
+_OWN_PHASES: dict[str, str] = {
+    "pipeline stages": "phases A/B/C cross torchtitan's pipeline stages by point-to-point sends (titan.pipeline), "
+    "which the one schedule (schedule.executor) does not do",
+    "MoE flavor": "torchtitan's expert-load counts (the bias its load balancing moves) need the prefix's routing "
+    "weighted once per row and each row's last response token routed (titan.moe), which the one schedule does "
+    "only through HF routers (schedule.moe)",
+}
+
+
+def own_phases_refusal(reuse: PrefixReuseConfig, dormant_prefix: str, why: str) -> str | None:
+    """Why a knob that only the one schedule serves cannot run where the engine keeps its own phases (``why``: a
+    key of ``_OWN_PHASES``), or None."""
+    knobs = []
+    if reuse.tree:
+        knobs.append("prefix_reuse.tree=true")
+    if reuse.prefix_chunk_tokens is not None:
+        knobs.append(f"prefix_reuse.prefix_chunk_tokens={reuse.prefix_chunk_tokens}")
+    if reuse.phase_b_attention not in ("auto", "concat"):
+        knobs.append(f"prefix_reuse.phase_b_attention={reuse.phase_b_attention}")
+    if dormant_prefix != "keep":
+        knobs.append(f"dormant_prefix={dormant_prefix}")
+    if not knobs:
+        return None
+    return (
+        f"prefix_torchtitan: {', '.join(knobs)} is refused with {why} ({_OWN_PHASES[why]}); it runs with one "
+        "pipeline stage and a dense flavor (TP, FSDP), or on prefix_fsdp2. Unset it for one-level reuse with "
+        "concat attention and dormant_prefix=keep"
+    )

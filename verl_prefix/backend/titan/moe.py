@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from verl_prefix.backend.titan_attention import decoder_layers
+from verl_prefix.backend.titan.attention import decoder_layers
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,259 @@
+"""prefix_torchtitan through the one schedule (``schedule.executor`` / ``schedule.tree`` behind
+``titan.causal_lm``): what prefix_fsdp2 serves beyond one-level reuse, against verl's own TorchTitan engine (no
+reuse) on the same batch, fp32, two gloo ranks at TP=2 and at FSDP=2 (the data-parallel ranks hold different
+groups: lockstep fillers): the token trie (``prefix_reuse.tree``), a chunked prefix (``prefix_chunk_tokens``),
+merged phase-B attention (torch's flash attention for CPU), ``dormant_prefix=recompute`` and verl's dynamic batch
+size (suffix micro-batches by its token budget). Each asserts reuse ran; phase C skipped fails. MoE flavors
+(EP=2) keep the engine's own phases and refuse these knobs at build, with the reason.
+
+One prefix engine per layout, its knobs switched between steps (lr 0: every step sees the same weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from helpers.ranks import run_two_ranks
+from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+
+pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is an optional dependency (scripts/setup.sh installs it)")
+pytest.importorskip("triton", reason="torchtitan 0.3.0's model stack imports triton (scripts/setup.sh installs it)")
+
+VOCAB = 128
+TOL = 1e-5  # fp32
+BUDGET = 40  # verl's max_token_len_per_gpu under dynamic batch size: two suffix rows of a 12-token prompt
+MOE = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=32)
+# case -> (prefix_reuse knobs, dormant_prefix); every case also runs forward-only
+CASES = {
+    "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
+    "chunked": (dict(prefix_chunk_tokens=4), "keep"),
+    "merged": (dict(phase_b_attention="merged"), "keep"),
+    "recompute": (dict(), "recompute"),
+    "tree_recompute": (dict(tree=True, min_shared_tokens=4), "recompute"),
+}
+
+
+def _batch(rank: int, fsdp: bool):
+    """Two groups of four sharing an 8-token system block, responses branching after a 2-token stem (what the
+    tree computes once); under FSDP data-parallel rank 1 holds one group and four singletons (lockstep)."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.harness import grpo_batches
+
+    shape = dict(response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,))
+    if not fsdp:
+        return grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=7, **shape)
+    if rank == 0:
+        return grpo_batches.make_grpo_batch(
+            num_groups=2, group_size=4, prompt_lens=[4, 2], seed=8, global_batch_size=16, **shape
+        )
+    group = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=3, seed=9, global_batch_size=16, **shape
+    )
+    singles = grpo_batches.make_grpo_batch(
+        num_groups=4, group_size=1, prompt_lens=2, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
+        global_batch_size=16,
+    )  # fmt: skip
+    return tu.concat_tensordict([group, singles])
+
+
+def _loss_fn(calls: list | None = None):
+    """verl's PPO loss with the KL loss and the entropy bonus on; ``calls`` collects each call's rows' prompt and
+    response lengths (one call per micro-batch)."""
+    import functools
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_prefix.harness import verl_engine
+
+    a = "actor_rollout_ref.actor"
+    knobs = ["strategy=fsdp2", "ppo_micro_batch_size_per_gpu=4", "use_kl_loss=true", "entropy_coeff=0.01"]
+    actor = verl_engine.compose_ppo_config([f"{a}.{k}" for k in knobs]).actor_rollout_ref.actor
+    loss = functools.partial(ppo_loss, config=omega_conf_to_dataclass(actor))
+    if calls is None:
+        return loss
+
+    def counted(model_output, data, dp_group=None):
+        lengths = data["input_ids"].offsets().diff().tolist()
+        responses = data["responses"].offsets().diff().tolist()
+        calls.append([(n - r, r) for n, r in zip(lengths, responses)])
+        return loss(model_output=model_output, data=data, dp_group=dp_group)
+
+    return counted
+
+
+@contextlib.contextmanager
+def _phase_c_skipped():
+    from verl_prefix.schedule import executor, tree
+
+    saved = executor.prefix_backward, executor.seeded_backward, tree.seeded_backward
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    executor.prefix_backward = executor.seeded_backward = tree.seeded_backward = noop
+    try:
+        yield
+    finally:
+        executor.prefix_backward, executor.seeded_backward, tree.seeded_backward = saved
+
+
+def _grads_error(want: dict, got: dict) -> tuple[float, str]:
+    errors = {n: ((got[n] - g).norm() / g.norm()).item() for n, g in want.items() if g.norm() > 0}
+    name = max(errors, key=errors.get)
+    return errors[name], name
+
+
+def _summary(want: dict, got: dict) -> dict:
+    """What the main process asserts on: the worst gradient error, the loss pair, reuse metrics."""
+    worst, name = _grads_error(want["grads"], got["grads"])
+    return {"worst": worst, "name": name, "loss": (want["loss"], got["loss"]), "metrics": reduced(got["metrics"])}
+
+
+def _layout_body(rank: int, model_dir: str, fsdp: bool) -> dict:
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import titan as TT
+    from verl_prefix.harness import verl_engine
+
+    layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
+    loss_fn = _loss_fn()
+    base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
+    prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=base, **layout)
+    assert prefix.scheduled and prefix.causal_lm is not None
+    batch = _batch(rank, fsdp)
+    want = verl_engine.run_train_step(stock, loss_fn, batch, capture_grads=True)
+    want_infer = verl_engine.run_infer(stock, batch)
+    out: dict = {}
+    for case, (knobs, dormant) in CASES.items():
+        prefix.reuse_config = dataclasses.replace(base, **knobs)
+        prefix.dormant_prefix = dormant
+        got = verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
+        got_infer = verl_engine.run_infer(prefix, batch)
+        out[case] = {**_summary(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
+        if case in ("tree", "chunked"):  # negative control: phase C skipped
+            with _phase_c_skipped():
+                out[case]["no_phase_c"] = _summary(
+                    want, verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
+                )
+    prefix.reuse_config, prefix.dormant_prefix = base, "keep"
+    if not fsdp:  # dynamic batch size: suffix micro-batches by verl's token budget, not micro_batch_size_per_gpu
+        dynamic = batch.copy()
+        tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
+        prefix.reuse_config = dataclasses.replace(base, suffix_micro_batch_size=None)
+        calls: list = []
+        got = verl_engine.run_train_step(prefix, _loss_fn(calls), dynamic, capture_grads=True)
+        fixed_calls: list = []
+        verl_engine.run_train_step(prefix, _loss_fn(fixed_calls), batch)  # micro_batch_size_per_gpu (4): one per group
+        want_dynamic = verl_engine.run_train_step(stock, loss_fn, dynamic, capture_grads=True)
+        out["dynamic"] = {**_summary(want_dynamic, got), "calls": calls, "fixed_calls": fixed_calls}
+        out["dynamic"]["vs_fixed"] = _summary(want, got)["worst"]
+    return out
+
+
+def _infer(result: dict) -> dict:
+    return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
+
+
+def _moe_refusals(moe_dir: str) -> dict:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import titan as TT
+
+    out = {}
+    for case, (knobs, dormant) in CASES.items():
+        reuse = PrefixReuseConfig(min_prefix_len=4, **knobs)
+        try:
+            TT.build_titan_engine(
+                moe_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, data_parallel_shard_size=2,
+                engine_overrides=dict(expert_parallel_size=2, dormant_prefix=dormant),
+            )  # fmt: skip
+            out[case] = "built"
+        except ValueError as error:
+            out[case] = str(error)
+    return out
+
+
+def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
+    return {
+        "tp2": _layout_body(rank, model_dir, fsdp=False),
+        "fsdp2": _layout_body(rank, model_dir, fsdp=True),
+        "ep2": _moe_refusals(moe_dir),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model, tmp_path_factory) -> dict:
+    from verl_prefix.harness.tiny_models import write_tiny_model
+
+    moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_schedule_moe"), "qwen3_moe", **MOE)
+    return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe))
+
+
+def _assert_exact(r: dict, groups: int) -> None:
+    assert r["worst"] < TOL, f"{r['name']} off by {r['worst']:.2e}"
+    assert r["loss"][1] == pytest.approx(r["loss"][0], rel=TOL, abs=1e-7)
+    assert_reuse_ran(r["metrics"], groups=groups)
+    want_infer, got_infer = r["infer"]
+    assert_infer_matches(want_infer, got_infer, TOL, groups=groups)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_schedule_knob_matches_verl_torchtitan_engine(ranks, layout, case):
+    for rank, result in ranks.items():
+        r = result[layout][case]
+        groups = 2 if layout == "tp2" or rank == 0 else 1
+        _assert_exact(r, groups)
+        m = r["metrics"]
+        if case.startswith("tree"):
+            assert m["prefix/tree_saved_tokens"] > 0 and m["prefix/tree_nodes"] >= groups
+        if case == "chunked":
+            assert m["prefix/chunked_groups"] > 0 and m["prefix/prefix_chunks"] > m["prefix/chunked_groups"]
+        if case == "merged":
+            assert m["prefix/phase_b_attention/merged"] > 0 and m["prefix/phase_b_attention/concat"] == 0
+        if case.endswith("recompute"):
+            assert m["prefix/policy/recompute"] > 0
+        if "no_phase_c" in r:  # negative control
+            assert r["no_phase_c"]["worst"] > 1e-2, f"{layout}/{case}: skipping phase C changed nothing"
+
+
+def test_dynamic_batch_size_plans_suffix_micro_batches_by_token_budget(ranks):
+    for rank, result in ranks.items():
+        r = result["tp2"]["dynamic"]
+        assert r["worst"] < TOL and r["vs_fixed"] < TOL, (rank, r["name"], r["worst"])
+        assert_reuse_ran(r["metrics"], groups=2)
+        # one loss call per suffix micro-batch: each within the budget (rows x (prefix + longest suffix)), unless a
+        # single row; more of them than verl's micro_batch_size_per_gpu (4) gives, which is one per group
+        assert len(r["fixed_calls"]) == 2
+        assert len(r["calls"]) > len(r["fixed_calls"])
+        for rows in r["calls"]:
+            cost = len(rows) * max(p - 1 + s for p, s in rows)
+            assert len(rows) == 1 or cost <= BUDGET, rows
+
+
+def test_moe_flavor_refuses_schedule_knobs_with_reason(ranks):
+    for result in ranks.values():
+        for case, message in result["ep2"].items():
+            assert "MoE flavor" in message and "expert-load counts" in message, (case, message)
+
+
+def test_config_refusals_under_pipeline_parallelism():
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig, refusal
+
+    def config(**kwargs):
+        reuse = kwargs.pop("reuse", {})
+        return PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(**reuse), **kwargs)
+
+    for knobs in (dict(reuse=dict(tree=True)), dict(reuse=dict(prefix_chunk_tokens=8)),
+                  dict(reuse=dict(phase_b_attention="merged")), dict(dormant_prefix="recompute")):  # fmt: skip
+        assert refusal(config(**knobs)) is None  # served at PP=1
+        message = refusal(config(pipeline_parallel_size=2, **knobs))
+        assert "pipeline stages" in message, message
+    assert refusal(config(pipeline_parallel_size=2)) is None
+    with pytest.raises(ValueError):
+        config(dormant_prefix="sometimes")
+    torch.manual_seed(0)
