@@ -618,10 +618,10 @@ def test_selected_through_verl_config():
     YAML defaults (spmd_types, selective checkpointing, compile) are refused with the knob to set."""
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine import EngineRegistry
-    from verl_prefix.harness.verl_engine import compose_ppo_config
 
     from verl_prefix.backend.titan.config import refusal
     from verl_prefix.backend.titan.registry import build_prefix_torchtitan
+    from verl_prefix.harness.verl_engine import compose_ppo_config
 
     a = "actor_rollout_ref.actor"
     overrides = [
@@ -644,9 +644,9 @@ def test_flavor_mismatch_is_refused(tiny_model):
     """verl picks a flavor by (hidden, layers, vocab): the dense and MoE debug flavors share them."""
     from torchtitan.models import qwen3
     from transformers import AutoConfig
-    from verl_prefix.harness.titan import register_tiny_flavor
 
     from verl_prefix.backend.titan.flavor import check_flavor, flavor_mismatches
+    from verl_prefix.harness.titan import register_tiny_flavor
 
     model_dir = tiny_model("qwen3")
     hf = AutoConfig.from_pretrained(model_dir)
