@@ -20,6 +20,7 @@ DOCUMENTED = [
     ("verl_prefix", "is_registered"),
     ("verl_prefix.config", "PrefixFSDPEngineConfig"),  # the YAML `_target_` path of the engine config
     ("verl_prefix.config", "PrefixTorchtitanEngineConfig"),  # ... and of prefix_torchtitan's
+    ("verl_prefix.backend.titan_config", "PrefixTorchtitanEngineConfig"),  # its _target_ in earlier releases
     ("verl_prefix.backend.trace", "recording"),
     ("verl_prefix.backend.trace", "load_trace"),
     ("verl_prefix.tools.synthetic_trace", "synthetic_trace"),
@@ -113,3 +114,13 @@ def test_strategy_and_trainer_mode_names():
     engines = EngineRegistry._engines.get("language_model", {})
     assert {"prefix_fsdp2", "prefix_torchtitan"} <= set(engines), sorted(engines)
     assert get_trainer_cls("prefix_sync").__name__ == "PrefixPPOTrainer"
+
+
+def test_the_earlier_titan_target_is_the_same_class():
+    """A recipe written against the TorchTitan config's earlier ``_target_`` resolves to the one class."""
+    from hydra.utils import get_class
+
+    from verl_prefix import config
+
+    old = get_class("verl_prefix.backend.titan_config.PrefixTorchtitanEngineConfig")
+    assert old is config.PrefixTorchtitanEngineConfig
