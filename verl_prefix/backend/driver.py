@@ -31,29 +31,49 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
+from torch import nn
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.config import PrefixReuseConfig
-from verl_prefix.backend.distributed.lockstep import LockstepPlan, in_lockstep
-from verl_prefix.backend.distributed.mini_batch import Agreement, RankReport, agree, error_message, exchange
-from verl_prefix.backend.dormant import slot_policies
+from verl_prefix.backend.distributed.lockstep import LockstepPlan, filler_group, in_lockstep
+from verl_prefix.backend.distributed.mini_batch import (
+    Agreement,
+    RankReport,
+    agree,
+    error_message,
+    exchange,
+    local_refusal,
+    model_head_dim,
+)
+from verl_prefix.backend.distributed.once import AgreedDormant
+from verl_prefix.backend.dormant import agree_on_node_policies, group_policies, slot_policies
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.outputs import (
     MiniBatchOutputs,
     as_micro_batch_lists,
     dense_batch_output,
     dense_chunk,
+    full_length,
+    micro_batch_loss,
     model_shape,
 )
-from verl_prefix.backend.trees import padded_trie
+from verl_prefix.backend.trees import local_trie, padded_trie
 from verl_prefix.backend.validation import check_batch
+from verl_prefix.schedule import moe
+from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, release_pinned_memory
+from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
-from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.schedule.tree_lockstep import trie_shape
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.options import AuxFn, ScheduleOptions
+from verl_prefix.schedule.prefix_kv import LAYER_PATHS
+from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
+from verl_prefix.schedule.tree import infer_tree, train_tree
+from verl_prefix.schedule.tree_dormant import NodePolicy
+from verl_prefix.schedule.tree_lockstep import filler_passes, trie_shape
+from verl_prefix.schedule.tree_visuals import VisualTokens
+from verl_prefix.schedule.trie import TrieNode, run_order, trie_stats
 
 
 @dataclass
@@ -97,6 +117,9 @@ class ReuseDriver:
     The engine supplies ``reuse_config`` and the hooks below; the ones with a body here are the common case."""
 
     reuse_config: PrefixReuseConfig
+    dormant_prefix: str = "keep"  # ``dormant_prefix`` and its ``auto`` budget (engines that serve the policies)
+    dormant_prefix_budget_bytes: int | None = None
+    offload_store_factory: Callable = staticmethod(default_store)  # offload's saved-tensor store (tests inject one)
     _optimizer_seconds: float = 0.0
 
     # -- what the engine supplies -------------------------------------------------------------------
@@ -125,18 +148,6 @@ class ReuseDriver:
         """The model's image/video placeholder ids (``grouping.plan_batch``), or None."""
         return None
 
-    def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
-        """Why phase B's merged kernels cannot serve on this rank, or None."""
-        return None
-
-    def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
-        """This rank's trie under ``prefix_reuse.tree`` (None: one-level reuse)."""
-        return None
-
-    def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
-        """``(dormant policy, reason)`` per own group (``backend.dormant.group_policies``)."""
-        return [("keep", "configured")] * len(plan.groups)
-
     def dense_refusal(self, data: TensorDict, chunks: list[list[int]]) -> str | None:
         """A dense chunk of this rank the engine cannot run (its description), or None."""
         return None
@@ -162,21 +173,178 @@ class ReuseDriver:
     def before_mini_batch(self, data: TensorDict) -> None:
         """What the engine checks before the mini-batch's first collective."""
 
-    def start_mini_batch(self, run: MiniBatchRun) -> Any:
-        """The engine's per-mini-batch state for the reuse path (``run.state``), built once every rank agreed."""
+    # -- groups through the one schedule (``schedule.executor``, ``schedule.tree``) --------------------
+
+    def schedule_model(self) -> nn.Module:
+        """The model as the schedule calls it: an HF causal LM (``model(input_ids, position_ids, prefix_ctx,
+        ...) -> .logits``), or an engine's stand-in for one."""
+        raise NotImplementedError
+
+    def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
+        """What every group of the mini-batch runs with: the engine's autocast, entropy, backward, Ulysses,
+        routers, fused kernels, with the phase-B refusal every rank agreed on (``run.agreement``)."""
+        raise NotImplementedError
+
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the model computes in (autocast over fp32 master weights), or None: the parameters'."""
         return None
+
+    def moe_aux_term(self, stats: moe.RouterStats, data: TensorDict) -> tuple[torch.Tensor, Any]:
+        """The router aux loss term of a micro-batch and its metric (engines with ``moe_aux_on``)."""
+        raise NotImplementedError
+
+    def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
+        """Why phase B's merged kernels cannot serve on this rank, or None: asked once per attention setting,
+        compute dtype, device and pass kind (every rank's answer travels in the mini-batch's exchange)."""
+        attention = self.reuse_config.phase_b_attention
+        dtype = self.compute_dtype() or torch.bfloat16
+        key = (attention, dtype, device, forward_only)
+        answers = self.__dict__.setdefault("_kernel_answers", {})
+        if key not in answers:
+            head_dim = model_head_dim(self.schedule_model())
+            answers[key] = local_refusal(attention, device, dtype, head_dim, not forward_only)
+        return answers[key]
+
+    def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
+        """This rank's trie under ``prefix_reuse.tree`` (None: one-level reuse)."""
+        if not self.reuse_config.tree:
+            return None
+        return local_trie(
+            layout,
+            plan,
+            self.reuse_config.min_shared_tokens,
+            own_last=self.moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
+            chunk_tokens=self.reuse_config.prefix_chunk_tokens,
+            visual=VisualTokens.of(self.schedule_model()),  # images keyed by content in the trie (tree_visuals)
+        )
+
+    def dormant_knob(self) -> str:
+        """``dormant_prefix``: where phase A's graph waits for phase C."""
+        return self.dormant_prefix
+
+    def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
+        """``(dormant policy, reason)`` per own group (``backend.dormant.group_policies``; ``auto`` estimates each
+        group's graph in the compute dtype)."""
+        knob, budget = self.dormant_prefix, self.dormant_prefix_budget_bytes
+        return group_policies(knob, budget, self.schedule_model(), plan, device, self.compute_dtype())
+
+    def start_mini_batch(self, run: MiniBatchRun) -> Any:
+        """The options every group of the mini-batch runs with, its loss closures and dormant counters."""
+        for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
+            run.meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
+        for path in LAYER_PATHS:
+            run.meter.count(f"prefix/phase_b_layers/{path}", 0.0)
+        pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
+        loss_fn, aux_fn = self._group_losses(run, pending)
+        options = self.schedule_options(run, aux_fn)
+        return ScheduledRun(options, options.for_fillers(), loss_fn, pending, DormantStats())
 
     def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
         """Phases A, B and C of one group, in the lockstep shape of its slot, its outputs recorded."""
-        raise NotImplementedError
+        state, model = run.state, self.schedule_model()
+        if run.forward_only:
+            self._record_inferred(run, group, infer_group(model, run.layout, group, state.options))
+            return
+        dormant = self._dormant(run, slot, counted=True)
+        state.record_pending(run, train_group(model, run.layout, group, state.loss_fn, state.options, dormant))
 
     def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
-        """A group slot this rank has no group for: the slot's passes at zero loss."""
-        raise NotImplementedError
+        """A group slot this rank has no group for, run with the filler options. With the aux on, real groups'
+        phase A runs to the last router and phase C seeds the router leaf: the filler (``options.routers`` set)
+        touches the same parameters, or FSDP2's reduce-scatters would differ in size; it has no real micro-batch,
+        so its loss and aux never run."""
+        layout, group = filler_group(run.lockstep.micro_batches[slot], run.lockstep.prefix_chunks[slot])
+        model, options = self.schedule_model(), run.state.filler_options
+        if run.forward_only:
+            infer_group(model, layout, group, options)
+        else:
+            train_group(model, layout, group, no_loss, options, self._dormant(run, slot, counted=False))
 
     def run_tree(self, run: MiniBatchRun) -> None:
-        """Every group through the tree schedule (``prefix_reuse.tree``)."""
-        raise NotImplementedError
+        """Every reuse group of the mini-batch through the tree schedule (``prefix_reuse.tree``), recorded per
+        micro-batch as the one-level path records them; each node under its dormant policy."""
+        assert run.roots is not None
+        state, model = run.state, self.schedule_model()
+        if run.forward_only:
+            results = infer_tree(model, run.layout, run.roots, state.options)
+            for group in run.plan.groups:
+                self._record_inferred(run, group, results)
+            return
+        policies = self._node_policies(run.roots, run.meter.device, state.dormant_stats)
+        state.record_pending(run, train_tree(model, run.layout, run.roots, state.loss_fn, state.options, policies))
+
+    def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
+        """The engine's own metrics of the mini-batch, before the output is assembled from ``run.outputs``: the
+        tree's (``prefix/tree_*``)."""
+        if run.roots is not None:
+            stats = {**tree_metrics(trie_stats(run.roots)), "prefix/tree_lockstep_fillers": filler_passes(run.roots)}
+            metrics.update({k: float(v) for k, v in stats.items()})
+
+    def after_mini_batch(self, run: MiniBatchRun, metrics: dict) -> None:
+        """Metrics that go in after the phase metrics, and releases at the end of the mini-batch."""
+        if not isinstance(run.state, ScheduledRun):
+            return
+        metrics.update(run.state.dormant_stats.metrics())
+        release_pinned_memory()  # offload's host slabs: held from one group to the next, not past the mini-batch
+        if run.state.options.ulysses is not None:
+            metrics.update(run.state.options.ulysses.metrics())
+
+    def _group_losses(self, run: MiniBatchRun, pending: list[tuple[list[int], dict, dict]]) -> tuple[LossFn, AuxFn]:
+        """verl's loss on a suffix micro-batch's rows, and its router aux term; both note the micro-batch
+        (rows, model output, metrics) in ``pending`` for ``ScheduledRun.record_pending`` once the group has run."""
+        layout, dp_group = run.layout, self.get_data_parallel_group()
+
+        def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+            model_output = {"log_probs": full_length(log_probs, layout, rows)}
+            if entropy is not None:
+                model_output["entropy"] = full_length(entropy, layout, rows)
+            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
+            pending.append((rows, model_output, metrics))
+            return loss
+
+        def aux_fn(rows: list[int], stats: moe.RouterStats) -> torch.Tensor:
+            term, metric = self.moe_aux_term(stats, run.data)
+            pending[-1][2]["moe_aux_loss"] = metric
+            return term
+
+        return loss_fn, aux_fn
+
+    def _record_inferred(
+        self, run: MiniBatchRun, group: GroupPlan, results: dict[int, tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> None:
+        """A forward-only group's micro-batches recorded as verl's outputs (``results``: row -> log-probs,
+        entropy), each with verl's loss where one is given."""
+        layout, dp_group = run.layout, self.get_data_parallel_group()
+        for rows in group.micro_batches:
+            model_output = {"log_probs": full_length([results[i][0] for i in rows], layout, rows)}
+            if run.calculate_entropy:
+                model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
+            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
+            run.record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
+
+    def _dormant(self, run: MiniBatchRun, slot: int, counted: bool) -> Dormant:
+        """The slot's agreed dormant policy; its recompute check agreed by every rank (``AgreedDormant``)."""
+        policy, why = run.policies[slot]
+        stats = run.state.dormant_stats if counted else None
+        factory, group = self.offload_store_factory, self.agreement_group()
+        return AgreedDormant(policy, why, stats=stats, store_factory=factory, group=group)
+
+    def _node_policies(self, roots: list[TrieNode], device: torch.device, stats: DormantStats) -> NodePolicy:
+        """Each trie node's ``dormant_prefix`` policy (``auto``: from its own estimate, recomputed nodes agreed
+        by every rank position by position, lockstep fillers included), counted per real node in
+        ``prefix/policy/<name>``."""
+        nodes = run_order(roots)
+        knob, budget, group = self.dormant_prefix, self.dormant_prefix_budget_bytes, self.agreement_group()
+        chosen = agree_on_node_policies(knob, budget, self.schedule_model(), nodes, device, group, self.compute_dtype())
+        by_node = {id(node): choice for node, choice in zip(nodes, chosen)}
+        factory = self.offload_store_factory
+
+        def policy(node: TrieNode) -> Dormant:
+            name, why = by_node[id(node)]
+            counted = None if node.filler else stats  # a filler's policy is its position's, not counted
+            return AgreedDormant(name, why, stats=counted, store_factory=factory, group=group)
+
+        return policy
 
     def run_dense(self, run: MiniBatchRun, rows: list[int]) -> None:
         """One chunk of dense rows through the stock ``forward_step``, recorded."""
@@ -191,9 +359,6 @@ class ReuseDriver:
     def run_dense_filler(self, run: MiniBatchRun) -> None:
         """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective."""
         raise NotImplementedError
-
-    def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
-        """The engine's own metrics of the mini-batch, before the output is assembled from ``run.outputs``."""
 
     # -- the mini-batch -----------------------------------------------------------------------------
 
@@ -247,17 +412,13 @@ class ReuseDriver:
             self.run_dense_chunks(run)
         return self._finish(run, data)
 
-    def dormant_knob(self) -> str:
-        """``dormant_prefix`` (``keep`` for engines without dormant policies)."""
-        return "keep"
-
     def _local(
         self, data: TensorDict, loss_function: Callable | None, forward_only: bool, device: torch.device
     ) -> tuple[RankReport, _Local | None, BaseException | None]:
         """This rank's report, plan and own error; no collective (an error here reaches the peers through the
         exchange, before any of them enters a collective the others would not)."""
         try:
-            report = RankReport(reason=self.reuse_reason(data, forward_only))
+            report = RankReport(dp_rank=self.get_data_parallel_rank(), reason=self.reuse_reason(data, forward_only))
             if self.moe_aux_on(forward_only) and loss_function is not None:
                 report.moe_tokens = int(data["input_ids"].offsets()[-1])  # logical tokens, every row
             if report.reason == "disabled":  # reuse off: the stock engine, which checks nothing
@@ -280,7 +441,7 @@ class ReuseDriver:
             report.recompute = [policy == "recompute" for policy, _ in policies]
             return report, _Local(layout, plan, chunks, roots, policies), None
         except Exception as exc:  # any local failure must reach the peers before they enter a collective
-            return RankReport(error=error_message(exc)), None, exc
+            return RankReport(dp_rank=self.get_data_parallel_rank(), error=error_message(exc)), None, exc
 
     def _plan(self, data: TensorDict, layout: RowLayout, forward_only: bool) -> BatchPlan:
         """The rank's groups and suffix micro-batches: ``suffix_micro_batch_size`` / ``suffix_token_budget`` where
@@ -360,9 +521,6 @@ class ReuseDriver:
         self.after_mini_batch(run, output["metrics"])
         return output
 
-    def after_mini_batch(self, run: MiniBatchRun, metrics: dict) -> None:
-        """Metrics that go in after the phase metrics, and releases at the end of the mini-batch."""
-
     # -- shared by every engine -----------------------------------------------------------------------
 
     def flop_shape(self) -> ModelShape | None:
@@ -388,3 +546,26 @@ class ReuseDriver:
 def _returns_outputs(data: TensorDict) -> bool:
     """verl's ``return_model_output``: the model outputs travel back on a training pass too."""
     return bool(tu.get_non_tensor_data(data=data, key="return_model_output", default=False))
+
+
+@dataclass
+class ScheduledRun:
+    """A mini-batch's state where its groups run through the one schedule: the groups' options, the loss closures
+    and the dormant counters."""
+
+    options: ScheduleOptions
+    filler_options: ScheduleOptions
+    loss_fn: LossFn
+    pending: list[tuple[list[int], dict, dict]]  # the running group's micro-batches (rows, output, metrics)
+    dormant_stats: DormantStats
+
+    def record_pending(self, run: MiniBatchRun, losses: list[torch.Tensor]) -> None:
+        """Record the group's micro-batches in the order they ran, each with its loss (aux term included)."""
+        for (rows, model_output, metrics), loss in zip(self.pending, losses, strict=True):
+            run.record(rows, model_output, loss.item(), metrics)
+        self.pending.clear()
+
+
+def no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
+    """A filler group's loss function: it has no real micro-batch, so this never runs."""
+    raise AssertionError("a filler group has no real micro-batches")

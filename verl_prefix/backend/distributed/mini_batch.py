@@ -10,7 +10,8 @@ dormant policies), puts the outcomes in a ``RankReport``, and the ranks exchange
 
 - a batch that failed its checks on any rank: ``BatchRejected`` on every rank, naming each bad rank's samples;
 - a rank that must run dense for its own reason: every rank runs dense, the others as ``peer_fallback``;
-- the loss's global normalisation (``batch_num_tokens``) and the router aux loss's token count: sums;
+- the loss's global normalisation (``batch_num_tokens``) and the router aux loss's token count: sums over the
+  data-parallel ranks (the sequence-parallel ranks of one data-parallel rank hold the same mini-batch);
 - the lockstep shape (``LockstepPlan.busiest``) and, under ``prefix_reuse.tree``, every rank's trie shape;
 - phase B's kernels: whether torch's flash kernels serve (the GPU's architecture, a ROCm build, a node with
   another flash-attn or none) is found per rank and must not be found inside an attention call mid-collective:
@@ -50,6 +51,7 @@ class KernelRefused(ValueError):
 class RankReport:
     """What one rank found about its mini-batch, locally, before any collective."""
 
+    dp_rank: int = 0  # the rank's data-parallel rank: sequence-parallel peers hold the same mini-batch
     error: str | None = None  # the batch failed this rank's checks: the message naming its samples
     reason: str | None = None  # this rank must run the whole mini-batch dense: why
     loss_tokens: int = 0  # the rank's loss-mask tokens (the loss's global normalisation)
@@ -120,12 +122,14 @@ def agree(
     shapes = [r.lockstep for _, r in reports if r.lockstep is not None]
     refused = [(rank, r.kernel) for rank, r in reports if r.kernel is not None]
     kernel_refusal = None if reason is not None else settle_kernels(attention, refused)
+    # token counts are the data-parallel group's: a mini-batch that Ulysses ranks share counts once
+    per_dp_rank = {r.dp_rank: r for _, r in reports}
     slots = max((len(r.recompute) for _, r in reports), default=0)
     recompute = [any(k < len(r.recompute) and r.recompute[k] for _, r in reports) for k in range(slots)]
     return Agreement(
         reason=reason,
-        loss_tokens=sum(r.loss_tokens for _, r in reports),
-        moe_tokens=sum(r.moe_tokens for _, r in reports),
+        loss_tokens=sum(r.loss_tokens for r in per_dp_rank.values()),
+        moe_tokens=sum(r.moe_tokens for r in per_dp_rank.values()),
         lockstep=LockstepPlan.busiest(shapes) if reason is None and shapes else None,
         tries=[r.trie for _, r in reports],
         kernel_refusal=kernel_refusal,

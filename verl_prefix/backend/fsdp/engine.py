@@ -10,7 +10,7 @@ a whole mini-batch that cannot reuse runs the stock method and is counted the sa
 
 With ``moe_aux_loss_coef > 0`` every training micro-batch, dense or reuse, adds HF's router
 load-balancing loss of that micro-batch, weighted by its share of the mini-batch's logical tokens
-times ``dp_size`` (``_moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_prefix.schedule.moe``).
+times ``dp_size`` (``moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_prefix.schedule.moe``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDict
+from torch import nn
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 from verl.utils.metric import AggregationType, Metric
@@ -33,26 +33,16 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
-from verl_prefix.backend.distributed.lockstep import filler_group
-from verl_prefix.backend.distributed.mini_batch import local_refusal, model_head_dim
-from verl_prefix.backend.distributed.once import AgreedDormant, agree_on_structure
-from verl_prefix.backend.dormant import agree_on_node_policies, group_policies
+from verl_prefix.backend.distributed.once import agree_on_structure
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.fsdp import refusals
-from verl_prefix.backend.outputs import full_length, micro_batch_loss
-from verl_prefix.backend.trees import local_trie
 from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import (
-    Dormant,
-    DormantStats,
     default_store,
     refuse_offload_on,
-    release_pinned_memory,
     validate_policy,
 )
-from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
-from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
 from verl_prefix.schedule.hf_forwards import hf_causal_forward, remember_hf_forwards
 from verl_prefix.schedule.multimodal import (
     model_positions,
@@ -61,14 +51,8 @@ from verl_prefix.schedule.multimodal import (
     visual_token_ids,
 )
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
-from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.structure import LayerRoles, layer_roles
-from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
-from verl_prefix.schedule.tree import infer_tree, train_tree
-from verl_prefix.schedule.tree_dormant import NodePolicy
-from verl_prefix.schedule.tree_lockstep import filler_passes
-from verl_prefix.schedule.tree_visuals import VisualTokens
-from verl_prefix.schedule.trie import TrieNode, run_order, trie_stats
+from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
 logger = logging.getLogger(__name__)
@@ -121,8 +105,6 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         if self.dormant_prefix == "offload":
             refuse_offload_on(self.device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
-        # (attention, compute dtype, device, training) -> this rank's phase-B kernel refusal (the exchange agrees)
-        self._kernel_answers: dict[tuple, tuple[str, str] | None] = {}
         # ((the module's id, unsupported_model), the reason every rank runs it dense) once decided
         self._structure_decision: tuple[tuple[int, str], str | None] | None = None
 
@@ -183,7 +165,7 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
             self._moe_routers_cache = (id(self.module), moe.MoeRouters(self.module))
         return self._moe_routers_cache[1]
 
-    def _moe_aux_term(self, stats: moe.RouterStats, data: TensorDict) -> tuple[torch.Tensor, Metric]:
+    def moe_aux_term(self, stats: moe.RouterStats, data: TensorDict) -> tuple[torch.Tensor, Metric]:
         """``coef * w * aux`` with ``w = tokens(micro-batch) / tokens(mini-batch, all ranks) * dp_size``.
 
         HF's aux is a mean over one forward call; weighting each micro-batch by its share of the
@@ -239,7 +221,7 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
             def loss_with_aux(model_output: dict, data: TensorDict, dp_group: Any = None) -> tuple:
                 loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
                 stats = routers.stats(logits, _dense_token_mask(data, logits[0].shape[0]))
-                term, metric = self._moe_aux_term(stats, data)
+                term, metric = self.moe_aux_term(stats, data)
                 return loss + term, {**metrics, "moe_aux_loss": metric}
 
             return super().forward_step(micro_batch, loss_function=loss_with_aux, forward_only=forward_only)
@@ -304,61 +286,10 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         if error is not None:
             raise ValueError(error)
 
-    def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
-        """This rank's answer on phase B's merged kernels, asked once per attention setting, compute dtype,
-        device and pass kind (every rank's answer travels in the mini-batch's exchange)."""
-        attention = self.reuse_config.phase_b_attention
-        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        key = (attention, dtype, device, forward_only)
-        if key not in self._kernel_answers:
-            self._kernel_answers[key] = local_refusal(
-                attention, device, dtype, model_head_dim(self.module), not forward_only
-            )
-        return self._kernel_answers[key]
-
-    def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
-        if not self.reuse_config.tree:
-            return None
-        return local_trie(
-            layout,
-            plan,
-            self.reuse_config.min_shared_tokens,
-            own_last=self.moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
-            chunk_tokens=self.reuse_config.prefix_chunk_tokens,
-            visual=VisualTokens.of(self.module),  # images keyed by content in the trie (tree_visuals)
-        )
-
-    def dormant_knob(self) -> str:
-        return self.dormant_prefix
-
-    def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
-        return group_policies(
-            self.dormant_prefix,
-            self.dormant_prefix_budget_bytes,
-            self.module,
-            plan,
-            device,
-            autocast_dtype=getattr(self, "_autocast_dtype", None),  # auto estimates in the compute dtype
-        )
-
     def new_meter(self, device: torch.device) -> PhaseMeter:
         return PhaseMeter(device, model=self.module)
 
     # -- the mini-batch's groups --------------------------------------------------------------------
-
-    def start_mini_batch(self, run: MiniBatchRun) -> _RunState:
-        """The options every group of the mini-batch runs with, its loss closures and dormant counters."""
-        for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
-            run.meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
-        for path in LAYER_PATHS:
-            run.meter.count(f"prefix/phase_b_layers/{path}", 0.0)
-        pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
-        loss_fn, aux_fn = self._group_losses(run.data, run.layout, run.loss_function, pending)
-        fused_temperature = None  # verl's fused kernels: the batch's one temperature
-        if tu.get_non_tensor_data(data=run.data, key="use_fused_kernels", default=False):
-            fused_temperature = 1.0 if run.layout.temperature is None else scalar_temperature(run.layout.temperature)
-        options = self._mini_batch_options(run, aux_fn, fused_temperature)
-        return _RunState(options, options.for_fillers(), loss_fn, pending, DormantStats())
 
     def _autocast(self) -> Callable[[], AbstractContextManager]:
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
@@ -380,12 +311,19 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         scaler = getattr(self, "scaler", None)
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
-    def _mini_batch_options(
-        self, run: MiniBatchRun, aux_fn: AuxFn, fused_temperature: float | None = None
-    ) -> ScheduleOptions:
+    def schedule_model(self) -> nn.Module:
+        return self.module
+
+    def compute_dtype(self) -> torch.dtype | None:
+        return getattr(self, "_autocast_dtype", None)
+
+    def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
         """What every group of the mini-batch runs with (built once per mini-batch, from what every rank agreed:
-        the phase-B kernels' refusal)."""
+        the phase-B kernels' refusal). Under verl's fused kernels the LM head returns log-probs at the batch's one
+        temperature."""
         aux_on = self.moe_aux_on(run.forward_only)
+        fused = bool(tu.get_non_tensor_data(data=run.data, key="use_fused_kernels", default=False))
+        temperature = run.layout.temperature
         return ScheduleOptions(
             device=run.meter.device,
             calculate_entropy=run.calculate_entropy,
@@ -401,8 +339,8 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
             routers=self._moe_routers() if aux_on else None,
             aux_fn=aux_fn if aux_on else None,
             layer_roles=self._layer_roles(),
-            fused_backend=self._fused_backend() if fused_temperature is not None else None,
-            fused_temperature=1.0 if fused_temperature is None else fused_temperature,
+            fused_backend=self._fused_backend() if fused else None,
+            fused_temperature=scalar_temperature(temperature) if fused and temperature is not None else 1.0,
         )
 
     def _fused_backend(self) -> str:
@@ -423,49 +361,6 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
             self._layer_roles_cache = (id(self.module), layer_roles(self.module))
         return self._layer_roles_cache[1]
 
-    def _dormant(self, run: MiniBatchRun, slot: int, counted: bool) -> Dormant:
-        policy, why = run.policies[slot]
-        stats = run.state.dormant_stats if counted else None
-        return AgreedDormant(
-            policy, why, stats=stats, store_factory=self.offload_store_factory, group=self.agreement_group()
-        )
-
-    def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
-        state = run.state
-        if run.forward_only:
-            self._infer_group(run, group, state.options)
-            return
-        losses = train_group(
-            self.module, run.layout, group, state.loss_fn, state.options, self._dormant(run, slot, True)
-        )
-        state.record_pending(run, losses)
-
-    def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
-        """A filler group slot, run with the filler options. With the aux on, real groups' phase A runs to
-        the last router and phase C seeds the router leaf: the filler (``options.routers`` set) touches the
-        same parameters, or FSDP2's reduce-scatters would differ in size; it has no real micro-batch, so
-        its loss and aux never run."""
-        layout, group = filler_group(run.lockstep.micro_batches[slot], run.lockstep.prefix_chunks[slot])
-        if run.forward_only:
-            infer_group(self.module, layout, group, run.state.filler_options)
-        else:
-            dormant = self._dormant(run, slot, False)
-            train_group(self.module, layout, group, _no_loss, run.state.filler_options, dormant)
-
-    def run_tree(self, run: MiniBatchRun) -> None:
-        """Every reuse group of the mini-batch through the tree schedule (``prefix_reuse.tree``), recorded per
-        micro-batch as the one-level path records them; each node under its dormant policy."""
-        assert run.roots is not None
-        state = run.state
-        if run.forward_only:
-            results = infer_tree(self.module, run.layout, run.roots, state.options)
-            for group in run.plan.groups:
-                self._infer_group(run, group, state.options, results)
-            return
-        policies = self._node_policies(run.roots, run.meter.device, state.dormant_stats)
-        losses = train_tree(self.module, run.layout, run.roots, state.loss_fn, state.options, policies)
-        state.record_pending(run, losses)
-
     def run_dense_filler(self, run: MiniBatchRun) -> None:
         device = run.meter.device
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
@@ -478,17 +373,6 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
             ).logits
             if not run.forward_only:
                 self.backward(logits.sum() * 0.0)
-
-    def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
-        if run.roots is not None:  # ``prefix/tree_*``
-            stats = {**tree_metrics(trie_stats(run.roots)), "prefix/tree_lockstep_fillers": filler_passes(run.roots)}
-            metrics.update({k: float(v) for k, v in stats.items()})
-
-    def after_mini_batch(self, run: MiniBatchRun, metrics: dict) -> None:
-        metrics.update(run.state.dormant_stats.metrics())
-        release_pinned_memory()  # offload's host slabs: held from one group to the next, not past the mini-batch
-        if run.state.options.ulysses is not None:
-            metrics.update(run.state.options.ulysses.metrics())
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
         if self.record_trace_dir:
@@ -505,96 +389,6 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
             self._trace_writer = TraceWriter(directory, model_ref=str(self.model_config.path), append=resume)
         record_train_batch(self._trace_writer, self, data, loss_function)
 
-    def _group_losses(
-        self,
-        data: TensorDict,
-        layout: RowLayout,
-        loss_function: Callable | None,
-        pending: list[tuple[list[int], dict, dict]],
-    ) -> tuple[LossFn, AuxFn]:
-        """verl's loss on a suffix micro-batch's rows, and its router aux term; both note the micro-batch
-        (rows, model output, metrics) in ``pending`` for the caller to record once the group has run."""
-
-        def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
-            model_output = {"log_probs": full_length(log_probs, layout, rows)}
-            if entropy is not None:
-                model_output["entropy"] = full_length(entropy, layout, rows)
-            micro = tu.index_select_tensor_dict(data, rows)
-            loss, metrics = loss_function(
-                model_output=model_output, data=micro, dp_group=self.get_data_parallel_group()
-            )
-            pending.append((rows, model_output, metrics))
-            return loss
-
-        def aux_fn(rows: list[int], stats: moe.RouterStats) -> torch.Tensor:
-            term, metric = self._moe_aux_term(stats, data)
-            pending[-1][2]["moe_aux_loss"] = metric
-            return term
-
-        return loss_fn, aux_fn
-
-    def _node_policies(self, roots: list[TrieNode], device: torch.device, stats: DormantStats) -> NodePolicy:
-        """Each trie node's ``dormant_prefix`` policy (``auto``: from its own estimate, recomputed nodes agreed
-        by every rank position by position, lockstep fillers included), counted per real node in
-        ``prefix/policy/<name>``."""
-        nodes = run_order(roots)
-        chosen = agree_on_node_policies(
-            self.dormant_prefix,
-            self.dormant_prefix_budget_bytes,
-            self.module,
-            nodes,
-            device,
-            self.agreement_group(),
-            autocast_dtype=getattr(self, "_autocast_dtype", None),
-        )
-        by_node = {id(node): choice for node, choice in zip(nodes, chosen)}
-        group, factory = self.agreement_group(), self.offload_store_factory
-
-        def policy(node: TrieNode) -> Dormant:
-            name, why = by_node[id(node)]
-            counted = None if node.filler else stats  # a filler's policy is its position's, not counted
-            return AgreedDormant(name, why, stats=counted, store_factory=factory, group=group)
-
-        return policy
-
-    def _infer_group(
-        self,
-        run: MiniBatchRun,
-        group: GroupPlan,
-        options: ScheduleOptions,
-        results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
-    ) -> None:
-        """Record a group's forward-only micro-batches: ``results`` where the tree schedule computed them
-        already, else the group's own A/B."""
-        if results is None:
-            results = infer_group(self.module, run.layout, group, options)
-        layout = run.layout
-        for rows in group.micro_batches:
-            log_probs = [results[i][0] for i in rows]
-            model_output = {"log_probs": full_length(log_probs, layout, rows)}
-            if options.calculate_entropy:
-                model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
-            dp_group = self.get_data_parallel_group()
-            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
-            run.record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
-
-
-@dataclass
-class _RunState:
-    """The FSDP engine's per-mini-batch state: the groups' options, loss closures and dormant counters."""
-
-    options: ScheduleOptions
-    filler_options: ScheduleOptions
-    loss_fn: LossFn
-    pending: list[tuple[list[int], dict, dict]]  # the running group's micro-batches (rows, output, metrics)
-    dormant_stats: DormantStats
-
-    def record_pending(self, run: MiniBatchRun, losses: list[torch.Tensor]) -> None:
-        """Record the group's micro-batches in the order they ran, each with its loss (aux term included)."""
-        for (rows, model_output, metrics), loss in zip(self.pending, losses, strict=True):
-            run.record(rows, model_output, loss.item(), metrics)
-        self.pending.clear()
-
 
 def _dense_token_mask(data: TensorDict, router_rows: int) -> torch.Tensor:
     """Which rows of a dense forward's router logits are real tokens, in verl's two input layouts:
@@ -607,10 +401,6 @@ def _dense_token_mask(data: TensorDict, router_rows: int) -> torch.Tensor:
     if router_rows != len(lengths) * width:
         raise RuntimeError(f"router logits have {router_rows} rows, the padded batch {len(lengths)} x {width}")
     return (torch.arange(width, device=lengths.device)[None] < lengths[:, None]).reshape(-1)
-
-
-def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
-    raise AssertionError("a filler group has no real micro-batches")
 
 
 def register() -> None:

@@ -32,12 +32,12 @@ import functools
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch import nn
 from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
@@ -47,9 +47,6 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.distributed.collectives import is_distributed
 from verl_prefix.backend.distributed.lockstep import filler_group
-from verl_prefix.backend.distributed.mini_batch import local_refusal
-from verl_prefix.backend.distributed.once import AgreedDormant
-from verl_prefix.backend.dormant import agree_on_node_policies, group_policies
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.outputs import MiniBatchOutputs, full_length, micro_batch_loss
 from verl_prefix.backend.titan import platform as titan_platform
@@ -66,25 +63,17 @@ from verl_prefix.backend.titan.pipeline import (
     run_micro_batches,
 )
 from verl_prefix.backend.titan.sequence import pad_tokens, padded_length, sequence_multiple
-from verl_prefix.backend.trees import local_trie
 from verl_prefix.schedule.dormant import (
-    Dormant,
-    DormantStats,
     default_store,
     refuse_offload_on,
-    release_pinned_memory,
     validate_policy,
 )
-from verl_prefix.schedule.executor import LossFn, build_suffix_batch, infer_group, prefix_backward, train_group
+from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
-from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import LAYER_PATHS, PrefixKV
-from verl_prefix.schedule.structure import LayerRoles, kernel_head_dim
-from verl_prefix.schedule.telemetry import tree_metrics
-from verl_prefix.schedule.tree import infer_tree, train_tree
-from verl_prefix.schedule.tree_dormant import NodePolicy
-from verl_prefix.schedule.tree_lockstep import filler_passes
-from verl_prefix.schedule.trie import TrieNode, run_order, trie_stats
+from verl_prefix.schedule.options import AuxFn, ScheduleOptions
+from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.structure import LayerRoles
+from verl_prefix.schedule.trie import TrieNode
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +110,6 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         if self.reuse_config.enable and self.dormant_prefix == "offload":
             refuse_offload_on(self.device())
         self.offload_store_factory = default_store
-        self._kernel_answers: dict[tuple, tuple[str, str] | None] = {}
 
     def initialize(self) -> None:
         super().initialize()
@@ -188,15 +176,15 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         stack.enter_context(titan_platform.engine_autocast(self.engine_config, get_device_name()))
         return stack
 
-    def start_mini_batch(self, run: MiniBatchRun) -> Any:
-        if not self.scheduled:
-            return ScheduleOptions(device=run.meter.device, meter=run.meter)
-        for attention in ("merged", "concat", "merged_varlen"):  # every rank reports each, zero where none ran
-            run.meter.count(f"prefix/phase_b_attention/{attention}", 0.0)
-        for path in LAYER_PATHS:
-            run.meter.count(f"prefix/phase_b_layers/{path}", 0.0)
-        pending: list[tuple[list[int], dict, dict]] = []
-        options = ScheduleOptions(
+    def schedule_model(self) -> nn.Module:
+        assert self.causal_lm is not None, "the one schedule serves one dense pipeline stage (``scheduled``)"
+        return self.causal_lm
+
+    def compute_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.engine_config.mixed_precision_param == "float32" else torch.bfloat16
+
+    def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
+        return ScheduleOptions(
             device=run.meter.device,
             calculate_entropy=run.calculate_entropy,
             entropy_fn=self.compute_entropy_from_logits,
@@ -208,122 +196,40 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
             prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             layer_roles=LayerRoles({}, frozenset()),  # torchtitan's decoders: no KV-shared or recurrent layers
         )
-        loss_fn = self._suffix_loss(run, pending)
-        return _ScheduledRun(options, options.for_fillers(), loss_fn, pending, DormantStats())
+
+    # -- this engine's own phases: MoE flavors and pipeline stages (``_group``) ------------------------
+
+    def start_mini_batch(self, run: MiniBatchRun) -> Any:
+        if self.scheduled:
+            return super().start_mini_batch(run)
+        return ScheduleOptions(device=run.meter.device, meter=run.meter)
 
     def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
-        if not self.scheduled:
+        if self.scheduled:
+            super().run_group(run, slot, group)
+        else:
             self._group(run, run.layout, group, run.state, run.loss_function)
-            return
-        state, model = run.state, self.causal_lm
-        if run.forward_only:
-            self._record_inferred(run, group, infer_group(model, run.layout, group, state.options))
-            return
-        losses = train_group(model, run.layout, group, state.loss_fn, state.options, self._dormant(run, slot, True))
-        state.record_pending(run, losses)
 
     def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
-        if not self.scheduled:
+        if self.scheduled:
+            super().run_filler_group(run, slot)
+        else:
             layout, group = filler_group(run.lockstep.micro_batches[slot])
             self._group(run, layout, group, run.state, None, filler=True)
-            return
-        layout, group = filler_group(run.lockstep.micro_batches[slot], run.lockstep.prefix_chunks[slot])
-        if run.forward_only:
-            infer_group(self.causal_lm, layout, group, run.state.filler_options)
-        else:
-            dormant = self._dormant(run, slot, False)
-            train_group(self.causal_lm, layout, group, _no_loss, run.state.filler_options, dormant)
-
-    def run_tree(self, run: MiniBatchRun) -> None:
-        """Every reuse group through the tree schedule (``prefix_reuse.tree``), as ``prefix_fsdp2`` runs it."""
-        assert run.roots is not None and self.causal_lm is not None
-        state, model = run.state, self.causal_lm
-        if run.forward_only:
-            results = infer_tree(model, run.layout, run.roots, state.options)
-            for group in run.plan.groups:
-                self._record_inferred(run, group, results)
-            return
-        policies = self._node_policies(run.roots, run.meter.device, state.dormant_stats)
-        losses = train_tree(model, run.layout, run.roots, state.loss_fn, state.options, policies)
-        state.record_pending(run, losses)
 
     def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
-        """This rank's answer on phase B's merged kernels (asked once per setting; the exchange agrees)."""
-        attention = self.reuse_config.phase_b_attention
-        if not self.scheduled:
-            return None
-        dtype = torch.float32 if self.engine_config.mixed_precision_param == "float32" else torch.bfloat16
-        key = (attention, dtype, device, forward_only)
-        if key not in self._kernel_answers:
-            head_dim = kernel_head_dim(self.model_config.hf_config.get_text_config())
-            self._kernel_answers[key] = local_refusal(attention, device, dtype, head_dim, not forward_only)
-        return self._kernel_answers[key]
+        return super().kernel_refusal(device, forward_only) if self.scheduled else None
 
     def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
-        if not self.reuse_config.tree or not self.scheduled:
-            return None
-        return local_trie(
-            layout, plan, self.reuse_config.min_shared_tokens, chunk_tokens=self.reuse_config.prefix_chunk_tokens
-        )
+        return super().local_trie(layout, plan, forward_only) if self.scheduled else None
 
     def dormant_knob(self) -> str:
         return self.dormant_prefix if self.scheduled else "keep"
 
     def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
-        if not self.scheduled:
+        if self.scheduled:
             return super().group_policies(plan, device, forward_only)
-        return group_policies(self.dormant_prefix, self.dormant_prefix_budget_bytes, self.causal_lm, plan, device)
-
-    def after_mini_batch(self, run: MiniBatchRun, metrics: dict) -> None:
-        if isinstance(run.state, _ScheduledRun):
-            metrics.update(run.state.dormant_stats.metrics())
-            release_pinned_memory()  # offload's host slabs: not held past the mini-batch
-
-    def _dormant(self, run: MiniBatchRun, slot: int, counted: bool) -> Dormant:
-        policy, why = run.policies[slot]
-        stats = run.state.dormant_stats if counted else None
-        return AgreedDormant(
-            policy, why, stats=stats, store_factory=self.offload_store_factory, group=self.agreement_group()
-        )
-
-    def _node_policies(self, roots: list[TrieNode], device: torch.device, stats: DormantStats) -> NodePolicy:
-        """Each trie node's dormant policy, agreed over the data-parallel ranks (``backend.dormant``)."""
-        nodes = run_order(roots)
-        knob, budget, group = self.dormant_prefix, self.dormant_prefix_budget_bytes, self.agreement_group()
-        chosen = agree_on_node_policies(knob, budget, self.causal_lm, nodes, device, group)
-        by_node = {id(node): choice for node, choice in zip(nodes, chosen)}
-
-        def policy(node: TrieNode) -> Dormant:
-            name, why = by_node[id(node)]
-            counted = None if node.filler else stats
-            return AgreedDormant(name, why, stats=counted, store_factory=self.offload_store_factory, group=group)
-
-        return policy
-
-    def _suffix_loss(self, run: MiniBatchRun, pending: list[tuple[list[int], dict, dict]]) -> LossFn:
-        """verl's loss on a suffix micro-batch's rows (the mini-batch's normalisation attached by the driver); the
-        micro-batch noted in ``pending`` to be recorded with its loss once the group has run."""
-        layout, dp_group = run.layout, self.get_data_parallel_group()
-
-        def loss_fn(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
-            model_output = {"log_probs": full_length(log_probs, layout, rows)}
-            if entropy is not None:
-                model_output["entropy"] = full_length(entropy, layout, rows)
-            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
-            pending.append((rows, model_output, metrics))
-            return loss
-
-        return loss_fn
-
-    def _record_inferred(self, run: MiniBatchRun, group: GroupPlan, results: dict) -> None:
-        """A forward-only group's micro-batches recorded as verl's outputs (``results``: row -> log-probs, entropy)."""
-        layout, dp_group = run.layout, self.get_data_parallel_group()
-        for rows in group.micro_batches:
-            model_output = {"log_probs": full_length([results[i][0] for i in rows], layout, rows)}
-            if run.calculate_entropy:
-                model_output["entropy"] = full_length([results[i][1] for i in rows], layout, rows)
-            loss, metrics = micro_batch_loss(run.loss_function, model_output, run.data, rows, dp_group)
-            run.record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
+        return [("keep", "configured")] * len(plan.groups)
 
     def run_dense_chunks(self, run: MiniBatchRun) -> None:
         if self.link.num_stages == 1:
@@ -345,9 +251,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
 
     def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
         run.outputs.replace(self.link.share((run.outputs.outputs, run.outputs.order)))  # the last stage's
-        if run.roots is not None:  # ``prefix/tree_*``
-            stats = {**tree_metrics(trie_stats(run.roots)), "prefix/tree_lockstep_fillers": filler_passes(run.roots)}
-            metrics.update({k: float(v) for k, v in stats.items()})
+        super().before_finish(run, metrics)
 
     def dense_refusal(self, data: TensorDict, chunks: list[list[int]]) -> str | None:
         """verl's ``forward_step`` packs a dense chunk into one sequence; under TP x EP torchtitan's MoE needs
@@ -553,24 +457,3 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         """MoE routing counted with ``weights`` per token (``titan.moe``); nothing to do for a dense model."""
         counts = self.expert_counts
         return counts.weighted(weights) if counts else nullcontext()
-
-
-@dataclass
-class _ScheduledRun:
-    """A mini-batch through the one schedule: the groups' options, the loss closure and dormant counters."""
-
-    options: ScheduleOptions
-    filler_options: ScheduleOptions
-    loss_fn: LossFn
-    pending: list[tuple[list[int], dict, dict]] = field(default_factory=list)
-    dormant_stats: DormantStats = field(default_factory=DormantStats)
-
-    def record_pending(self, run: MiniBatchRun, losses: list[torch.Tensor]) -> None:
-        """The group's micro-batches in the order they ran, each with its loss."""
-        for (rows, model_output, metrics), loss in zip(self.pending, losses, strict=True):
-            run.record(rows, model_output, loss.item(), metrics)
-        self.pending.clear()
-
-
-def _no_loss(rows: list[int], log_probs: list[torch.Tensor], entropy: list[torch.Tensor] | None) -> torch.Tensor:
-    raise AssertionError("a filler group has no real micro-batches")
