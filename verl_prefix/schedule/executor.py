@@ -5,6 +5,12 @@ A: the prefix ``prompt[:-1]`` runs once with grad, its per-layer K/V captured (e
    against detached prefix leaves; each micro-batch's loss is backpropagated at once and the leaves
    accumulate dK/dV. C: one backward through the prefix graph seeded with the accumulated dK/dV.
 
+The phase steps exist once, here, and both schedules run them: ``node_forward`` (phase A of a node, its leaves),
+``train_suffixes``/``suffix_step`` and ``infer_suffixes`` (phase B under the node's path), ``filler_step`` (every
+zero-loss lockstep micro-batch) and ``node_backward`` (phase C). One-level reuse is the depth-1 case of the tree
+schedule (``schedule.tree``): a group's prefix is a one-node path, whose leaves ``join_path`` hands over as they
+are; a chunked prefix is one node too, a ``ChunkedPrefix`` holding one set of leaves for the whole prefix.
+
 The model is any HF causal LM (or an FSDP2 wrapper of one) called through its root ``forward``, so
 wrappers see ordinary forward/backward hooks. Loss, normalisation and outputs are the caller's.
 
