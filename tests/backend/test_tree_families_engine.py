@@ -19,7 +19,7 @@ from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
 from transformers import AutoModelForCausalLM
 
 from verl_prefix.harness import model_zoo, tiny_models, verl_engine
-from verl_prefix.schedule import merged_attention, tree
+from verl_prefix.schedule import executor, merged_attention, tree
 from verl_prefix.schedule.dormant import default_store
 
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
@@ -106,7 +106,8 @@ def test_negative_control_a_node_continuing_from_its_roots_state_fails(hybrid_en
             out.recurrent = list(path[0].recurrent)  # skips every node between the root and the last one
         return out
 
-    monkeypatch.setattr(tree, "join_path", from_root)
+    for module in (tree, executor):  # the nodes' forwards and the suffix micro-batches (executor.suffix_step)
+        monkeypatch.setattr(module, "join_path", from_root)
     worst, got = hybrid_grads(hybrid_engines)
     assert_tree_ran(got["metrics"], groups=2)
     assert worst > 1e-3

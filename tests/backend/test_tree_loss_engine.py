@@ -24,7 +24,7 @@ from verl.workers.utils.losses import ppo_loss
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import trees
 from verl_prefix.harness import verl_engine
-from verl_prefix.schedule import tree, tree_loss
+from verl_prefix.schedule import executor, tree_loss
 
 VOCAB = 128
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -181,8 +181,8 @@ def test_shared_loss_tokens_with_the_moe_aux_loss_match_the_dense_path(tiny_mode
     assert m["prefix/policy/recompute"] == m["prefix/tree_nodes"] > 0 and m["prefix/max_recompute_kv_diff"] == 0, m
     engines["tree"][0].dormant_prefix = "keep"
     with pytest.MonkeyPatch.context() as mp:
-        real = tree.path_stats
-        mp.setattr(tree, "path_stats", lambda path, suffix, copies: real(path, suffix, 1))
+        real = executor.path_stats
+        mp.setattr(executor, "path_stats", lambda path, suffix, copies: real(path, suffix, 1))
         assert compare()[1] > 1e-6
     # without own_last rows 0 and 3 would end on their stems, their last tokens unrouted: refused, never run
     build = trees.build_trie

@@ -20,6 +20,8 @@ OPTION_FREE = {
     "prefix_backward": "phase C is seeded by the leaves' gradients, configured by nothing",
     "seeded_backward": "phase C with the seeds given (the chunked prefix's per-chunk backward)",
     "unshard_cut_short": "the FSDP2 units phase C must unshard follow from the model and phase A, no setting",
+    "join_path": "a path's K/V leaves as one prefix: concatenation, configured by nothing",
+    "path_stats": "router statistics counted per row over a path: arithmetic, configured by nothing",
 }
 
 

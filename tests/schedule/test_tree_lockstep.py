@@ -16,7 +16,7 @@ from test_schedule_hf import dense_grads, tiny_model, weighted_loss, worst_relat
 from test_tree_schedule import shared_system_layout, tree_plan
 from test_trie import prompts_strategy, row_paths, trie_of
 
-from verl_prefix.schedule import tree
+from verl_prefix.schedule import executor, tree
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.tree import train_tree
 from verl_prefix.schedule.tree_lockstep import filler_passes, pad_to, trie_shape, union_shapes
@@ -100,12 +100,12 @@ def test_a_node_running_the_lm_head_for_a_peer_adds_nothing(case, monkeypatch):
         want = dense_grads(model, layout, weights, with_entropy=False)
         got = padded_grads(model, layout, weights, promote=True)
     assert worst_relative(got, want) < 1e-10
-    seeded = tree.seeded_backward
+    seeded = executor.seeded_backward
 
     def ones(kv, seeds, model_, extra=()):
         return seeded(kv, seeds, model_, [(root, torch.ones_like(root)) for root, _ in extra])
 
-    monkeypatch.setattr(tree, "seeded_backward", ones)
+    monkeypatch.setattr(executor, "seeded_backward", ones)
     with promote_fp32_upcasts():
         wrong = padded_grads(model, layout, weights, promote=True)
     assert worst_relative(wrong, want) > 1e-3
@@ -116,8 +116,8 @@ def test_negative_control_filler_micro_batches_with_a_loss_fail(case, monkeypatc
 
     def leaking(model_, node, path, options, train):
         for _ in range(node.filler_micro_batches):
-            log_probs, _ = tree.suffix_forward(
-                model_, tree.join_path(path), tree.filler_suffix(node.end, options), options
+            log_probs, _ = executor.suffix_forward(
+                model_, executor.join_path(path), tree.filler_suffix(node.end, options), options
             )
             if train:
                 options.backward(log_probs[0].sum())  # a filler whose loss is not zeroed

@@ -14,7 +14,7 @@ from helpers.precision import promote_fp32_upcasts
 from test_moe import tiny_moe
 from test_schedule_hf import dense_grads, dense_response_outputs, tiny_model, weighted_loss, worst_relative
 
-from verl_prefix.schedule import moe
+from verl_prefix.schedule import executor, moe
 from verl_prefix.schedule import tree as tree_schedule
 from verl_prefix.schedule.dormant import Dormant, DormantStats
 from verl_prefix.schedule.executor import train_group
@@ -120,7 +120,8 @@ def test_negative_control_a_node_attending_to_its_siblings_kv_fails(case, monkey
         return join(path)
 
     monkeypatch.setattr(tree_schedule.PrefixKV, "as_leaves", recording_as_leaves)
-    monkeypatch.setattr(tree_schedule, "join_path", leaky_join)
+    for module in (tree_schedule, executor):  # the nodes' forwards and the suffix micro-batches (executor.suffix_step)
+        monkeypatch.setattr(module, "join_path", leaky_join)
     with promote_fp32_upcasts():
         got = tree_grads(model, layout, weights, calculate_entropy=True)
     assert leaked, "the control must have leaked a sibling's K/V"

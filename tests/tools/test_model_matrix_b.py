@@ -23,15 +23,15 @@ def test_family_lands_in_its_column(family):
 def test_negative_control_the_tree_without_its_system_blocks_backward_fails(monkeypatch):
     """The tree comparison can fail: a root whose phase C never runs (the children's and suffixes' dK/dV left
     on its leaves) differs from dense by far more than the tolerance on a served family."""
-    from verl_prefix.schedule import tree
+    from verl_prefix.schedule import executor
 
-    seeded = tree.seeded_backward
+    seeded = executor.seeded_backward
 
     def skip_roots(kv, grads, model, extra=()):
         if kv.keys[0].shape[-2] != Z.PROMPT_LEN:  # the root holds the system block, a child its 4 tokens
             seeded(kv, grads, model, extra)
 
-    monkeypatch.setattr(tree, "seeded_backward", skip_roots)
+    monkeypatch.setattr(executor, "seeded_backward", skip_roots)
     assert M.tree_exactness("llama", Z.DEFAULT_LENGTHS) > 1e-3
 
 

@@ -5,6 +5,12 @@ A: the prefix ``prompt[:-1]`` runs once with grad, its per-layer K/V captured (e
    against detached prefix leaves; each micro-batch's loss is backpropagated at once and the leaves
    accumulate dK/dV. C: one backward through the prefix graph seeded with the accumulated dK/dV.
 
+The phase steps exist once, here, and both schedules run them: ``node_forward`` (phase A of a node, its leaves),
+``train_suffixes``/``suffix_step`` and ``infer_suffixes`` (phase B under the node's path), ``filler_step`` (every
+zero-loss lockstep micro-batch) and ``node_backward`` (phase C). One-level reuse is the depth-1 case of the tree
+schedule (``schedule.tree``): a group's prefix is a one-node path, whose leaves ``join_path`` hands over as they
+are; a chunked prefix is one node too, a ``ChunkedPrefix`` holding one set of leaves for the whole prefix.
+
 The model is any HF causal LM (or an FSDP2 wrapper of one) called through its root ``forward``, so
 wrappers see ordinary forward/backward hooks. Loss, normalisation and outputs are the caller's.
 
@@ -413,6 +419,185 @@ def seeded_backward(
         torch.autograd.backward(roots, grad_tensors=grads)
 
 
+# -- the phase steps, written once: one-level reuse runs them as a depth-1 path, the tree schedule per node ----
+
+
+def join_path(path: list[PrefixKV]) -> PrefixKV | None:
+    """The K/V of a root-to-node path as one prefix. One node (a group's prefix under one-level reuse, a trie
+    root): its own leaves as they are, no copy. Longer paths: each attention layer's leaves concatenated along
+    the sequence (a graph back to every node's own leaves); a recurrent layer's state is the last node's end
+    state (each node continued from its parent's, so the path's state is where its last node stopped), its
+    gradient landing on that node's leaves. Router statistics are not joined: ``path_stats`` counts them per
+    row. ``None`` for an empty path (a root)."""
+    if len(path) <= 1:
+        return path[0] if path else None
+    last = path[-1]
+    joined = PrefixKV(len(last.keys), last.recurrent_layers)
+
+    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if parts[-1] is None else torch.cat(parts, dim=2)
+
+    joined.keys = [cat([p.keys[layer] for p in path]) for layer in range(len(joined.keys))]
+    joined.values = [cat([p.values[layer] for p in path]) for layer in range(len(joined.values))]
+    joined.recurrent = list(last.recurrent)
+    return joined
+
+
+def path_stats(path: list[PrefixKV], suffix: moe.RouterStats, copies: int) -> moe.RouterStats:
+    """What a dense micro-batch of ``copies`` full rows sees: every node of the path once per row
+    (``moe.logical_stats`` node by node; one-level reuse: its prefix alone). Each node's probability sum is
+    scaled on its own, so each node's leaf receives a gradient tensor of its own: a ``stack(...).sum(0)`` hands
+    both leaves views of one expanded gradient, which autograd may keep as both ``.grad``s and then accumulate
+    into twice."""
+    stats = suffix
+    for node in path:
+        stats = moe.logical_stats(node.router_stats, stats, copies)
+    return stats
+
+
+@dataclass
+class Above:
+    """What a group's suffix micro-batches hang under: the path of nodes above them, root first, as each node's
+    K/V leaves (one-level reuse: the group's prefix alone, a depth-1 path). ``dormant``: the policy of the node
+    they hang on, ``held``: the bytes the path's phase-A graphs hold while they run, as the policies left them
+    (``Dormant.note_held_in_b``; 0 without a meter)."""
+
+    path: list[PrefixKV]
+    dormant: Dormant | None = None
+    held: int = 0
+
+
+def node_forward(
+    model: nn.Module,
+    forward: Callable[[], PrefixKV],
+    dormant: Dormant | None,
+    options: ScheduleOptions,
+    phase: str = "A",
+    given_leaves: bool = False,
+) -> tuple[PrefixKV, PrefixKV, int]:
+    """Phase A of one node (a group's prefix, a trie node, a lockstep filler node): ``forward()`` under the
+    meter's ``phase``, autocast and the ``dormant`` policy; the K/V are noted on the meter. Training (a policy
+    given): the leaves phase B and the nodes below attend to (at least ``options.prefix_grad_dtype``), or, with
+    ``given_leaves`` (a chunked prefix, ``ChunkedPrefix.forward``), what ``forward`` returned; forward-only
+    (``dormant`` None): the K/V themselves. Returns (K/V, leaves, bytes phase A saved for backward)."""
+    meter = options.meter or NullMeter()
+    policy = dormant.phase_a(model, options.device) if dormant is not None else nullcontext()
+    with meter.phase(phase) as saved, options.autocast(), policy:
+        kv = forward()
+    held = saved.total if saved is not None else 0
+    meter.note_prefix_kv(kv.tensors())
+    if dormant is None:
+        return kv, kv, held
+    leaves = kv if given_leaves else kv.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
+    meter.note_prefix_leaves(kv.tensors(), leaves.tensors())  # chunked: the leaves are the K/V, grads only
+    return kv, leaves, held
+
+
+def suffix_step(
+    model: nn.Module, above: Above, batch: SuffixBatch, loss_fn: LossFn, options: ScheduleOptions
+) -> torch.Tensor:
+    """Phase B of one training micro-batch: ``batch`` (built with ``include_last`` under ``options.routers``)
+    attends to its path's leaves (``join_path``), its loss, plus with ``options.routers`` the aux over the
+    statistics a dense micro-batch of its rows sees (``path_stats``), is backpropagated at once; the leaves
+    accumulate dK/dV. Returns the loss, detached."""
+    meter = options.meter or NullMeter()
+    routers = options.routers
+    with meter.phase("B") as saved:
+        with options.autocast():
+            capture = routers.capture() if routers is not None else nullcontext([])
+            prefix = join_path(above.path)
+            with capture as router_logits:
+                log_probs, entropy = suffix_forward(model, prefix, batch, options)
+            loss = loss_fn(batch.rows, log_probs, entropy)
+            if routers is not None:
+                stats = path_stats(above.path, suffix_router_stats(router_logits, batch, options), len(batch.rows))
+                loss = loss + options.aux_fn(batch.rows, stats)
+        options.backward(loss)
+    if saved is not None and above.dormant is not None:
+        above.dormant.note_held_in_b(above.held, saved.total)
+    return loss.detach()
+
+
+def filler_step(
+    model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, options: ScheduleOptions, train: bool, phase: str = "B"
+) -> None:
+    """One lockstep filler micro-batch (data-parallel ranks run the same passes): ``batch`` over ``prefix`` under
+    ``options.for_fillers()``, metered as ``phase`` on ``options.meter``; training backpropagates a zero loss, so
+    every rank gives (zero) grads to the same parameters."""
+    meter = options.meter or NullMeter()
+    with meter.phase(phase):
+        with options.autocast():
+            log_probs, _ = suffix_forward(model, prefix, batch, options.for_fillers())
+        if train:
+            options.backward(log_probs[0].sum() * 0.0)
+
+
+# rebuild() -> the graph-attached K/V phase C backpropagates through, and more (root, gradient) pairs
+Rebuild = Callable[[], tuple[PrefixKV, list[tuple[torch.Tensor, torch.Tensor]]]]
+
+
+def node_backward(
+    model: nn.Module, leaves: PrefixKV, dormant: Dormant, rebuild: Rebuild, options: ScheduleOptions, phase: str = "C"
+) -> None:
+    """Phase C of one node (unchunked): ``rebuild()`` under autocast gives the graph-attached K/V (phase A's, or
+    under ``recompute`` the node forward again, checked: ``Dormant.phase_c_prefix``) and the (root, gradient)
+    pairs that join the same backward (a loss-carrying tree node's values); one backward seeded with what phase
+    B and the nodes below left on ``leaves`` (``prefix_backward``). ``phase``: what the meter counts it as."""
+    meter = options.meter or NullMeter()
+    with meter.phase(phase):
+        with options.autocast():
+            kv, extra = rebuild()
+        if extra:
+            seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
+        else:
+            prefix_backward(kv, leaves, model)
+        dormant.after_phase_c()
+
+
+def train_suffixes(
+    model: nn.Module, layout: RowLayout, group: GroupPlan, above: Above, loss_fn: LossFn, options: ScheduleOptions
+) -> list[torch.Tensor]:
+    """Phase B of training: the group's suffix micro-batches under ``above`` (``suffix_step``), then its lockstep
+    filler micro-batches (over ``rows[0]``, ``filler_step``). Returns each micro-batch's loss (detached)."""
+    losses = []
+    for rows in group.micro_batches:
+        batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=options.routers is not None)
+        losses.append(suffix_step(model, above, batch, loss_fn, options))
+    if group.filler_micro_batches:
+        prefix = join_path(above.path)
+        for _ in range(group.filler_micro_batches):
+            filler_step(
+                model, prefix, build_suffix_batch(layout, group.rows[:1], group.prompt_len, options), options, True
+            )
+    return losses
+
+
+def infer_suffixes(
+    model: nn.Module,
+    layout: RowLayout,
+    group: GroupPlan,
+    prefix: PrefixKV,
+    results: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+    options: ScheduleOptions,
+) -> None:
+    """Phase B of a forward-only pass: the group's suffix micro-batches over ``prefix``, each row's response
+    log-probs and entropy (or None) into ``results``, then the group's lockstep filler micro-batches."""
+    meter = options.meter or NullMeter()
+    for rows in group.micro_batches:
+        batch = build_suffix_batch(layout, rows, group.prompt_len, options)
+        with meter.phase("B"):
+            log_probs, entropy = suffix_forward(model, prefix, batch, options)
+        for k, i in enumerate(rows):
+            results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
+    for _ in range(group.filler_micro_batches):
+        filler_step(
+            model, prefix, build_suffix_batch(layout, group.rows[:1], group.prompt_len, options), options, False
+        )
+
+
+# -- one-level reuse: a group is a one-node path (its prefix), chunked as ``ChunkedPrefix`` where asked ---------
+
+
 def _prefix_of(layout: RowLayout, group: GroupPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's prefix tokens and positions (``[P-1]``, or ``[4, P-1]`` for multimodal rows)."""
     first = group.rows[0]
@@ -436,16 +621,13 @@ def train_group(
     micro-batch (``moe.logical_stats``). The group's lockstep fillers (``group.filler_micro_batches``,
     ``group.min_prefix_chunks``) run with ``options.for_fillers()``. ``dormant`` says where phase A's graph
     waits until phase C (``verl_prefix.schedule.dormant``; default keep): a per-group decision, so not an
-    option.
+    option. The group runs as a one-node path through the tree schedule's phase steps (``node_forward``,
+    ``train_suffixes``, ``node_backward``); a chunked prefix's node is a ``ChunkedPrefix`` (one set of leaves).
     """
     meter = options.meter or NullMeter()
     dormant = dormant or Dormant()
     _refuse_recurrent(model, options, dormant.policy)
-    routers, autocast, device = options.routers, options.autocast, options.device
-    fillers = options.for_fillers()
-    prefix_ids, prefix_pos = _prefix_of(layout, group, device)
-    losses = []
-
+    prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     visual = layout.visual_of(group.rows[0])
 
     def run_prefix() -> PrefixKV:
@@ -454,53 +636,24 @@ def train_group(
     encoded = EncodedVisuals(model, visual, prefix_ids, True) if visual else None
     chunked = _chunked(model, (prefix_ids, prefix_pos), group.min_prefix_chunks, options, True, encoded)
     with prefix_attention_mode(model):
-        with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, device):
-            if chunked is None:
-                prefix = run_prefix()
-            else:
-                leaves = chunked.forward(keep_graphs=dormant.policy != "recompute")
-                meter.count("prefix/chunked_groups")
-                meter.count("prefix/prefix_chunks", chunked.count)
         if chunked is None:
-            meter.note_prefix_kv(prefix.tensors())
-            leaves = prefix.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
-            meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
+            prefix, leaves, held = node_forward(model, run_prefix, dormant, options)
         else:
-            meter.note_prefix_kv(leaves.tensors())
-            meter.note_prefix_leaves(leaves.tensors(), leaves.tensors())  # the leaves are the K/V: grads only
+            keep_graphs = dormant.policy != "recompute"
+            _, leaves, held = node_forward(model, lambda: chunked.forward(keep_graphs), dormant, options, "A", True)
+            meter.count("prefix/chunked_groups")
+            meter.count("prefix/prefix_chunks", chunked.count)
         # every suffix micro-batch (fillers too) attends to the same leaves the same way
-        for rows in group.micro_batches:
-            batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
-            with meter.phase("B") as saved_b:
-                with autocast():
-                    capture = routers.capture() if routers is not None else nullcontext([])
-                    with capture as router_logits:
-                        log_probs, entropy = suffix_forward(model, leaves, batch, options)
-                    loss = loss_fn(rows, log_probs, entropy)
-                    if routers is not None:
-                        suffix_stats = suffix_router_stats(router_logits, batch, options)
-                        stats = moe.logical_stats(leaves.router_stats, suffix_stats, copies=len(rows))
-                        loss = loss + options.aux_fn(rows, stats)
-                options.backward(loss)
-            _note_held(dormant, saved_a, saved_b)
-            losses.append(loss.detach())
-        for _ in range(group.filler_micro_batches):
-            batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-            with meter.phase("B") as saved_b:
-                with autocast():
-                    log_probs, _ = suffix_forward(model, leaves, batch, fillers)
-                options.backward(log_probs[0].sum() * 0.0)
+        losses = train_suffixes(model, layout, group, Above([leaves], dormant, held), loss_fn, options)
+        if chunked is None:
+            node_backward(model, leaves, dormant, lambda: (dormant.phase_c_prefix(prefix, run_prefix), []), options)
+            return losses
         with meter.phase("C") as saved_c:
-            if chunked is not None:
-                with autocast():  # each chunk's backward runs inside too, as phase B's do
-                    # a chunk's graph is freed by its own backward: the meter counts the largest one
-                    done = saved_c.segment if saved_c is not None else None
-                    chunked.backward(dormant, seeded_backward, model, on_chunk_done=done)
-                _count_encodes(encoded, meter)
-            else:
-                with autocast():
-                    prefix = dormant.phase_c_prefix(prefix, run_prefix)
-                prefix_backward(prefix, leaves, model)
+            with options.autocast():  # each chunk's backward runs inside too, as phase B's do
+                # a chunk's graph is freed by its own backward: the meter counts the largest one
+                done = saved_c.segment if saved_c is not None else None
+                chunked.backward(dormant, seeded_backward, model, on_chunk_done=done)
+            _count_encodes(encoded, meter)
             dormant.after_phase_c()
     return losses
 
@@ -566,13 +719,6 @@ def _count_encodes(encoded: EncodedVisuals | None, meter: PhaseMeter) -> None:
         meter.count("prefix/vision_encoder_calls", encoded.calls)
 
 
-def _note_held(dormant: Dormant, saved_a: object, saved_b: object) -> None:
-    """Bytes held for backward during a suffix micro-batch: phase A's graph (as the policy left it)
-    plus the micro-batch's own, from the meter's per-phase counts (none without a meter)."""
-    if saved_a is not None and saved_b is not None:
-        dormant.note_held_in_b(saved_a.total, saved_b.total)
-
-
 @torch.no_grad()
 def infer_group(
     model: nn.Module, layout: RowLayout, group: GroupPlan, options: ScheduleOptions
@@ -582,43 +728,19 @@ def infer_group(
     phase A is chunked as in ``train_group`` (no backward). No dormant policy: only the K/V are kept."""
     options = options.forward_only()
     _refuse_recurrent(model, options, "keep")
-    meter = options.meter or NullMeter()
     prefix_ids, prefix_pos = _prefix_of(layout, group, options.device)
     results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     visual = layout.visual_of(group.rows[0])
     encoded = EncodedVisuals(model, visual, prefix_ids, False) if visual else None
     chunked = _chunked(model, (prefix_ids, prefix_pos), group.min_prefix_chunks, options, False, encoded)
+
+    def forward() -> PrefixKV:
+        if chunked is None:
+            return prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
+        return chunked.forward(keep_graphs=False)
+
     with prefix_attention_mode(model), options.autocast():
-        with meter.phase("A"):
-            if chunked is None:
-                prefix = prefix_forward(model, prefix_ids, prefix_pos, options, visual=visual)
-            else:
-                prefix = chunked.forward(keep_graphs=False)
-                _count_encodes(encoded, meter)
-        meter.note_prefix_kv(prefix.tensors())
+        prefix, _, _ = node_forward(model, forward, None, options)
+        _count_encodes(encoded if chunked is not None else None, options.meter or NullMeter())
         infer_suffixes(model, layout, group, prefix, results, options)
     return results
-
-
-def infer_suffixes(
-    model: nn.Module,
-    layout: RowLayout,
-    group: GroupPlan,
-    prefix: PrefixKV,
-    results: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
-    options: ScheduleOptions,
-) -> None:
-    """Phase B of a forward-only pass: the group's suffix micro-batches over ``prefix``, each row's response
-    log-probs and entropy (or None) into ``results``, then the group's lockstep filler micro-batches."""
-    meter = options.meter or NullMeter()
-    for rows in group.micro_batches:
-        batch = build_suffix_batch(layout, rows, group.prompt_len, options)
-        with meter.phase("B"):
-            log_probs, entropy = suffix_forward(model, prefix, batch, options)
-        for k, i in enumerate(rows):
-            results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
-    fillers = options.for_fillers()
-    for _ in range(group.filler_micro_batches):
-        batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-        with meter.phase("B"):
-            suffix_forward(model, prefix, batch, fillers)

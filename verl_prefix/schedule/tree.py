@@ -3,11 +3,14 @@
 Each node's tokens run forward once (phase A), attending to its ancestors' K/V held as leaves, the way a later
 chunk of a chunked prefix attends to the earlier chunks' (``ChunkCaptureContext``); the node's own K/V become
 leaves of their own. Then its children run, then the suffix micro-batches of the groups that end on it
-(phase B, attending to the path's leaves); the path's leaves are joined by ``torch.cat`` per call, so every
-descendant's dK/dV flows back through the cat into each ancestor's own leaves. After the last of them the
+(phase B, attending to the path's leaves); the path's leaves are joined by ``torch.cat`` per call
+(``executor.join_path``; a one-node path's leaves as they are), so every descendant's dK/dV flows back through
+the cat into each ancestor's own leaves. After the last of them the
 node's backward runs once (phase C), seeded with its leaves' gradients, and deposits its share on its
 ancestors' leaves before their own backward runs. Exact by construction: the same K/V, the same causal
 attention, the chain rule split at node boundaries. Only one root-to-node path's graphs are alive at a time.
+The phase steps are the executor's (``node_forward``, ``train_suffixes``/``infer_suffixes``, ``filler_step``,
+``node_backward``): one-level reuse runs the same steps over a one-node path, its group's prefix.
 
 With an MoE router aux loss each node keeps its router statistics as one more leaf; a micro-batch's aux sees
 every node on its path once per row (``moe.logical_stats`` over the path's summed statistics), so each node
@@ -45,21 +48,22 @@ slices; the owner's phase C, after theirs, runs the encoder's backward once with
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from verl_prefix.schedule import moe, tree_loss
-from verl_prefix.schedule.dormant import Dormant
+from verl_prefix.schedule import tree_loss
 from verl_prefix.schedule.executor import (
+    Above,
     LossFn,
     build_suffix_batch,
+    filler_step,
     infer_suffixes,
+    join_path,
+    node_backward,
+    node_forward,
     prefix_forward,
-    seeded_backward,
-    suffix_forward,
-    suffix_router_stats,
+    train_suffixes,
 )
 from verl_prefix.schedule.grouping import RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
@@ -69,38 +73,6 @@ from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node, node_
 from verl_prefix.schedule.tree_loss import NodeValues
 from verl_prefix.schedule.tree_visuals import PathImages, VisualItem
 from verl_prefix.schedule.trie import TrieNode
-
-
-def join_path(path: list[PrefixKV]) -> PrefixKV | None:
-    """The K/V of a root-to-node path as one prefix: each attention layer's leaves concatenated along the
-    sequence (a graph back to every node's own leaves); a recurrent layer's state is the last node's end state
-    (each node continued from its parent's, so the path's state is where its last node stopped), its gradient
-    landing on that node's leaves. No router statistics: ``path_stats`` counts them per row. ``None`` for an
-    empty path (a root)."""
-    if not path:
-        return None
-    last = path[-1]
-    joined = PrefixKV(len(last.keys), last.recurrent_layers)
-
-    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        return None if parts[-1] is None else torch.cat(parts, dim=2)
-
-    joined.keys = [cat([p.keys[layer] for p in path]) for layer in range(len(joined.keys))]
-    joined.values = [cat([p.values[layer] for p in path]) for layer in range(len(joined.values))]
-    joined.recurrent = list(last.recurrent)
-    return joined
-
-
-def path_stats(path: list[PrefixKV], suffix: moe.RouterStats, copies: int) -> moe.RouterStats:
-    """What a dense micro-batch of ``copies`` full rows sees: every node of the path once per row
-    (``moe.logical_stats`` node by node). Each node's probability sum is scaled on its own, so each node's leaf
-    receives a gradient tensor of its own: a ``stack(...).sum(0)`` hands both leaves views of one expanded
-    gradient, which autograd may keep as both ``.grad``s and then accumulate into twice."""
-    stats = suffix
-    for node in path:
-        stats = moe.logical_stats(node.router_stats, stats, copies)
-    return stats
-
 
 FILLER_UID = "__tree_lockstep_filler__"
 
@@ -128,44 +100,41 @@ def run_filler(
     that runs the LM head seeds its logits with zeros, so every rank gives grads to the same parameters. Each
     node runs under ``policies(node)``, the policy agreed for its position: where a peer rank's real node
     recomputes, the filler too runs its forward again in phase C and joins the agreed check."""
-    meter = options.meter or NullMeter()
-    dormant = policies(node) if train else Dormant()
-    with meter.phase("lockstep"), options.autocast(), dormant.phase_a(model, options.device):
-        kv = _node_forward(model, node, path, options)
+    dormant = policies(node) if train else None
+
+    def forward() -> PrefixKV:
+        return _node_forward(model, node, path, options)
+
+    kv, leaves, _ = node_forward(model, forward, dormant, options, "lockstep")
     logits, kv.logits = kv.logits, None
-    below = [*path, kv.as_leaves(requires_grad=train, min_dtype=options.prefix_grad_dtype) if train else kv]
+    below = [*path, leaves]
     for child in node.children:
         run_filler(model, child, below, options, train, policies)
     run_filler_micro_batches(model, node, below, options, train)
-    if train:
-        with meter.phase("lockstep"):
-            rebuilt: list[torch.Tensor | None] = []
+    if dormant is None:
+        return
 
-            def take_logits(again: PrefixKV) -> list:
-                rebuilt.append(again.logits)
-                again.logits = None
-                return []
+    def rebuild() -> tuple[PrefixKV, list[tuple[torch.Tensor, torch.Tensor]]]:
+        rebuilt: list[torch.Tensor | None] = []
 
-            with options.autocast():
-                kv = dormant.phase_c_prefix(kv, lambda: _node_forward(model, node, path, options), take_logits)
-            logits = rebuilt[0] if rebuilt else logits
-            extra = [(logits, torch.zeros_like(logits))] if logits is not None else []
-            seeded_backward(kv, [leaf.grad for leaf in below[-1].tensors()], model, extra)
-            dormant.after_phase_c()
+        def take_logits(again: PrefixKV) -> list:
+            rebuilt.append(again.logits)
+            again.logits = None
+            return []
+
+        roots = dormant.phase_c_prefix(kv, forward, take_logits)
+        kept = rebuilt[0] if rebuilt else logits
+        return roots, [(kept, torch.zeros_like(kept))] if kept is not None else []
+
+    node_backward(model, leaves, dormant, rebuild, options, "lockstep")
 
 
 def run_filler_micro_batches(
     model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions, train: bool
 ) -> None:
     """``node.filler_micro_batches`` zero-loss suffix micro-batches under ``path`` (``node.end`` tokens)."""
-    meter = options.meter or NullMeter()
     for _ in range(node.filler_micro_batches):
-        batch = filler_suffix(node.end, options)
-        with meter.phase("lockstep"):
-            with options.autocast():
-                log_probs, _ = suffix_forward(model, join_path(path), batch, options)
-            if train:
-                options.backward(log_probs[0].sum() * 0.0)
+        filler_step(model, join_path(path), filler_suffix(node.end, options), options, train, "lockstep")
 
 
 def _node_forward(
@@ -215,65 +184,56 @@ def train_tree(
     losses: list[torch.Tensor] = []
     path_images = _path_images(model, roots, train=True)
 
-    def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None], held: list[int]) -> None:
+    def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None], held: int) -> None:
         dormant = policies(node)
         images = (path_images, path_images.enter(node.images)) if path_images is not None else None
-        with meter.phase("A") as saved_a, autocast(), dormant.phase_a(model, options.device):
+        found: list[NodeValues | None] = []
+
+        def forward() -> PrefixKV:
             kv = _node_forward(model, node, path, options, images)
-            values = tree_loss.node_values(kv, node, layout, options)
-        held = [*held, saved_a.total if saved_a is not None else 0]  # the path's graphs, as the policies left them
-        meter.note_prefix_kv(kv.tensors())
-        leaves = kv.as_leaves(requires_grad=True, min_dtype=options.prefix_grad_dtype)
-        meter.note_prefix_leaves(kv.tensors(), leaves.tensors())
+            found.append(tree_loss.node_values(kv, node, layout, options))
+            return kv
+
+        kv, leaves, saved = node_forward(model, forward, dormant, options)
+        values = found[0]
+        held += saved  # the path's graphs, as the policies left them
         value_leaves = values.as_leaves() if values is not None else None
         below, values_below = [*path, leaves], [*values_path, value_leaves]
         for child in node.children:
             visit(child, below, values_below, held)
         for child in node.filler_children:
             run_filler(model, child, [], fillers, train=True, policies=policies)
+
+        def with_path_loss(rows: list[int], log_probs: list, entropy: list | None) -> torch.Tensor:
+            return loss_fn(rows, *tree_loss.with_path(values_below, layout, rows, log_probs, entropy))
+
         for group in node.groups:
-            for rows in group.micro_batches:
-                batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=routers is not None)
-                with meter.phase("B") as saved_b:
-                    with autocast():
-                        capture = routers.capture() if routers is not None else nullcontext([])
-                        prefix = join_path(below)
-                        with capture as router_logits:
-                            log_probs, entropy = suffix_forward(model, prefix, batch, options)
-                        log_probs, entropy = tree_loss.with_path(values_below, layout, rows, log_probs, entropy)
-                        loss = loss_fn(rows, log_probs, entropy)
-                        if routers is not None:
-                            suffix_stats = suffix_router_stats(router_logits, batch, options)
-                            stats = path_stats(below, suffix_stats, copies=len(rows))
-                            loss = loss + options.aux_fn(rows, stats)
-                    options.backward(loss)
-                if saved_b is not None:
-                    dormant.note_held_in_b(sum(held), saved_b.total)
-                losses.append(loss.detach())
+            losses.extend(train_suffixes(model, layout, group, Above(below, dormant, held), with_path_loss, options))
         run_filler_micro_batches(model, node, below, fillers, train=True)
         for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
             if routers is not None:  # their last token would go unrouted: the engine builds the trie own_last
                 raise RuntimeError(f"rows {rows} have no tail to route their last token (trie.build_trie own_last)")
             with meter.phase("B"):
                 with autocast():
-                    log_probs, entropy = tree_loss.with_path(values_below, layout, rows, None, None)
-                    loss = loss_fn(rows, log_probs, entropy)
+                    loss = with_path_loss(rows, None, None)
                 options.backward(loss)
             losses.append(loss.detach())
-        with meter.phase("C"):
-            with autocast():  # recompute: the node forward again over the same ancestors' leaves, checked
-                kv, values = node_phase_c(
-                    dormant,
-                    kv,
-                    values,
-                    lambda: _node_forward(model, node, path, options, images),
-                    lambda again: tree_loss.node_values(again, node, layout, options),
-                )
-            extra = values.seeds(value_leaves) if values is not None else []
+
+        def rebuild() -> tuple[PrefixKV, list[tuple[torch.Tensor, torch.Tensor]]]:
+            # recompute: the node forward again over the same ancestors' leaves, checked
+            roots, again = node_phase_c(
+                dormant,
+                kv,
+                values,
+                lambda: _node_forward(model, node, path, options, images),
+                lambda rebuilt: tree_loss.node_values(rebuilt, node, layout, options),
+            )
+            extra = again.seeds(value_leaves) if again is not None else []
             if node.lockstep_logits:  # the LM head joins this rank's backward as it joins the peer's
-                extra.append((values.log_probs, torch.zeros_like(values.log_probs)))
-            seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
-            dormant.after_phase_c()
+                extra.append((again.log_probs, torch.zeros_like(again.log_probs)))
+            return roots, extra
+
+        node_backward(model, leaves, dormant, rebuild, options)
         if images is not None:
             images[0].leave(images[1])
 
@@ -282,7 +242,7 @@ def train_tree(
             if root.filler:
                 run_filler(model, root, [], fillers, train=True, policies=policies)
             else:
-                visit(root, [], [], [])
+                visit(root, [], [], 0)
     if path_images is not None:
         meter.count("prefix/vision_encoder_calls", path_images.calls)
     return losses
@@ -301,11 +261,15 @@ def infer_tree(
 
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
         images = (path_images, path_images.enter(node.images)) if path_images is not None else None
-        with meter.phase("A"):
+        found: list[NodeValues | None] = []
+
+        def forward() -> PrefixKV:
             kv = _node_forward(model, node, path, options, images)
-            values = tree_loss.node_values(kv, node, layout, options)
-        meter.note_prefix_kv(kv.tensors())
-        below, values_below = [*path, kv], [*values_path, values]
+            found.append(tree_loss.node_values(kv, node, layout, options))
+            return kv
+
+        kv, _, _ = node_forward(model, forward, None, options)
+        below, values_below = [*path, kv], [*values_path, found[0]]
         for child in node.children:
             visit(child, below, values_below)
         for child in node.filler_children:
