@@ -117,8 +117,8 @@ def test_the_checker_finds_broken_links(tmp_path):
         ("Replay (the paper's evaluation method)", "replay-the-papers-evaluation-method"),
         ("Keep groups whole: the `prefix_sync` trainer mode", "keep-groups-whole-the-prefix_sync-trainer-mode"),
         (
-            "MoE: the router aux loss (`verl_prefix/schedule/moe.py`)",
-            "moe-the-router-aux-loss-verl_prefixschedulemoepy",
+            "MoE: the router aux loss (`verl_prefix/schedule/models/moe.py`)",
+            "moe-the-router-aux-loss-verl_prefixschedulemodelsmoepy",
         ),
     ],
 )

@@ -19,7 +19,7 @@ from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.distributed.once import UnsupportedModel
 from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 from verl_prefix.harness import model_zoo as Z
-from verl_prefix.schedule.capability import structure_refusal
+from verl_prefix.schedule.models.capability import structure_refusal
 
 TARGET = "actor_rollout_ref.actor.fsdp_config._target_=verl_prefix.config.PrefixFSDPEngineConfig"
 

@@ -17,7 +17,7 @@ from test_engine_exactness import compare_update, grpo_batch
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.distributed.mini_batch import KernelRefused
 from verl_prefix.harness import verl_engine
-from verl_prefix.schedule.multimodal import text_only_call
+from verl_prefix.schedule.models.multimodal import text_only_call
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.tools.bench.presets import BF16
 
@@ -136,7 +136,7 @@ def assert_bf16_within_stocks_own(
 
 
 def _has_varlen_kernels() -> bool:
-    from verl_prefix.schedule import varlen_attention as V
+    from verl_prefix.schedule.attention import varlen as V
 
     return torch.cuda.is_available() and V.kernels_for(CUDA) is not None
 

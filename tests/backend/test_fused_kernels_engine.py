@@ -28,7 +28,7 @@ from verl_prefix import PrefixReuseConfig
 from verl_prefix.harness import grpo_batches, verl_engine
 from verl_prefix.schedule import executor
 from verl_prefix.schedule.fused_head import scalar_temperature
-from verl_prefix.schedule.hf_forwards import hf_causal_forward
+from verl_prefix.schedule.models.hf_forwards import hf_causal_forward
 
 VOCAB = 128
 # verl's fused kernel returns fp32 log-probs whatever the model's dtype (its output buffer is fp32): an fp64 run's

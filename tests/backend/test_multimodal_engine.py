@@ -23,8 +23,9 @@ from verl_prefix.backend import fallbacks
 from verl_prefix.backend.fsdp import refusals
 from verl_prefix.harness import verl_engine
 from verl_prefix.harness import vl as V
-from verl_prefix.schedule import executor, grouping, multimodal, visual_chunks
-from verl_prefix.schedule.multimodal import text_only_call
+from verl_prefix.schedule import executor, grouping
+from verl_prefix.schedule.models import multimodal, visual_chunks
+from verl_prefix.schedule.models.multimodal import text_only_call
 
 G = 4
 GRAD_TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -288,11 +289,11 @@ def test_remove_padding_path_reuses_with_hf_attention(vl_model, fp64, monkeypatc
 
 def test_coverage_page_lists_the_vision_language_families():
     """``docs/models.md`` ends with the vision-language families and their status, as ``model_zoo`` renders them:
-    exact under reuse exactly where ``schedule.multimodal`` serves the family (this file's tests)."""
+    exact under reuse exactly where ``schedule.models.multimodal`` serves the family (this file's tests)."""
     from pathlib import Path
 
     from verl_prefix.harness import model_zoo as Z
-    from verl_prefix.schedule.multimodal import SERVED_VISUAL_MODELS
+    from verl_prefix.schedule.models.multimodal import SERVED_VISUAL_MODELS
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     rows = Z.vision_language_rows()

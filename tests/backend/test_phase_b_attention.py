@@ -98,7 +98,7 @@ def test_merged_varlen_matches_stock_engine(tiny_model, dtype, kv_heads):
 
 def test_merged_varlen_negative_control_wrong_offsets(tiny_model, monkeypatch):
     """The engine with every micro-batch's cu_seqlens one token off must miss the stock engine."""
-    from verl_prefix.schedule import varlen_attention as V
+    from verl_prefix.schedule.attention import varlen as V
 
     real = V.Packing.from_lengths
 

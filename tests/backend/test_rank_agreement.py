@@ -102,8 +102,8 @@ def _trip_on_this_rank(case: str) -> None:
     difference), its GPU refuses torch's flash kernels (pre-Ampere: every merged call), its node has no
     varlen kernel (no flash_attn, torch < 2.10)."""
     from verl_prefix.schedule import dormant, prefix_kv
-    from verl_prefix.schedule import merged_attention as MA
-    from verl_prefix.schedule import varlen_attention as V
+    from verl_prefix.schedule.attention import merged as MA
+    from verl_prefix.schedule.attention import varlen as V
 
     if case == "recompute_mismatch":
         dormant.kv_difference = lambda phase_a, recomputed, also=(): float("inf")
@@ -118,8 +118,8 @@ def _trip_on_this_rank(case: str) -> None:
 
 def _untrip(saved: dict) -> None:
     from verl_prefix.schedule import dormant, prefix_kv
-    from verl_prefix.schedule import merged_attention as MA
-    from verl_prefix.schedule import varlen_attention as V
+    from verl_prefix.schedule.attention import merged as MA
+    from verl_prefix.schedule.attention import varlen as V
 
     dormant.kv_difference = saved["kv_difference"]
     MA.merged_refusal = prefix_kv.merged_refusal = saved["merged_refusal"]
@@ -140,7 +140,7 @@ def _one_rank_body(rank: int, model_dir: str) -> dict:
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.harness import verl_engine
     from verl_prefix.schedule import dormant, prefix_kv
-    from verl_prefix.schedule import varlen_attention as V
+    from verl_prefix.schedule.attention import varlen as V
 
     saved = {
         "kv_difference": dormant.kv_difference,

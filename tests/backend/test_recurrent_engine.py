@@ -29,7 +29,8 @@ from verl_prefix.backend import fallbacks
 from verl_prefix.backend.fsdp import engine as engine_module
 from verl_prefix.backend.fsdp import refusals
 from verl_prefix.harness import grpo_batches, model_zoo, tiny_models, verl_engine
-from verl_prefix.schedule import executor, hf_forwards, structure
+from verl_prefix.schedule import executor
+from verl_prefix.schedule.models import hf_forwards, structure
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 MOE_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention"]
@@ -247,11 +248,11 @@ def _counted(calls: list, forward):
 def test_verl_patched_forward_serves_with_hf_forwards(hybrid_dir, monkeypatch):
     """verl's patch for ``qwen3_5``/``qwen3_5_moe`` checkpoints replaces the delta-net's and the decoder layer's
     forward class-wide (so a ``qwen3_5_text`` model in the process runs it too). The stock engine runs verl's
-    forwards; the schedule runs HF's own, remembered before the patch (``schedule.hf_forwards``): same log-probs
+    forwards; the schedule runs HF's own, remembered before the patch (``schedule.models.hf_forwards``): same log-probs
     and gradients in fp64. Without the remembered forwards the model runs dense with the reason."""
     from verl.models.transformers import qwen3_5 as verl_qwen3_5
 
-    from verl_prefix.schedule import hf_forwards, recurrent
+    from verl_prefix.schedule.models import hf_forwards, recurrent
 
     for cls in hf_forwards.PATCHED_CLASSES:
         monkeypatch.setattr(cls, "forward", cls.forward)  # verl's patch is undone after the test

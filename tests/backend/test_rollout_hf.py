@@ -115,7 +115,7 @@ def _image_prompt(srv, size, seed):
 def vl_patch_state(request, vl_server):
     """The server's model as loaded, and after verl's ``apply_monkey_patch`` replaced its classes' forwards
     class-wide (what a stock engine loading the same family in this process does); HF's are back after."""
-    from verl_prefix.schedule.hf_forwards import VISUAL_PATCHED_CLASSES, class_forwards, patched_by_verl
+    from verl_prefix.schedule.models.hf_forwards import VISUAL_PATCHED_CLASSES, class_forwards, patched_by_verl
 
     with class_forwards([(cls, cls.forward) for cls in VISUAL_PATCHED_CLASSES]):
         if request.param == "after_verl_patch":
@@ -128,7 +128,7 @@ def vl_patch_state(request, vl_server):
 
 def test_vl_generates_from_image_prompts_with_the_actors_log_probs(vl_patch_state):
     from verl_prefix.harness.vl import IMAGE_PAD, vl_positions
-    from verl_prefix.schedule.hf_forwards import hf_own_forwards
+    from verl_prefix.schedule.models.hf_forwards import hf_own_forwards
 
     srv = vl_patch_state
     ids, image = _image_prompt(srv, (112, 168), seed=0)

@@ -221,7 +221,7 @@ def test_prefix_backward_skips_genuinely_constant_roots(tiny_model):
 def test_window_shorter_than_a_sequence_reuses_exactly(tiny_config_model):
     """Mistral declares its window by ``sliding_window`` alone. Once: reuse ran, its phase B saw the whole
     prefix, and gradients differed from stock by ~1e-1; then: the mini-batch ran dense. Now reuse serves the
-    window (``schedule.windows``) and matches stock."""
+    window (``schedule.attention.windows``) and matches stock."""
     batch = grpo_batch()
     assert longest(batch) > 4
     worst, metrics = compare(tiny_config_model("mistral", extra_config={"sliding_window": 4}), batch)

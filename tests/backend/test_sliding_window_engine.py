@@ -114,7 +114,7 @@ def test_windowed_infer_matches_stock(windowed_model, family, attn):
 def test_negative_control_window_ignored_on_the_prefix(windowed_model, monkeypatch):
     """The same comparison with the prefix part seeing every prefix key (the window kept on the suffix part
     only) must fail."""
-    from verl_prefix.schedule import merged_attention as MA
+    from verl_prefix.schedule.attention import merged as MA
 
     monkeypatch.setattr(MA, "cut_prefix", lambda prefix, window: prefix)
     monkeypatch.setattr(

@@ -1,4 +1,4 @@
-"""prefix_torchtitan through the one schedule (``schedule.executor`` / ``schedule.tree`` behind
+"""prefix_torchtitan through the one schedule (``schedule.executor`` / ``schedule.tree.schedule`` behind
 ``titan.causal_lm``): what prefix_fsdp2 serves beyond one-level reuse, against verl's own TorchTitan engine (no
 reuse) on the same batch, fp32, two gloo ranks at TP=2 and at FSDP=2 (the data-parallel ranks hold different
 groups: lockstep fillers): the token trie (``prefix_reuse.tree``), a chunked prefix (``prefix_chunk_tokens``),
@@ -88,7 +88,8 @@ def _loss_fn(calls: list | None = None):
 
 @contextlib.contextmanager
 def _phase_c_skipped():
-    from verl_prefix.schedule import executor, tree
+    from verl_prefix.schedule import executor
+    from verl_prefix.schedule.tree import schedule as tree
 
     saved = executor.prefix_backward, executor.seeded_backward, tree.seeded_backward
     noop = lambda *args, **kwargs: None  # noqa: E731

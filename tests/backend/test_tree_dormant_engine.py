@@ -27,7 +27,7 @@ from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.distributed import once as agreement
 from verl_prefix.harness import verl_engine
 from verl_prefix.schedule import dormant as D
-from verl_prefix.schedule import tree
+from verl_prefix.schedule.tree import schedule as tree
 
 VOCAB = 128
 TOL = {"float64": 1e-10}

@@ -19,8 +19,10 @@ from test_tree_engine import assert_tree_ran, system_batch, tree_reuse
 from transformers import AutoModelForCausalLM
 
 from verl_prefix.harness import model_zoo, tiny_models, verl_engine
-from verl_prefix.schedule import executor, merged_attention, tree
+from verl_prefix.schedule import executor
+from verl_prefix.schedule.attention import merged as merged_attention
 from verl_prefix.schedule.dormant import default_store
+from verl_prefix.schedule.tree import schedule as tree
 
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
 QUESTIONS = (5, 9)  # two groups of G = 3 under the system block: depth 2, the CPU budget

@@ -24,7 +24,8 @@ from verl.workers.utils.losses import ppo_loss
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import trees
 from verl_prefix.harness import verl_engine
-from verl_prefix.schedule import executor, tree_loss
+from verl_prefix.schedule import executor
+from verl_prefix.schedule.tree import loss as tree_loss
 
 VOCAB = 128
 TOL = {"float64": 1e-10, "float32": 1e-5}

@@ -5,7 +5,7 @@ fallback) and counting what the encoder ran over.
 The batch (Qwen2.5-VL, G = 3): a 12-token system block, then each group's images, then its own text. Groups 0 and
 1 share their first image A (same pixels) and differ in the second (4 x 8 vs 8 x 4 patches); groups 2 and 3 hold
 image C, the size of A but other pixels; group 4 is text. The trie keys a visual token by its image's content
-(``schedule.tree_visuals``): A and C branch although their tokens and positions are the same, A is encoded once
+(``schedule.tree.visuals``): A and C branch although their tokens and positions are the same, A is encoded once
 for groups 0 and 1, C once for groups 2 and 3. Cases: nodes whole; a chunk boundary inside every image
 (``prefix_chunk_tokens=5``: later chunks take their slices of an image their first chunk encoded); nodes holding
 an image merged into their children (``min_shared_tokens=8``: sibling nodes each own an encoding); recompute per
@@ -26,8 +26,9 @@ from helpers.vl_steps import step, worst
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.harness import verl_engine
 from verl_prefix.harness import vl as V
-from verl_prefix.schedule import tree_visuals, visual_chunks
-from verl_prefix.schedule.multimodal import text_only_call
+from verl_prefix.schedule.models import visual_chunks
+from verl_prefix.schedule.models.multimodal import text_only_call
+from verl_prefix.schedule.tree import visuals as tree_visuals
 
 G = 3
 SYSTEM = 12

@@ -60,7 +60,7 @@ def _body(rank: int, model_dir: str) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix.harness import verl_engine
-    from verl_prefix.schedule import tree
+    from verl_prefix.schedule.tree import schedule as tree
 
     out: dict = {}
     for dtype in ("float64", "float32"):

@@ -4,8 +4,8 @@ runs this file on a lent one (``WINDOW_TESTS``).
 - The alignment convention of the GPU kernels' window arguments when the queries are fewer than the keys (phase
   B's shape): torch's ``aten::_flash_attention_forward`` (``window_size_left/right``) and flash-attn's
   ``flash_attn_func`` (``window_size=(left, right)``), both with ``causal=True``, against
-  ``schedule.windows.window_keep_mask`` (queries bottom-right aligned, HF's ``q - W < k <= q``). This is what a
-  fused windowed kernel path would rest on; today windowed calls run the plain-torch banded merge (any device)
+  ``schedule.attention.windows.window_keep_mask`` (queries bottom-right aligned, HF's ``q - W < k <= q``). This is what
+  a fused windowed kernel path would rest on; today windowed calls run the plain-torch banded merge (any device)
   or concat with an explicit boolean mask (torch's memory-efficient kernel).
 - The engine on CUDA: a windowed ``gemma3_text`` in fp32 against the stock engine (auto then runs concat, the
   flash kernels being half precision only), and in bf16 within 1.5x the stock engine's own bf16 error against
@@ -25,7 +25,7 @@ from test_engine_exactness import compare_update
 from test_sliding_window_engine import layer_paths, windowed_batch
 
 from verl_prefix import PrefixReuseConfig
-from verl_prefix.schedule.windows import window_keep_mask
+from verl_prefix.schedule.attention.windows import window_keep_mask
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("VERL_PLATFORM") == "cpu",

@@ -17,7 +17,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as Q
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as QM
 from transformers.models.qwen3_next import modeling_qwen3_next as QN
 
-from verl_prefix.schedule import recurrent
+from verl_prefix.schedule.models import recurrent
 
 
 def delta_rule_in_dtype(

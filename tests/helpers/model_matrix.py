@@ -18,11 +18,11 @@ from helpers.layouts import make_layout, token_weights
 from helpers.precision import fp64_throughout
 from helpers.schedule_runs import reused_grads
 from verl_prefix.harness import model_zoo as Z
-from verl_prefix.schedule.capability import structure_refusal
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.models.capability import structure_refusal
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.tree import train_tree
-from verl_prefix.schedule.trie import build_trie, trie_stats
+from verl_prefix.schedule.tree.schedule import train_tree
+from verl_prefix.schedule.tree.trie import build_trie, trie_stats
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 GROUPS = [(Z.PROMPT_LEN, list(Z.RESPONSE_LENS))]  # G = 3, two suffix micro-batches of <= 2 rows

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 from helpers.delta_rule import fp64_delta_net
 from helpers.precision import fp64_throughout
 from verl_prefix.harness import verl_engine
-from verl_prefix.schedule.multimodal import text_only_call
+from verl_prefix.schedule.models.multimodal import text_only_call
 
 
 def step(engine_and_loss, batch, precision=fp64_throughout) -> dict:

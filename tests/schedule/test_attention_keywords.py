@@ -3,7 +3,7 @@
 The walk: the keyword parameters of every function in transformers' ``ALL_ATTENTION_FUNCTIONS`` and of
 every family's eager attention, the keywords every family passes at its ``attention_interface(...)`` call,
 and the typed kwargs that flow into those calls through ``**kwargs`` (``TransformersKwargs``,
-``FlashAttentionKwargs``) must each be declared in ``verl_prefix.schedule.attention_keywords`` as honoured,
+``FlashAttentionKwargs``) must each be declared in ``verl_prefix.schedule.attention.keywords`` as honoured,
 without effect, or refused; a keyword transformers adds later fails here until someone decides. Then the
 wrappers themselves: a refused or unknown keyword with a value stops the call naming it, one without a value
 passes, and the value-dependent ones (dropout, is_causal) are refused exactly where they would change the
@@ -27,7 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.utils.generic import TransformersKwargs
 
-from verl_prefix.schedule import attention_keywords as AK
+from verl_prefix.schedule.attention import keywords as AK
 from verl_prefix.schedule.prefix_kv import CaptureContext, ServeContext
 
 CPU = torch.device("cpu")
@@ -130,7 +130,7 @@ def test_declared_sets_do_not_overlap():
 def test_families_that_pass_softcap_or_sinks_apply_them_in_eager():
     """What reuse's scored maths rely on under eager (explicit merged): a family that passes ``softcap`` takes
     it in its eager function, one that passes ``s_aux`` applies its sinks there (transformers' sdpa takes
-    neither, which ``attention_keywords.DENSE_IGNORES`` records)."""
+    neither, which ``attention.keywords.DENSE_IGNORES`` records)."""
     calls = call_site_keywords()
     eager = eager_functions()
     for keyword, marker in (("softcap", "softcap"), ("s_aux", "sinks")):

@@ -1,4 +1,4 @@
-"""The structural capability check (``verl_prefix.schedule.capability``) on synthetic decoders whose layers vary
+"""The structural capability check (``verl_prefix.schedule.models.capability``) on synthetic decoders whose layers vary
 (hypothesis), and on real transformers families: every layer attending causally through HF's attention interface
 is served; the first layer that does not names the reason and the module."""
 
@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from verl_prefix.harness import model_zoo as Z
-from verl_prefix.schedule.capability import FAMILY_REFUSALS, UNSERVED_RECURRENT_FAMILIES, structure_refusal
+from verl_prefix.schedule.models.capability import FAMILY_REFUSALS, UNSERVED_RECURRENT_FAMILIES, structure_refusal
 
 
 class InterfaceAttention(nn.Module):

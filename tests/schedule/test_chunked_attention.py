@@ -4,8 +4,8 @@ against plain HF dense.
 HF keeps key ``k`` for query ``q`` of a chunked layer iff ``k <= q`` and ``k // C == q // C`` (absolute positions);
 a suffix query at ``L + i`` therefore sees only the prefix's last ``L % C`` positions, none when the prefix ends on
 a chunk boundary or once the query passed into the next chunk. Llama-4's NoPE layers scale their queries by
-positions they count from the cache's length (``schedule.positions``). Before this was served, a 24-token chunk
-trained silently wrong (update off by 1.6-1.9) and so did a ``floor_scale`` shorter than the sequence.
+positions they count from the cache's length (``schedule.attention.positions``). Before this was served, a 24-token
+chunk trained silently wrong (update off by 1.6-1.9) and so did a ``floor_scale`` shorter than the sequence.
 
 Every path is checked in fp64 (1e-10) and fp32 (1e-5): merged, concat (sdpa and eager), chunked prefixes, dormant
 recompute, checkpointing, forward-only, the tree, Ulysses; every row reused, and each layer counted under the path
@@ -30,13 +30,14 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import causal_mask_function, chunked_overlay, sliding_window_overlay
 
 from verl_prefix.harness import model_zoo as Z
-from verl_prefix.schedule import positions, prefix_kv, windows
+from verl_prefix.schedule import prefix_kv
+from verl_prefix.schedule.attention import positions, windows
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.schedule.tree import train_tree
-from verl_prefix.schedule.trie import build_trie, trie_stats
+from verl_prefix.schedule.tree.schedule import train_tree
+from verl_prefix.schedule.tree.trie import build_trie, trie_stats
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}

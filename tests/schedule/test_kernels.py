@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_varlen_attention import OnDevice
 
-from verl_prefix.schedule import kernels, preflight
-from verl_prefix.schedule import merged_attention as MA
+from verl_prefix.schedule.attention import kernels, preflight
+from verl_prefix.schedule.attention import merged as MA
 
 
 @pytest.fixture

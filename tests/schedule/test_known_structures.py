@@ -1,4 +1,4 @@
-"""The capability check's allowlist (``verl_prefix.schedule.known_structures``, DESIGN trap 19).
+"""The capability check's allowlist (``verl_prefix.schedule.models.known_structures``, DESIGN trap 19).
 
 Walks the installed transformers and fails on any layer type or mask-shaping attribute the tables do not list:
 every allowed layer type (``configuration_utils.ALLOWED_LAYER_TYPES``), every entry of each decoder family's
@@ -29,8 +29,8 @@ from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import ALLOWED_LAYER_TYPES
 
 from verl_prefix.harness import model_zoo as Z
-from verl_prefix.schedule import known_structures as K
-from verl_prefix.schedule.capability import structure_refusal
+from verl_prefix.schedule.models import known_structures as K
+from verl_prefix.schedule.models.capability import structure_refusal
 from verl_prefix.tools.report.dashboard_spec import all_panels
 
 MODELS = Path(transformers.__file__).parent / "models"
@@ -127,7 +127,7 @@ def test_every_layer_type_of_the_installed_transformers_is_served_or_refused():
         found.setdefault(value, set()).update(families)
     assert {"chunked_attention", "heavily_compressed_attention", "hash_moe", "mamba"} <= found.keys()  # it walked
     missing = {value: sorted(families)[:4] for value, families in found.items() if value not in LAYER_TYPES}
-    assert not missing, f"layer types neither served nor refused (schedule.known_structures): {missing}"
+    assert not missing, f"layer types neither served nor refused (schedule.models.known_structures): {missing}"
 
 
 def test_every_mask_shaping_attribute_of_the_installed_transformers_is_listed():

@@ -1,5 +1,5 @@
 """Mamba-2 hybrids under reuse (issue 22): Nemotron-H, Bamba and Granite-4-hybrid mixers carry their SSM state
-``[heads, head_dim, d_state]`` and conv context across the prefix boundary (``verl_prefix.schedule.mamba``).
+``[heads, head_dim, d_state]`` and conv context across the prefix boundary (``verl_prefix.schedule.models.mamba``).
 
 Reference: plain HF, each full sequence on its own, true fp64 (``helpers.precision.fp64_throughout``: the
 mixers compute their scan in fp32 otherwise). transformers' torch scan is the Mamba-2 recurrence only within
@@ -23,7 +23,8 @@ from transformers.models.nemotron_h import modeling_nemotron_h
 
 from verl_prefix.harness import model_zoo
 from verl_prefix.schedule import dormant as D
-from verl_prefix.schedule import executor, mamba, prefix_kv, recurrent
+from verl_prefix.schedule import executor, prefix_kv
+from verl_prefix.schedule.models import mamba, recurrent
 
 MAMBA = {"initializer_range": 0.2, "use_mamba_kernels": False, "vocab_size": VOCAB, "hidden_size": 32}
 

@@ -1,4 +1,4 @@
-"""Phase B's two-part attention (``verl_prefix.schedule.merged_attention``): the kernel against the
+"""Phase B's two-part attention (``verl_prefix.schedule.attention.merged``): the kernel against the
 concat reference, the schedule through it against plain HF, negative controls that must fail, fp32 dK/dV
 accumulation under bf16 autocast, and the token budget that counts the prefix."""
 
@@ -15,7 +15,7 @@ from test_schedule_hf import dense_grads, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from verl_prefix.schedule import executor
-from verl_prefix.schedule import merged_attention as MA
+from verl_prefix.schedule.attention import merged as MA
 from verl_prefix.schedule.grouping import plan_batch, plan_suffix_micro_batches
 from verl_prefix.schedule.prefix_kv import ServeContext, sdpa_lower_right
 from verl_prefix.schedule.telemetry import PhaseMeter

@@ -20,9 +20,9 @@ from helpers.schedule_runs import infer_reuse, reused_grads
 from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Gemma4TextConfig, LlamaConfig
 
-from verl_prefix.schedule import structure
-from verl_prefix.schedule.capability import structure_refusal
 from verl_prefix.schedule.executor import prefix_forward
+from verl_prefix.schedule.models import structure
+from verl_prefix.schedule.models.capability import structure_refusal
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import prefix_attention_mode
 from verl_prefix.schedule.telemetry import PhaseMeter

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.harness import grpo_batches, verl_engine
-from verl_prefix.schedule import moe
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.models import moe
 from verl_prefix.schedule.options import ScheduleOptions
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -9,7 +9,8 @@ import inspect
 import pytest
 import torch
 
-from verl_prefix.schedule import executor, moe
+from verl_prefix.schedule import executor
+from verl_prefix.schedule.models import moe
 from verl_prefix.schedule.options import ScheduleOptions
 
 CPU = torch.device("cpu")

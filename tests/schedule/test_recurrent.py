@@ -25,9 +25,10 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from verl_prefix.harness import model_zoo
-from verl_prefix.schedule import executor, prefix_kv, recurrent
+from verl_prefix.schedule import executor, prefix_kv
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import plan_batch
+from verl_prefix.schedule.models import recurrent
 from verl_prefix.schedule.options import ScheduleOptions
 
 CPU = torch.device("cpu")
@@ -414,7 +415,7 @@ def _foreign_forward(self, hidden_states, cache_params=None, attention_mask=None
 
 def test_a_patched_forward_is_not_served(monkeypatch):
     """A model whose layers run a forward other than transformers' is refused (verl's own patch is served from
-    HF's forward remembered before it: ``schedule.hf_forwards``, tests/backend/test_recurrent_engine.py)."""
+    HF's forward remembered before it: ``schedule.models.hf_forwards``, tests/backend/test_recurrent_engine.py)."""
     model = qwen3_5(torch.float32)
     monkeypatch.setattr(modeling_qwen3_5.Qwen3_5GatedDeltaNet, "forward", _foreign_forward)
     assert not any(recurrent.served_recurrent_layer(m) for m in model.modules())

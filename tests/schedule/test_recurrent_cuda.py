@@ -19,7 +19,7 @@ from test_recurrent import qwen3_5, run
 from test_schedule_hf import RAGGED, dense_grads, worst_relative
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from verl_prefix.schedule import recurrent
+from verl_prefix.schedule.models import recurrent
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,

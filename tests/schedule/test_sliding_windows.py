@@ -22,11 +22,11 @@ from test_merged_attention import attention_inputs, weighted_grads
 from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, MistralConfig
 
-from verl_prefix.schedule import merged_attention as MA
 from verl_prefix.schedule import prefix_kv
+from verl_prefix.schedule.attention import merged as MA
+from verl_prefix.schedule.attention.windows import active_window, banded_prefix_keep, cut_prefix, window_keep_mask
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.schedule.windows import active_window, banded_prefix_keep, cut_prefix, window_keep_mask
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -24,8 +24,8 @@ from test_merged_attention import attention_inputs, weighted_grads
 from test_schedule_hf import RAGGED, dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
 
-from verl_prefix.schedule import attention_keywords
-from verl_prefix.schedule import merged_attention as MA
+from verl_prefix.schedule.attention import keywords as attention_keywords
+from verl_prefix.schedule.attention import merged as MA
 from verl_prefix.schedule.prefix_kv import causal_keep_mask, scored_attention
 from verl_prefix.schedule.telemetry import PhaseMeter
 

@@ -1,4 +1,4 @@
-"""Lockstep fillers for the tree schedule (``schedule.tree_lockstep``): tries of any shapes on two ranks pad to
+"""Lockstep fillers for the tree schedule (``schedule.tree.lockstep``): tries of any shapes on two ranks pad to
 one sequence of passes, and padding changes nothing a real row sees. The engine-level check (two gloo ranks
 whose tries differ, exact against the stock engine) is ``test_tree_engine.py``'s two-rank test."""
 
@@ -16,11 +16,12 @@ from test_schedule_hf import dense_grads, tiny_model, weighted_loss, worst_relat
 from test_tree_schedule import shared_system_layout, tree_plan
 from test_trie import prompts_strategy, row_paths, trie_of
 
-from verl_prefix.schedule import executor, tree
+from verl_prefix.schedule import executor
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.tree import train_tree
-from verl_prefix.schedule.tree_lockstep import filler_passes, pad_to, trie_shape, union_shapes
-from verl_prefix.schedule.trie import execution_signature, trie_stats
+from verl_prefix.schedule.tree import schedule as tree
+from verl_prefix.schedule.tree.lockstep import filler_passes, pad_to, trie_shape, union_shapes
+from verl_prefix.schedule.tree.schedule import train_tree
+from verl_prefix.schedule.tree.trie import execution_signature, trie_stats
 
 
 def passes(roots) -> str:

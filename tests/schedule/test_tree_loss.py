@@ -1,4 +1,4 @@
-"""Loss on shared tokens (``schedule.tree_loss``, issue 25) against plain HF in fp64: tree rollouts whose
+"""Loss on shared tokens (``schedule.tree.loss``, issue 25) against plain HF in fp64: tree rollouts whose
 responses share a stem and branch at two depths (one response ends where another goes on: a row without a
 tail), and per-turn samples where each sample is the next one's prefix; training with entropy in the loss (rows
 one per micro-batch, so the node leaves accumulate) and forward-only. Through the engine against the stock fsdp2
@@ -13,10 +13,10 @@ from helpers.layouts import VOCAB, token_weights
 from helpers.precision import promote_fp32_upcasts
 from test_schedule_hf import dense_grads, dense_response_outputs, tiny_model, weighted_loss, worst_relative
 
-from verl_prefix.schedule import tree as tree_schedule
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.trie import build_trie, trie_stats
+from verl_prefix.schedule.tree import schedule as tree_schedule
+from verl_prefix.schedule.tree.trie import build_trie, trie_stats
 
 CPU = torch.device("cpu")
 
@@ -118,7 +118,7 @@ def test_rows_of_different_temperatures_under_one_node(case):
     dividing by its first row's temperature only."""
     import dataclasses
 
-    from verl_prefix.schedule import tree_loss
+    from verl_prefix.schedule.tree import loss as tree_loss
 
     model, layout, weights, _ = case
     mixed = dataclasses.replace(layout, temperature=torch.tensor([0.7, 1.3, 1.0, 0.7, 1.0, 0.9, 1.0]))

@@ -1,6 +1,6 @@
-"""The depth-first tree schedule (``schedule.tree``, issue 25) against plain HF in fp64: groups whose prompts share
-a system block, two of them a question stem too, and one whose prompt ends inside the tree (its suffixes hang on an
-inner node, as a per-turn sample does under the next turn's), training and forward-only, the three phase-B
+"""The depth-first tree schedule (``schedule.tree.schedule``, issue 25) against plain HF in fp64: groups whose prompts
+share a system block, two of them a question stem too, and one whose prompt ends inside the tree (its suffixes hang on
+an inner node, as a per-turn sample does under the next turn's), training and forward-only, the three phase-B
 attentions, ``dormant_prefix=recompute`` per node; the MoE router aux loss (each node's statistics once per row
 below it); a negative control where a node attends to its sibling's K/V must fail. fp32 runs through the engine
 (``tests/backend/test_tree_engine.py``)."""
@@ -14,14 +14,15 @@ from helpers.precision import promote_fp32_upcasts
 from test_moe import tiny_moe
 from test_schedule_hf import dense_grads, dense_response_outputs, tiny_model, weighted_loss, worst_relative
 
-from verl_prefix.schedule import executor, moe
-from verl_prefix.schedule import tree as tree_schedule
+from verl_prefix.schedule import executor
 from verl_prefix.schedule.dormant import Dormant, DormantStats
 from verl_prefix.schedule.executor import train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.models import moe
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.tree_dormant import keep_every_node
-from verl_prefix.schedule.trie import build_trie, trie_stats
+from verl_prefix.schedule.tree import schedule as tree_schedule
+from verl_prefix.schedule.tree.dormant import keep_every_node
+from verl_prefix.schedule.tree.trie import build_trie, trie_stats
 
 CPU = torch.device("cpu")
 
@@ -85,7 +86,7 @@ def test_tree_matches_dense_training_and_forward_only(case):
         for attention in ("concat", "merged", "merged_varlen"):  # merged_varlen: the CPU reference packing
             got = tree_grads(model, layout, weights, calculate_entropy=True, phase_b_attention=attention)
             assert worst_relative(got, want) < 1e-10, attention
-        # dormant_prefix=recompute per node (schedule.tree_dormant): every node rebuilt in phase C, checked
+        # dormant_prefix=recompute per node (schedule.tree.dormant): every node rebuilt in phase C, checked
         stats = DormantStats()
         got = tree_grads(model, layout, weights, lambda node: Dormant("recompute", stats=stats), calculate_entropy=True)
         assert worst_relative(got, want) < 1e-10

@@ -23,11 +23,11 @@ def _compare(model: torch.nn.Module, sp, layout) -> dict:
     from helpers.layouts import token_weights
     from test_schedule_hf import weighted_loss, worst_relative
 
-    from verl_prefix.schedule import moe
-    from verl_prefix.schedule import tree as tree_schedule
     from verl_prefix.schedule.grouping import plan_batch
+    from verl_prefix.schedule.models import moe
     from verl_prefix.schedule.options import ScheduleOptions
-    from verl_prefix.schedule.trie import build_trie, trie_stats
+    from verl_prefix.schedule.tree import schedule as tree_schedule
+    from verl_prefix.schedule.tree.trie import build_trie, trie_stats
 
     routers = moe.MoeRouters(model)
     weights = token_weights(layout, torch.float64)

@@ -1,4 +1,4 @@
-"""The trie's keys for visual tokens (``schedule.tree_visuals``): an image is identified by its content, a
+"""The trie's keys for visual tokens (``schedule.tree.visuals``): an image is identified by its content, a
 node's visual tokens are recorded as per-item token ranges, and a row whose placeholder tokens do not match its
 pixel inputs is an error naming the sample."""
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
-from verl_prefix.schedule.tree_visuals import VisualItem, VisualTokens, node_segments, row_items, visual_token_keys
-from verl_prefix.schedule.trie import build_trie
+from verl_prefix.schedule.tree.trie import build_trie
+from verl_prefix.schedule.tree.visuals import VisualItem, VisualTokens, node_segments, row_items, visual_token_keys
 
 IMAGE, VIDEO = 90, 91
 SPEC = VisualTokens((IMAGE, VIDEO), merge_size=2)

@@ -1,4 +1,4 @@
-"""The token trie (``schedule.trie``, issue 25): its structure from token ids alone, and properties every trie
+"""The token trie (``schedule.tree.trie``, issue 25): its structure from token ids alone, and properties every trie
 must keep (a group's prefix is the concatenation of its path; the tree never computes more tokens than one-level
 reuse)."""
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
-from verl_prefix.schedule.trie import build_trie, execution_signature, trie_stats
+from verl_prefix.schedule.tree.trie import build_trie, execution_signature, trie_stats
 
 
 def layout_of(prompts: list[list[int]], responses: int | list[list[list[int]]] = 2) -> RowLayout:

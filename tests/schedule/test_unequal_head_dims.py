@@ -22,9 +22,9 @@ from test_merged_attention import reference_math, weighted_grads
 from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-from verl_prefix.schedule import merged_attention as MA
-from verl_prefix.schedule import varlen_attention as V
-from verl_prefix.schedule.structure import kernel_head_dim
+from verl_prefix.schedule.attention import merged as MA
+from verl_prefix.schedule.attention import varlen as V
+from verl_prefix.schedule.models.structure import kernel_head_dim
 from verl_prefix.schedule.telemetry import PhaseMeter
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""``phase_b_attention: merged_varlen`` (``verl_prefix.schedule.varlen_attention``): the CPU reference varlen
+"""``phase_b_attention: merged_varlen`` (``verl_prefix.schedule.attention.varlen``): the CPU reference varlen
 kernel against plain maths, the packed two-part attention against concat and merged (ragged rows, GQA 1/2/4,
 1/2/G rows), pads that cannot leak, negative controls (wrong ``cu_seqlens``, per-part LSE, non-causal
 suffix), the schedule through it against HF dense, and the CUDA dispatch (skipped without a GPU)."""
@@ -24,8 +24,8 @@ from test_merged_attention import (
 )
 from test_schedule_hf import dense_grads, worst_relative
 
-from verl_prefix.schedule import merged_attention as MA
-from verl_prefix.schedule import varlen_attention as V
+from verl_prefix.schedule.attention import merged as MA
+from verl_prefix.schedule.attention import varlen as V
 from verl_prefix.schedule.prefix_kv import ServeContext
 
 CPU = torch.device("cpu")

@@ -386,7 +386,7 @@ def test_gpu_preset_runs_merged_varlen_with_a_valid_config():
     (checked here on CPU, where the preset cannot run), and on CUDA without flash_attn the cell skips
     merged_varlen with a reason instead of failing the whole run."""
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.schedule import varlen_attention as V
+    from verl_prefix.schedule.attention import varlen as V
 
     for cell in BP.PRESETS["gpu"].cells:
         if cell.engine == "torchtitan":

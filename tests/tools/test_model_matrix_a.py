@@ -52,7 +52,7 @@ def test_short_builds_cross_every_length_the_prompt_would_not():
     family's full-size defaults interleave within its two layers; the default build keeps the defaults."""
     from transformers import CONFIG_MAPPING
 
-    from verl_prefix.schedule.mamba import single_chunk_limit
+    from verl_prefix.schedule.models.mamba import single_chunk_limit
 
     for family in Z.decoder_families():
         if Z.skip_reason(family) is not None or family in Z.SKIPPED:

@@ -11,10 +11,10 @@ from verl.workers.config import FSDPEngineConfig
 from verl_prefix.schedule.chunked import validate_chunk_tokens
 from verl_prefix.schedule.dormant import validate_policy
 from verl_prefix.schedule.prefix_kv import PHASE_B_ATTENTION
-from verl_prefix.schedule.trie import DEFAULT_MIN_SHARED_TOKENS
+from verl_prefix.schedule.tree.trie import DEFAULT_MIN_SHARED_TOKENS
 
 PREFIX_BACKEND = "prefix_fsdp2"
-# ``prefix_reuse.unsupported_model``: what a model the schedule cannot serve does (``schedule.capability``)
+# ``prefix_reuse.unsupported_model``: what a model the schedule cannot serve does (``schedule.models.capability``)
 UNSUPPORTED_MODEL = ("dense", "raise")
 # The override that switches reuse off, as an error message names it: the full path, and the actor config class
 # that carries the key (``configs/prefix_grpo.yaml`` has both, and the key, so drop the ``+`` there)
@@ -79,8 +79,8 @@ class PrefixReuseConfig(BaseConfig):
             and ``prefix/prefix_chunks``.
         unsupported_model: what the engine does with a model whose structure the schedule cannot serve
             (recurrent or convolution layers, attention outside HF's attention interface, cross-attention,
-            compressed attention...; ``verl_prefix.schedule.capability``) or does not know (a layer type or
-            mask-shaping attribute outside ``schedule.known_structures``: ``unknown_structure:<name>``), decided
+            compressed attention...; ``verl_prefix.schedule.models.capability``) or does not know (a layer type or
+            mask-shaping attribute outside ``schedule.models.known_structures``: ``unknown_structure:<name>``), decided
             once at engine initialisation and agreed by every data-parallel rank: ``dense`` runs every mini-batch
             through the stock path, counted as ``prefix/fallback_<reason>`` with one log line at initialisation
             naming the module; ``raise`` stops every rank with one ``UnsupportedModel`` error naming it.

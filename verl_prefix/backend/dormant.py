@@ -19,8 +19,8 @@ from torch import nn
 from verl_prefix.backend.distributed.collectives import collective_device, is_distributed
 from verl_prefix.schedule.dormant import GraphEstimate, choose_policy, compute_dtype, estimate_prefix_graph
 from verl_prefix.schedule.grouping import BatchPlan
-from verl_prefix.schedule.tree_dormant import node_estimate
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.tree.dormant import node_estimate
+from verl_prefix.schedule.tree.trie import TrieNode
 
 logger = logging.getLogger(__name__)
 # reasons this process has already logged (once each; tests clear it)
@@ -77,7 +77,7 @@ def agree_on_node_policies(
 ) -> list[tuple[str, str]]:
     """``group_policies`` for the tree schedule, agreed: ``(policy, reason)`` per trie node, ``nodes`` in the
     depth-first order every rank runs them (ranks run the tree only where their tries' passes agree, so the
-    i-th node is the same pass on every rank). ``auto`` estimates each node's graph (``tree_dormant.node_estimate``:
+    i-th node is the same pass on every rank). ``auto`` estimates each node's graph (``tree.dormant.node_estimate``:
     a loss-carrying node runs every layer and the LM head), and a node a peer rank recomputes is recomputed here
     too ("peer_recompute")."""
     if knob != "auto":

@@ -61,19 +61,19 @@ from verl_prefix.backend.outputs import (
 )
 from verl_prefix.backend.trees import local_trie, padded_trie
 from verl_prefix.backend.validation import check_batch
-from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, release_pinned_memory
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.models import moe
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.prefix_kv import LAYER_PATHS
-from verl_prefix.schedule.telemetry import PhaseMeter, tree_metrics
-from verl_prefix.schedule.tree import infer_tree, train_tree
-from verl_prefix.schedule.tree_dormant import NodePolicy
-from verl_prefix.schedule.tree_lockstep import filler_passes, trie_shape
-from verl_prefix.schedule.tree_visuals import VisualTokens
-from verl_prefix.schedule.trie import TrieNode, run_order, trie_stats
+from verl_prefix.schedule.telemetry import PhaseMeter
+from verl_prefix.schedule.tree.dormant import NodePolicy
+from verl_prefix.schedule.tree.lockstep import filler_passes, trie_shape
+from verl_prefix.schedule.tree.schedule import infer_tree, train_tree
+from verl_prefix.schedule.tree.trie import TrieNode, run_order, tree_metrics, trie_stats
+from verl_prefix.schedule.tree.visuals import VisualTokens
 
 
 @dataclass
@@ -173,7 +173,7 @@ class ReuseDriver:
     def before_mini_batch(self, data: TensorDict) -> None:
         """What the engine checks before the mini-batch's first collective."""
 
-    # -- groups through the one schedule (``schedule.executor``, ``schedule.tree``) --------------------
+    # -- groups through the one schedule (``schedule.executor``, ``schedule.tree.schedule``) --------------------
 
     def schedule_model(self) -> nn.Module:
         """The model as the schedule calls it: an HF causal LM (``model(input_ids, position_ids, prefix_ctx,

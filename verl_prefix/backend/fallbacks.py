@@ -23,8 +23,8 @@ from verl_prefix.backend.model_checks import (
     uses_activation_offload,
     uses_reentrant_checkpointing,
 )
-from verl_prefix.schedule import mamba, moe, multimodal, recurrent
-from verl_prefix.schedule.positions import position_scale_limit
+from verl_prefix.schedule.attention.positions import position_scale_limit
+from verl_prefix.schedule.models import mamba, moe, multimodal, recurrent
 from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def model_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, *, forwar
 
 def recurrent_fallback_reason(module: nn.Module) -> str | None:
     """``recurrent_layers`` when the model's recurrent (linear-attention) layers are not served
-    (``schedule.recurrent.recurrent_refusal``: the mini-batch runs dense, the detail logged once), else None.
+    (``schedule.models.recurrent.recurrent_refusal``: the mini-batch runs dense, the detail logged once), else None.
     Models without recurrent layers: always None. Settings that cannot serve served recurrent layers are
     refused at initialisation instead (``recurrent_settings_error``)."""
     detail = recurrent.recurrent_refusal(module)
@@ -99,7 +99,7 @@ def dense_under_ulysses_error(module: nn.Module, reason: str) -> str | None:
 def length_fallback_reason(model: nn.Module, data: TensorDict, ulysses: bool = False) -> str | None:
     """A reason from the model and this mini-batch's longest sequence (tokens or largest position + 1):
     a window the config declares but no attention module carries, shorter than it (``undeclared_windows``;
-    the windows the modules carry are served by reuse, ``schedule.windows``), RoPE whose frequencies
+    the windows the modules carry are served by reuse, ``schedule.attention.windows``), RoPE whose frequencies
     would differ between phase A, phase B and the dense call (``rope_length_limit``), or a sequence longer than
     a served Mamba-2 mixer's ``chunk_size``, where transformers' torch scan (the stock engine's) is not the
     recurrence reuse computes (``mamba.single_chunk_limit``), or, under Ulysses, a sequence reaching the length from
@@ -168,9 +168,9 @@ def batch_fallback_reason(data: TensorDict) -> str | None:
 
 def multimodal_fallback_reason(module: nn.Module, reuse: PrefixReuseConfig, data: TensorDict) -> str | None:
     """A reason a batch with visual inputs (or multimodal position ids) runs dense, or None where phase A serves
-    them (``schedule.multimodal``): ``multimodal`` for a model whose visual inputs reuse does not feed yet (a
+    them (``schedule.models.multimodal``): ``multimodal`` for a model whose visual inputs reuse does not feed yet (a
     family outside ``SERVED_VISUAL_MODELS``, or multimodal positions on a text model); chunked prefixes are
-    served for every family served (``schedule.visual_chunks``). Per-group reasons (rows of a uid with different
+    served for every family served (``schedule.models.visual_chunks``). Per-group reasons (rows of a uid with different
     images, visual tokens past the prefix) are ``grouping.plan_batch``'s."""
     # verl's agent loop writes multi_modal_inputs={} for every text sample: only real inputs count
     visual = "multi_modal_inputs" in data.keys() and _has_mm_inputs(data)

@@ -9,7 +9,7 @@ from tensordict import NonTensorData, TensorDict
 from verl.utils import tensordict_utils as tu
 
 from verl_prefix.schedule.grouping import RowLayout
-from verl_prefix.schedule.multimodal import VisualInputs
+from verl_prefix.schedule.models.multimodal import VisualInputs
 
 
 def row_layout(data: TensorDict) -> RowLayout:

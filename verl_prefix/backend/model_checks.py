@@ -129,8 +129,8 @@ def attention_windows(model: nn.Module) -> list[int]:
 @functools.cache
 def hands_window_to_attention(cls: type) -> bool:
     """Whether ``cls.forward`` hands a ``sliding_window=`` keyword to the attention function (the window reuse
-    serves, ``schedule.windows``). Qwen2-MoE's attention stores its window but passes none: its dense masks are
-    windowed, the keyword the schedule reads is absent, so its window counts as undeclared (dense with the reason
+    serves, ``schedule.attention.windows``). Qwen2-MoE's attention stores its window but passes none: its dense masks
+    are windowed, the keyword the schedule reads is absent, so its window counts as undeclared (dense with the reason
     where it is shorter than the sequences). True where the source cannot be read."""
     try:
         source = inspect.getsource(cls.forward)
@@ -142,7 +142,7 @@ def hands_window_to_attention(cls: type) -> bool:
 def declared_windows(model: nn.Module) -> list[int]:
     """A window the config declares (``use_sliding_window``, ``sliding_attention`` layers) even where the
     modules ended up without it: verl's ``override_config`` sets attributes after the config derived its
-    ``layer_types``. Reuse serves the windows the modules hand attention (``schedule.windows``); where the
+    ``layer_types``. Reuse serves the windows the modules hand attention (``schedule.attention.windows``); where the
     config and the modules disagree, dense is the safe side."""
     config = model.config.get_text_config()
     declared = getattr(config, "use_sliding_window", False) or "sliding_attention" in (

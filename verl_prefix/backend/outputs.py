@@ -20,7 +20,7 @@ from verl_prefix.backend import fallbacks
 from verl_prefix.schedule.flop_model import BatchFlops, ModelShape, batch_flops, flop_metrics, sequence_flops
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
 from verl_prefix.schedule.telemetry import PhaseMeter
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.tree.trie import TrieNode
 
 logger = logging.getLogger(__name__)
 _UNPRICED: set[str] = set()  # model types whose config the FLOP model could not read, logged once each

@@ -4,10 +4,10 @@ rank runs the same passes.
 FSDP2 issues collectives in every forward and backward, so every rank must run the same sequence of model
 passes. The tree schedule's sequence (``trie.execution_signature``) depends on each rank's trie; the ranks
 exchange their tries' shapes (in the mini-batch's exchange, ``backend.distributed.mini_batch``) and
-pad them to their union with zero-loss fillers (``schedule.tree_lockstep``).
-Every mini-batch one-level reuse serves, the tree serves: images are keyed by content (``schedule.tree_visuals``),
+pad them to their union with zero-loss fillers (``schedule.tree.lockstep``).
+Every mini-batch one-level reuse serves, the tree serves: images are keyed by content (``schedule.tree.visuals``),
 rows of different temperatures under one loss-carrying node take the node's values at their own
-(``schedule.tree_loss``)."""
+(``schedule.tree.loss``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from verl_prefix.backend.distributed.collectives import gather_objects
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
-from verl_prefix.schedule.tree_lockstep import pad_to, trie_shape, union_shapes
-from verl_prefix.schedule.tree_visuals import VisualTokens, visual_token_keys
-from verl_prefix.schedule.trie import TrieNode, build_trie
+from verl_prefix.schedule.tree.lockstep import pad_to, trie_shape, union_shapes
+from verl_prefix.schedule.tree.trie import TrieNode, build_trie
+from verl_prefix.schedule.tree.visuals import VisualTokens, visual_token_keys
 
 
 def local_trie(
@@ -32,7 +32,7 @@ def local_trie(
     router aux loss on): each row's last loss position stays in its tail, so its last token runs through the
     routers in its suffix forward; ``chunk_tokens`` (``prefix_chunk_tokens``): longer nodes run as chains of
     chunks (``trie.build_trie``); ``visual`` (a vision-language model, ``VisualTokens.of``): the trie keys visual
-    tokens by their image's content (``schedule.tree_visuals``). No model is refused here: Ulysses, sliding
+    tokens by their image's content (``schedule.tree.visuals``). No model is refused here: Ulysses, sliding
     windows, recurrent layers and images are served."""
     return build_trie(
         layout,
@@ -46,7 +46,7 @@ def local_trie(
 
 def padded_trie(roots: list[TrieNode], shapes: list[object]) -> list[TrieNode]:
     """``roots`` padded to the union of every rank's trie shape (``shapes``, from the mini-batch's exchange) with
-    lockstep fillers (``schedule.tree_lockstep``; the filler roots come last)."""
+    lockstep fillers (``schedule.tree.lockstep``; the filler roots come last)."""
     return pad_to(roots, union_shapes(shapes))
 
 

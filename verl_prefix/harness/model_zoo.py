@@ -144,7 +144,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # served Mamba-2 hybrids: one scan chunk longer than the matrix's sequences (transformers' torch scan is the
-    # Mamba-2 recurrence within one chunk only, ``verl_prefix.schedule.mamba``)
+    # Mamba-2 recurrence within one chunk only, ``verl_prefix.schedule.models.mamba``)
     "bamba": {**_MAMBA, "attn_layer_indices": [1], "mamba_chunk_size": 64},
     "granitemoehybrid": {**_MAMBA, "layer_types": ["mamba", "attention"], "mamba_chunk_size": 64},
     "falcon_h1": {**_MAMBA, "mamba_d_ssm": 128, "mamba_expand": 2},
@@ -230,7 +230,7 @@ EXACT, DENSE, REFUSED, SKIP = "exact under reuse", "dense with a reason", "refus
 COLUMNS = (EXACT, DENSE, REFUSED, SKIP)
 
 # the vision-language families verl's FSDP engine trains (image-text-to-text, not in the causal-LM mapping): what
-# reuse does with a batch of their visual inputs, and why (``schedule.multimodal``, ``docs/multimodal.md``)
+# reuse does with a batch of their visual inputs, and why (``schedule.models.multimodal``, ``docs/multimodal.md``)
 VISION_LANGUAGE_NOTES: dict[str, str] = {
     "qwen2_5_vl": "the vision encoder runs once per group in phase A; against verl's stock fsdp2 engine in fp64 and "
     "fp32 (`tests/backend/test_multimodal_engine.py`)",
@@ -241,14 +241,14 @@ VISION_LANGUAGE_NOTES: dict[str, str] = {
     "qwen3_vl_moe": "verl's Qwen3-VL forward, experts in every layer; against the stock engine in fp64 "
     "(`tests/backend/test_multimodal_engine.py`), router aux loss included",
     "qwen3_5": "verl's Qwen3.5 forward, no deepstack; its gated delta-net layers carry their state across the "
-    "prefix boundary (`schedule/recurrent.py`); against the stock engine in fp64 "
+    "prefix boundary (`schedule/models/recurrent.py`); against the stock engine in fp64 "
     "(`tests/backend/test_multimodal_engine.py`)",
     "qwen3_5_moe": "as `qwen3_5`, experts and a shared expert in every layer; against the stock engine in fp64 "
     "(`tests/backend/test_multimodal_engine.py`)",
     "glm4v": "`multimodal`: verl patches its forward (its own rotary index and encoder call), which "
-    "`schedule.multimodal` does not feed yet",
+    "`schedule.models.multimodal` does not feed yet",
     "kimi_vl": "`multimodal`: a remote-code model verl patches (DeepSeek-V3 decoder, MoonViT tower), not fed by "
-    "`schedule.multimodal` yet",
+    "`schedule.models.multimodal` yet",
 }
 
 
@@ -458,7 +458,7 @@ def case_outcome(model: nn.Module) -> tuple[str, str]:
     """One build's outcome on the matrix's batches: ``(EXACT, "")``, ``(DENSE, message)`` refused at initialisation
     by the capability check, or ``(DENSE, "`reason` per batch")`` (``batch_fallback_reason`` on a sequence of
     ``LONGEST`` tokens)."""
-    from verl_prefix.schedule.capability import structure_refusal
+    from verl_prefix.schedule.models.capability import structure_refusal
 
     refusal = structure_refusal(model)
     if refusal is not None:
@@ -470,7 +470,7 @@ def case_outcome(model: nn.Module) -> tuple[str, str]:
 def mamba_chunk_note(model: nn.Module) -> str:
     """Beside a served Mamba-2 hybrid's row: reuse serves it only within one scan chunk (empty for other
     families)."""
-    from verl_prefix.schedule.mamba import single_chunk_limit
+    from verl_prefix.schedule.models.mamba import single_chunk_limit
 
     limit = single_chunk_limit(model)
     if limit is None:
@@ -543,9 +543,9 @@ def parse(page: str) -> list[MatrixRow]:
 
 
 def vision_language_rows() -> list[MatrixRow]:
-    """The vision-language families' rows: exact under reuse where ``schedule.multimodal`` serves their visual
+    """The vision-language families' rows: exact under reuse where ``schedule.models.multimodal`` serves their visual
     inputs, dense with the reason otherwise."""
-    from verl_prefix.schedule.multimodal import SERVED_VISUAL_MODELS
+    from verl_prefix.schedule.models.multimodal import SERVED_VISUAL_MODELS
 
     return [
         MatrixRow(family, EXACT if family in SERVED_VISUAL_MODELS else DENSE, note)
@@ -566,9 +566,9 @@ def render(rows: list[MatrixRow]) -> str:
         f"Every `model_type` of transformers {transformers.__version__}'s causal-LM auto mapping, built from a tiny "
         "random config of its own config class (`verl_prefix.harness.model_zoo`: hidden 64, 2 layers, 4 heads / 2 "
         f"KV heads, small experts, dropout 0, a sliding window of {WINDOW} tokens where the family has one). "
-        "The capability check (`verl_prefix.schedule.capability`) decides at engine initialisation whether reuse "
-        "serves it; *exact under reuse* families are trained under reuse against plain HF dense gradients in fp32 "
-        f"(1e-5) and fp64 (1e-10) with a {PROMPT_LEN}-token prompt (longer than the window) and a group that "
+        "The capability check (`verl_prefix.schedule.models.capability`) decides at engine initialisation whether "
+        "reuse serves it; *exact under reuse* families are trained under reuse against plain HF dense gradients in "
+        f"fp32 (1e-5) and fp64 (1e-10) with a {PROMPT_LEN}-token prompt (longer than the window) and a group that "
         "reuses, and under the tree schedule (`prefix_reuse.tree`) in fp64 (1e-10) with two groups behind a "
         f"{PROMPT_LEN}-token system block computed once (`tests/tools/test_model_matrix_a.py`, `_b.py`); a family "
         "that crashes or differs fails the tests.",

@@ -17,7 +17,7 @@ own backward, so only one chunk's activations exist at a time: memory then grows
 (or offload) every chunk's graph from A to C. Router statistics (MoE aux loss) of the chunks sum;
 every chunk's probability-sum root is seeded with the one router leaf's gradient.
 
-A recurrent layer (``schedule.recurrent``) has no K/V to slice: chunk ``i`` ends in its own state (conv
+A recurrent layer (``schedule.models.recurrent``) has no K/V to slice: chunk ``i`` ends in its own state (conv
 context and recurrent state), kept as leaves of their own (``states[i]``); chunk ``i+1`` continues from
 them (a chunk shorter than the conv window takes part of its context from even earlier chunks through
 them) and phase B from the last chunk's. In phase C chunk ``i``'s state roots are seeded with those
@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from verl_prefix.schedule.dormant import Dormant
-from verl_prefix.schedule.moe import RouterStats
+from verl_prefix.schedule.models.moe import RouterStats
+from verl_prefix.schedule.models.recurrent import RecurrentState
 from verl_prefix.schedule.prefix_kv import PrefixKV
-from verl_prefix.schedule.recurrent import RecurrentState
 
 # run_chunk(start, end, earlier) -> the chunk's captured K/V (graph-attached under grad). ``earlier`` is
 # None for the first chunk; a filler chunk is run by ``ChunkedPrefix``'s ``run_filler``.

@@ -550,7 +550,7 @@ def kv_difference(
     for a, b in [*zip(phase_a.tensors(), recomputed.tensors()), *also]:
         if a.shape != b.shape:
             return float("inf")
-        if a.numel() == 0:  # a block without a token mixer (``schedule.mamba``): an empty state
+        if a.numel() == 0:  # a block without a token mixer (``schedule.models.mamba``): an empty state
             continue
         diffs.append((a.detach() - b.detach()).abs().max())
         scales.append(a.detach().abs().max())

@@ -8,8 +8,8 @@ A: the prefix ``prompt[:-1]`` runs once with grad, its per-layer K/V captured (e
 The phase steps exist once, here, and both schedules run them: ``node_forward`` (phase A of a node, its leaves),
 ``train_suffixes``/``suffix_step`` and ``infer_suffixes`` (phase B under the node's path), ``filler_step`` (every
 zero-loss lockstep micro-batch) and ``node_backward`` (phase C). One-level reuse is the depth-1 case of the tree
-schedule (``schedule.tree``): a group's prefix is a one-node path, whose leaves ``join_path`` hands over as they
-are; a chunked prefix is one node too, a ``ChunkedPrefix`` holding one set of leaves for the whole prefix.
+schedule (``schedule.tree.schedule``): a group's prefix is a one-node path, whose leaves ``join_path`` hands over as
+they are; a chunked prefix is one node too, a ``ChunkedPrefix`` holding one set of leaves for the whole prefix.
 
 The model is any HF causal LM (or an FSDP2 wrapper of one) called through its root ``forward``, so
 wrappers see ordinary forward/backward hooks. Loss, normalisation and outputs are the caller's.
@@ -23,7 +23,7 @@ no options: the leaves' gradients are all it needs.
 With an MoE router aux loss (``options.routers`` + ``options.aux_fn``), phase A also keeps the prefix's router
 statistics (their probability sum is one more boundary leaf), each suffix row also feeds its last
 response token (dense routes it too), and each micro-batch's aux sees the prefix once per row
-(``verl_prefix.schedule.moe``).
+(``verl_prefix.schedule.models.moe``).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import torch
 from torch import nn
 from verl.utils.torch_functional import logprobs_from_logits
 
-from verl_prefix.schedule import moe, recurrent
 from verl_prefix.schedule.chunked import ChunkedPrefix, num_chunks
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.fused_head import fused_head, scalar_temperature
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
-from verl_prefix.schedule.multimodal import (
+from verl_prefix.schedule.models import moe, recurrent
+from verl_prefix.schedule.models.multimodal import (
     VisualInputs,
     counting_encoder_calls,
     is_visual_model,
@@ -50,6 +50,8 @@ from verl_prefix.schedule.multimodal import (
     text_only_call,
     visual_kwargs,
 )
+from verl_prefix.schedule.models.structure import layer_roles
+from verl_prefix.schedule.models.visual_chunks import EncodedVisuals
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import (
     CaptureContext,
@@ -59,9 +61,7 @@ from verl_prefix.schedule.prefix_kv import (
     ServeContext,
     prefix_attention_mode,
 )
-from verl_prefix.schedule.structure import layer_roles
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
-from verl_prefix.schedule.visual_chunks import EncodedVisuals
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
 # log-probs of rows[k] (length = its response), entropy likewise or None.
@@ -139,10 +139,10 @@ def prefix_forward(
     the way phase B's rows do (``options.phase_b_attention``). With ``options.ulysses`` this rank runs its
     slice of the prefix and keeps its head shard of the whole prefix's K/V; router statistics are summed
     over the slices (and ``options.keep_logits`` keeps the logits of this slice's share of its last that many positions,
-    ``Ulysses.kept_in_slice``: ``tree_loss.node_values`` gathers what it computes from them). ``visual``: the
-    group's visual inputs (``schedule.multimodal``), encoded here once; the encoder's calls are counted as
+    ``Ulysses.kept_in_slice``: ``tree.loss.node_values`` gathers what it computes from them). ``visual``: the
+    group's visual inputs (``schedule.models.multimodal``), encoded here once; the encoder's calls are counted as
     ``prefix/vision_encoder_calls`` on ``options.meter`` (a chunk of a prefix whose images were encoded once,
-    ``schedule.visual_chunks``, runs without a meter: the encoding counts)."""
+    ``schedule.models.visual_chunks``, runs without a meter: the encoding counts)."""
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
@@ -387,7 +387,7 @@ def seeded_backward(
     """``prefix_backward`` with the seeds given: per boundary tensor of ``prefix`` its accumulated
     gradient, or None where nothing reached it (zeros are used; see below). A chunked prefix seeds each
     chunk with its slice of the whole prefix's leaf gradients. ``extra``: more (root, gradient) pairs that run
-    in the same backward (a loss-carrying tree node's log-probs and entropy, ``schedule.tree_loss``)."""
+    in the same backward (a loss-carrying tree node's log-probs and entropy, ``schedule.tree.loss``)."""
     if model is not None:
         unshard_cut_short(model, [prefix.interrupted, prefix.last_source])
     roots, grads = [], []

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from verl_prefix.schedule.grouping import BatchPlan, RowLayout
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.tree.trie import TrieNode
 
 
 @dataclass(frozen=True)

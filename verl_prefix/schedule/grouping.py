@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verl_prefix.schedule.multimodal import VisualInputs, same_visual_inputs, visual_tokens_outside
+from verl_prefix.schedule.models.multimodal import VisualInputs, same_visual_inputs, visual_tokens_outside
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from verl.utils.torch_functional import entropy_from_logits
 
-from verl_prefix.schedule import moe
-from verl_prefix.schedule.structure import LayerRoles
+from verl_prefix.schedule.models import moe
+from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -39,17 +39,17 @@ class ScheduleOptions:
     scale it). ``early_exit``: phase A stops after the last layer's K/V (or the last router, whichever runs
     later). ``meter``: per-phase time/memory and which phase-B attention ran (``None``: not metered).
     ``phase_b_attention``: see ``prefix_kv.ServeContext``. ``phase_b_refusal``: why the merged kernels cannot
-    serve on some data-parallel rank, as the ranks agreed before the mini-batch (``schedule.preflight``):
+    serve on some data-parallel rank, as the ranks agreed before the mini-batch (``schedule.attention.preflight``):
     ``auto`` then runs concat on every rank, counted as ``concat_<reason>``. ``prefix_grad_dtype``: the least
     dtype dK/dV accumulate in across micro-batches (``None``: K/V's own, e.g. bf16 under autocast).
     ``prefix_chunk_tokens``: phases A and C in chunks of that many prefix tokens (``schedule.chunked``).
     ``ulysses``: every phase sequence-parallel over that group (``schedule.ulysses``). ``routers`` and
     ``aux_fn`` (together or neither): each training micro-batch's loss gains ``aux_fn(rows, stats)``, the
-    stats counting the prefix once per row (``schedule.moe``); forward-only passes ignore them.
+    stats counting the prefix once per row (``schedule.models.moe``); forward-only passes ignore them.
     ``layer_roles``: the model's KV-shared and recurrent layers (``structure.layer_roles``), decided once by the
     caller; ``None``: found from the model at every phase A. ``keep_logits``: phase A runs the whole model
     (no early exit) and keeps the logits of its last that many positions on the returned ``PrefixKV``
-    (``logits``): a tree node whose tokens carry loss (``schedule.tree_loss``); 0 for every other phase A. Under
+    (``logits``): a tree node whose tokens carry loss (``schedule.tree.loss``); 0 for every other phase A. Under
     ``ulysses`` it keeps this rank's share of them (``Ulysses.kept_in_slice``: the positions are spread over the
     slices). ``fused_backend``: verl's fused kernels (``model.use_fused_kernels``, ``schedule.fused_head``) compute
     log-probs and entropy from the final hidden states, no logits materialised; phase A then keeps those positions'

@@ -23,27 +23,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
-from verl_prefix.schedule.attention_keywords import (
+from verl_prefix.schedule.attention.keywords import (
     AttentionKeywordRefused,
     check_attention_keywords,
     dense_keywords,
     scored_keywords,
 )
-from verl_prefix.schedule.hf_forwards import hf_causal_forward, hf_recurrent
-from verl_prefix.schedule.merged_attention import cap_scores, merged_attention, merged_refusal
-from verl_prefix.schedule.multimodal import hf_attention, vision_encoder
-from verl_prefix.schedule.positions import absolute_positions
-from verl_prefix.schedule.recurrent import (
-    BoundaryCache,
-    RecurrentState,
-    capturing_cache,
-    recurrent_state_mode,
-    serving_cache,
-)
-from verl_prefix.schedule.structure import last_source_layer
-from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
-from verl_prefix.schedule.varlen_attention import Packing, merged_varlen_attention, varlen_refusal
-from verl_prefix.schedule.windows import (
+from verl_prefix.schedule.attention.merged import cap_scores, merged_attention, merged_refusal
+from verl_prefix.schedule.attention.positions import absolute_positions
+from verl_prefix.schedule.attention.varlen import Packing, merged_varlen_attention, varlen_refusal
+from verl_prefix.schedule.attention.windows import (
     active_chunk,
     active_window,
     attention_chunk,
@@ -53,23 +42,34 @@ from verl_prefix.schedule.windows import (
     cut_prefix,
     cut_to_chunk,
 )
+from verl_prefix.schedule.models.hf_forwards import hf_causal_forward, hf_recurrent
+from verl_prefix.schedule.models.multimodal import hf_attention, vision_encoder
+from verl_prefix.schedule.models.recurrent import (
+    BoundaryCache,
+    RecurrentState,
+    capturing_cache,
+    recurrent_state_mode,
+    serving_cache,
+)
+from verl_prefix.schedule.models.structure import last_source_layer
+from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
 
 if TYPE_CHECKING:
-    from verl_prefix.schedule.moe import RouterStats
+    from verl_prefix.schedule.models.moe import RouterStats
 
 logger = logging.getLogger(__name__)
 
 # ``prefix_reuse.phase_b_attention``: how a suffix micro-batch attends to the prefix
 PHASE_B_ATTENTION = ("auto", "merged", "concat", "merged_varlen")
 # what served one layer of a phase-B micro-batch (``ServeContext.layer_paths``): ``_window`` marks a sliding window
-# shorter than the call's keys (``schedule.windows``), served banded over the prefix's last W - 1 positions;
+# shorter than the call's keys (``schedule.attention.windows``), served banded over the prefix's last W - 1 positions;
 # ``_chunk`` a chunked-attention layer whose chunks the call crosses, served over the prefix's last L % C positions
 LAYER_PATHS = ("merged", "merged_window", "merged_chunk", "concat", "concat_window", "concat_chunk", "merged_varlen")
 _LOGGED_REFUSALS: set[str] = set()
 
 # Attention implementations the prefix attention can wrap, and the name it is registered under.
 # flash-attention models get their own name, since flash attention applies keywords sdpa ignores (softcap,
-# sinks: ``attention_keywords``); their maths otherwise run through torch's sdpa: phase B's keys are
+# sinks: ``attention.keywords``); their maths otherwise run through torch's sdpa: phase B's keys are
 # ``cat(prefix, suffix)`` per row, which sdpa takes with a bottom-right causal bias (its own flash kernel
 # on CUDA, exact elsewhere).
 PREFIX_ATTENTION_NAMES = {
@@ -113,10 +113,10 @@ def _as_eager_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class PrefixKV:
     """Per-layer prefix K/V, ``[1, kv_heads, P-1, head_dim]`` each, as attention sees them (post-RoPE).
 
-    A recurrent layer (``recurrent_layers``: gated delta-net, ``verl_prefix.schedule.recurrent``) holds its
+    A recurrent layer (``recurrent_layers``: gated delta-net, ``verl_prefix.schedule.models.recurrent``) holds its
     state after the prefix instead (``recurrent``: conv context and recurrent state), in the same two
     boundary slots per layer. With the MoE router aux loss on, ``router_stats`` holds the prefix's router
-    statistics; its probability sum is one more boundary tensor next to them (``verl_prefix.schedule.moe``).
+    statistics; its probability sum is one more boundary tensor next to them (``verl_prefix.schedule.models.moe``).
     """
 
     def __init__(self, num_layers: int, recurrent_layers: Iterable[int] = ()) -> None:
@@ -294,7 +294,7 @@ class CaptureContext:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prefix (or its first chunk) attends causally to itself, within the layer's sliding window when
         it is shorter than the prefix and within its attention chunks when the prefix crosses one
-        (``schedule.windows``; the prefix starts at position 0)."""
+        (``schedule.attention.windows``; the prefix starts at position 0)."""
         length = query.shape[2]
         window = active_window(kwargs.get("sliding_window"), self.key_span(length))
         chunk = active_chunk(attention_chunk(module), self.key_span(length))
@@ -362,11 +362,11 @@ class ServeContext:
     """Phase B: a suffix micro-batch attends to the prefix; nothing is stored.
 
     ``attention`` (``prefix_reuse.phase_b_attention``): ``merged`` runs two-part attention against the one
-    shared prefix K/V (``merged_attention``) and raises where it cannot; ``concat`` attends to
+    shared prefix K/V (``attention.merged``) and raises where it cannot; ``concat`` attends to
     ``cat(prefix.expand(B), suffix)`` (the reference path); ``auto`` runs merged where its kernels serve
     the call (sdpa/flash models) and concat elsewhere, recording why in ``refusals``; ``merged_varlen``
     runs the same two-part attention on the rows' real tokens packed without padding
-    (``varlen_attention``; flash-attn varlen on CUDA) and raises where it cannot. ``row_lengths``: each
+    (``attention.varlen``; flash-attn varlen on CUDA) and raises where it cannot. ``row_lengths``: each
     row's real token count (``SuffixBatch.tokens.sum(1)``), which ``merged_varlen`` needs; the attention
     call must see the ``query_len``-wide rows these lengths describe. ``refusal``: why the merged kernels
     cannot serve on some data-parallel rank, agreed by every rank before the mini-batch
@@ -601,7 +601,7 @@ def scored_attention(
     (``causal_keep_mask``), sinks as one more logit per query head with no value, softmax, values; the output
     rounded to the query's dtype once. What flash attention computes for these keywords; K/V heads repeated
     for GQA and the scores materialised (``B x Hq x S x K``), as eager attention does. ``dropout`` must be 0
-    (``attention_keywords`` refuses any other rate before a context attends)."""
+    (``attention.keywords`` refuses any other rate before a context attends)."""
     if dropout:
         raise AttentionKeywordRefused("dropout", dropout, "scored attention has no dropout")
     groups = query.shape[1] // key.shape[1]
@@ -634,7 +634,7 @@ def _make_prefix_attention(base_kind: str) -> Callable:
                 "verl_prefix attention was called without a prefix context: the model's attention "
                 "implementation was left switched to prefix mode outside the reuse schedule"
             )
-        # every keyword is honoured or refused (``attention_keywords``); flash models' maths run through
+        # every keyword is honoured or refused (``attention.keywords``); flash models' maths run through
         # sdpa, or through ``scored_attention`` where flash applies what sdpa cannot (softcap, sinks)
         base = _eager_for(module) if base_kind == "eager" else sdpa_attention_forward
         kwargs = dense_keywords(base_kind, kwargs)

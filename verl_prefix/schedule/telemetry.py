@@ -53,8 +53,6 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from verl_prefix.schedule.trie import TrieStats
-
 PHASES = ("A", "B", "C", "dense", "lockstep")
 _MIB = 1024.0**2
 
@@ -371,30 +369,3 @@ class NullMeter(PhaseMeter):
 
     def note_prefix_leaves(self, kv: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
         pass
-
-
-# ``prefix/tree_shared_tokens/<level>``: levels past the third are summed into the last key, so every rank and
-# mini-batch reports the same keys
-TREE_LEVELS = ("level1", "level2", "level3plus")
-
-
-def tree_metrics(stats: TrieStats | None) -> dict[str, float]:
-    """What a mini-batch's token trie (``prefix_reuse.tree``, ``schedule.trie``) did: its nodes, its depth,
-    the tokens shared by more than one group per level, the tokens it computed fewer than one-level reuse
-    would have (already subtracted from ``prefix/physical_tokens``), its nodes that run the LM head and their
-    log-prob positions shared by several rows (loss on shared tokens), and the chunks its nodes longer than
-    ``prefix_chunk_tokens`` ran as; with images, the images and videos it encoded and how many fewer than
-    one-level reuse would have (an image that several groups' prompts share: ``schedule.tree_visuals``).
-    ``None``: the mini-batch ran one-level (every metric 0)."""
-    stats = stats or TrieStats(0, 0, (), 0, 0)
-    levels = [*stats.shared_tokens[:2], sum(stats.shared_tokens[2:])]
-    levels += [0] * (len(TREE_LEVELS) - len(levels))
-    metrics = {"prefix/tree_nodes": float(stats.nodes), "prefix/tree_depth": float(stats.depth)}
-    metrics.update({f"prefix/tree_shared_tokens/{name}": float(n) for name, n in zip(TREE_LEVELS, levels)})
-    metrics["prefix/tree_saved_tokens"] = float(stats.saved_tokens)
-    metrics["prefix/tree_loss_nodes"] = float(stats.loss_nodes)
-    metrics["prefix/tree_shared_loss_tokens"] = float(stats.shared_loss_tokens)
-    metrics["prefix/tree_node_chunks"] = float(stats.node_chunks)
-    metrics["prefix/tree_visual_items"] = float(stats.visual_items)
-    metrics["prefix/tree_saved_visual_items"] = float(stats.group_visual_items - stats.visual_items)
-    return metrics

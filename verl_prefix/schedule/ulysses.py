@@ -25,7 +25,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 from verl.utils.ulysses import gather_heads_scatter_seq, gather_outputs_and_unpad, gather_seq_scatter_heads
 
-from verl_prefix.schedule.moe import RouterStats
+from verl_prefix.schedule.models.moe import RouterStats
 
 
 @dataclass

@@ -5,7 +5,7 @@ runs once, attending to its ancestors (its queries at positions ``[start, end)``
 run against their path as before; so the model is the nodes' prefix work plus the groups' suffix work. With loss
 on shared tokens a node also runs the LM head over its loss positions, and each row runs only its tail. The
 trie is built the engine's way (``backend.inputs.row_layout``, ``schedule.grouping.plan_batch``,
-``schedule.trie.build_trie``) from the batch and the reuse knobs, so the model prices what actually runs.
+``schedule.tree.trie.build_trie``) from the batch and the reuse knobs, so the model prices what actually runs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from verl_prefix.backend.inputs import row_layout
 from verl_prefix.schedule.flop_model import ModelShape, dense_flops, reuse_flops, tree_flops, trie_spans
 from verl_prefix.schedule.grouping import plan_batch
-from verl_prefix.schedule.trie import build_trie, trie_stats
+from verl_prefix.schedule.tree.trie import build_trie, trie_stats
 
 
 @dataclass(frozen=True)

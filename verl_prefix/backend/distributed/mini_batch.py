@@ -35,8 +35,8 @@ from torch import nn
 from verl_prefix.backend.distributed.collectives import gather_objects
 from verl_prefix.backend.distributed.lockstep import LockstepPlan
 from verl_prefix.backend.validation import BatchRejected
-from verl_prefix.schedule.preflight import phase_b_kernel_refusal
-from verl_prefix.schedule.structure import kernel_head_dim
+from verl_prefix.schedule.attention.preflight import phase_b_kernel_refusal
+from verl_prefix.schedule.models.structure import kernel_head_dim
 
 logger = logging.getLogger(__name__)
 # kernel reasons this process has already logged (once each)
@@ -57,7 +57,7 @@ class RankReport:
     loss_tokens: int = 0  # the rank's loss-mask tokens (the loss's global normalisation)
     moe_tokens: int = 0  # the rank's logical tokens (the router aux loss's normalisation)
     lockstep: LockstepPlan | None = None  # the rank's own shape, where it would reuse
-    trie: Any = None  # the rank's trie shape (``tree_lockstep.trie_shape``) under ``prefix_reuse.tree``
+    trie: Any = None  # the rank's trie shape (``tree.lockstep.trie_shape``) under ``prefix_reuse.tree``
     kernel: tuple[str, str] | None = None  # the phase-B kernels' ``(reason, explanation)`` refusal
     recompute: list[bool] = field(default_factory=list)  # per own group: ``dormant_prefix=auto`` recomputes it
     dense_refusal: str | None = None  # the engine cannot run one of this rank's dense chunks: why

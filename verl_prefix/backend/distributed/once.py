@@ -1,7 +1,7 @@
 """Decisions outside the mini-batch's one exchange (``mini_batch``): once per model, and inside phase C.
 
 The model's structure (``agree_on_structure``). Whether the schedule can serve the model at all
-(``verl_prefix.schedule.capability``) is decided once, at engine initialisation: every rank inspects its own
+(``verl_prefix.schedule.models.capability``) is decided once, at engine initialisation: every rank inspects its own
 modules and the ranks share their answers before any step, so with ``prefix_reuse.unsupported_model=dense``
 every rank runs every mini-batch dense with the same reason, and with ``raise`` every rank raises the same
 ``UnsupportedModel``.
@@ -20,8 +20,8 @@ from typing import Any
 from torch import nn
 
 from verl_prefix.backend.distributed.collectives import gather_flagged
-from verl_prefix.schedule.capability import structure_refusal
 from verl_prefix.schedule.dormant import Dormant
+from verl_prefix.schedule.models.capability import structure_refusal
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The ``prefix_fsdp2`` engine backend: verl's FSDP2 engine with the A/B/C schedule per uid group.
 
 An adapter of the mini-batch driver (``backend.driver``): what it supplies is how an HF model under FSDP2 runs
-a group's phases (``schedule.executor`` / ``schedule.tree``), Ulysses, the router aux loss, fused kernels and
+a group's phases (``schedule.executor`` / ``schedule.tree.schedule``), Ulysses, the router aux loss, fused kernels and
 dormant policies. Everything verl already does stays verl's: model build, FSDP2 wrapping, ``ppo_loss`` (called
 per suffix micro-batch on that micro-batch's rows, with the mini-batch's global normalisation attached exactly
 as the stock engine attaches it), optimizer step, checkpointing. Only ``forward_backward_batch`` changes.
@@ -10,7 +10,7 @@ a whole mini-batch that cannot reuse runs the stock method and is counted the sa
 
 With ``moe_aux_loss_coef > 0`` every training micro-batch, dense or reuse, adds HF's router
 load-balancing loss of that micro-batch, weighted by its share of the mini-batch's logical tokens
-times ``dp_size`` (``moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_prefix.schedule.moe``).
+times ``dp_size`` (``moe_aux_term``), and logs it as ``moe_aux_loss`` (``verl_prefix.schedule.models.moe``).
 """
 
 from __future__ import annotations
@@ -36,22 +36,22 @@ from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, valida
 from verl_prefix.backend.distributed.once import agree_on_structure
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.fsdp import refusals
-from verl_prefix.schedule import moe
 from verl_prefix.schedule.dormant import (
     default_store,
     refuse_offload_on,
     validate_policy,
 )
 from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
-from verl_prefix.schedule.hf_forwards import hf_causal_forward, remember_hf_forwards
-from verl_prefix.schedule.multimodal import (
+from verl_prefix.schedule.models import moe
+from verl_prefix.schedule.models.hf_forwards import hf_causal_forward, remember_hf_forwards
+from verl_prefix.schedule.models.multimodal import (
     model_positions,
     text_only_call,
     vision_encoder,
     visual_token_ids,
 )
+from verl_prefix.schedule.models.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
-from verl_prefix.schedule.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.ulysses import Ulysses
 
@@ -110,8 +110,8 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
 
     def _build_module(self) -> Any:
         """verl's build; HF's forwards of the classes verl's patch replaces are remembered first
-        (``schedule.hf_forwards``): Qwen3.5's delta-net and decoder layers, and the vision-language families'
-        attention, which verl's remove-padding patch replaces (``schedule.multimodal.hf_attention`` serves the
+        (``schedule.models.hf_forwards``): Qwen3.5's delta-net and decoder layers, and the vision-language families'
+        attention, which verl's remove-padding patch replaces (``schedule.models.multimodal.hf_attention`` serves the
         schedule with it)."""
         remember_hf_forwards()
         return super()._build_module()
@@ -245,7 +245,7 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         )
 
     def _structure_reason(self) -> str | None:
-        """Why the schedule cannot serve this model's structure (``schedule.capability``), agreed by every
+        """Why the schedule cannot serve this model's structure (``schedule.models.capability``), agreed by every
         rank, or None. Decided at ``initialize`` (a collective every rank runs there); a module swapped in
         afterwards is decided again before its first mini-batch's first collective, on every rank alike."""
         key = (id(self.module), self.reuse_config.unsupported_model)

@@ -8,8 +8,9 @@ from torch import nn
 
 from verl_prefix.backend.config import REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.model_checks import attention_windows, declared_windows
-from verl_prefix.schedule import hf_forwards, mamba, recurrent, windows
-from verl_prefix.schedule.structure import attention_modules
+from verl_prefix.schedule.attention import windows
+from verl_prefix.schedule.models import hf_forwards, mamba, recurrent
+from verl_prefix.schedule.models.structure import attention_modules
 
 
 def recurrent_settings_error(module: nn.Module, reuse: PrefixReuseConfig, ulysses: bool) -> str | None:

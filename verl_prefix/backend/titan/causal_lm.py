@@ -1,4 +1,4 @@
-"""torchtitan's model as the HF causal LM the one schedule calls (``schedule.executor`` / ``schedule.tree``).
+"""torchtitan's model as the HF causal LM the one schedule calls (``schedule.executor`` / ``schedule.tree.schedule``).
 
 The executor calls ``model(input_ids=..., position_ids=..., use_cache=False, prefix_ctx=ctx, logits_to_keep=...)``
 and reads ``.logits``; it reads the model's ``config`` (``_attn_implementation``, which ``prefix_attention_mode``

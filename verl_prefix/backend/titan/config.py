@@ -178,7 +178,7 @@ _OWN_PHASES: dict[str, str] = {
     "which the one schedule (schedule.executor) does not do",
     "MoE flavor": "torchtitan's expert-load counts (the bias its load balancing moves) need the prefix's routing "
     "weighted once per row and each row's last response token routed (titan.moe), which the one schedule does "
-    "only through HF routers (schedule.moe)",
+    "only through HF routers (schedule.models.moe)",
 }
 
 

@@ -20,10 +20,10 @@ and the same three phases cross the stages by point-to-point sends (``titan.pipe
 runs as a pipeline of one stage.
 
 Without pipeline parallelism and with a dense flavor, a group's phases are the one schedule's, as
-``prefix_fsdp2`` runs them (``schedule.executor.train_group`` / ``infer_group``, ``schedule.tree``): torchtitan's
-model behind an HF causal-LM call (``titan.causal_lm``), so the tree, a chunked prefix, merged phase-B attention
-and the dormant policies are served here too. MoE flavors (torchtitan's expert-load counts: the prefix routed once
-per row, each row's last token routed) and pipeline stages keep this module's own phases (``_group``).
+``prefix_fsdp2`` runs them (``schedule.executor.train_group`` / ``infer_group``, ``schedule.tree.schedule``):
+torchtitan's model behind an HF causal-LM call (``titan.causal_lm``), so the tree, a chunked prefix, merged phase-B
+attention and the dormant policies are served here too. MoE flavors (torchtitan's expert-load counts: the prefix routed
+once per row, each row's last token routed) and pipeline stages keep this module's own phases (``_group``).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ from verl_prefix.schedule.dormant import (
 )
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
+from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV
-from verl_prefix.schedule.structure import LayerRoles
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.tree.trie import TrieNode
 
 logger = logging.getLogger(__name__)
 

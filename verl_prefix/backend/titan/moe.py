@@ -6,7 +6,7 @@ moves ``expert_bias_E`` by ``coeff * sign(mean - count)`` (summed over the loss 
 zeroes the counts. verl's TorchTitan engine keeps that mechanism as it is. A dense row routes its whole prompt;
 reuse routes the prefix once per group, pads suffix rows and runs lockstep fillers, so the module's own count
 would differ from dense. ``ExpertCounts`` replaces each MoE forward's increment with a weighted one: phase A's
-tokens count once per row of the group (as the FSDP engine's ``schedule.moe.logical_stats`` counts router
+tokens count once per row of the group (as the FSDP engine's ``schedule.models.moe.logical_stats`` counts router
 statistics), phase B's real suffix tokens (the last response token included, which dense also routes) once,
 padding and fillers not at all. Outside ``weighted`` (verl's dense chunks) the module counts for itself.
 

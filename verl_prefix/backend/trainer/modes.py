@@ -49,7 +49,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl_prefix.backend.plugin_check import check_plugin_on_nodes
 from verl_prefix.backend.trainer.balance import balance_groups
 from verl_prefix.backend.trainer.roots import prompt_rows, shared_roots
-from verl_prefix.schedule.trie import DEFAULT_MIN_SHARED_TOKENS
+from verl_prefix.schedule.tree.trie import DEFAULT_MIN_SHARED_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -221,7 +221,7 @@ class HFRolloutServer:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         ids = torch.tensor([prompt_ids], dtype=torch.int64)
         torch.manual_seed(seed)
-        from verl_prefix.schedule.hf_forwards import hf_own_forwards
+        from verl_prefix.schedule.models.hf_forwards import hf_own_forwards
 
         with hf_own_forwards(self.model):  # HF's forwards where an engine in this process let verl patch them
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **(visual or {}), **kwargs)

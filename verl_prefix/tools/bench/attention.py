@@ -62,10 +62,10 @@ def count_attention_saved() -> Iterator[list[int]]:
 
 def suffix_repeated_on_cuda(model: ModelSpec) -> bool:
     """Whether ``merged`` repeats the suffix K/V to the query heads on this machine: only on CUDA where torch's
-    flash op is not asked to take GQA natively (``merged_attention.native_gqa``)."""
+    flash op is not asked to take GQA natively (``attention.merged.native_gqa``)."""
     if not torch.cuda.is_available() or model.num_heads == model.num_kv_heads:
         return False
-    from verl_prefix.schedule.merged_attention import native_gqa
+    from verl_prefix.schedule.attention.merged import native_gqa
 
     head_dim = model.hidden_size // model.num_heads
     query = torch.empty(1, model.num_heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")

@@ -227,7 +227,7 @@ PHASE_B_ATTENTIONS = ("merged", "concat", "merged_varlen")  # the prefix_fsdp2 v
 
 def unavailable_variant(variant: str, cuda: bool | None = None) -> str | None:
     """Why a variant cannot run on this machine (then the cell skips it, saying so), or None."""
-    from verl_prefix.schedule.varlen_attention import varlen_kernel_problem
+    from verl_prefix.schedule.attention.varlen import varlen_kernel_problem
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if variant == "merged_varlen" and cuda:

@@ -6,7 +6,7 @@ forward-only passes' as ``actor/prefix/old_log_prob/...`` and ``actor/prefix/ref
 ``prefix_sync`` trainer mode). The first section is a quick check of a run: reuse happened (reuse factor above 1),
 nothing fell back (no sample ran dense) and what the FLOP model says it saved, per pass.
 Fallback reasons are open-ended, so that panel matches its keys with a pattern instead of a list (word characters,
-and ``:``, ``.``, ``-`` for ``unknown_structure:<name>``, ``schedule.known_structures.unknown_reason``).
+and ``:``, ``.``, ``-`` for ``unknown_structure:<name>``, ``schedule.models.known_structures.unknown_reason``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Phase B's two-part attention on packed suffixes (``prefix_reuse.phase_b_attention: merged_varlen``).
 
-The same maths as ``merged_attention`` (prefix part unmasked against the ONE shared prefix K/V, suffix
+The same maths as ``attention.merged`` (prefix part unmasked against the ONE shared prefix K/V, suffix
 part causal per row, merged by log-sum-exp, each part's backward called with the merged output and LSE),
 but the suffix tokens are packed without padding to ``[T, H, d]`` with ``cu_seqlens`` (the rows' real
 token counts, MoE's extra last token included), flash-attn's varlen layout:
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from verl_prefix.schedule import merged_attention as MA
+from verl_prefix.schedule.attention import merged as MA
 
 FLASH_ATTN_MIN_VERSION = (2, 7)
 
@@ -541,9 +541,9 @@ def merged_varlen_attention(
     packing: Packing,
     scaling: float | None = None,
 ) -> torch.Tensor:
-    """HF layout in, HF layout out, as ``merged_attention``: query ``[B, Hq, S, d]``, prefix K/V
+    """HF layout in, HF layout out, as ``merged.merged_attention``: query ``[B, Hq, S, d]``, prefix K/V
     ``[1, Hkv, P, d]``, suffix K/V ``[B, Hkv, S, d]`` (values may have another head size ``dv``: padded to the
-    wider inside, as in ``merged_attention``) -> ``[B, S, Hq, dv]``, zero at pad positions. Only the
+    wider inside, as in ``merged.merged_attention``) -> ``[B, S, Hq, dv]``, zero at pad positions. Only the
     ``packing``'s real tokens reach the kernels (and what they save for backward), gathered and scattered by its
     precomputed index (``gather_packed``/``scatter_packed``): no host sync in the layer, forward or backward."""
     rows, heads, width = query.shape[:3]

@@ -13,7 +13,7 @@ names the module, and says why; the backend decides what to do with it (``prefix
 still depend on something phase B cannot reproduce; each entry says what, as measured by the coverage matrix
 (``docs/models.md``).
 
-Above the module checks sits an allowlist (``schedule.known_structures``): every per-layer type the config lists
+Above the module checks sits an allowlist (``schedule.models.known_structures``): every per-layer type the config lists
 (``layer_types``, ``mlp_layer_types``...) and every active mask-shaping attribute of the config and of the attention
 modules (a window, a chunk, a compression rate, an indexer, sinks, a bidirectional flag) must be one reuse serves,
 refuses with a reason (DeepSeek-V4's compressed layers: ``compressed_attention``), or knows to be unrelated; any
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import modeling_utils
 
-from verl_prefix.schedule import known_structures
-from verl_prefix.schedule.multimodal import vision_encoder
-from verl_prefix.schedule.recurrent import served_recurrent_layer
-from verl_prefix.schedule.structure import attention_modules, kv_sources
+from verl_prefix.schedule.models import known_structures
+from verl_prefix.schedule.models.multimodal import vision_encoder
+from verl_prefix.schedule.models.recurrent import served_recurrent_layer
+from verl_prefix.schedule.models.structure import attention_modules, kv_sources
 
 # model_type -> why reuse cannot reproduce its dense computation, though every layer attends through the
 # interface (each found by the coverage matrix: reuse against dense differed or stopped)
@@ -223,7 +223,7 @@ def _layer_refusal(path: str, layer: nn.Module) -> tuple[StructureRefusal | None
             module = named[sub_path]
         where = f"{path}.{sub_path}" if sub_path else path
         where = f"{where} ({type(module).__name__})"
-        if served_recurrent_layer(module):  # its state crosses the prefix boundary (``schedule.recurrent``)
+        if served_recurrent_layer(module):  # its state crosses the prefix boundary (``schedule.models.recurrent``)
             indices.add(int(module.layer_idx))
             continue
         lowered = f"{type(module).__name__} {sub_path.rsplit('.', 1)[-1]}".lower().replace("_", "")

@@ -11,7 +11,7 @@ accept and what its model families pass, and fails on any keyword missing from t
 What "the dense function" is depends on the model's ``attn_implementation`` (``dense_keywords``):
 flash attention and eager apply ``softcap`` and sinks (``s_aux``), so reuse applies them in every path
 (``scored_keywords``: the scores are built in plain torch ops; ``prefix_kv.scored_attention``,
-``merged_attention.scored_merged_attention``). transformers' sdpa function takes neither and computes
+``attention.merged.scored_merged_attention``). transformers' sdpa function takes neither and computes
 without them, so under sdpa reuse computes without them too (exact to dense) and says so once in the log.
 """
 
@@ -46,8 +46,8 @@ HONOURED: dict[str, str] = {
     ),
     "sliding_window": (
         "HF's rule (query q sees key k iff q - W < k <= q) in phase A, chunked phase A, concat and merged: the "
-        "prefix cut to its last W - 1 positions with a banded mask (schedule.windows); a window covering every "
-        "key of the call changes nothing and runs the plain paths; a positive integer only"
+        "prefix cut to its last W - 1 positions with a banded mask (schedule.attention.windows); a window covering "
+        "every key of the call changes nothing and runs the plain paths; a positive integer only"
     ),
     "dropout": (
         "a rate of 0 only; a positive rate is refused: reuse would share one prefix dropout sample across "

@@ -9,10 +9,10 @@ Phase B needs nothing special: the source layer's suffix K/V reach the shared la
 ``shared_kv_states`` as in dense, and the prefix part is the source's.
 
 A shared layer whose source cannot be told is refused before the first step by the engine's capability check
-(``schedule.capability.structure_refusal``, reason ``kv_sharing``), never found inside a step.
+(``schedule.models.capability.structure_refusal``, reason ``kv_sharing``), never found inside a step.
 
 ``layer_roles`` gathers both per-layer facts phase A needs (the KV-shared layers' sources and the recurrent
-layers, ``schedule.recurrent``): the engine decides them once per model (``ScheduleOptions.layer_roles``) rather
+layers, ``schedule.models.recurrent``): the engine decides them once per model (``ScheduleOptions.layer_roles``) rather
 than walking the modules again for every group.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from verl_prefix.schedule.recurrent import recurrent_layers
+from verl_prefix.schedule.models.recurrent import recurrent_layers
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:

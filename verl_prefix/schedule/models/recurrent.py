@@ -29,8 +29,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next
 
-from verl_prefix.schedule import mamba
-from verl_prefix.schedule.hf_forwards import hf_forward
+from verl_prefix.schedule.models import mamba
+from verl_prefix.schedule.models.hf_forwards import hf_forward
 
 # The recurrent token mixers the schedule serves: HF's Qwen3.5 (dense and MoE) and Qwen3-Next gated delta-nets
 # with their torch kernels (``torch_chunk_gated_delta_rule`` with an ``initial_state`` and the conv as
@@ -39,7 +39,7 @@ from verl_prefix.schedule.hf_forwards import hf_forward
 # key head); its cache interface, conv context and kernel contract are Qwen3.5's. OLMo-Hybrid convolves q, k and v
 # separately and keeps per-layer lists in its cache (``SplitConvCache``); its decoder layer calls the mixer
 # without the forward keywords, so the prefix context reaches it from the decoder layer's call (``_stash``).
-# Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid) and LFM2's short convs: ``schedule.mamba``.
+# Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid) and LFM2's short convs: ``schedule.models.mamba``.
 SERVED_CLASSES: tuple[type[nn.Module], ...] = (
     modeling_qwen3_5.Qwen3_5GatedDeltaNet,
     modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet,
@@ -148,7 +148,7 @@ def recurrent_refusal(
     (a ``ValueError``): what is not served is refused here rather than found inside a layer. Models without
     recurrent layers are never refused. Every dormant policy serves recurrent layers (``dormant_policy`` is
     kept for callers): ``recompute`` re-derives and checks the states like K/V, ``offload`` moves phase A's
-    saved activations and leaves the boundary states (small copies, ``schedule.mamba``/HF's own) where they
+    saved activations and leaves the boundary states (small copies, ``schedule.models.mamba``/HF's own) where they
     are, as it leaves the K/V."""
     if not recurrent_layers(model):
         return None

@@ -2,7 +2,7 @@
 
 A refusal found inside an attention call is found on one rank in the middle of FSDP's collectives (a node
 without flash-attn, another GPU, another torch build). ``phase_b_kernel_refusal`` asks the same questions the
-attention call will ask (``merged_attention.merged_refusal``, ``varlen_attention.varlen_refusal``) of a small
+attention call will ask (``attention.merged.merged_refusal``, ``attention.varlen.varlen_refusal``) of a small
 query with the model's head_dim and compute dtype, before anything runs, so that the engine can agree on the
 answer across ranks (``verl_prefix.backend.distributed.mini_batch``). What depends on the attention call's kwargs
 (sliding windows, softcapping, sinks, dropout) is the model's, the same on every rank, and not asked here.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from verl_prefix.schedule import kernels
-from verl_prefix.schedule import merged_attention as MA
-from verl_prefix.schedule import varlen_attention as V
+from verl_prefix.schedule.attention import kernels
+from verl_prefix.schedule.attention import merged as MA
+from verl_prefix.schedule.attention import varlen as V
 
 
 def probe_query(device: torch.device, dtype: torch.dtype, head_dim: int, requires_grad: bool) -> torch.Tensor:

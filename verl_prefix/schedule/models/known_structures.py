@@ -7,7 +7,7 @@ top-k, sinks, a bidirectional span). A new transformers adds new ones, and a che
 knows to refuse would serve them silently wrong. So each value must be listed here:
 
 * served (``SERVED_LAYER_TYPES``, ``SERVED_ATTRIBUTES``): reuse computes what dense computes; for the recurrent,
-  convolution and hybrid kinds the module checks of ``schedule.capability`` still decide per module;
+  convolution and hybrid kinds the module checks of ``schedule.models.capability`` still decide per module;
 * refused with a reason (``REFUSED_LAYER_TYPES``, ``REFUSED_ATTRIBUTES``): the model runs dense,
   ``prefix/fallback_<reason>``;
 * for attribute names that only look mask-shaping (``MASK_NAME_PATTERN``), unrelated (``UNRELATED_ATTRIBUTES``,
@@ -28,19 +28,19 @@ from torch import nn
 # config attributes that list one kind per decoder layer
 LAYER_TYPE_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types")
 
-_MODULE_CHECKS = "the module checks decide per module (schedule.capability)"
+_MODULE_CHECKS = "the module checks decide per module (schedule.models.capability)"
 _POSITION_WISE = "a position-wise feed-forward block: a token's output reads no other token"
 
 # layer type -> how reuse serves it
 SERVED_LAYER_TYPES: dict[str, str] = {
     "full_attention": "causal attention over every earlier key: the prefix K/V and the suffix's own",
     "attention": "a hybrid's attention layer (Nemotron-H, Granite-4, Zamba, RecurrentGemma): causal attention",
-    "sliding_attention": "the window each module hands HF's attention interface (schedule.windows)",
+    "sliding_attention": "the window each module hands HF's attention interface (schedule.attention.windows)",
     "chunked_attention": "attention within chunks of attention_chunk_size keys (Llama-4): the prefix part a suffix "
-    "query sees is the prefix's tail inside the query's chunk (schedule.windows)",
+    "query sees is the prefix's tail inside the query's chunk (schedule.attention.windows)",
     "linear_attention": f"a recurrent mixer (gated delta-net, lightning attention): its state is carried across "
-    f"the prefix boundary where schedule.recurrent serves it; {_MODULE_CHECKS}",
-    "mamba": f"a Mamba mixer: served where schedule.mamba continues it; {_MODULE_CHECKS}",
+    f"the prefix boundary where schedule.models.recurrent serves it; {_MODULE_CHECKS}",
+    "mamba": f"a Mamba mixer: served where schedule.models.mamba continues it; {_MODULE_CHECKS}",
     "recurrent": f"RecurrentGemma's RG-LRU block; {_MODULE_CHECKS}",
     "hybrid": f"Zamba's attention beside a Mamba mixer; {_MODULE_CHECKS}",
     "conv": f"a short convolution: LFM2's tail is carried across the boundary; {_MODULE_CHECKS}",
@@ -75,8 +75,8 @@ MASK_NAME_PATTERN = re.compile(
 
 # attribute -> how reuse serves it
 SERVED_ATTRIBUTES: dict[str, str] = {
-    "sliding_window": "the window the modules hand attention, served in phase A and B (schedule.windows); one the "
-    "config declares but no module carries runs dense per batch (prefix/fallback_sliding_window)",
+    "sliding_window": "the window the modules hand attention, served in phase A and B (schedule.attention.windows); "
+    "one the config declares but no module carries runs dense per batch (prefix/fallback_sliding_window)",
     "use_sliding_window": "turns sliding_window on (Qwen2 family): served as sliding_window",
     "max_window_layers": "which layers get sliding_window (Qwen2 family): the modules carry it",
     "sliding_window_pattern": "which layers slide (EXAONE-4, Cohere-2): the modules carry sliding_window",
@@ -87,8 +87,9 @@ SERVED_ATTRIBUTES: dict[str, str] = {
     "attention_window_size": "RecurrentGemma's name for sliding_window (its attribute_map)",
     "is_local_attention": "marks a sliding layer (AFMoE, Laguna); its window is sliding_window",
     "attention_chunk_size": "Llama-4's chunked attention: served with the chunked_attention layers",
-    "sinks": "attention sinks, one logit per head in every softmax denominator (s_aux, schedule.attention_keywords)",
-    "kv_shared_layer_index": "the earlier layer whose K/V a KV-shared layer reads (schedule.structure.kv_sources)",
+    "sinks": "attention sinks, one logit per head in every softmax denominator (s_aux, schedule.attention.keywords)",
+    "kv_shared_layer_index": "the earlier layer whose K/V a KV-shared layer reads "
+    "(schedule.models.structure.kv_sources)",
 }
 
 _BIDIRECTIONAL = ("bidirectional_attention", "bidirectional attention; the schedule's masks are causal")
@@ -257,7 +258,7 @@ def layer_type_refusal(config: object) -> tuple[str, int, object, str, str] | No
             detail = (
                 f"a layer type verl-prefix does not know ({attribute} entry {value!r}): it cannot tell which keys "
                 "a query of that layer sees, so the model trains dense until the type is served or refused "
-                "(schedule.known_structures)"
+                "(schedule.models.known_structures)"
             )
         return attribute, layer, value, reason, detail
     return None
@@ -283,5 +284,5 @@ def attribute_refusal(name: str, value: object, owner: object = None) -> tuple[s
         return REFUSED_ATTRIBUTES[name]
     return unknown_reason(name), (
         f"an attribute verl-prefix does not know ({name}) that may decide which keys a query sees: the model trains "
-        "dense until it is listed as served, refused or unrelated (schedule.known_structures)"
+        "dense until it is listed as served, refused or unrelated (schedule.models.known_structures)"
     )

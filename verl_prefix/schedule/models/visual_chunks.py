@@ -28,7 +28,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from verl.utils.transformers_compat import unpack_visual_output
 
-from verl_prefix.schedule.multimodal import VisualInputs, vision_encoder
+from verl_prefix.schedule.models.multimodal import VisualInputs, vision_encoder
 
 # verl's forward keywords: (pixel key, grid key, config field of the placeholder token), in the order it encodes
 VISUAL_KINDS = (

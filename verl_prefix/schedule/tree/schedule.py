@@ -1,4 +1,4 @@
-"""The depth-first tree schedule (``prefix_reuse.tree``): phases A/B/C over a token trie (``schedule.trie``).
+"""The depth-first tree schedule (``prefix_reuse.tree``): phases A/B/C over a token trie (``schedule.tree.trie``).
 
 Each node's tokens run forward once (phase A), attending to its ancestors' K/V held as leaves, the way a later
 chunk of a chunked prefix attends to the earlier chunks' (``ChunkCaptureContext``); the node's own K/V become
@@ -17,30 +17,30 @@ every node on its path once per row (``moe.logical_stats`` over the path's summe
 counts once per row below it, as dense does, loss-carrying nodes included. Every row then has a tail (the trie
 is built ``own_last``), whose suffix forward routes the row's last token as dense does.
 
-Loss on shared tokens (``schedule.tree_loss``): a node whose positions carry loss for a row below (a shared
+Loss on shared tokens (``schedule.tree.loss``): a node whose positions carry loss for a row below (a shared
 response stem, a turn that is one sample's response and the next one's prompt) runs the LM head there once; its
-log-probs and entropies are leaves each row's loss slices (``tree_loss.with_path``), seeded into its phase C
+log-probs and entropies are leaves each row's loss slices (``tree.loss.with_path``), seeded into its phase C
 with its K/V. Rows without a tail run their loss on those leaves alone, with no model call.
 
 Sliding windows need nothing of their own: a node's path K/V is a longer prefix, cut to the window as a chunked
-prefix's is (``schedule.windows``). Recurrent layers (gated delta-net, Mamba-2, short convolutions) carry state,
-not K/V: each node continues from its parent's end state (a leaf, ``join_path``), so every child's and every
+prefix's is (``schedule.attention.windows``). Recurrent layers (gated delta-net, Mamba-2, short convolutions) carry
+state, not K/V: each node continues from its parent's end state (a leaf, ``join_path``), so every child's and every
 suffix's state gradient lands on its parent's leaves and reaches the parent's phase C, as a chunk's does.
 
 Under Ulysses (``options.ulysses``) each node's phase A and each tail micro-batch run as this rank's slice, the
 way one-level reuse runs a (chunked) prefix and its suffixes: a node's K/V leaves are this rank's head shard of
 the node, the path joins the shards, and a loss-carrying node's log-probs are gathered over the group
-(``tree_loss.sharded_node_values``). Lockstep fillers (``schedule.tree_lockstep``) keep data-parallel ranks whose
+(``tree.loss.sharded_node_values``). Lockstep fillers (``schedule.tree.lockstep``) keep data-parallel ranks whose
 tries differ in shape in step.
 
-Dormant-prefix policies apply per node (``schedule.tree_dormant``): under ``recompute`` a node's phase A keeps
+Dormant-prefix policies apply per node (``schedule.tree.dormant``): under ``recompute`` a node's phase A keeps
 no graph and its phase C runs the node forward again, checked, before the seeded backward; under ``offload`` its
 graph waits in host memory. A filler node runs the policy agreed for its position, so recomputing ranks and
 filling ranks run the same passes. ``merged_varlen`` needs nothing of its own: a node's forward is one row over
 its ancestors' K/V, packed as a chunk of a chunked prefix is. Chunked long nodes (``prefix_chunk_tokens``) are
 chains of nodes in the trie (``trie.build_trie``), nothing of their own here.
 
-Images and videos (``schedule.tree_visuals``): the topmost node on a path that holds an item's tokens encodes
+Images and videos (``schedule.tree.visuals``): the topmost node on a path that holds an item's tokens encodes
 it in its own model call and keeps the embeddings as leaves; its descendants that hold more of the item take
 slices; the owner's phase C, after theirs, runs the encoder's backward once with everything they left.
 """
@@ -52,7 +52,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from verl_prefix.schedule import tree_loss
 from verl_prefix.schedule.executor import (
     Above,
     LossFn,
@@ -69,17 +68,18 @@ from verl_prefix.schedule.grouping import RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
 from verl_prefix.schedule.telemetry import NullMeter
-from verl_prefix.schedule.tree_dormant import NodePolicy, keep_every_node, node_phase_c
-from verl_prefix.schedule.tree_loss import NodeValues
-from verl_prefix.schedule.tree_visuals import PathImages, VisualItem
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.tree import loss as tree_loss
+from verl_prefix.schedule.tree.dormant import NodePolicy, keep_every_node, node_phase_c
+from verl_prefix.schedule.tree.loss import NodeValues
+from verl_prefix.schedule.tree.trie import TrieNode
+from verl_prefix.schedule.tree.visuals import PathImages, VisualItem
 
 FILLER_UID = "__tree_lockstep_filler__"
 
 
 def filler_suffix(path_len: int, options: ScheduleOptions) -> object:
     """One zero-token suffix row at position ``path_len``: a lockstep filler micro-batch under a path of that
-    length (``schedule.tree_lockstep``)."""
+    length (``schedule.tree.lockstep``)."""
     length = path_len + 2
     ids, positions = torch.zeros(length, dtype=torch.long), torch.arange(length)
     layout = RowLayout([ids], [positions], [path_len + 1], [1], [FILLER_UID])
@@ -145,8 +145,8 @@ def _node_forward(
     images: tuple[PathImages, list[VisualItem]] | None = None,
 ) -> PrefixKV:
     """Phase A of one node: its tokens, attending to its path's K/V (a root: plain capture); a node that
-    carries loss runs the whole model and keeps its logits (``tree_loss.node_options``). ``images``: the
-    path's encoded items and the ones this node owns (``tree_visuals``), for a node that holds visual tokens."""
+    carries loss runs the whole model and keeps its logits (``tree.loss.node_options``). ``images``: the
+    path's encoded items and the ones this node owns (``tree.visuals``), for a node that holds visual tokens."""
     ids, positions = node.ids.to(options.device), node.positions.to(options.device)
     node_options = tree_loss.node_options(options, node)
     if images is None or not node.images:
@@ -177,7 +177,7 @@ def train_tree(
     """Run the tree schedule over ``roots``; parameter grads accumulate. Returns every micro-batch's loss
     (detached) in the order they ran (children before the rows that hang on a node; rows with a tail before
     rows without one). ``policies(node)``: the ``Dormant`` a node's graph waits under from its phase A to its
-    phase C (``schedule.tree_dormant``; a per-node decision, so not an option)."""
+    phase C (``schedule.tree.dormant``; a per-node decision, so not an option)."""
     meter = options.meter or NullMeter()
     routers, autocast = options.routers, options.autocast
     fillers = options.for_fillers()

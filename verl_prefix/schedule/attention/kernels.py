@@ -18,7 +18,7 @@ cannot, and ``auto`` then runs concat, counted as ``prefix/phase_b_attention/con
   flash attention, ``torch.backends.cuda.enable_flash_sdp(False)``, head_dim above 192 with a backward on
   sm86/sm89, ...).
 
-``verl_prefix.schedule.preflight`` asks the same for a mini-batch before it runs, from the model's head_dim
+``verl_prefix.schedule.attention.preflight`` asks the same for a mini-batch before it runs, from the model's head_dim
 and compute dtype, and the engine agrees on its answer across data-parallel ranks, so every rank takes the
 same path or raises the same error.
 """

@@ -1,6 +1,6 @@
 """Dormant-prefix policies per tree node (``prefix_reuse.tree`` with ``dormant_prefix``).
 
-Under the tree schedule (``schedule.tree``) a node's phase-A graph waits from its forward until its phase C,
+Under the tree schedule (``schedule.tree.schedule``) a node's phase-A graph waits from its forward until its phase C,
 while its whole subtree runs: with ``keep`` every node on the path to the micro-batch running holds its graph.
 The policies of ``schedule.dormant`` apply per node, each with a ``Dormant`` of its own:
 
@@ -25,8 +25,8 @@ from torch import nn
 
 from verl_prefix.schedule.dormant import Dormant, GraphEstimate, estimate_prefix_graph
 from verl_prefix.schedule.prefix_kv import PrefixKV
-from verl_prefix.schedule.tree_loss import NodeValues
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.tree.loss import NodeValues
+from verl_prefix.schedule.tree.trie import TrieNode
 
 # the Dormant one node's phase A to C runs under (a fresh one per node: offload's store is per node)
 NodePolicy = Callable[[TrieNode], Dormant]

@@ -1,6 +1,6 @@
 """Loss on shared tokens (issue 25): a tree node whose positions carry loss computes their log-probs once.
 
-A node of the token trie (``schedule.trie``) may hold positions that predict a response token of a row below
+A node of the token trie (``schedule.tree.trie``) may hold positions that predict a response token of a row below
 it: a response stem several samples of a tree rollout share, or a turn that is one sample's response and the
 next sample's prompt. Its phase A then runs the whole model and the LM head over those positions
 (``options.keep_logits``); their labels are the same for every row below (the trie branches before a position
@@ -26,7 +26,7 @@ from verl_prefix.schedule.executor import kept_labels, token_outputs
 from verl_prefix.schedule.grouping import RowLayout
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.prefix_kv import PrefixKV
-from verl_prefix.schedule.trie import TrieNode
+from verl_prefix.schedule.tree.trie import TrieNode
 
 
 @dataclass

@@ -8,7 +8,7 @@ below it computes alike: the same input token at the same position and, where th
 row (it predicts a response token), the same next token. Children branch where rows differ; a row hangs on the
 deepest node it shares, and what is left of it (its tail, ``[node.end, len - 1)``) runs in phase B as a suffix
 row. A row whose every input lies in shared nodes (a per-turn sample under the next turn) has an empty tail:
-its loss runs on the nodes' log-probs alone (``schedule.tree_loss``).
+its loss runs on the nodes' log-probs alone (``schedule.tree.loss``).
 
 Where rows branch at a loss position (the first differing response token), the position before the branch
 runs in each child or tail, as ``prompt[-1]`` runs in every suffix row under one-level reuse: a node's every
@@ -25,8 +25,8 @@ exactly as ``min_prefix_len`` decides for a whole prefix. With ``chunk_tokens`` 
 longer node runs as a chain of chunks of at most that many tokens, each a node of its own (``continues``) that
 attends to the earlier chunks' K/V as leaves, the way a chunked prefix runs under one-level reuse: the chain is
 the same causal attention split at more boundaries. With images (``visual_keys``) a visual placeholder
-token's key holds its item too (``schedule.tree_visuals``): every image's placeholder ids are the same, so the
-content decides where groups branch. What the tree schedule runs over this trie is ``schedule.tree``.
+token's key holds its item too (``schedule.tree.visuals``): every image's placeholder ids are the same, so the
+content decides where groups branch. What the tree schedule runs over this trie is ``schedule.tree.schedule``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
-from verl_prefix.schedule.tree_visuals import Segment, TokenKey, node_segments
+from verl_prefix.schedule.tree.visuals import Segment, TokenKey, node_segments
 
 # the default ``min_shared_tokens``: a shared node pays one more forward's fixed cost, as a group's prefix
 # does (``prefix_reuse.min_prefix_len``'s default); by FLOPs alone any shared token pays
@@ -75,12 +75,12 @@ class TrieNode:
     logits_from: int | None = None
     labels: torch.Tensor | None = None
     continues: bool = False  # a later chunk of a node split by ``chunk_tokens`` (its parent is the chunk before)
-    # lockstep (``schedule.tree_lockstep``): zero-loss work that keeps this rank's passes in step with the others'
+    # lockstep (``schedule.tree.lockstep``): zero-loss work that keeps this rank's passes in step with the others'
     filler: bool = False  # a node of no row (one token), run only for its passes
     filler_micro_batches: int = 0  # suffix micro-batches run after this node's real ones
     filler_children: list[TrieNode] = field(default_factory=list)  # filler subtrees run after the real children
     lockstep_logits: bool = False  # no loss, but runs the LM head (seeded with zeros) where a peer's node does
-    images: list[Segment] = field(default_factory=list)  # the visual tokens it holds (``schedule.tree_visuals``)
+    images: list[Segment] = field(default_factory=list)  # the visual tokens it holds (``schedule.tree.visuals``)
 
     @property
     def length(self) -> int:
@@ -117,7 +117,7 @@ class TrieStats:
     with more than one row below: loss-carrying tokens computed once for several rows). A node split into
     chunks counts as one node at one depth (``loss_nodes``: each chunk that runs the LM head);
     ``node_chunks`` counts the chunks such nodes ran as. ``visual_items``: the images and videos the tree
-    encodes (each once per subtree that holds it, ``schedule.tree_visuals``); ``group_visual_items``: what
+    encodes (each once per subtree that holds it, ``schedule.tree.visuals``); ``group_visual_items``: what
     one-level reuse encodes (each group's own)."""
 
     nodes: int
@@ -158,7 +158,7 @@ def _row(layout: RowLayout, row: int, share_loss: bool, own_last: bool, visual: 
     pos = layout.position_ids[row][..., :n].reshape(-1, n).tolist()
     labels = [ids[t + 1] if t >= prompt_len - 1 else None for t in range(n)]
     span = RowSpan(str(layout.uids[row]), prompt_len, len(ids))
-    extra = [] if visual is None else [visual[:n]]  # a visual token's item and index (``tree_visuals``)
+    extra = [] if visual is None else [visual[:n]]  # a visual token's item and index (``tree.visuals``)
     return _Row(row, span, list(zip(ids[:n], *pos, *extra)), labels, ids)
 
 
@@ -312,7 +312,7 @@ def build_trie(
     over their prompts only (``prompt[:-1]``; every row's tail is its suffix). ``own_last``: each row's last
     loss position stays in its tail (the MoE router aux loss: every row's last token runs in a suffix forward).
     ``chunk_tokens``: nodes longer than that run as chains of chunks (``prefix_chunk_tokens``). ``visual_keys``
-    (``tree_visuals.visual_token_keys``, a batch with images): each row's visual tokens keyed by their item too,
+    (``tree.visuals.visual_token_keys``, a batch with images): each row's visual tokens keyed by their item too,
     and each node's ``images`` its items' token ranges."""
     if min_shared_tokens < 1:
         raise ValueError(f"min_shared_tokens must be >= 1, got {min_shared_tokens}")
@@ -412,7 +412,7 @@ def _logical_walk(root: TrieNode) -> list[tuple[TrieNode, int]]:
 
 def run_order(roots: list[TrieNode]) -> list[TrieNode]:
     """Every node (lockstep fillers included) in the order the tree schedule runs their phase A: after lockstep
-    padding (``schedule.tree_lockstep``) every data-parallel rank's i-th node stands at the same position of the
+    padding (``schedule.tree.lockstep``) every data-parallel rank's i-th node stands at the same position of the
     agreed shape, so per-node decisions can be agreed position by position."""
     out: list[TrieNode] = []
 
@@ -429,7 +429,7 @@ def run_order(roots: list[TrieNode]) -> list[TrieNode]:
 def execution_signature(roots: list[TrieNode]) -> str:
     """The tree schedule's sequence of model passes (``F`` node forward, ``L`` one that runs the LM head too,
     ``B`` suffix micro-batch, ``E`` a micro-batch of rows without a tail (no model call), ``C`` node backward),
-    in the order the schedule runs them, lockstep fillers included (``schedule.tree_lockstep``)."""
+    in the order the schedule runs them, lockstep fillers included (``schedule.tree.lockstep``)."""
     parts: list[str] = []
 
     def visit(node: TrieNode) -> None:
@@ -444,3 +444,30 @@ def execution_signature(roots: list[TrieNode]) -> str:
     for root in roots:
         visit(root)
     return "".join(parts)
+
+
+# ``prefix/tree_shared_tokens/<level>``: levels past the third are summed into the last key, so every rank and
+# mini-batch reports the same keys
+TREE_LEVELS = ("level1", "level2", "level3plus")
+
+
+def tree_metrics(stats: TrieStats | None) -> dict[str, float]:
+    """What a mini-batch's token trie (``prefix_reuse.tree``, ``schedule.tree.trie``) did: its nodes, its depth,
+    the tokens shared by more than one group per level, the tokens it computed fewer than one-level reuse
+    would have (already subtracted from ``prefix/physical_tokens``), its nodes that run the LM head and their
+    log-prob positions shared by several rows (loss on shared tokens), and the chunks its nodes longer than
+    ``prefix_chunk_tokens`` ran as; with images, the images and videos it encoded and how many fewer than
+    one-level reuse would have (an image that several groups' prompts share: ``schedule.tree.visuals``).
+    ``None``: the mini-batch ran one-level (every metric 0)."""
+    stats = stats or TrieStats(0, 0, (), 0, 0)
+    levels = [*stats.shared_tokens[:2], sum(stats.shared_tokens[2:])]
+    levels += [0] * (len(TREE_LEVELS) - len(levels))
+    metrics = {"prefix/tree_nodes": float(stats.nodes), "prefix/tree_depth": float(stats.depth)}
+    metrics.update({f"prefix/tree_shared_tokens/{name}": float(n) for name, n in zip(TREE_LEVELS, levels)})
+    metrics["prefix/tree_saved_tokens"] = float(stats.saved_tokens)
+    metrics["prefix/tree_loss_nodes"] = float(stats.loss_nodes)
+    metrics["prefix/tree_shared_loss_tokens"] = float(stats.shared_loss_tokens)
+    metrics["prefix/tree_node_chunks"] = float(stats.node_chunks)
+    metrics["prefix/tree_visual_items"] = float(stats.visual_items)
+    metrics["prefix/tree_saved_visual_items"] = float(stats.group_visual_items - stats.visual_items)
+    return metrics

@@ -21,7 +21,7 @@ from itertools import zip_longest
 
 import torch
 
-from verl_prefix.schedule.trie import TrieNode, run_order
+from verl_prefix.schedule.tree.trie import TrieNode, run_order
 
 # (kind "F"/"L", suffix micro-batches, children's shapes): what a node's passes are
 Shape = tuple[str, int, tuple["Shape", ...]]

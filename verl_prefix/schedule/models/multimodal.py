@@ -23,14 +23,14 @@ import torch
 from torch import nn
 from verl.utils.transformers_compat import unpack_visual_output
 
-from verl_prefix.schedule.hf_forwards import class_forwards, hf_forward, patched_by_verl
+from verl_prefix.schedule.models.hf_forwards import class_forwards, hf_forward, patched_by_verl
 
 # a row's multimodal model inputs (verl's ``multi_modal_inputs`` entry: pixel values, grids...)
 VisualInputs = Mapping[str, torch.Tensor]
 
 # model types whose verl forward takes ``[4, B, L]`` positions and visual inputs the way this module feeds them,
 # each tested against the stock engine (Qwen2-VL shares verl's Qwen2.5-VL forward, Qwen3-VL-MoE its Qwen3-VL one;
-# Qwen3.5 and its MoE have verl's Qwen3.5 forward, their gated delta-nets served by ``schedule.recurrent``)
+# Qwen3.5 and its MoE have verl's Qwen3.5 forward, their gated delta-nets served by ``schedule.models.recurrent``)
 SERVED_VISUAL_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # model types verl feeds through ``verl.models.transformers.qwen2_vl`` (its zero placeholder image for text calls)
 QWEN2_VL_FORWARD = ("qwen2_vl", "qwen2_5_vl")

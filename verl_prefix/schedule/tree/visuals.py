@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
-from verl_prefix.schedule.multimodal import vision_encoder
-from verl_prefix.schedule.visual_chunks import (
+from verl_prefix.schedule.models.multimodal import vision_encoder
+from verl_prefix.schedule.models.visual_chunks import (
     VISUAL_KINDS,
     encoder_output,
     encoder_owner,

@@ -28,7 +28,7 @@ to 256, where ``torch.backends.cuda.can_use_flash_attention`` says it runs: ``ke
 Logit softcapping, attention sinks and sliding windows shorter than the call, which none of them takes,
 run ``scored_merged_attention`` instead: the same two parts and merge in plain torch ops (each part's scores
 capped before its own log-sum-exp, sinks a third part; a window cuts the prefix to its last ``W - 1``
-positions with a banded mask, ``schedule.windows``), no repeat on any device, but the scores materialised.
+positions with a banded mask, ``schedule.attention.windows``), no repeat on any device, but the scores materialised.
 
 Unequal head sizes (MLA: DeepSeek-V2/V3, Kimi-K2, value heads of 128 against query/key heads of 192): the
 flash ops take one head size for Q, K and V. The narrower side is zero-padded to the wider inside the kernel
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from verl_prefix.schedule.kernels import cuda_merged_refusal, flash_takes_gqa
-from verl_prefix.schedule.windows import band_keep_mask, banded_prefix_keep, cut_prefix, cut_to_chunk
+from verl_prefix.schedule.attention.kernels import cuda_merged_refusal, flash_takes_gqa
+from verl_prefix.schedule.attention.windows import band_keep_mask, banded_prefix_keep, cut_prefix, cut_to_chunk
 
 # kwargs HF attention forwards may carry that the merged kernels do not implement -> refusal reason
 _UNSERVED_KWARGS = {"sliding_window": "sliding_window", "softcap": "softcap", "s_aux": "sinks"}
@@ -321,12 +321,12 @@ def scored_merged_attention(
     prefix, suffix K/V shared by a KV group's query heads by broadcasting: no repeat on any device), but the
     scores are materialised: ``B x Hq x S x (P + S)`` in fp32 per layer, saved for backward.
 
-    ``window`` (a sliding window shorter than the call, ``schedule.windows``): the prefix part attends to a view
-    of the prefix's last ``W - 1`` positions with a banded mask (queries past the band keep no prefix key: their
+    ``window`` (a sliding window shorter than the call, ``schedule.attention.windows``): the prefix part attends to a
+    view of the prefix's last ``W - 1`` positions with a banded mask (queries past the band keep no prefix key: their
     part is empty, ``lse = -inf``, and the merge gives it weight 0), the suffix part is causal within the
     window; the scores are then ``B x Hq x S x (W - 1 + S)`` whatever the prefix length. ``chunk`` (a chunked
-    layer whose chunks the call crosses, ``schedule.windows.active_chunk``): the prefix part keeps the positions
-    of the chunk holding the first suffix position (none when the prefix ends on a chunk boundary), each part
+    layer whose chunks the call crosses, ``schedule.attention.windows.active_chunk``): the prefix part keeps the
+    positions of the chunk holding the first suffix position (none when the prefix ends on a chunk boundary), each part
     masked to its query's own chunk (absolute positions: the prefix's length is the first query's)."""
     rows, heads, length, dim = query.shape
     offset = prefix_key.shape[2]  # the first suffix query's absolute position
@@ -380,8 +380,8 @@ def merged_attention(
     gradient comes back in fp32. ``softcap``
     (Gemma-2's ``attn_logit_softcapping``) or ``sinks`` (``s_aux``, one logit per query head) run
     ``scored_merged_attention`` (plain torch ops, any device and dtype), and so does a sliding ``window``
-    shorter than the call (``schedule.windows.active_window``; the fused kernels take no mask) or chunks the call
-    crosses (``active_chunk``); otherwise the
+    shorter than the call (``schedule.attention.windows.active_window``; the fused kernels take no mask) or chunks the
+    call crosses (``active_chunk``); otherwise the
     device's flash kernels (``MergedAttention``)."""
     heads, kv_heads = query.shape[1], suffix_key.shape[1]
     if heads % kv_heads:
