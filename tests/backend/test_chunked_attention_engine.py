@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 from verl_prefix.harness import model_zoo as Z
-from verl_prefix.schedule import prefix_kv
-from verl_prefix.schedule.prefix_kv import LAYER_PATHS
+from verl_prefix.schedule.kv import contexts
+from verl_prefix.schedule.kv.contexts import LAYER_PATHS
 
 CHUNK = 12
 
@@ -103,7 +103,7 @@ def test_chunked_infer_matches_stock_engine(llama4_dir):
 def test_negative_control_chunk_ignored_fails(llama4_dir, monkeypatch):
     """The same comparison with the layer's chunk ignored in phase A and B (attention over the whole prefix, as
     before chunks were served) must fail, reuse running."""
-    monkeypatch.setattr(prefix_kv, "attention_chunk", lambda module: None)
+    monkeypatch.setattr(contexts, "attention_chunk", lambda module: None)
     worst, prefix = step(llama4_dir, "float64")
     assert_reuse_ran(prefix["metrics"], groups=2)
     assert worst > 1e-3, worst

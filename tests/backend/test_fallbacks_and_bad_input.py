@@ -13,8 +13,8 @@ from verl_prefix import PrefixReuseConfig
 from verl_prefix.backend import fallbacks, model_checks
 from verl_prefix.backend.config import PrefixFSDPEngineConfig
 from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
-from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.grouping import RowLayout, plan_suffix_micro_batches, validate_batch
+from verl_prefix.schedule.kv import seam
 
 VOCAB = 128
 
@@ -268,5 +268,5 @@ def test_knob_validation_messages():
 
 
 def test_prefix_kv_names_cover_the_kernels_verl_uses():
-    assert {"sdpa", "eager", "flash_attention_2"} <= set(prefix_kv.PREFIX_ATTENTION_NAMES)
-    assert np.all([name.startswith("verl_prefix_") for name in prefix_kv.PREFIX_ATTENTION_NAMES.values()])
+    assert {"sdpa", "eager", "flash_attention_2"} <= set(seam.PREFIX_ATTENTION_NAMES)
+    assert np.all([name.startswith("verl_prefix_") for name in seam.PREFIX_ATTENTION_NAMES.values()])

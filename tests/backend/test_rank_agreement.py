@@ -101,29 +101,31 @@ def _trip_on_this_rank(case: str) -> None:
     """What rank 1 alone sees in ``case``: its recompute differs (an MoE top-k flip reads as an infinite
     difference), its GPU refuses torch's flash kernels (pre-Ampere: every merged call), its node has no
     varlen kernel (no flash_attn, torch < 2.10)."""
-    from verl_prefix.schedule import dormant, prefix_kv
+    from verl_prefix.schedule import dormant
     from verl_prefix.schedule.attention import merged as MA
     from verl_prefix.schedule.attention import varlen as V
+    from verl_prefix.schedule.kv import contexts
 
     if case == "recompute_mismatch":
         dormant.kv_difference = lambda phase_a, recomputed, also=(): float("inf")
     elif case in ("auto_kernel_arch", "merged_kernel_arch"):
-        MA.merged_refusal = prefix_kv.merged_refusal = lambda query, kwargs, value_dim=None: "kernel_arch"
+        MA.merged_refusal = contexts.merged_refusal = lambda query, kwargs, value_dim=None: "kernel_arch"
     elif case == "varlen_kernel_missing":
-        V.varlen_refusal = prefix_kv.varlen_refusal = lambda query, kwargs: "varlen_kernel"
+        V.varlen_refusal = contexts.varlen_refusal = lambda query, kwargs: "varlen_kernel"
         V.varlen_kernel_problem = lambda: (
             "torch 2.9.1 has no CUDA varlen flash attention and flash_attn does not import"
         )
 
 
 def _untrip(saved: dict) -> None:
-    from verl_prefix.schedule import dormant, prefix_kv
+    from verl_prefix.schedule import dormant
     from verl_prefix.schedule.attention import merged as MA
     from verl_prefix.schedule.attention import varlen as V
+    from verl_prefix.schedule.kv import contexts
 
     dormant.kv_difference = saved["kv_difference"]
-    MA.merged_refusal = prefix_kv.merged_refusal = saved["merged_refusal"]
-    V.varlen_refusal = prefix_kv.varlen_refusal = saved["varlen_refusal"]
+    MA.merged_refusal = contexts.merged_refusal = saved["merged_refusal"]
+    V.varlen_refusal = contexts.varlen_refusal = saved["varlen_refusal"]
     V.varlen_kernel_problem = saved["varlen_kernel_problem"]
 
 
@@ -139,12 +141,13 @@ ONE_RANK_CASES = {
 def _one_rank_body(rank: int, model_dir: str) -> dict:
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.harness import verl_engine
-    from verl_prefix.schedule import dormant, prefix_kv
+    from verl_prefix.schedule import dormant
     from verl_prefix.schedule.attention import varlen as V
+    from verl_prefix.schedule.kv import contexts
 
     saved = {
         "kv_difference": dormant.kv_difference,
-        "merged_refusal": prefix_kv.merged_refusal,
+        "merged_refusal": contexts.merged_refusal,
         "varlen_refusal": V.varlen_refusal,
         "varlen_kernel_problem": V.varlen_kernel_problem,
     }

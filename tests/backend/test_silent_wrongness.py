@@ -20,8 +20,9 @@ from verl_prefix.backend import fallbacks, model_checks
 from verl_prefix.backend.inputs import row_layout
 from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
 from verl_prefix.schedule.executor import prefix_backward, prefix_forward
+from verl_prefix.schedule.kv.container import PrefixKV
+from verl_prefix.schedule.kv.seam import prefix_attention_mode
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
 
 VOCAB = 128
 

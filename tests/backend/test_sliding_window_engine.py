@@ -17,7 +17,7 @@ from test_engine_exactness import GRAD_TOL, compare_update, engines
 
 from verl_prefix import PrefixReuseConfig
 from verl_prefix.harness import grpo_batches, tiny_models, verl_engine
-from verl_prefix.schedule.prefix_kv import LAYER_PATHS
+from verl_prefix.schedule.kv.contexts import LAYER_PATHS
 
 LAYERS = ["sliding_attention", "full_attention"]  # one windowed layer, one full layer
 

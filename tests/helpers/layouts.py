@@ -40,9 +40,9 @@ def suffix_only_mask(query_len: int, prefix_len: int, device: torch.device | Non
 def use_suffix_only_mask(mp) -> None:
     """Break every spelling of phase B's mask: eager's explicit one, sdpa's bottom-right bias, and the
     merged two-part attention (its prefix part dropped from the merge)."""
-    from verl_prefix.schedule import prefix_kv
     from verl_prefix.schedule.attention import merged as merged_attention
+    from verl_prefix.schedule.kv import contexts
 
-    mp.setattr(prefix_kv, "causal_keep_mask", suffix_only_mask)
-    mp.setattr(prefix_kv, "prefix_causal_bias", lambda q, k: suffix_only_mask(q, k - q, None))
+    mp.setattr(contexts, "causal_keep_mask", suffix_only_mask)
+    mp.setattr(contexts, "prefix_causal_bias", lambda q, k: suffix_only_mask(q, k - q, None))
     mp.setattr(merged_attention, "merge", lambda out1, lse1, out2, lse2: (out2, lse2))

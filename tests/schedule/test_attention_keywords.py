@@ -28,7 +28,7 @@ from transformers.models.gemma2 import modeling_gemma2
 from transformers.utils.generic import TransformersKwargs
 
 from verl_prefix.schedule.attention import keywords as AK
-from verl_prefix.schedule.prefix_kv import CaptureContext, ServeContext
+from verl_prefix.schedule.kv.contexts import CaptureContext, ServeContext
 
 CPU = torch.device("cpu")
 MODELS = Path(transformers.__file__).parent / "models"

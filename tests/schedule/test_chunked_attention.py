@@ -30,10 +30,10 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import causal_mask_function, chunked_overlay, sliding_window_overlay
 
 from verl_prefix.harness import model_zoo as Z
-from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.attention import positions, windows
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.kv import contexts
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.tree.schedule import train_tree
@@ -306,7 +306,7 @@ def test_negative_controls_fail(llama4_fp64, monkeypatch, control):
         shifted = _shifted_chunk(1 if control == "boundary+1" else -1)
         monkeypatch.setattr(windows, "chunk_keep_mask", shifted)  # every band mask builds its chunk part here
     elif control == "chunk_ignored":
-        monkeypatch.setattr(prefix_kv, "attention_chunk", lambda module: None)
+        monkeypatch.setattr(contexts, "attention_chunk", lambda module: None)
     else:
         monkeypatch.setattr(positions.PositionOffset, "get_seq_length", lambda self, layer_idx=0: 0)
     with fp64_throughout():

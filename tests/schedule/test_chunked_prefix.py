@@ -154,16 +154,16 @@ def test_recompute_with_chunks_holds_one_chunk_graph():
 
 def _count_varlen_calls(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
     """Record ``(keys the prefix part saw, packed row lengths)`` of every ``merged_varlen`` attention call."""
-    from verl_prefix.schedule import prefix_kv
+    from verl_prefix.schedule.kv import contexts
 
     calls: list[tuple[int, tuple[int, ...]]] = []
-    real = prefix_kv.merged_varlen_attention
+    real = contexts.merged_varlen_attention
 
     def counting(query, prefix_key, prefix_value, key, value, packing, scaling=None):
         calls.append((prefix_key.shape[2], packing.lengths))
         return real(query, prefix_key, prefix_value, key, value, packing, scaling)
 
-    monkeypatch.setattr(prefix_kv, "merged_varlen_attention", counting)
+    monkeypatch.setattr(contexts, "merged_varlen_attention", counting)
     return calls
 
 

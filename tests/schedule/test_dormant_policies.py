@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from verl_prefix.schedule import dormant as D
 from verl_prefix.schedule import executor
+from verl_prefix.schedule.kv.seam import prefix_attention_mode
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import prefix_attention_mode
 from verl_prefix.schedule.telemetry import PhaseMeter
 
 CPU = torch.device("cpu")

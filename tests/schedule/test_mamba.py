@@ -23,7 +23,8 @@ from transformers.models.nemotron_h import modeling_nemotron_h
 
 from verl_prefix.harness import model_zoo
 from verl_prefix.schedule import dormant as D
-from verl_prefix.schedule import executor, prefix_kv
+from verl_prefix.schedule import executor
+from verl_prefix.schedule.kv import contexts, seam
 from verl_prefix.schedule.models import mamba, recurrent
 
 MAMBA = {"initializer_range": 0.2, "use_mamba_kernels": False, "vocab_size": VOCAB, "hidden_size": 32}
@@ -189,7 +190,7 @@ def test_phase_a_holds_the_state_and_empty_states_for_blocks_without_a_mixer(mod
     layout = make_layout([(9, [3, 1])])
     ids, pos = layout.input_ids[0][:8], layout.position_ids[0][:8]
     options = executor.ScheduleOptions(device=torch.device("cpu"))
-    with fp64_throughout(), prefix_kv.prefix_attention_mode(model64):
+    with fp64_throughout(), seam.prefix_attention_mode(model64):
         prefix = executor.prefix_forward(model64, ids, pos, options)
     assert prefix.recurrent_layers == {0, 1, 3, 4} and prefix.complete
     for layer in (0, 4):  # conv_dim = 4 heads x 8 + 2 groups x 2 x d_state 8; state: 4 heads x 8 x 8
@@ -236,7 +237,7 @@ def test_lfm2_short_conv_carries_its_conv_context(monkeypatch):
         for rows, chunk in ((8, None), (1, None), (2, 1)):
             got = run(model, layout, weights, rows=rows, prefix_chunk_tokens=chunk)
             assert worst_relative(got, want) < 1e-10, (rows, chunk)
-        monkeypatch.setattr(prefix_kv, "serving_cache", lambda m, b, h: recurrent.BoundaryCache(m.layer_idx, 2))
+        monkeypatch.setattr(contexts, "serving_cache", lambda m, b, h: recurrent.BoundaryCache(m.layer_idx, 2))
         assert worst_relative(run(model, layout, weights, rows=8), want) > 1e-3
 
 
@@ -254,7 +255,7 @@ def test_negative_control_suffixes_from_a_zero_state(model64, ragged64, monkeypa
     def from_nothing(module, boundary, hidden_states):
         return recurrent.BoundaryCache(module.layer_idx, module.conv_kernel_size - 1)
 
-    patch = lambda mp: mp.setattr(prefix_kv, "serving_cache", from_nothing)  # noqa: E731
+    patch = lambda mp: mp.setattr(contexts, "serving_cache", from_nothing)  # noqa: E731
     assert _fp64_error(model64, ragged64, monkeypatch, patch) > 1e-2
 
 

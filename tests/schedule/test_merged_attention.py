@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from verl_prefix.schedule import executor
 from verl_prefix.schedule.attention import merged as MA
 from verl_prefix.schedule.grouping import plan_batch, plan_suffix_micro_batches
-from verl_prefix.schedule.prefix_kv import ServeContext, sdpa_lower_right
+from verl_prefix.schedule.kv.contexts import ServeContext, sdpa_lower_right
 from verl_prefix.schedule.telemetry import PhaseMeter
 
 CPU = torch.device("cpu")

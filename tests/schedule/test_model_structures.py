@@ -21,10 +21,10 @@ from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss,
 from transformers import AutoModelForCausalLM, Gemma4TextConfig, LlamaConfig
 
 from verl_prefix.schedule.executor import prefix_forward
+from verl_prefix.schedule.kv.seam import prefix_attention_mode
 from verl_prefix.schedule.models import structure
 from verl_prefix.schedule.models.capability import structure_refusal
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import prefix_attention_mode
 from verl_prefix.schedule.telemetry import PhaseMeter
 
 CPU = torch.device("cpu")

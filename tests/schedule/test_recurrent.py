@@ -25,9 +25,10 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from verl_prefix.harness import model_zoo
-from verl_prefix.schedule import executor, prefix_kv
+from verl_prefix.schedule import executor
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.grouping import plan_batch
+from verl_prefix.schedule.kv import contexts, seam
 from verl_prefix.schedule.models import recurrent
 from verl_prefix.schedule.options import ScheduleOptions
 
@@ -152,7 +153,7 @@ def test_phase_a_holds_the_state_and_phase_b_serves_it_unchanged(model64):
     group = plan_batch(layout, max_rows=1, max_tokens=None, min_prefix_len=1, min_group_size=1).groups[0]
     options = ScheduleOptions(device=CPU)
     ids, pos = layout.input_ids[0][:8], layout.position_ids[0][:8]
-    with prefix_kv.prefix_attention_mode(model64):
+    with seam.prefix_attention_mode(model64):
         prefix = executor.prefix_forward(model64, ids, pos, options)
         leaves = prefix.as_leaves(requires_grad=True)
         for rows in group.micro_batches:
@@ -317,7 +318,7 @@ def test_negative_control_suffixes_from_a_zero_state(monkeypatch):
     def from_nothing(module, boundary, hidden_states):
         return recurrent.BoundaryCache(module.layer_idx, module.conv_kernel_size - 1)
 
-    assert _fp64_error(monkeypatch, lambda mp: mp.setattr(prefix_kv, "serving_cache", from_nothing)) > 1e-2
+    assert _fp64_error(monkeypatch, lambda mp: mp.setattr(contexts, "serving_cache", from_nothing)) > 1e-2
 
 
 def test_negative_control_conv_context_shifted_by_one_token(monkeypatch):
@@ -340,7 +341,7 @@ def test_negative_control_chunk_from_a_zero_state(monkeypatch):
 
     with fp64_delta_net(model):
         want = dense_grads(model, layout, weights)
-        monkeypatch.setattr(prefix_kv.ChunkCaptureContext, "recurrent_cache", from_nothing)
+        monkeypatch.setattr(contexts.ChunkCaptureContext, "recurrent_cache", from_nothing)
         assert worst_relative(run(model, layout, weights, rows=4, prefix_chunk_tokens=3), want) > 1e-3
 
 
@@ -551,9 +552,9 @@ def test_olmo_hybrid_split_convolutions_and_a_decoder_layer_that_drops_keywords(
         for i in range(len(layout)):
             torch.testing.assert_close(got_lp[i][0], want_lp[i], rtol=1e-12, atol=1e-12)
         zero = recurrent.SplitConvCache((1, 1, 1))  # a cache without state: the layer starts from nothing
-        original = prefix_kv.serving_cache
-        prefix_kv.serving_cache = lambda module, boundary, hidden_states: zero
+        original = contexts.serving_cache
+        contexts.serving_cache = lambda module, boundary, hidden_states: zero
         try:
             assert worst_relative(run(model, layout, weights, rows=2), want) > 1e-3
         finally:
-            prefix_kv.serving_cache = original
+            contexts.serving_cache = original

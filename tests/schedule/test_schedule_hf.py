@@ -13,9 +13,9 @@ from helpers.schedule_runs import infer_reuse, train_reuse
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from verl_prefix.schedule import executor as schedule
-from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.executor import infer_group, train_group
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
+from verl_prefix.schedule.kv import contexts, seam
 from verl_prefix.schedule.options import ScheduleOptions
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
@@ -179,7 +179,7 @@ def test_early_exit_off_gives_the_same_gradients():
 
 def test_attention_mode_is_restored_and_loud_outside_the_schedule():
     model = tiny_model("qwen3", "sdpa", torch.float32)
-    with prefix_kv.prefix_attention_mode(model):
+    with seam.prefix_attention_mode(model):
         assert model.config._attn_implementation == "verl_prefix_sdpa"
         with pytest.raises(RuntimeError, match="without a prefix context"):
             model(input_ids=torch.zeros(1, 3, dtype=torch.long))
@@ -206,8 +206,8 @@ def test_negative_control_suffix_only_mask(monkeypatch):
 def test_sdpa_bias_and_eager_mask_are_the_same_mask():
     """sdpa gets phase B's mask as a bottom-right causal bias, eager as an explicit mask: one mask."""
     for query_len, prefix_len in ((1, 5), (4, 7), (6, 1)):
-        bias = prefix_kv.prefix_causal_bias(query_len, prefix_len + query_len)
-        explicit = prefix_kv.causal_keep_mask(query_len, prefix_len, torch.device("cpu"))[0, 0]
+        bias = contexts.prefix_causal_bias(query_len, prefix_len + query_len)
+        explicit = contexts.causal_keep_mask(query_len, prefix_len, torch.device("cpu"))[0, 0]
         assert torch.equal(bias._materialize(torch.device("cpu")), explicit)
 
 
@@ -220,9 +220,9 @@ def test_sdpa_prefix_attention_matches_hf_sdpa_with_the_explicit_mask():
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(3, 4, 5, 8, generator=gen, dtype=torch.float64)
     key, value = (torch.randn(3, 2, 12, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    mask = prefix_kv.causal_keep_mask(5, 7, torch.device("cpu"))
+    mask = contexts.causal_keep_mask(5, 7, torch.device("cpu"))
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-    got, _ = prefix_kv.sdpa_lower_right(module, query, key, value, scaling=0.3)
+    got, _ = contexts.sdpa_lower_right(module, query, key, value, scaling=0.3)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 

@@ -22,10 +22,10 @@ from test_merged_attention import attention_inputs, weighted_grads
 from test_schedule_hf import dense_grads, dense_response_outputs, weighted_loss, worst_relative
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, MistralConfig
 
-from verl_prefix.schedule import prefix_kv
 from verl_prefix.schedule.attention import merged as MA
 from verl_prefix.schedule.attention.windows import active_window, banded_prefix_keep, cut_prefix, window_keep_mask
 from verl_prefix.schedule.dormant import Dormant
+from verl_prefix.schedule.kv import contexts
 from verl_prefix.schedule.telemetry import PhaseMeter
 
 CPU = torch.device("cpu")
@@ -309,7 +309,7 @@ def test_negative_controls_fail(gemma_fp64, monkeypatch, control):
     model, layout, weights, want = gemma_fp64
     with promote_fp32_upcasts():
         if control == "phase_a_window_ignored":  # phase A causal over the whole prefix, as before: the window
-            monkeypatch.setattr(prefix_kv.CaptureContext, "key_span", lambda self, query_len: 1)  # seems to cover
+            monkeypatch.setattr(contexts.CaptureContext, "key_span", lambda self, query_len: 1)  # seems to cover
         else:
             cut, band = {"window+1": _shifted(1), "window-1": _shifted(-1)}.get(control) or _ignored()
             monkeypatch.setattr(MA, "cut_prefix", cut)

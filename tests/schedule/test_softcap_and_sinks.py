@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
 
 from verl_prefix.schedule.attention import keywords as attention_keywords
 from verl_prefix.schedule.attention import merged as MA
-from verl_prefix.schedule.prefix_kv import causal_keep_mask, scored_attention
+from verl_prefix.schedule.kv.contexts import causal_keep_mask, scored_attention
 from verl_prefix.schedule.telemetry import PhaseMeter
 
 CPU = torch.device("cpu")

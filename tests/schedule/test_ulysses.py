@@ -41,10 +41,10 @@ def _compare(kv_heads: int, attn: str, attention: str, control: str | None, vari
     want_lp, want_ent = dense_response_outputs(model, layout)
 
     if control == "padded_prefix_kv":  # phase A keeps the prefix's alignment padding as K/V
-        from verl_prefix.schedule import prefix_kv
+        from verl_prefix.schedule.kv import contexts
 
-        init = prefix_kv.CaptureContext.__init__
-        prefix_kv.CaptureContext.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "length": None})
+        init = contexts.CaptureContext.__init__
+        contexts.CaptureContext.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "length": None})
     if control == "unscaled_gather":  # log-prob gradients not scaled back by the group size
         ulysses_mod.Ulysses.gather = lambda self, x, length: ulysses_mod.gather_outputs_and_unpad(
             x, 1, 1, self.padded(length) - length, grad_scaler=False, group=self.group

@@ -26,7 +26,7 @@ from test_schedule_hf import dense_grads, worst_relative
 
 from verl_prefix.schedule.attention import merged as MA
 from verl_prefix.schedule.attention import varlen as V
-from verl_prefix.schedule.prefix_kv import ServeContext
+from verl_prefix.schedule.kv.contexts import ServeContext
 
 CPU = torch.device("cpu")
 LENGTHS = {1: [4], 2: [5, 2], 5: [3, 5, 1, 4, 2]}  # ragged rows, width 5

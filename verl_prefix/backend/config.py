@@ -10,7 +10,7 @@ from verl.workers.config import FSDPEngineConfig
 
 from verl_prefix.schedule.chunked import validate_chunk_tokens
 from verl_prefix.schedule.dormant import validate_policy
-from verl_prefix.schedule.prefix_kv import PHASE_B_ATTENTION
+from verl_prefix.schedule.kv.contexts import PHASE_B_ATTENTION
 from verl_prefix.schedule.tree.trie import DEFAULT_MIN_SHARED_TOKENS
 
 PREFIX_BACKEND = "prefix_fsdp2"

@@ -65,9 +65,9 @@ from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, r
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
+from verl_prefix.schedule.kv.contexts import LAYER_PATHS
 from verl_prefix.schedule.models import moe
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
-from verl_prefix.schedule.prefix_kv import LAYER_PATHS
 from verl_prefix.schedule.telemetry import PhaseMeter
 from verl_prefix.schedule.tree.dormant import NodePolicy
 from verl_prefix.schedule.tree.lockstep import filler_passes, trie_shape

@@ -24,8 +24,8 @@ from verl_prefix.backend.model_checks import (
     uses_reentrant_checkpointing,
 )
 from verl_prefix.schedule.attention.positions import position_scale_limit
+from verl_prefix.schedule.kv.seam import PREFIX_ATTENTION_NAMES, base_attention_implementation
 from verl_prefix.schedule.models import mamba, moe, multimodal, recurrent
-from verl_prefix.schedule.prefix_kv import PREFIX_ATTENTION_NAMES, base_attention_implementation
 
 logger = logging.getLogger(__name__)
 

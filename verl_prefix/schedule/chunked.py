@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from verl_prefix.schedule.dormant import Dormant
+from verl_prefix.schedule.kv.container import PrefixKV
 from verl_prefix.schedule.models.moe import RouterStats
 from verl_prefix.schedule.models.recurrent import RecurrentState
-from verl_prefix.schedule.prefix_kv import PrefixKV
 
 # run_chunk(start, end, earlier) -> the chunk's captured K/V (graph-attached under grad). ``earlier`` is
 # None for the first chunk; a filler chunk is run by ``ChunkedPrefix``'s ``run_filler``.

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.kv.container import PrefixKV
 
 logger = logging.getLogger(__name__)
 

@@ -41,6 +41,9 @@ from verl_prefix.schedule.chunked import ChunkedPrefix, num_chunks
 from verl_prefix.schedule.dormant import Dormant
 from verl_prefix.schedule.fused_head import fused_head, scalar_temperature
 from verl_prefix.schedule.grouping import GroupPlan, RowLayout
+from verl_prefix.schedule.kv.container import PrefixCaptured, PrefixKV
+from verl_prefix.schedule.kv.contexts import CaptureContext, ChunkCaptureContext, ServeContext
+from verl_prefix.schedule.kv.seam import prefix_attention_mode
 from verl_prefix.schedule.models import moe, recurrent
 from verl_prefix.schedule.models.multimodal import (
     VisualInputs,
@@ -53,14 +56,6 @@ from verl_prefix.schedule.models.multimodal import (
 from verl_prefix.schedule.models.structure import layer_roles
 from verl_prefix.schedule.models.visual_chunks import EncodedVisuals
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import (
-    CaptureContext,
-    ChunkCaptureContext,
-    PrefixCaptured,
-    PrefixKV,
-    ServeContext,
-    prefix_attention_mode,
-)
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
 
 # loss_fn(rows, log_probs, entropy) -> scalar loss to backpropagate. log_probs[k] are the response
@@ -325,7 +320,7 @@ def token_outputs(
 
 def _note_attention(meter: PhaseMeter | None, ctx: ServeContext) -> None:
     """Count the micro-batch under the attention it ran: merged (or merged_varlen) when every layer ran it; and
-    each layer under the path that served it (``prefix/phase_b_layers/<path>``, ``prefix_kv.LAYER_PATHS``)."""
+    each layer under the path that served it (``prefix/phase_b_layers/<path>``, ``kv.contexts.LAYER_PATHS``)."""
     if meter is None:
         return
     if ctx.varlen_calls > 0 and not ctx.merged_calls and not ctx.refusals:

@@ -38,7 +38,7 @@ class ScheduleOptions:
     context every phase runs in. ``backward``: how a micro-batch's loss is backpropagated (a caller may
     scale it). ``early_exit``: phase A stops after the last layer's K/V (or the last router, whichever runs
     later). ``meter``: per-phase time/memory and which phase-B attention ran (``None``: not metered).
-    ``phase_b_attention``: see ``prefix_kv.ServeContext``. ``phase_b_refusal``: why the merged kernels cannot
+    ``phase_b_attention``: see ``kv.contexts.ServeContext``. ``phase_b_refusal``: why the merged kernels cannot
     serve on some data-parallel rank, as the ranks agreed before the mini-batch (``schedule.attention.preflight``):
     ``auto`` then runs concat on every rank, counted as ``concat_<reason>``. ``prefix_grad_dtype``: the least
     dtype dK/dV accumulate in across micro-batches (``None``: K/V's own, e.g. bf16 under autocast).

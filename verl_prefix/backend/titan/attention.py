@@ -9,7 +9,7 @@ keys causally. On CPU the platform layer computes that mask densely (``titan.pla
 kernel runs it.
 
 The third mode, ``scheduling``, hands each layer's q/k/v to the schedule's own attention instead
-(``prefix_kv.CaptureContext`` / ``ServeContext.attend``, which ``titan.causal_lm`` passes as ``prefix_ctx``): local
+(``kv.contexts.CaptureContext`` / ``ServeContext.attend``, which ``titan.causal_lm`` passes as ``prefix_ctx``): local
 shards transposed to HF's ``[B, heads, L, head_dim]`` layout, with an ``AttentionShim`` carrying what ``attend``
 reads off an HF attention module; the output goes back as the kind of tensor torchtitan handed in.
 """
@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from verl_prefix.schedule.prefix_kv import PrefixCaptured, PrefixKV
+from verl_prefix.schedule.kv.container import PrefixCaptured, PrefixKV
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -39,7 +39,7 @@ class TitanCausalLM(nn.Module):
         self.model = model
         self.hooks = hooks
         config = copy.deepcopy(hf_config)
-        config._attn_implementation = "sdpa"  # the schedule's attention is sdpa's maths (prefix_kv)
+        config._attn_implementation = "sdpa"  # the schedule's attention is sdpa's maths (kv.contexts)
         self.config = config
 
     def forward(

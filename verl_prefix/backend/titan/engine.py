@@ -70,9 +70,9 @@ from verl_prefix.schedule.dormant import (
 )
 from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
+from verl_prefix.schedule.kv.container import PrefixKV
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
-from verl_prefix.schedule.prefix_kv import PrefixKV
 from verl_prefix.schedule.tree.trie import TrieNode
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from verl_prefix.backend.inputs import uids_of
 from verl_prefix.schedule.executor import seeded_backward
-from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.kv.container import PrefixKV
 
 # activation dtypes a header can name (index in this tuple)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

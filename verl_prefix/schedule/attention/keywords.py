@@ -1,6 +1,6 @@
 """Every keyword HF hands an attention function is honoured by the prefix attention or refused, never dropped.
 
-The prefix attention (``prefix_kv``) stands in for the model's own attention function during phases A and
+The prefix attention (``kv.seam``) stands in for the model's own attention function during phases A and
 B, so each keyword a model passes (``attention_interface(..., softcap=..., s_aux=..., **kwargs)``) must
 either change reuse's maths exactly as it changes the dense function's, change nothing in either, or stop
 the call with the keyword's name (``AttentionKeywordRefused``). Keywords nobody declared here are refused
@@ -10,7 +10,7 @@ accept and what its model families pass, and fails on any keyword missing from t
 
 What "the dense function" is depends on the model's ``attn_implementation`` (``dense_keywords``):
 flash attention and eager apply ``softcap`` and sinks (``s_aux``), so reuse applies them in every path
-(``scored_keywords``: the scores are built in plain torch ops; ``prefix_kv.scored_attention``,
+(``scored_keywords``: the scores are built in plain torch ops; ``kv.contexts.scored_attention``,
 ``attention.merged.scored_merged_attention``). transformers' sdpa function takes neither and computes
 without them, so under sdpa reuse computes without them too (exact to dense) and says so once in the log.
 """

@@ -1,7 +1,7 @@
 """Can the schedule serve this model at all: a structural check, run once before training.
 
 Phase A captures each decoder layer's K/V through the attention function the schedule registers with HF's
-``AttentionInterface`` (``prefix_kv``), keyed by the attention module's ``layer_idx``; phase B serves them back
+``AttentionInterface`` (``kv.seam``), keyed by the attention module's ``layer_idx``; phase B serves them back
 the same way. A model whose layers carry state in anything else (a recurrent or convolution mixer: gated
 delta-net, Mamba/Mamba-2, short convs, RG-LRU...), attend outside the interface (a family-local interface, a
 hand-written attention), attend bidirectionally or across to an encoder, or that is an encoder-decoder, cannot

@@ -377,7 +377,7 @@ def fla_triton_backend() -> Iterator[None]:
 @contextmanager
 def recurrent_state_mode(model: nn.Module) -> Iterator[None]:
     """For the duration of the reuse schedule, every served recurrent layer called with a prefix context
-    takes its ``cache_params`` from it (``prefix_kv.CaptureContext`` / ``ServeContext.recurrent_cache``);
+    takes its ``cache_params`` from it (``kv.contexts.CaptureContext`` / ``ServeContext.recurrent_cache``);
     Mamba-2 mixers and short convs through their decoder block (``mamba.continuation_mode``). Layers on fla's
     kernels run its Triton chunked rule meanwhile (``fla_triton_backend``)."""
     served = [m for m in model.modules() if isinstance(m, SERVED_CLASSES) and served_recurrent_layer(m)]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from verl_prefix.schedule.dormant import Dormant, GraphEstimate, estimate_prefix_graph
-from verl_prefix.schedule.prefix_kv import PrefixKV
+from verl_prefix.schedule.kv.container import PrefixKV
 from verl_prefix.schedule.tree.loss import NodeValues
 from verl_prefix.schedule.tree.trie import TrieNode
 

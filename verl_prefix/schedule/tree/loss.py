@@ -24,8 +24,8 @@ import torch
 
 from verl_prefix.schedule.executor import kept_labels, token_outputs
 from verl_prefix.schedule.grouping import RowLayout
+from verl_prefix.schedule.kv.container import PrefixKV
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import PrefixKV
 from verl_prefix.schedule.tree.trie import TrieNode
 
 

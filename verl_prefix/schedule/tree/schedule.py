@@ -65,8 +65,9 @@ from verl_prefix.schedule.executor import (
     train_suffixes,
 )
 from verl_prefix.schedule.grouping import RowLayout
+from verl_prefix.schedule.kv.container import PrefixKV
+from verl_prefix.schedule.kv.seam import prefix_attention_mode
 from verl_prefix.schedule.options import ScheduleOptions
-from verl_prefix.schedule.prefix_kv import PrefixKV, prefix_attention_mode
 from verl_prefix.schedule.telemetry import NullMeter
 from verl_prefix.schedule.tree import loss as tree_loss
 from verl_prefix.schedule.tree.dormant import NodePolicy, keep_every_node, node_phase_c

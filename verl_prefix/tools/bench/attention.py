@@ -24,7 +24,7 @@ def count_attention_saved() -> Iterator[list[int]]:
     (gradient checkpointing) are not counted. The list is filled as micro-batches run."""
     import weakref
 
-    from verl_prefix.schedule.prefix_kv import ServeContext
+    from verl_prefix.schedule.kv.contexts import ServeContext
 
     original = ServeContext.attend
     totals: list[int] = []

@@ -1,36 +1,31 @@
-"""Capture a group's prefix K/V once (phase A) and serve it read-only to suffix micro-batches (phase B).
+"""The prefix contexts: what attention does with a group's prefix K/V in each phase.
 
-Both directions go through one attention function registered with HF's ``AttentionInterface``. The
-prefix context travels as a forward kwarg (``prefix_ctx``), not through ``past_key_values``: HF's
-gradient checkpointing drops caches inside checkpointed layers but keeps kwargs, so the same code is
-exact with non-reentrant checkpointing (DESIGN.md trap 8). Nothing here stores K/V across calls the
-way ``DynamicCache.update`` does (trap 1): a serve context returns ``cat(prefix.expand(B), new)``.
+``CaptureContext`` (phase A) records each layer's K/V while the prefix attends causally to itself, and ends the
+forward early (``kv.container.PrefixCaptured``) once nothing later is needed; ``ChunkCaptureContext`` does the
+same for a later chunk of a chunked prefix, which attends to the earlier chunks' K/V as a suffix row does;
+``ServeContext`` (phase B) serves the prefix K/V read-only to a suffix micro-batch through merged, concat or
+packed (``merged_varlen``) attention, nothing stored across calls (DESIGN.md trap 1). They reach HF's attention
+as the ``prefix_ctx`` keyword, through the prefix attention of ``kv.seam``, which calls their ``attend``; the
+masks and attention helpers they run (``causal_keep_mask``, ``sdpa_lower_right``, ``scored_attention``) live
+here too.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.models.llama import modeling_llama
 
 from verl_prefix.schedule.attention.keywords import (
     AttentionKeywordRefused,
-    check_attention_keywords,
-    dense_keywords,
     scored_keywords,
 )
 from verl_prefix.schedule.attention.merged import cap_scores, merged_attention, merged_refusal
-from verl_prefix.schedule.attention.positions import absolute_positions
 from verl_prefix.schedule.attention.varlen import Packing, merged_varlen_attention, varlen_refusal
 from verl_prefix.schedule.attention.windows import (
     active_chunk,
@@ -42,20 +37,15 @@ from verl_prefix.schedule.attention.windows import (
     cut_prefix,
     cut_to_chunk,
 )
-from verl_prefix.schedule.models.hf_forwards import hf_causal_forward, hf_recurrent
-from verl_prefix.schedule.models.multimodal import hf_attention, vision_encoder
+from verl_prefix.schedule.kv.container import PrefixCaptured, PrefixKV
 from verl_prefix.schedule.models.recurrent import (
     BoundaryCache,
     RecurrentState,
     capturing_cache,
-    recurrent_state_mode,
     serving_cache,
 )
 from verl_prefix.schedule.models.structure import last_source_layer
-from verl_prefix.schedule.ulysses import ShardedAttentionModule, Ulysses
-
-if TYPE_CHECKING:
-    from verl_prefix.schedule.models.moe import RouterStats
+from verl_prefix.schedule.ulysses import Ulysses
 
 logger = logging.getLogger(__name__)
 
@@ -65,29 +55,8 @@ PHASE_B_ATTENTION = ("auto", "merged", "concat", "merged_varlen")
 # shorter than the call's keys (``schedule.attention.windows``), served banded over the prefix's last W - 1 positions;
 # ``_chunk`` a chunked-attention layer whose chunks the call crosses, served over the prefix's last L % C positions
 LAYER_PATHS = ("merged", "merged_window", "merged_chunk", "concat", "concat_window", "concat_chunk", "merged_varlen")
+# the refusals of merged attention already logged (once per process each)
 _LOGGED_REFUSALS: set[str] = set()
-
-# Attention implementations the prefix attention can wrap, and the name it is registered under.
-# flash-attention models get their own name, since flash attention applies keywords sdpa ignores (softcap,
-# sinks: ``attention.keywords``); their maths otherwise run through torch's sdpa: phase B's keys are
-# ``cat(prefix, suffix)`` per row, which sdpa takes with a bottom-right causal bias (its own flash kernel
-# on CUDA, exact elsewhere).
-PREFIX_ATTENTION_NAMES = {
-    "sdpa": "verl_prefix_sdpa",
-    "eager": "verl_prefix_eager",
-    "flash_attention_2": "verl_prefix_flash",
-    "flash_attention_3": "verl_prefix_flash",
-}
-
-
-class PrefixCaptured(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Raised after the last layer's K/V is captured: the rest of the prefix forward feeds nothing."""
-
-
-def _eager_for(module: nn.Module) -> Callable:
-    """The model family's own eager attention (identical maths across Llama/Qwen2/Qwen3)."""
-    family = sys.modules.get(type(module).__module__)
-    return getattr(family, "eager_attention_forward", modeling_llama.eager_attention_forward)
 
 
 def causal_keep_mask(query_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:
@@ -108,106 +77,6 @@ def _as_eager_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Eager attention adds its mask to the scores: 0 where kept, the dtype's minimum elsewhere (trap 6)."""
     additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
     return additive.masked_fill(~keep, torch.finfo(dtype).min)
-
-
-class PrefixKV:
-    """Per-layer prefix K/V, ``[1, kv_heads, P-1, head_dim]`` each, as attention sees them (post-RoPE).
-
-    A recurrent layer (``recurrent_layers``: gated delta-net, ``verl_prefix.schedule.models.recurrent``) holds its
-    state after the prefix instead (``recurrent``: conv context and recurrent state), in the same two
-    boundary slots per layer. With the MoE router aux loss on, ``router_stats`` holds the prefix's router
-    statistics; its probability sum is one more boundary tensor next to them (``verl_prefix.schedule.models.moe``).
-    """
-
-    def __init__(self, num_layers: int, recurrent_layers: Iterable[int] = ()) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.recurrent_layers = frozenset(recurrent_layers)
-        self.recurrent: list[RecurrentState | None] = [None] * num_layers
-        self.router_stats: RouterStats | None = None
-        # the module whose forward phase A cut short (early exit), if any
-        self.interrupted: nn.Module | None = None
-        # the attention module of the last layer whose K/V phase A computed itself (not a KV-shared layer's)
-        self.last_source: nn.Module | None = None
-        # per layer: phase A captured its K/V with autograd on (a K/V without a graph is then a constant)
-        self.captured_with_grad: list[bool] = [False] * num_layers
-        # phase A's logits of its last ``options.keep_logits`` positions (a loss-carrying tree node; under Ulysses
-        # this rank's share of them), or None
-        self.logits: torch.Tensor | None = None
-        # under verl's fused kernels ``logits`` holds packed (log-prob, entropy) pairs of these dtypes (fused_head)
-        self.fused_dtypes: tuple[torch.dtype, torch.dtype] | None = None
-
-    def share(self, sources: dict[int, int]) -> None:
-        """KV-shared layers (``structure.kv_sources``): each one's prefix K/V are its source layer's tensors."""
-        for layer, source in sources.items():
-            if self.keys[layer] is None and self.keys[source] is not None:
-                self.keys[layer], self.values[layer] = self.keys[source], self.values[source]
-                self.captured_with_grad[layer] = self.captured_with_grad[source]
-
-    def captured(self, layer: int) -> bool:
-        if layer in self.recurrent_layers:
-            return self.recurrent[layer] is not None
-        return self.keys[layer] is not None and self.values[layer] is not None
-
-    @property
-    def complete(self) -> bool:
-        return all(self.captured(layer) for layer in range(len(self.keys)))
-
-    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's two boundary tensors: its K and V, or a recurrent layer's conv context and state."""
-        if layer in self.recurrent_layers:
-            return self.recurrent[layer].tensors()
-        return self.keys[layer], self.values[layer]
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every boundary tensor: two per layer (``layer_tensors``), then the router probability sum if any."""
-        out = [t for layer in range(len(self.keys)) for t in self.layer_tensors(layer)]
-        if self.router_stats is not None:
-            out.append(self.router_stats.prob_sum)
-        return out
-
-    def describe(self, index: int) -> str:
-        """What ``tensors()[index]`` is, for an error message."""
-        layer = index // 2
-        if layer >= len(self.keys):
-            return "router statistics"
-        if layer in self.recurrent_layers:
-            return f"{('conv context', 'recurrent state')[index % 2]} of layer {layer}"
-        return f"{'KV'[index % 2]} of layer {layer}"
-
-    def as_leaves(self, requires_grad: bool, min_dtype: torch.dtype | None = torch.float32) -> PrefixKV:
-        """Detached copies that collect dK/dV (and d(state), d(aux)/d(prob sums)) from every suffix micro-batch.
-
-        K/V (and recurrent state) leaves are held in at least ``min_dtype`` (fp32 by default) so their
-        gradients accumulate over the micro-batches in fp32 whatever the compute dtype, as dense training
-        accumulates parameter grads; attention (the conv) casts them to its own dtype (an exact round trip).
-        ``None`` keeps their dtype. Layers that share one K/V tensor (KV-shared layers, ``share``) share one
-        leaf: one copy, one dK/dV holding both layers' shares (``executor.seeded_backward`` seeds such a root
-        once)."""
-        leaves = PrefixKV(len(self.keys), self.recurrent_layers)
-        made: dict[int, torch.Tensor] = {}
-
-        def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if id(t) not in made:
-                dtype = t.dtype if min_dtype is None else torch.promote_types(t.dtype, min_dtype)
-                made[id(t)] = t.detach().to(dtype).requires_grad_(requires_grad)
-            return made[id(t)]
-
-        leaves.keys = [leaf(k) for k in self.keys]
-        leaves.values = [leaf(v) for v in self.values]
-        leaves.recurrent = [
-            None if r is None else RecurrentState(leaf(r.conv), leaf(r.state), r.conv_dtype) for r in self.recurrent
-        ]
-        if self.router_stats is not None:
-            leaves.router_stats = self.router_stats.detached_leaf(requires_grad)
-        return leaves
-
-    @property
-    def length(self) -> int:
-        """Prefix tokens the attention layers' K/V hold."""
-        return next(k for k in self.keys if k is not None).shape[2]
 
 
 class CaptureContext:
@@ -617,104 +486,3 @@ def scored_attention(
         probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
     out = torch.matmul(probs, value).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _make_prefix_attention(base_kind: str) -> Callable:
-    def prefix_attention(
-        module: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        **kwargs: object,
-    ) -> tuple:
-        ctx = kwargs.pop("prefix_ctx", None)
-        if ctx is None:
-            raise RuntimeError(
-                "verl_prefix attention was called without a prefix context: the model's attention "
-                "implementation was left switched to prefix mode outside the reuse schedule"
-            )
-        # every keyword is honoured or refused (``attention.keywords``); flash models' maths run through
-        # sdpa, or through ``scored_attention`` where flash applies what sdpa cannot (softcap, sinks)
-        base = _eager_for(module) if base_kind == "eager" else sdpa_attention_forward
-        kwargs = dense_keywords(base_kind, kwargs)
-        if base_kind != "eager" and scored_keywords(kwargs) and "scored" not in _LOGGED_REFUSALS:
-            _LOGGED_REFUSALS.add("scored")
-            logger.warning(
-                "prefix attention applies softcap/sinks as %s attention does, in plain torch ops: exact, but the "
-                "scores are materialised (batch x heads x queries x keys in fp32 per layer)",
-                base_kind,
-            )
-        ulysses = ctx.ulysses
-        if ulysses is None:
-            check_attention_keywords(module, kwargs)
-            return ctx.attend(module, base, query, key, value, **kwargs)
-        if kwargs.get("s_aux") is not None:
-            reason = "attention sinks under Ulysses (one sink per head, not split into head shards)"
-            raise AttentionKeywordRefused("s_aux", kwargs["s_aux"], reason)
-        query, key, value = ulysses.heads_in(query, key, value)
-        shard = ShardedAttentionModule(module, query.shape[1], key.shape[1])
-        check_attention_keywords(shard, kwargs)
-        out, weights = ctx.attend(shard, base, query, key, value, **kwargs)
-        return ulysses.heads_out(out), weights
-
-    prefix_attention.__name__ = f"verl_prefix_{base_kind}_attention"
-    return prefix_attention
-
-
-AttentionInterface.register("verl_prefix_sdpa", _make_prefix_attention("sdpa"))
-AttentionInterface.register("verl_prefix_eager", _make_prefix_attention("eager"))
-AttentionInterface.register("verl_prefix_flash", _make_prefix_attention("flash"))
-
-
-def _configs_of(model: nn.Module) -> list:
-    """Every distinct config object whose ``_attn_implementation`` the decoder's attention modules read. A vision
-    encoder's config is not one (its attention is bidirectional and runs dense, in phase A), nor a composite
-    vision-language config: setting its attention implementation switches every sub-config's."""
-    tower = vision_encoder(model)
-    inside = {id(m) for m in tower.modules()} if tower is not None else set()
-    seen: dict[int, object] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if id(module) in inside or getattr(config, "vision_config", None) is not None:
-            continue
-        if config is not None and hasattr(config, "_attn_implementation"):
-            seen.setdefault(id(config), config)
-    return list(seen.values())
-
-
-def base_attention_implementation(model: nn.Module) -> str:
-    configs = _configs_of(model)
-    if not configs:
-        raise ValueError(f"{type(model).__name__} has no HF config with an attention implementation")
-    return configs[0]._attn_implementation or "eager"
-
-
-@contextmanager
-def prefix_attention_mode(model: nn.Module) -> Iterator[None]:
-    """Switch attention to the prefix-aware wrapper for the duration of the reuse schedule.
-
-    Every backward that may recompute a checkpointed layer runs inside this context, so a recompute
-    never sees the plain kernel with a prefix-length mismatch. Served recurrent layers take their state
-    from the prefix context meanwhile (``recurrent.recurrent_state_mode``).
-    """
-    configs = _configs_of(model)
-    originals = [c._attn_implementation for c in configs]
-    try:
-        for config, original in zip(configs, originals):
-            name = PREFIX_ATTENTION_NAMES.get(original or "eager")
-            if name is None:
-                raise ValueError(f"prefix reuse does not support attn_implementation={original!r}")
-            config._attn_implementation = name
-        # HF's delta-net/decoder-layer and attention forwards where verl patched them
-        with (
-            hf_recurrent(model),
-            hf_causal_forward(model),
-            recurrent_state_mode(model),
-            hf_attention(model),
-            absolute_positions(model),
-        ):
-            yield
-    finally:
-        for config, original in zip(configs, originals):
-            config._attn_implementation = original
