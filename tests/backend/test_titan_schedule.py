@@ -89,15 +89,14 @@ def _loss_fn(calls: list | None = None):
 @contextlib.contextmanager
 def _phase_c_skipped():
     from verl_prefix.schedule import executor
-    from verl_prefix.schedule.tree import schedule as tree
 
-    saved = executor.prefix_backward, executor.seeded_backward, tree.seeded_backward
+    saved = executor.prefix_backward, executor.seeded_backward
     noop = lambda *args, **kwargs: None  # noqa: E731
-    executor.prefix_backward = executor.seeded_backward = tree.seeded_backward = noop
+    executor.prefix_backward = executor.seeded_backward = noop  # phase C of every node, the tree's too
     try:
         yield
     finally:
-        executor.prefix_backward, executor.seeded_backward, tree.seeded_backward = saved
+        executor.prefix_backward, executor.seeded_backward = saved
 
 
 def _grads_error(want: dict, got: dict) -> tuple[float, str]:
