@@ -48,6 +48,7 @@ slices; the owner's phase C, after theirs, runs the encoder's backward once with
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -160,6 +161,26 @@ def _node_forward(
         )
 
 
+def _valued_forward(
+    model: nn.Module,
+    node: TrieNode,
+    path: list[PrefixKV],
+    layout: RowLayout,
+    options: ScheduleOptions,
+    images: tuple[PathImages, list[VisualItem]] | None,
+) -> tuple[Callable[[], PrefixKV], list[NodeValues | None]]:
+    """A node's phase-A call for ``executor.node_forward``, and where it leaves the node's values (a loss-carrying
+    node's log-probs and entropies, ``tree.loss``; None for a node that carries no loss) once it ran."""
+    found: list[NodeValues | None] = []
+
+    def forward() -> PrefixKV:
+        kv = _node_forward(model, node, path, options, images)
+        found.append(tree_loss.node_values(kv, node, layout, options))
+        return kv
+
+    return forward, found
+
+
 def _path_images(model: nn.Module, roots: list[TrieNode], train: bool) -> PathImages | None:
     """The tree's image bookkeeping where a node holds visual tokens (None for a text batch)."""
     if any(node.images for root in roots for node, _ in root.walk()):
@@ -188,13 +209,7 @@ def train_tree(
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None], held: int) -> None:
         dormant = policies(node)
         images = (path_images, path_images.enter(node.images)) if path_images is not None else None
-        found: list[NodeValues | None] = []
-
-        def forward() -> PrefixKV:
-            kv = _node_forward(model, node, path, options, images)
-            found.append(tree_loss.node_values(kv, node, layout, options))
-            return kv
-
+        forward, found = _valued_forward(model, node, path, layout, options, images)
         kv, leaves, saved = node_forward(model, forward, dormant, options)
         values = found[0]
         held += saved  # the path's graphs, as the policies left them
@@ -262,13 +277,7 @@ def infer_tree(
 
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
         images = (path_images, path_images.enter(node.images)) if path_images is not None else None
-        found: list[NodeValues | None] = []
-
-        def forward() -> PrefixKV:
-            kv = _node_forward(model, node, path, options, images)
-            found.append(tree_loss.node_values(kv, node, layout, options))
-            return kv
-
+        forward, found = _valued_forward(model, node, path, layout, options, images)
         kv, _, _ = node_forward(model, forward, None, options)
         below, values_below = [*path, kv], [*values_path, found[0]]
         for child in node.children:
