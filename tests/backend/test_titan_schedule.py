@@ -1,7 +1,7 @@
 """prefix_torchtitan through the one schedule (``schedule.executor`` / ``schedule.tree.schedule`` behind
 ``titan.causal_lm``): what prefix_fsdp2 serves beyond one-level reuse, against verl's own TorchTitan engine (no
-reuse) on the same batch, fp32, two gloo ranks at TP=2 and at FSDP=2 (the data-parallel ranks hold different
-groups: lockstep fillers): the token trie (``prefix_reuse.tree``), a chunked prefix (``prefix_chunk_tokens``),
+reuse) on the same batch, fp32, two gloo ranks at TP=2 and at FSDP=2, four at TP=2 x FSDP=2 (the data-parallel
+ranks hold different groups: lockstep fillers): the token trie (``prefix_reuse.tree``), a chunked prefix (``prefix_chunk_tokens``),
 merged phase-B attention (torch's flash attention for CPU), ``dormant_prefix=recompute`` and verl's dynamic batch
 size (suffix micro-batches by its token budget). Each asserts reuse ran; phase C skipped fails. MoE flavors
 (EP=2) keep the engine's own phases and refuse these knobs at build, with the reason.
@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.ranks import run_two_ranks
+from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is an optional dependency (scripts/setup.sh installs it)")
@@ -111,20 +111,28 @@ def _summary(want: dict, got: dict) -> dict:
     return {"worst": worst, "name": name, "loss": (want["loss"], got["loss"]), "metrics": reduced(got["metrics"])}
 
 
-def _layout_body(rank: int, model_dir: str, fsdp: bool) -> dict:
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "fsdp2": dict(data_parallel_shard_size=2),
+    "tp2_fsdp2": dict(tensor_parallel_size=2, data_parallel_shard_size=2),  # four ranks; TP innermost
+}
+
+
+def _layout_body(rank: int, model_dir: str, name: str) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.harness import titan as TT
     from verl_prefix.harness import verl_engine
 
-    layout = dict(data_parallel_shard_size=2) if fsdp else dict(tensor_parallel_size=2)
+    layout, fsdp = LAYOUTS[name], name != "tp2"
+    dp_rank = rank // layout.get("tensor_parallel_size", 1)  # the TP peers of a data-parallel rank share its batch
     loss_fn = _loss_fn()
     base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
     stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=base, **layout)
     assert prefix.scheduled and prefix.causal_lm is not None
-    batch = _batch(rank, fsdp)
+    batch = _batch(dp_rank, fsdp)
     want = verl_engine.run_train_step(stock, loss_fn, batch, capture_grads=True)
     want_infer = verl_engine.run_infer(stock, batch)
     out: dict = {}
@@ -178,8 +186,8 @@ def _moe_refusals(moe_dir: str) -> dict:
 
 def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
     return {
-        "tp2": _layout_body(rank, model_dir, fsdp=False),
-        "fsdp2": _layout_body(rank, model_dir, fsdp=True),
+        "tp2": _layout_body(rank, model_dir, "tp2"),
+        "fsdp2": _layout_body(rank, model_dir, "fsdp2"),
         "ep2": _moe_refusals(moe_dir),
     }
 
@@ -190,6 +198,15 @@ def ranks(tiny_model, tmp_path_factory) -> dict:
 
     moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_schedule_moe"), "qwen3_moe", **MOE)
     return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe))
+
+
+def _tp_fsdp_body(rank: int, model_dir: str) -> dict:
+    return {"tp2_fsdp2": _layout_body(rank, model_dir, "tp2_fsdp2")}
+
+
+@pytest.fixture(scope="module")
+def ranks_tp_fsdp(tiny_model) -> dict:
+    return run_ranks(_tp_fsdp_body, str(tiny_model("qwen3")), world=4, timeout=900)
 
 
 def _assert_exact(r: dict, groups: int) -> None:
@@ -203,9 +220,21 @@ def _assert_exact(r: dict, groups: int) -> None:
 @pytest.mark.parametrize("layout", ["tp2", "fsdp2"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_schedule_knob_matches_verl_torchtitan_engine(ranks, layout, case):
+    _assert_case(ranks, layout, case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_schedule_knob_at_tp2_by_fsdp2_matches_verl_torchtitan_engine(ranks_tp_fsdp, case):
+    """TP=2 x FSDP=2 on four ranks: each data-parallel rank's TP pair shares its batch, the two pairs hold
+    different groups (lockstep fillers across FSDP, TP collectives inside each pair)."""
+    _assert_case(ranks_tp_fsdp, "tp2_fsdp2", case)
+
+
+def _assert_case(ranks: dict, layout: str, case: str) -> None:
     for rank, result in ranks.items():
         r = result[layout][case]
-        groups = 2 if layout == "tp2" or rank == 0 else 1
+        dp_rank = rank // LAYOUTS[layout].get("tensor_parallel_size", 1)
+        groups = 2 if layout == "tp2" or dp_rank == 0 else 1
         _assert_exact(r, groups)
         m = r["metrics"]
         if case.startswith("tree"):
