@@ -1,10 +1,10 @@
 """prefix_torchtitan through the one schedule (``schedule.executor`` / ``schedule.tree.schedule`` behind
 ``titan.causal_lm``): what prefix_fsdp2 serves beyond one-level reuse, against verl's own TorchTitan engine (no
 reuse) on the same batch, fp32, two gloo ranks at TP=2 and at FSDP=2, four at TP=2 x FSDP=2 (the data-parallel
-ranks hold different groups: lockstep fillers): the token trie (``prefix_reuse.tree``), a chunked prefix (``prefix_chunk_tokens``),
-merged phase-B attention (torch's flash attention for CPU), ``dormant_prefix=recompute`` and verl's dynamic batch
-size (suffix micro-batches by its token budget). Each asserts reuse ran; phase C skipped fails. MoE flavors
-(EP=2) keep the engine's own phases and refuse these knobs at build, with the reason.
+ranks hold different groups: lockstep fillers): the token trie (``prefix_reuse.tree``), a chunked prefix
+(``prefix_chunk_tokens``), merged phase-B attention (torch's flash attention for CPU), ``dormant_prefix=recompute``
+and verl's dynamic batch size (suffix micro-batches by its token budget). Each asserts reuse ran; phase C skipped
+fails. MoE flavors (EP=2) keep the engine's own phases and refuse these knobs at build, with the reason.
 
 One prefix engine per layout, its knobs switched between steps (lr 0: every step sees the same weights).
 """
