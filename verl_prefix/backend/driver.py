@@ -397,7 +397,7 @@ class ReuseDriver:
             forward_only=forward_only,
             calculate_entropy=bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)),
             meter=self.new_meter(device),
-            outputs=MiniBatchOutputs(keep_outputs=bool(forward_only or _returns_outputs(data))),
+            outputs=MiniBatchOutputs.of_batch(data, forward_only),
             roots=padded_trie(local.roots, agreement.tries) if local.roots is not None else None,
             policies=slot_policies(
                 "keep" if forward_only else self.dormant_knob(),
@@ -541,11 +541,6 @@ class ReuseDriver:
         outputs = super().train_batch(data, loss_function)  # type: ignore[misc]
         outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
         return outputs
-
-
-def _returns_outputs(data: TensorDict) -> bool:
-    """verl's ``return_model_output``: the model outputs travel back on a training pass too."""
-    return bool(tu.get_non_tensor_data(data=data, key="return_model_output", default=False))
 
 
 @dataclass

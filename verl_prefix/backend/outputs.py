@@ -129,6 +129,12 @@ class MiniBatchOutputs:
         self.outputs: list[dict] = []
         self.order: list[list[int]] = []
 
+    @classmethod
+    def of_batch(cls, data: TensorDict, forward_only: bool) -> MiniBatchOutputs:
+        """Outputs kept on forward-only passes and where verl asks for them (``return_model_output``)."""
+        returns = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        return cls(keep_outputs=bool(forward_only or returns))
+
     def record(self, rows: list[int], model_output: dict, loss: float, metrics: dict) -> None:
         model_output = detach_tree(model_output) if self.keep_outputs else {}
         self.outputs.append({"model_output": model_output, "loss": loss, "metrics": metrics})

@@ -45,6 +45,4 @@ def gather_flagged(payload: Any, group: Any = None) -> list[tuple[int, Any]]:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()) == 0:
         return []
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    return [entry for entry in gathered if entry is not None]
+    return [(rank, value) for rank, value in gather_objects(payload, group) if value is not None]

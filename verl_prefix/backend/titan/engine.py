@@ -444,8 +444,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         if indices is None:  # fixed size: consecutive rows
             starts = torch.tensor([0] + [len(m) for m in micro_batches]).cumsum(0).tolist()
             indices = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
-        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
-        outputs = MiniBatchOutputs(keep_outputs=bool(forward_only or return_model_output))
+        outputs = MiniBatchOutputs.of_batch(data, forward_only)
         grad = torch.no_grad() if forward_only else nullcontext()
         autocast = titan_platform.engine_autocast(self.engine_config, get_device_name())
         with self.trainer.train_context(), grad, autocast:
