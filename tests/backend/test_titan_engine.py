@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+from helpers.titan_moe import counted_train_step
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is an optional dependency (scripts/setup.sh installs it)")
 pytest.importorskip("triton", reason="torchtitan 0.3.0's model stack imports triton (scripts/setup.sh installs it)")
@@ -49,32 +50,6 @@ def _rank_batch(rank: int, fsdp: bool):
         global_batch_size=16,
     )  # fmt: skip
     return tu.concat_tensordict([group, singles])
-
-
-def _expert_counts(engine) -> list:
-    """Each MoE layer's routed-token counts as torchtitan's bias pre-hook reads them: under TP x EP each TP
-    rank counted its slice of the sequence, and the hook sums them over TP first (as here)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from verl_prefix.backend.titan.moe import moe_layers
-
-    local = [m.tokens_per_expert_E.detach() for m in moe_layers(engine.module[0])]
-    counts = [(c.to_local() if isinstance(c, DTensor) else c).clone() for c in local]
-    dims = engine.parallel_dims
-    if dims.tp > 1 and dims.ep > 1:
-        for c in counts:
-            dist.all_reduce(c, group=dims.get_mesh("tp").get_group())
-    return counts
-
-
-def _expert_bias(engine) -> list:
-    from torch.distributed.tensor import DTensor
-
-    from verl_prefix.backend.titan.moe import moe_layers
-
-    bias = [m.expert_bias_E.detach() for m in moe_layers(engine.module[0]) if m.expert_bias_E is not None]
-    return [(b.to_local() if isinstance(b, DTensor) else b).clone() for b in bias]
 
 
 def _tp_ep_batch(dp_rank: int):
@@ -118,27 +93,20 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         out["synced"] = {name: tensor.detach().clone() for name, tensor in prefix.get_per_tensor_param()[0]}
         # no data parallelism: each rank's data-parallel group is itself (verl's worker gathers metrics over it)
         out["dp_groups"] = [torch.distributed.get_world_size(e.get_data_parallel_group()) for e in (stock, prefix)]
-    for key, engine in (("want", stock), ("got", prefix)):
-        counts = {}
-        step = engine.optimizer_step  # the routing counts as torchtitan's expert-bias pre-hook will read them
-        engine.optimizer_step = lambda step=step, counts=counts, engine=engine: (
-            counts.update(routed=_expert_counts(engine)) or step()
-        )
-        out[key] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)  # it drops the wrapper after
-        bias = _expert_bias(engine)
-        out[key].update(counts, bias=bias)
+    for key, engine in (("want", stock), ("got", prefix)):  # with the routing counts torchtitan's bias hook reads
+        out[key] = counted_train_step(engine, loss_fn, batch, capture_grads=True)
     if ep and negative:  # negative control: the prefix's routing counted once per group instead of once per row
         weighted = titan_moe.ExpertCounts.weighted
         titan_moe.ExpertCounts.weighted = lambda self, w: weighted(self, torch.as_tensor(w).clamp(max=1.0))
         try:
-            out["once_per_group"] = _counted_step(prefix, loss_fn, batch)
+            out["once_per_group"] = counted_train_step(prefix, loss_fn, batch)["routed"]
         finally:
             titan_moe.ExpertCounts.weighted = weighted
     if tp_ep and negative:  # negative control: every TP rank weighs its slice of the tokens as if the first
         shard_like = titan_moe.shard_like
         titan_moe.shard_like = lambda weights, ids: weights[:, : ids.to_local().shape[1]]
         try:
-            out["unsliced_weights"] = _counted_step(prefix, loss_fn, batch)
+            out["unsliced_weights"] = counted_train_step(prefix, loss_fn, batch)["routed"]
         finally:
             titan_moe.shard_like = shard_like
         out["odd_dense_refused"] = _odd_dense_refusal(prefix, loss_fn, batch, stock.get_data_parallel_rank())
@@ -207,24 +175,6 @@ def _odd_dense_refusal(prefix, loss_fn, batch, dp_rank: int) -> str:
     except ValueError as error:
         return str(error)
     return "ran"
-
-
-def _counted_step(prefix, loss_fn, batch) -> list:
-    """One more step of ``prefix`` from the same expert bias; the routing counts its bias pre-hook reads."""
-    from verl_prefix.backend.titan.moe import moe_layers
-    from verl_prefix.harness import verl_engine
-
-    for m in moe_layers(prefix.module[0]):
-        if m.expert_bias_E is not None:
-            m.expert_bias_E.zero_()  # as before the step above (torchtitan's pre-hook moved it): the same routing
-    counts = {}
-    step = prefix.optimizer_step
-    prefix.optimizer_step = lambda: counts.update(routed=_expert_counts(prefix)) or step()
-    try:
-        verl_engine.run_train_step(prefix, loss_fn, batch)
-    finally:
-        prefix.__dict__.pop("optimizer_step", None)
-    return counts["routed"]
 
 
 def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
@@ -572,9 +522,9 @@ def test_refusals_at_config_time():
         (PrefixReuseConfig(phase_b_attention="merged"), "phase_b_attention"),
     ):
         assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse)) is None
-        for own in (dict(pipeline_parallel_size=2), dict(expert_parallel_size=2)):
-            reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, **own))
-            assert reason is not None and words in reason, (reuse, own, reason)
+        assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, expert_parallel_size=2)) is None  # served
+        reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, pipeline_parallel_size=2))
+        assert reason is not None and words in reason and "pipeline stages" in reason, (reuse, reason)
     assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False, tree=True))) is None
     # pipeline parallelism is served alone (one stage per rank), reuse on or off: the engine pipelines every pass
     assert refusal(PrefixTorchtitanEngineConfig(pipeline_parallel_size=2)) is None

@@ -4,7 +4,10 @@ reuse) on the same batch, fp32, two gloo ranks at TP=2 and at FSDP=2, four at TP
 ranks hold different groups: lockstep fillers): the token trie (``prefix_reuse.tree``), a chunked prefix
 (``prefix_chunk_tokens``), merged phase-B attention (torch's flash attention for CPU), ``dormant_prefix=recompute``
 and verl's dynamic batch size (suffix micro-batches by its token budget). Each asserts reuse ran; phase C skipped
-fails. MoE flavors (EP=2) keep the engine's own phases and refuse these knobs at build, with the reason.
+fails. MoE flavors (a tiny qwen3_moe, torchtitan's load balancing on) at EP=2 x FSDP=2 and at TP=2 x EP=2: the same
+knobs, and the tokens per expert torchtitan's bias hook reads and the bias it moves equal dense's exactly (the
+schedule's routing weights, ``ScheduleOptions.count_routing``); counting the prefix once per node instead of once
+per row below it fails.
 
 One prefix engine per layout, its knobs switched between steps (lr 0: every step sees the same weights).
 """
@@ -36,16 +39,23 @@ CASES = {
 }
 
 
-def _batch(rank: int, fsdp: bool):
+def _batch(rank: int, fsdp: bool, even: bool = False):
     """Two groups of four sharing an 8-token system block, responses branching after a 2-token stem (what the
-    tree computes once); under FSDP data-parallel rank 1 holds one group and four singletons (lockstep)."""
+    tree computes once); under FSDP data-parallel rank 1 holds one group and four singletons (lockstep).
+    ``even``: verl's own engine packs a micro-batch (four rows) into one sequence, which torchtitan's MoE splits
+    over the TP ranks under TP x EP: the reference needs even packed lengths (the prefix engine pads its own)."""
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix.harness import grpo_batches
 
     shape = dict(response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,))
     if not fsdp:
-        return grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=7, **shape)
+        for seed in range(7, 107):
+            batch = grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=seed, **shape)
+            lengths = batch["input_ids"].offsets().diff()
+            if not even or all(int(lengths[i : i + 4].sum()) % 2 == 0 for i in range(0, len(batch), 4)):
+                return batch
+        raise AssertionError("no batch with even micro-batches")
     if rank == 0:
         return grpo_batches.make_grpo_batch(
             num_groups=2, group_size=4, prompt_lens=[4, 2], seed=8, global_batch_size=16, **shape
@@ -111,11 +121,38 @@ def _summary(want: dict, got: dict) -> dict:
     return {"worst": worst, "name": name, "loss": (want["loss"], got["loss"]), "metrics": reduced(got["metrics"])}
 
 
+EP = dict(engine_overrides=dict(expert_parallel_size=2))
 LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
     "fsdp2": dict(data_parallel_shard_size=2),
     "tp2_fsdp2": dict(tensor_parallel_size=2, data_parallel_shard_size=2),  # four ranks; TP innermost
+    "ep2": dict(data_parallel_shard_size=2, **EP),  # MoE: the experts over the two data-parallel ranks
+    "tp2_ep2": dict(tensor_parallel_size=2, **EP),  # MoE: EP over the TP ranks, every sequence split over TP
 }
+MOE_LAYOUTS = ("ep2", "tp2_ep2")
+
+
+def _train(engine, loss_fn, batch, moe: bool) -> dict:
+    from helpers.titan_moe import counted_train_step
+
+    from verl_prefix.harness import verl_engine
+
+    if moe:  # the routing counts torchtitan's bias pre-hook reads, and the bias it moved
+        return counted_train_step(engine, loss_fn, batch, capture_grads=True)
+    return verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
+
+
+@contextlib.contextmanager
+def _prefix_counted_once():
+    """Negative control: each node's tokens counted once (as one dense row) instead of once per row below it."""
+    from verl_prefix.backend.titan import moe as titan_moe
+
+    weighted = titan_moe.ExpertCounts.weighted
+    titan_moe.ExpertCounts.weighted = lambda self, w: weighted(self, torch.as_tensor(w).clamp(max=1.0))
+    try:
+        yield
+    finally:
+        titan_moe.ExpertCounts.weighted = weighted
 
 
 def _layout_body(rank: int, model_dir: str, name: str) -> dict:
@@ -125,30 +162,38 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
     from verl_prefix.harness import titan as TT
     from verl_prefix.harness import verl_engine
 
-    layout, fsdp = LAYOUTS[name], name != "tp2"
+    layout, moe = LAYOUTS[name], name in MOE_LAYOUTS
+    fsdp = "data_parallel_shard_size" in layout
     dp_rank = rank // layout.get("tensor_parallel_size", 1)  # the TP peers of a data-parallel rank share its batch
     loss_fn = _loss_fn()
     base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
     stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=base, **layout)
     assert prefix.scheduled and prefix.causal_lm is not None
-    batch = _batch(dp_rank, fsdp)
-    want = verl_engine.run_train_step(stock, loss_fn, batch, capture_grads=True)
+    assert bool(prefix.expert_counts) == moe
+    batch = _batch(dp_rank, fsdp, even=name == "tp2_ep2")
+    want = _train(stock, loss_fn, batch, moe)
     want_infer = verl_engine.run_infer(stock, batch)
     out: dict = {}
     for case, (knobs, dormant) in CASES.items():
         prefix.reuse_config = dataclasses.replace(base, **knobs)
         prefix.dormant_prefix = dormant
-        got = verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
+        got = _train(prefix, loss_fn, batch, moe)
         got_infer = verl_engine.run_infer(prefix, batch)
         out[case] = {**_summary(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
+        if moe:
+            out[case]["routed"] = (want["routed"], got["routed"])
+            out[case]["bias"] = (want["bias"], got["bias"])
         if case in ("tree", "chunked"):  # negative control: phase C skipped
             with _phase_c_skipped():
                 out[case]["no_phase_c"] = _summary(
                     want, verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
                 )
+        if moe and case in ("tree", "chunked"):  # negative control: the routing counted once per node
+            with _prefix_counted_once():
+                out[case]["counted_once"] = _train(prefix, loss_fn, batch, moe)["routed"]
     prefix.reuse_config, prefix.dormant_prefix = base, "keep"
-    if not fsdp:  # dynamic batch size: suffix micro-batches by verl's token budget, not micro_batch_size_per_gpu
+    if name == "tp2":  # dynamic batch size: suffix micro-batches by verl's token budget, not micro_batch_size_per_gpu
         dynamic = batch.copy()
         tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
         prefix.reuse_config = dataclasses.replace(base, suffix_micro_batch_size=None)
@@ -166,29 +211,12 @@ def _infer(result: dict) -> dict:
     return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
 
 
-def _moe_refusals(moe_dir: str) -> dict:
-    from verl_prefix import PrefixReuseConfig
-    from verl_prefix.harness import titan as TT
-
-    out = {}
-    for case, (knobs, dormant) in CASES.items():
-        reuse = PrefixReuseConfig(min_prefix_len=4, **knobs)
-        try:
-            TT.build_titan_engine(
-                moe_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=reuse, data_parallel_shard_size=2,
-                engine_overrides=dict(expert_parallel_size=2, dormant_prefix=dormant),
-            )  # fmt: skip
-            out[case] = "built"
-        except ValueError as error:
-            out[case] = str(error)
-    return out
-
-
 def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
     return {
         "tp2": _layout_body(rank, model_dir, "tp2"),
         "fsdp2": _layout_body(rank, model_dir, "fsdp2"),
-        "ep2": _moe_refusals(moe_dir),
+        "ep2": _layout_body(rank, moe_dir, "ep2"),
+        "tp2_ep2": _layout_body(rank, moe_dir, "tp2_ep2"),
     }
 
 
@@ -196,7 +224,8 @@ def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
 def ranks(tiny_model, tmp_path_factory) -> dict:
     from verl_prefix.harness.tiny_models import write_tiny_model
 
-    moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_schedule_moe"), "qwen3_moe", **MOE)
+    extra = {"verl_prefix_load_balance_coeff": 1e-3}  # torchtitan's load balancing on (harness.titan)
+    moe = write_tiny_model(tmp_path_factory.mktemp("tiny_titan_schedule_moe"), "qwen3_moe", **MOE, extra_config=extra)
     return run_two_ranks(_body, str(tiny_model("qwen3")), str(moe))
 
 
@@ -223,6 +252,25 @@ def test_schedule_knob_matches_verl_torchtitan_engine(ranks, layout, case):
     _assert_case(ranks, layout, case)
 
 
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_schedule_knob_matches_verl_torchtitan_engine(ranks, layout, case):
+    """MoE flavors through the one schedule: gradients, log-probs, and torchtitan's expert-load counts and bias
+    exactly as dense (prefix tokens once per row below each node, every row's last token routed, padding and
+    fillers uncounted); counting each node's tokens once instead fails (tree and chunked)."""
+    _assert_case(ranks, layout, case)
+    for result in ranks.values():
+        r = result[layout][case]
+        want, got = r["routed"]
+        assert len(want) == 2 and all(w.sum() > 0 for w in want)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), (layout, case, want, got)
+        want_bias, got_bias = r["bias"]
+        assert len(want_bias) == 2 and all(b.abs().sum() > 0 for b in want_bias)
+        assert all(torch.equal(w, g) for w, g in zip(want_bias, got_bias)), (layout, case)
+        if "counted_once" in r:
+            assert any(not torch.equal(w, g) for w, g in zip(want, r["counted_once"])), (layout, case)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_schedule_knob_at_tp2_by_fsdp2_matches_verl_torchtitan_engine(ranks_tp_fsdp, case):
     """TP=2 x FSDP=2 on four ranks: each data-parallel rank's TP pair shares its batch, the two pairs hold
@@ -234,7 +282,7 @@ def _assert_case(ranks: dict, layout: str, case: str) -> None:
     for rank, result in ranks.items():
         r = result[layout][case]
         dp_rank = rank // LAYOUTS[layout].get("tensor_parallel_size", 1)
-        groups = 2 if layout == "tp2" or dp_rank == 0 else 1
+        groups = 2 if "data_parallel_shard_size" not in LAYOUTS[layout] or dp_rank == 0 else 1
         _assert_exact(r, groups)
         m = r["metrics"]
         if case.startswith("tree"):
@@ -263,12 +311,6 @@ def test_dynamic_batch_size_plans_suffix_micro_batches_by_token_budget(ranks):
             assert len(rows) == 1 or cost <= BUDGET, rows
 
 
-def test_moe_flavor_refuses_schedule_knobs_with_reason(ranks):
-    for result in ranks.values():
-        for case, message in result["ep2"].items():
-            assert "MoE flavor" in message and "expert-load counts" in message, (case, message)
-
-
 def test_config_refusals_under_pipeline_parallelism():
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig, refusal
@@ -286,3 +328,19 @@ def test_config_refusals_under_pipeline_parallelism():
     with pytest.raises(ValueError):
         config(dormant_prefix="sometimes")
     torch.manual_seed(0)
+
+
+def test_schedule_call_without_routing_weights_is_refused():
+    """With MoE layers a training call of the schedule's model outside ``count_routing`` would let torchtitan
+    count the expert load physically (the prefix once per group): refused, not counted."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from verl_prefix.backend.titan.causal_lm import TitanCausalLM
+
+    model = torch.nn.Linear(2, 2)  # in training mode, as the actor's model is in a training step
+    counts = SimpleNamespace(weights=None)
+    lm = TitanCausalLM(model, hooks=None, hf_config=Qwen3Config(), counts=counts)
+    with pytest.raises(RuntimeError, match="without routing weights"):
+        lm(torch.zeros(1, 3, dtype=torch.long), prefix_ctx=object())

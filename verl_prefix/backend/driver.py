@@ -144,6 +144,11 @@ class ReuseDriver:
         """Whether the router load-balancing loss is added (``moe_aux_loss_coef > 0``, training)."""
         return False
 
+    def routes_last(self, forward_only: bool) -> bool:
+        """Whether every row's last response token runs too (it predicts nothing; dense routes it through the
+        MoE layers): under the router aux loss, or an engine's own routing counts (``count_routing``)."""
+        return self.moe_aux_on(forward_only)
+
     def visual_token_ids(self) -> Any:
         """The model's image/video placeholder ids (``grouping.plan_batch``), or None."""
         return None
@@ -213,7 +218,7 @@ class ReuseDriver:
             layout,
             plan,
             self.reuse_config.min_shared_tokens,
-            own_last=self.moe_aux_on(forward_only),  # every row's last token routed in its tail (trees.md)
+            own_last=self.routes_last(forward_only),  # every row's last token routed in its tail (trees.md)
             chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             visual=VisualTokens.of(self.schedule_model()),  # images keyed by content in the trie (tree_visuals)
         )
@@ -460,7 +465,7 @@ class ReuseDriver:
             max_tokens=max_tokens,
             min_prefix_len=self.reuse_config.min_prefix_len,
             min_group_size=self.reuse_config.min_group_size,
-            extra_tokens_per_row=1 if self.moe_aux_on(forward_only) else 0,  # the routed last token
+            extra_tokens_per_row=1 if self.routes_last(forward_only) else 0,  # the routed last token
             visual_token_ids=self.visual_token_ids(),
         )
 

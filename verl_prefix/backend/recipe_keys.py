@@ -326,9 +326,9 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
         {
             "prefix_fsdp2": Cell("reuses", "", (f"{E}::test_dynamic_batch_size_and_gradient_checkpointing",)),
             "prefix_torchtitan": Cell(
-                "untested",
-                "dense rows tested under it, reuse not yet",
-                (f"{TT}::test_pp2_matches_verl_torchtitan_engine",),
+                "reuses",
+                "suffix micro-batches by verl's token budget",
+                (f"{TS}::test_dynamic_batch_size_plans_suffix_micro_batches_by_token_budget",),
             ),
         },
     ),
@@ -405,8 +405,12 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             ),
             "prefix_torchtitan": Cell(
                 "reuses",
-                "one pipeline stage, dense flavors; refused under PP and for MoE flavors",
-                (f"{TS}::test_schedule_knob_matches_verl_torchtitan_engine", _TITAN_REFUSALS),
+                "one pipeline stage, dense and MoE flavors (EP, TP x EP); refused under PP",
+                (
+                    f"{TS}::test_schedule_knob_matches_verl_torchtitan_engine",
+                    f"{TS}::test_moe_schedule_knob_matches_verl_torchtitan_engine",
+                    _TITAN_REFUSALS,
+                ),
             ),
         },
     ),

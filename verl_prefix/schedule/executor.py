@@ -23,12 +23,15 @@ no options: the leaves' gradients are all it needs.
 With an MoE router aux loss (``options.routers`` + ``options.aux_fn``), phase A also keeps the prefix's router
 statistics (their probability sum is one more boundary leaf), each suffix row also feeds its last
 response token (dense routes it too), and each micro-batch's aux sees the prefix once per row
-(``verl_prefix.schedule.models.moe``).
+(``verl_prefix.schedule.models.moe``). An engine that keeps routing statistics of its own (torchtitan's
+expert-load counts) gets them through ``options.count_routing``: ``node_forward`` weighs a node's tokens by the
+rows below it, ``suffix_forward`` a row's real tokens by one, fillers and phase C's recomputed forwards by zero.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -141,7 +144,7 @@ def prefix_forward(
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
-    early_exit = options.early_exit and not options.keep_logits
+    early_exit = options.exits_early
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -285,7 +288,8 @@ def suffix_forward(
     fused = nullcontext()
     if options.fused_backend:  # verl's fused kernels: the LM head returns log-probs and entropy, no logits
         fused = fused_head(model, labels, scalar_temperature(batch.temperature), options.fused_backend)
-    with text_only_call(model), fused as call:
+    routed = batch.tokens if ulysses is None else ulysses.shard(batch.tokens)  # each real token: one dense copy
+    with text_only_call(model), fused as call, options.routing(routed.float()):
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(options.meter, ctx)
     width = input_ids.shape[1]
@@ -467,17 +471,21 @@ def node_forward(
     forward: Callable[[], PrefixKV],
     dormant: Dormant | None,
     options: ScheduleOptions,
-    phase: str = "A",
     given_leaves: bool = False,
+    *,
+    copies: int,
 ) -> tuple[PrefixKV, PrefixKV, int]:
     """Phase A of one node (a group's prefix, a trie node, a lockstep filler node): ``forward()`` under the
-    meter's ``phase``, autocast and the ``dormant`` policy; the K/V are noted on the meter. Training (a policy
-    given): the leaves phase B and the nodes below attend to (at least ``options.prefix_grad_dtype``), or, with
-    ``given_leaves`` (a chunked prefix, ``ChunkedPrefix.forward``), what ``forward`` returned; forward-only
-    (``dormant`` None): the K/V themselves. Returns (K/V, leaves, bytes phase A saved for backward)."""
+    meter's phase (``A``; ``lockstep`` for a filler node, no row below it), autocast and the ``dormant`` policy;
+    the K/V are noted on the meter. Training (a policy given): the leaves phase B and the nodes below attend to
+    (at least ``options.prefix_grad_dtype``), or, with ``given_leaves`` (a chunked prefix,
+    ``ChunkedPrefix.forward``), what ``forward`` returned; forward-only (``dormant`` None): the K/V themselves.
+    ``copies``: the rows below the node, each of which computes its tokens in dense (``options.routing``).
+    Returns (K/V, leaves, bytes phase A saved for backward)."""
     meter = options.meter or NullMeter()
+    phase = "A" if copies else "lockstep"
     policy = dormant.phase_a(model, options.device) if dormant is not None else nullcontext()
-    with meter.phase(phase) as saved, options.autocast(), policy:
+    with meter.phase(phase) as saved, options.autocast(), policy, options.routing(float(copies)):
         kv = forward()
     held = saved.total if saved is not None else 0
     meter.note_prefix_kv(kv.tensors())
@@ -540,7 +548,7 @@ def node_backward(
     B and the nodes below left on ``leaves`` (``prefix_backward``). ``phase``: what the meter counts it as."""
     meter = options.meter or NullMeter()
     with meter.phase(phase):
-        with options.autocast():
+        with options.autocast(), options.routing(0.0):  # a recomputed forward stands for no dense token
             kv, extra = rebuild()
         if extra:
             seeded_backward(kv, [leaf.grad for leaf in leaves.tensors()], model, extra)
@@ -556,7 +564,7 @@ def train_suffixes(
     filler micro-batches (over ``rows[0]``, ``filler_step``). Returns each micro-batch's loss (detached)."""
     losses = []
     for rows in group.micro_batches:
-        batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=options.routers is not None)
+        batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=options.routes_last)
         losses.append(suffix_step(model, above, batch, loss_fn, options))
     if group.filler_micro_batches:
         prefix = join_path(above.path)
@@ -579,7 +587,7 @@ def infer_suffixes(
     log-probs and entropy (or None) into ``results``, then the group's lockstep filler micro-batches."""
     meter = options.meter or NullMeter()
     for rows in group.micro_batches:
-        batch = build_suffix_batch(layout, rows, group.prompt_len, options)
+        batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=options.routes_last)
         with meter.phase("B"):
             log_probs, entropy = suffix_forward(model, prefix, batch, options)
         for k, i in enumerate(rows):
@@ -632,10 +640,11 @@ def train_group(
     chunked = _chunked(model, (prefix_ids, prefix_pos), group.min_prefix_chunks, options, True, encoded)
     with prefix_attention_mode(model):
         if chunked is None:
-            prefix, leaves, held = node_forward(model, run_prefix, dormant, options)
+            prefix, leaves, held = node_forward(model, run_prefix, dormant, options, copies=len(group.rows))
         else:
             keep_graphs = dormant.policy != "recompute"
-            _, leaves, held = node_forward(model, lambda: chunked.forward(keep_graphs), dormant, options, "A", True)
+            forward = lambda: chunked.forward(keep_graphs)  # noqa: E731
+            _, leaves, held = node_forward(model, forward, dormant, options, True, copies=len(group.rows))
             meter.count("prefix/chunked_groups")
             meter.count("prefix/prefix_chunks", chunked.count)
         # every suffix micro-batch (fillers too) attends to the same leaves the same way
@@ -644,7 +653,8 @@ def train_group(
             node_backward(model, leaves, dormant, lambda: (dormant.phase_c_prefix(prefix, run_prefix), []), options)
             return losses
         with meter.phase("C") as saved_c:
-            with options.autocast():  # each chunk's backward runs inside too, as phase B's do
+            # each chunk's backward runs inside too, as phase B's do; a recomputed chunk stands for no dense token
+            with options.autocast(), options.routing(0.0):
                 # a chunk's graph is freed by its own backward: the meter counts the largest one
                 done = saved_c.segment if saved_c is not None else None
                 chunked.backward(dormant, seeded_backward, model, on_chunk_done=done)
@@ -703,8 +713,14 @@ def _chunked(
         requires_grad=requires_grad,
         min_dtype=options.prefix_grad_dtype if requires_grad else None,
         min_chunks=min_chunks,
-        run_filler=lambda: prefix_forward(model, prefix_ids[:1], prefix_pos[..., :1], options),
+        run_filler=functools.partial(_filler_chunk, model, prefix_ids[:1], prefix_pos[..., :1], options),
     )
+
+
+def _filler_chunk(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, options: ScheduleOptions) -> PrefixKV:
+    """A lockstep chunk (one token) that keeps a peer's chunk count: it stands for no dense token."""
+    with options.routing(0.0):
+        return prefix_forward(model, ids, positions, options)
 
 
 def _count_encodes(encoded: EncodedVisuals | None, meter: PhaseMeter) -> None:
@@ -735,7 +751,7 @@ def infer_group(
         return chunked.forward(keep_graphs=False)
 
     with prefix_attention_mode(model), options.autocast():
-        prefix, _, _ = node_forward(model, forward, None, options)
+        prefix, _, _ = node_forward(model, forward, None, options, copies=len(group.rows))
         _count_encodes(encoded if chunked is not None else None, options.meter or NullMeter())
         infer_suffixes(model, layout, group, prefix, results, options)
     return results

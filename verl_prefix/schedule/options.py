@@ -27,6 +27,17 @@ from verl_prefix.schedule.ulysses import Ulysses
 
 # aux_fn(rows, stats) -> the scaled router aux term of a micro-batch; stats count the prefix per row.
 AuxFn = Callable[[list[int], moe.RouterStats], torch.Tensor]
+# count_routing(weights) -> the context a model call runs in: each routed token counted ``weights`` times
+CountRouting = Callable[[torch.Tensor | float], AbstractContextManager]
+
+
+def _uncounted(count_routing: CountRouting) -> CountRouting:
+    """``count_routing`` with every weight zero: lockstep fillers stand for no dense token."""
+
+    def zero(weights: torch.Tensor | float) -> AbstractContextManager:
+        return count_routing(0.0)
+
+    return zero
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,12 @@ class ScheduleOptions:
     log-probs and entropy from the final hidden states, no logits materialised; phase A then keeps those positions'
     log-probs and entropies (``[positions, 2]``, at ``fused_temperature``, the batch's one temperature: verl's fused
     kernels take no per-row one) of ``keep_labels`` (the node's labels) in ``PrefixKV.logits`` instead of their
-    logits. None: logits, as verl computes them without fused kernels.
+    logits. None: logits, as verl computes them without fused kernels. ``count_routing``: an engine's own routing
+    statistics, counted per token (torchtitan's expert-load counts, ``backend.titan.moe``): every model call runs
+    inside ``count_routing(weights)``, the dense copies each token stands for (``routing``): phase A's tokens once
+    per row below the node, a suffix row's real tokens once (its last token routed, as dense routes it), padding,
+    lockstep fillers (``for_fillers``) and phase C's recomputed forwards not at all; phase A then runs to the end
+    (the last layer routes the prefix too).
     """
 
     device: torch.device
@@ -77,6 +93,7 @@ class ScheduleOptions:
     fused_backend: str | None = None
     fused_temperature: float = 1.0
     keep_labels: torch.Tensor | None = None
+    count_routing: CountRouting | None = None
 
     def __post_init__(self) -> None:
         if (self.routers is None) != (self.aux_fn is None):
@@ -85,10 +102,28 @@ class ScheduleOptions:
     def for_fillers(self) -> ScheduleOptions:
         """The same options for lockstep filler work (zero-loss micro-batches and groups that only keep
         data-parallel ranks in step): neither metered nor asked for entropy."""
-        return dataclasses.replace(self, meter=None, calculate_entropy=False)
+        uncounted = _uncounted(self.count_routing) if self.count_routing is not None else None
+        return dataclasses.replace(self, meter=None, calculate_entropy=False, count_routing=uncounted)
+
+    @property
+    def routes_last(self) -> bool:
+        """Whether suffix rows also feed their last response token (it predicts nothing, but dense routes it
+        through every MoE layer): under a router aux loss (``routers``) or counted routing (``count_routing``)."""
+        return self.routers is not None or self.count_routing is not None
+
+    @property
+    def exits_early(self) -> bool:
+        """Whether phase A may stop after the last layer's K/V: not where it keeps logits, nor where routing
+        is counted (the last layer's MoE must route the prefix, on every rank alike)."""
+        return self.early_exit and not self.keep_logits and self.count_routing is None
+
+    def routing(self, weights: torch.Tensor | float) -> AbstractContextManager:
+        """The context of a model call whose tokens stand for ``weights`` dense copies each (``count_routing``)."""
+        return self.count_routing(weights) if self.count_routing is not None else nullcontext()
 
     def forward_only(self) -> ScheduleOptions:
-        """The options a forward-only pass runs with: early exit always, no router aux loss."""
+        """The options a forward-only pass runs with: early exit always (unless routing is counted,
+        ``exits_early``), no router aux loss."""
         if self.early_exit and self.routers is None:
             return self
         return dataclasses.replace(self, early_exit=True, routers=None, aux_fn=None)

@@ -95,6 +95,7 @@ class InnerAttentionHooks:
         self.keep: int | None = None
         self.kv: PrefixKV | None = None
         self.ctx: Any = None  # the schedule's prefix context (``scheduling``)
+        self.real_length: int | None = None  # ``scheduling`` a sequence padded past it (``titan.sequence``)
         for index, layer in enumerate(self.layers):
             inner = layer.attention.inner_attention
             if getattr(inner, "_verl_prefix_hook", None) is not None:
@@ -131,20 +132,26 @@ class InnerAttentionHooks:
             yield
 
     @contextmanager
-    def scheduling(self, ctx: Any) -> Iterator[None]:
+    def scheduling(self, ctx: Any, real_length: int | None = None) -> Iterator[None]:
         """A forward of the one schedule: every layer attends through ``ctx.attend`` (phase A's capture, phase B's
-        serve, a chunk over earlier chunks' leaves), which owns the K/V, early exit included."""
-        self.ctx = ctx
+        serve, a chunk over earlier chunks' leaves), which owns the K/V, early exit included. ``real_length``:
+        the sequences were padded at the end past it (TP x EP, ``titan.sequence``); ``ctx`` sees the real
+        positions only (causal: no real token reads the padding) and the padding's attention output is zero."""
+        self.ctx, self.real_length = ctx, real_length
         try:
             with self._mode("schedule", None):
                 yield
         finally:
-            self.ctx = None
+            self.ctx, self.real_length = None, None
 
     def _attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any) -> torch.Tensor:
-        ql, kl, vl = (_local(t).transpose(1, 2) for t in (q, k, v))
+        real = self.real_length
+        ql, kl, vl = (_local(t)[:, :real].transpose(1, 2) for t in (q, k, v))
         shim = AttentionShim(index, ql.shape[1] // kl.shape[1], self.layers[index].attention)
         out, _ = self.ctx.attend(shim, sdpa_attention_forward, ql, kl, vl, scaling=scale)
+        extra = _local(q).shape[1] - out.shape[1]
+        if extra:
+            out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, extra))
         return _like(out, q)  # [B, L, heads, head_dim], as torchtitan's inner attention returns it
 
     @contextmanager

@@ -167,18 +167,13 @@ def refusal(config: Any) -> str | None:
             return f"prefix_torchtitan: {knob}={got!r} is refused ({why}); set {knob}={value!r}"
     if reuse is not None and getattr(config, "pipeline_parallel_size", 1) > 1:
         return own_phases_refusal(reuse, getattr(config, "dormant_prefix", "keep"), "pipeline stages")
-    if reuse is not None and getattr(config, "expert_parallel_size", 1) > 1:
-        return own_phases_refusal(reuse, getattr(config, "dormant_prefix", "keep"), "MoE flavor")
     return None
 
 
-# what torchtitan's own phases (``engine._group``: pipeline stages, MoE expert-load counts) do not run, and why
+# what torchtitan's own phases (``engine._group``: pipeline stages) do not run, and why
 _OWN_PHASES: dict[str, str] = {
     "pipeline stages": "phases A/B/C cross torchtitan's pipeline stages by point-to-point sends (titan.pipeline), "
     "which the one schedule (schedule.executor) does not do",
-    "MoE flavor": "torchtitan's expert-load counts (the bias its load balancing moves) need the prefix's routing "
-    "weighted once per row and each row's last response token routed (titan.moe), which the one schedule does "
-    "only through HF routers (schedule.models.moe)",
 }
 
 

@@ -19,11 +19,12 @@ not match the checkpoint (``titan.flavor``). Under pipeline parallelism each ran
 and the same three phases cross the stages by point-to-point sends (``titan.pipeline``); without it the same code
 runs as a pipeline of one stage.
 
-Without pipeline parallelism and with a dense flavor, a group's phases are the one schedule's, as
-``prefix_fsdp2`` runs them (``schedule.executor.train_group`` / ``infer_group``, ``schedule.tree.schedule``):
-torchtitan's model behind an HF causal-LM call (``titan.causal_lm``), so the tree, a chunked prefix, merged phase-B
-attention and the dormant policies are served here too. MoE flavors (torchtitan's expert-load counts: the prefix routed
-once per row, each row's last token routed) and pipeline stages keep this module's own phases (``_group``).
+Without pipeline parallelism a group's phases are the one schedule's, as ``prefix_fsdp2`` runs them
+(``schedule.executor.train_group`` / ``infer_group``, ``schedule.tree.schedule``): torchtitan's model behind an HF
+causal-LM call (``titan.causal_lm``), so the tree, a chunked prefix, merged phase-B attention and the dormant
+policies are served here too, MoE flavors included (torchtitan's expert-load counts take the schedule's routing
+weights, ``ScheduleOptions.count_routing``: the prefix once per row below it, each row's last token routed).
+Pipeline stages keep this module's own phases (``_group``).
 """
 
 from __future__ import annotations
@@ -135,19 +136,19 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
             )
         self.hooks = InnerAttentionHooks(self.module[0])
         if self.scheduled:
-            self.causal_lm = TitanCausalLM(self.module[0], self.hooks, self.model_config.hf_config)
-        elif self.reuse_config.enable:
-            reason = own_phases_refusal(
-                self.reuse_config, self.dormant_prefix, "MoE flavor" if self.expert_counts else "pipeline stages"
+            self.causal_lm = TitanCausalLM(
+                self.module[0], self.hooks, self.model_config.hf_config, self.expert_counts, self.sequence_multiple
             )
+        elif self.reuse_config.enable:
+            reason = own_phases_refusal(self.reuse_config, self.dormant_prefix, "pipeline stages")
             if reason is not None:
                 raise ValueError(reason)
 
     @property
     def scheduled(self) -> bool:
-        """Groups run through the one schedule (``titan.causal_lm``): one pipeline stage, no MoE layers (their
-        expert-load counts need this engine's own phases, ``_group``)."""
-        return self.link.num_stages == 1 and not self.expert_counts
+        """Groups run through the one schedule (``titan.causal_lm``): one pipeline stage (pipeline stages need
+        this engine's own phases, ``_group``)."""
+        return self.link.num_stages == 1
 
     # -- the mini-batch -----------------------------------------------------------------------------
 
@@ -195,9 +196,14 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
             phase_b_refusal=run.agreement.kernel_refusal,
             prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             layer_roles=LayerRoles({}, frozenset()),  # torchtitan's decoders: no KV-shared or recurrent layers
+            count_routing=self._counted if self.expert_counts else None,  # MoE: expert-load counts (titan.moe)
         )
 
-    # -- this engine's own phases: MoE flavors and pipeline stages (``_group``) ------------------------
+    def routes_last(self, forward_only: bool) -> bool:
+        """MoE flavors route every row's last response token, as dense does (the expert-load counts)."""
+        return bool(self.expert_counts)
+
+    # -- this engine's own phases: pipeline stages (``_group``) ---------------------------------------
 
     def start_mini_batch(self, run: MiniBatchRun) -> Any:
         if self.scheduled:

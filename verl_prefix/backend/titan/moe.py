@@ -13,6 +13,12 @@ padding and fillers not at all. Outside ``weighted`` (verl's dense chunks) the m
 Under TP x EP the MoE shards its tokens on the sequence over the TP ranks: the router's outputs are DTensors
 ``Shard(1)`` and each rank counts its own slice (torchtitan's pre-hook then sums the counts over TP). The
 weights, given for the whole sequence, are sliced the same way (``shard_like``) before they weigh that slice.
+A sequence padded at the end for that split (``titan.sequence``) weighs zero past its real tokens (``padded``).
+
+The one schedule hands the weights in through ``ScheduleOptions.count_routing`` (``titan.causal_lm``): phase A's
+prefix once per row below the node, suffix rows' real tokens once, fillers and phase C's recomputed forwards not
+at all. Contexts nest (a lockstep chunk of zero weight inside a counted phase A): the inner one's weights hold
+until it exits, then the outer one's again.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class ExpertCounts:
     def __init__(self, model: nn.Module) -> None:
         self.moes = moe_layers(model)
         self.weights: torch.Tensor | None = None
+        self.real_length: int | None = None  # tokens past it are padding (``padded``)
         self._saved: dict[int, torch.Tensor] = {}
         self._routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, moe in enumerate(self.moes):
@@ -70,13 +77,34 @@ class ExpertCounts:
     def weighted(self, weights: torch.Tensor | float) -> Iterator[None]:
         """Count each routed token with ``weights`` (``[B, L]``, broadcast from a scalar): the group size for
         phase A's prefix, 1 for real suffix tokens, 0 for padding and lockstep fillers."""
+        outer = self.weights
         self.weights = torch.as_tensor(weights, dtype=torch.float32)
         try:
             yield
         finally:
-            self.weights = None
+            self.weights = outer
             self._saved.clear()
             self._routed.clear()
+
+    @contextmanager
+    def padded(self, real_length: int) -> Iterator[None]:
+        """A model call whose sequences were padded at the end past ``real_length`` tokens: those weigh zero."""
+        outer, self.real_length = self.real_length, real_length
+        try:
+            yield
+        finally:
+            self.real_length = outer
+
+    def _token_weights(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """``[B, L]`` weights for a call's (global) routed shape: the given ones, zero past ``real_length``."""
+        assert self.weights is not None
+        weights = self.weights.to(device)
+        real = self.real_length
+        if real is None or real >= shape[1]:
+            return weights.expand(shape)
+        if weights.dim() < 2 or weights.shape[-1] != real:
+            weights = weights.expand(shape[0], real)
+        return torch.nn.functional.pad(weights, (0, shape[1] - real))
 
     def _pre_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -89,7 +117,7 @@ class ExpertCounts:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.weights is not None and index in self._saved:
                 ids = output[1]  # [B, L, K]
-                weights = self.weights.to(_local(ids).device).expand(ids.shape[:2])
+                weights = self._token_weights(ids.shape[:2], _local(ids).device)
                 self._routed[index] = (_local(ids).detach(), shard_like(weights, ids))
 
         return hook

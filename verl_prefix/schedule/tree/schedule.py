@@ -107,7 +107,7 @@ def run_filler(
     def forward() -> PrefixKV:
         return _node_forward(model, node, path, options)
 
-    kv, leaves, _ = node_forward(model, forward, dormant, options, "lockstep")
+    kv, leaves, _ = node_forward(model, forward, dormant, options, copies=0)
     logits, kv.logits = kv.logits, None
     below = [*path, leaves]
     for child in node.children:
@@ -201,7 +201,7 @@ def train_tree(
     rows without one). ``policies(node)``: the ``Dormant`` a node's graph waits under from its phase A to its
     phase C (``schedule.tree.dormant``; a per-node decision, so not an option)."""
     meter = options.meter or NullMeter()
-    routers, autocast = options.routers, options.autocast
+    autocast = options.autocast
     fillers = options.for_fillers()
     losses: list[torch.Tensor] = []
     path_images = _path_images(model, roots, train=True)
@@ -210,7 +210,7 @@ def train_tree(
         dormant = policies(node)
         images = (path_images, path_images.enter(node.images)) if path_images is not None else None
         forward, found = _valued_forward(model, node, path, layout, options, images)
-        kv, leaves, saved = node_forward(model, forward, dormant, options)
+        kv, leaves, saved = node_forward(model, forward, dormant, options, copies=len(node.rows_below()))
         values = found[0]
         held += saved  # the path's graphs, as the policies left them
         value_leaves = values.as_leaves() if values is not None else None
@@ -227,7 +227,7 @@ def train_tree(
             losses.extend(train_suffixes(model, layout, group, Above(below, dormant, held), with_path_loss, options))
         run_filler_micro_batches(model, node, below, fillers, train=True)
         for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
-            if routers is not None:  # their last token would go unrouted: the engine builds the trie own_last
+            if options.routes_last:  # their last token would go unrouted: the engine builds the trie own_last
                 raise RuntimeError(f"rows {rows} have no tail to route their last token (trie.build_trie own_last)")
             with meter.phase("B"):
                 with autocast():
@@ -278,7 +278,7 @@ def infer_tree(
     def visit(node: TrieNode, path: list[PrefixKV], values_path: list[NodeValues | None]) -> None:
         images = (path_images, path_images.enter(node.images)) if path_images is not None else None
         forward, found = _valued_forward(model, node, path, layout, options, images)
-        kv, _, _ = node_forward(model, forward, None, options)
+        kv, _, _ = node_forward(model, forward, None, options, copies=len(node.rows_below()))
         below, values_below = [*path, kv], [*values_path, found[0]]
         for child in node.children:
             visit(child, below, values_below)
