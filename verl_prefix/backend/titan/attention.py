@@ -10,8 +10,8 @@ kernel runs it.
 
 The third mode, ``scheduling``, hands each layer's q/k/v to the schedule's own attention instead
 (``kv.contexts.CaptureContext`` / ``ServeContext.attend``, which ``titan.causal_lm`` passes as ``prefix_ctx``): local
-shards transposed to HF's ``[B, heads, L, head_dim]`` layout, with an ``AttentionShim`` carrying what ``attend``
-reads off an HF attention module; the output goes back as the kind of tensor torchtitan handed in.
+shards transposed to HF's ``[B, heads, L, head_dim]`` layout, with an ``AttentionShim`` (``kv.shim``) carrying
+what ``attend`` reads off an HF attention module; the output goes back as the kind of tensor torchtitan handed in.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from verl_prefix.schedule.kv.container import PrefixCaptured, PrefixKV
+from verl_prefix.schedule.kv.shim import AttentionShim
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -68,21 +69,6 @@ def suffix_mask(batch: int, prefix_len: int, suffix_len: int, device: torch.devi
         return (kv < prefix_len) | (kv - prefix_len <= q)
 
     return create_block_mask(keep, batch, None, suffix_len, prefix_len + suffix_len, device=device)
-
-
-class AttentionShim:
-    """What the schedule's ``attend`` (and HF's sdpa function it calls) reads off an HF attention module, for one
-    torchtitan layer: its index, the query heads per K/V head (this rank's shards: the same ratio), causality,
-    and ``wrapped``, the layer's real attention module (phase C unshards the FSDP units around it,
-    ``executor.unshard_cut_short``). No ``config``: no sliding window or attention chunks (``windows``)."""
-
-    is_causal = True
-    training = False
-
-    def __init__(self, layer_idx: int, groups: int, wrapped: nn.Module) -> None:
-        self.layer_idx = layer_idx
-        self.num_key_value_groups = groups
-        self.wrapped = wrapped
 
 
 class InnerAttentionHooks:
