@@ -17,4 +17,13 @@ if [ -z "${SKIP_TORCHTITAN:-}" ]; then
   .venv/bin/python -m pip install --quiet --no-deps torchtitan==0.3.0 triton==3.9.0 einops==0.8.2 spmd_types==0.2.3 \
     torch_checkpointing==0.1.1 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1
 fi
+# verl's Megatron engine on CPU (docs/megatron.md): megatron-core, Megatron-Bridge (verl's default loader) and mbridge
+# (its deprecated vanilla_mbridge loader), pinned and without their own dependencies (Megatron-Bridge's name
+# TransformerEngine, CUDA wheels and transformers<5): the platform layer (verl_prefix.backend.megatron.platform) is
+# written against these versions. mbridge imports einops without declaring it; Megatron-Bridge imports triton.
+# SKIP_MEGATRON=1 leaves them out.
+if [ -z "${SKIP_MEGATRON:-}" ]; then
+  .venv/bin/python -m pip install --quiet --no-deps megatron-core==0.16.1 megatron-bridge==0.3.1 mbridge==0.15.1 \
+    einops==0.8.2 triton==3.9.0
+fi
 .venv/bin/python -c "import verl, verl_prefix; assert verl_prefix.is_registered(); print('verl-prefix ready:', verl.__version__)"

@@ -16,6 +16,8 @@ import sys
 import warnings
 
 VERL_IMPORT_WARNINGS = r"(torchtitan|veomni|automodel|mindspeed|megatron) engine is not available"
+# where megatron-core is installed (docs/megatron.md), verl imports it, and it announces its TE/apex fallbacks
+MEGATRON_IMPORT_WARNINGS = r"(Transformer Engine and Apex|Apex) (are|is) not installed"
 _PLATFORM_LOGGER = "verl.plugin.platform.platform_manager"
 _PLATFORM_NOISE = (
     "No supported accelerator detected",
@@ -38,9 +40,11 @@ def _drop_platform_noise(record: logging.LogRecord) -> bool:
 
 
 def hide_verl_import_warnings() -> None:
-    """Drop the warnings ``import verl`` gives for each optional engine it cannot import (and only those):
-    the command line does it first thing, the demo again for its quiet mode."""
+    """Drop the warnings ``import verl`` gives for each optional engine it cannot import, and megatron-core's for
+    its TransformerEngine / apex fallbacks (and only those): the command line does it first thing, the demo again
+    for its quiet mode."""
     warnings.filterwarnings("ignore", message=VERL_IMPORT_WARNINGS, category=UserWarning)
+    warnings.filterwarnings("ignore", message=MEGATRON_IMPORT_WARNINGS, category=UserWarning)
 
 
 def prepare_cli_process() -> None:
