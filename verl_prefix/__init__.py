@@ -27,6 +27,11 @@ from verl_prefix.backend.titan import registry as _titan_registry  # noqa: E402
 
 _titan_registry.register()
 
+# prefix_megatron as a factory: megatron-core (optional) is imported only when such an engine is built.
+from verl_prefix.backend.megatron import registry as _megatron_registry  # noqa: E402
+
+_megatron_registry.register()
+
 # rollout.name=hf: an HF-generate rollout on CPU, so verl's own main_ppo runs without vLLM/SGLang.
 from verl_prefix.backend.trainer import rollout_hf as _rollout_hf  # noqa: E402
 

@@ -55,6 +55,7 @@ def build_megatron_engine(
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
+    from verl_prefix.backend.megatron.config import MEGATRON_BACKEND
     from verl_prefix.backend.megatron.platform import ensure_megatron_platform
 
     ensure_megatron_platform()
@@ -75,7 +76,12 @@ def build_megatron_engine(
         use_remove_padding=use_remove_padding,
     )
     settings.update(overrides)
-    engine_config = McoreEngineConfig(**settings)
+    if backend == MEGATRON_BACKEND:  # the reuse knobs (prefix_reuse, dormant_prefix) ride on the engine config
+        from verl_prefix.backend.megatron.config import PrefixMcoreEngineConfig
+
+        engine_config = PrefixMcoreEngineConfig(**settings)
+    else:
+        engine_config = McoreEngineConfig(**settings)
     optimizer_config = McoreOptimizerConfig(lr=lr, total_training_steps=10, lr_warmup_steps=0, clip_grad=clip_grad)
     model_config.model_type = "language_model"
     engine = EngineRegistry.new(
@@ -95,3 +101,15 @@ def exported_weights(engine: Any) -> dict[str, torch.Tensor]:
     rank iterates (the gathers are collectives)."""
     weights, _ = engine.get_per_tensor_param()
     return {name: tensor.detach().float().clone() for name, tensor in weights}
+
+
+def main_grads(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's accumulated gradient as megatron-core's DDP keeps it (``main_grad``: this rank's TP shard,
+    after the data-parallel reduction once ``finalize_model_grads`` ran), by parameter name; for comparing two
+    engines of the same layout rank by rank."""
+    return {
+        name: param.main_grad.detach().clone()
+        for chunk in engine.module
+        for name, param in chunk.named_parameters()
+        if getattr(param, "main_grad", None) is not None
+    }

@@ -1,0 +1,235 @@
+"""prefix_megatron against verl's own Megatron engine (no reuse) on the same batch and weights, fp32, gloo:
+TP=2 (two ranks holding the same rows) and DP=2 with the distributed optimizer (data-parallel rank 1 holds one
+group and four singletons: lockstep fillers, dense chunks through verl's ``forward_step``). For one-level reuse,
+the token trie (``prefix_reuse.tree``), a chunked prefix, merged phase-B attention and ``dormant_prefix=recompute``:
+every parameter's gradient as megatron-core's DDP accumulates it (``main_grad``, after ``finalize_model_grads``),
+loss, grad norm, forward-only log-probs and entropies; reuse asserted. Negative controls: phase C skipped, phase
+B's RoPE one position late, both fail. And what the engine refuses before it builds anything, with the knob.
+
+One prefix engine per layout, its knobs switched between steps (lr 0: every step sees the same weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+
+import pytest
+from helpers.ranks import run_two_ranks
+from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+
+VOCAB = 128
+TOL = 1e-5  # fp32
+CASES = {
+    "one_level": (dict(), "keep"),
+    "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
+    "chunked": (dict(prefix_chunk_tokens=4), "keep"),
+    "merged": (dict(phase_b_attention="merged"), "keep"),
+    "recompute": (dict(), "recompute"),
+}
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict()}  # DP is what the world leaves over TP
+
+
+def _batch(dp_rank: int, data_parallel: bool):
+    """Two groups of four sharing an 8-token system block, responses branching after a 2-token stem (what the
+    tree computes once); under DP rank 1 holds one group and four singletons (lockstep fillers, dense rows)."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.harness import grpo_batches
+
+    shape = dict(response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,))
+    if not data_parallel:
+        return grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=7, **shape)
+    if dp_rank == 0:
+        return grpo_batches.make_grpo_batch(
+            num_groups=2, group_size=4, prompt_lens=[4, 2], seed=8, global_batch_size=16, **shape
+        )
+    group = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=3, seed=9, global_batch_size=16, **shape
+    )
+    singles = grpo_batches.make_grpo_batch(
+        num_groups=4, group_size=1, prompt_lens=2, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
+        global_batch_size=16,
+    )  # fmt: skip
+    return tu.concat_tensordict([group, singles])
+
+
+def _train(engine, loss_fn, batch) -> dict:
+    """verl's train step with every parameter's ``main_grad`` read just before the optimizer step."""
+    from verl_prefix.harness import verl_engine
+    from verl_prefix.harness.megatron import main_grads
+
+    grads: dict = {}
+    step = engine.optimizer_step
+    engine.optimizer_step = lambda: grads.update(main_grads(engine)) or step()
+    try:
+        out = verl_engine.run_train_step(engine, loss_fn, batch)
+    finally:
+        engine.__dict__.pop("optimizer_step", None)
+    return {**out, "grads": grads}
+
+
+@contextlib.contextmanager
+def _phase_c_skipped():
+    from verl_prefix.schedule import executor
+
+    saved = executor.prefix_backward, executor.seeded_backward
+    executor.prefix_backward = executor.seeded_backward = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        executor.prefix_backward, executor.seeded_backward = saved
+
+
+@contextlib.contextmanager
+def _suffix_rope_late():
+    """Negative control: every call that starts past position 0 (phase B, later chunks and nodes) is embedded one
+    position late (a shift of every call alike would change nothing: RoPE is relative)."""
+    from verl_prefix.backend.megatron import causal_lm
+
+    saved = causal_lm.call_offset
+    causal_lm.call_offset = lambda positions: (lambda o: o + 1 if o else o)(saved(positions))
+    try:
+        yield
+    finally:
+        causal_lm.call_offset = saved
+
+
+def _summary(want: dict, got: dict) -> dict:
+    errors = {n: ((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items() if g.norm() > 0}
+    name = max(errors, key=errors.get)
+    return {
+        "worst": errors[name],
+        "name": name,
+        "grads": len(errors),
+        "loss": (want["loss"], got["loss"]),
+        "grad_norm": (want["grad_norm"], got["grad_norm"]),
+        "metrics": reduced(got["metrics"]),
+    }
+
+
+def _infer(result: dict) -> dict:
+    return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
+
+
+def _layout_body(rank: int, model_dir: str, name: str) -> dict:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import verl_engine
+    from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
+
+    layout = LAYOUTS[name]
+    data_parallel = "tensor_parallel_size" not in layout
+    loss_fn, _ = ppo_loss(["use_kl_loss=true", "entropy_coeff=0.01", "ppo_micro_batch_size_per_gpu=4"])
+    base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    stock = build_megatron_engine(model_dir, lr=0.0, **layout)
+    prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **layout)
+    assert prefix.causal_lm is not None
+    batch = _batch(stock.get_data_parallel_rank(), data_parallel)
+    want = _train(stock, loss_fn, batch)
+    want_infer = verl_engine.run_infer(stock, batch)
+    out: dict = {"source": prefix.is_mp_src_rank_with_outputs(), "dp_rank": stock.get_data_parallel_rank()}
+    for case, (knobs, dormant) in CASES.items():
+        prefix.reuse_config = dataclasses.replace(base, **knobs)
+        prefix.dormant_prefix = dormant
+        got = _train(prefix, loss_fn, batch)
+        got_infer = verl_engine.run_infer(prefix, batch)
+        out[case] = {**_summary(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
+        if case in ("one_level", "tree"):  # negative controls
+            with _phase_c_skipped():
+                out[case]["no_phase_c"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+            with _suffix_rope_late():
+                out[case]["rope_late"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+    return out
+
+
+def _body(rank: int, model_dir: str, name: str) -> dict:
+    return {name: _layout_body(rank, model_dir, name)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model) -> dict:
+    """Each layout in its own two rank processes (megatron-core's parallel state is set once per process)."""
+    runs = [run_two_ranks(_body, str(tiny_model("qwen3")), name, timeout=900) for name in LAYOUTS]
+    return {rank: {k: v for run in runs for k, v in run[rank].items()} for rank in (0, 1)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_update_and_log_probs_match_verl_megatron_engine(ranks, layout, case):
+    for rank, result in ranks.items():
+        r = result[layout][case]
+        groups = 2 if layout == "tp2" or rank == 0 else 1
+        assert result[layout]["dp_rank"] == (rank if layout == "dp2" else 0)
+        assert r["grads"] > 10 and r["worst"] < TOL, f"rank {rank}: {r['name']} off by {r['worst']:.2e}"
+        if result[layout]["source"]:  # verl reports loss and grad norm on the model-parallel source rank
+            assert r["loss"][1] == pytest.approx(r["loss"][0], rel=TOL, abs=1e-7)
+            assert r["grad_norm"][1] == pytest.approx(r["grad_norm"][0], rel=TOL)
+        assert_reuse_ran(r["metrics"], groups=groups)
+        want_infer, got_infer = r["infer"]
+        assert_infer_matches(want_infer, got_infer, TOL, groups=groups)
+        m = r["metrics"]
+        if case == "tree":
+            assert m["prefix/tree_saved_tokens"] > 0 and m["prefix/tree_nodes"] >= groups
+        if case == "chunked":
+            assert m["prefix/chunked_groups"] > 0 and m["prefix/prefix_chunks"] > m["prefix/chunked_groups"]
+        if case == "merged":
+            assert m["prefix/phase_b_attention/merged"] > 0 and m["prefix/phase_b_attention/concat"] == 0
+        if case == "recompute":
+            assert m["prefix/policy/recompute"] > 0
+        if layout == "dp2" and rank == 1:  # the singletons ran dense through verl's forward_step
+            assert m["prefix/fallback_short_prefix"] == 4.0, {k: v for k, v in m.items() if "fallback" in k}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_negative_controls_fail(ranks, layout):
+    for rank, result in ranks.items():
+        for case in ("one_level", "tree"):
+            r = result[layout][case]
+            assert r["no_phase_c"] > 1e-2, f"rank {rank} {layout}/{case}: skipping phase C changed nothing"
+            assert r["rope_late"] > 1e-3, f"rank {rank} {layout}/{case}: phase B's RoPE a position late passed"
+
+
+def test_refusals_name_the_knob():
+    from transformers import CONFIG_MAPPING
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.backend.megatron.config import SERVED_MODEL_TYPES, model_refusal, refusal
+
+    class Config:
+        prefix_reuse = PrefixReuseConfig()
+
+    assert refusal(Config()) is None
+    for knob, value in (
+        ("pipeline_model_parallel_size", 2),
+        ("virtual_pipeline_model_parallel_size", 2),
+        ("context_parallel_size", 2),
+        ("expert_model_parallel_size", 2),
+        ("param_offload", True),
+    ):
+        config = Config()
+        setattr(config, knob, value)
+        reason = refusal(config)
+        assert reason is not None and f"actor_rollout_ref.actor.megatron.{knob}=" in reason, (knob, reason)
+        config.prefix_reuse = PrefixReuseConfig(enable=False)
+        assert refusal(config) is None  # verl's own engine
+    for model_type in SERVED_MODEL_TYPES:
+        assert model_refusal(CONFIG_MAPPING[model_type](), Config()) is None
+    for model_type in ("qwen3_moe", "deepseek_v3", "gpt_oss", "mistral"):
+        reason = model_refusal(CONFIG_MAPPING[model_type](), Config())
+        assert reason is not None and model_type in reason and "prefix_reuse.enable=false" in reason, reason
+    windowed = CONFIG_MAPPING["qwen2"](use_sliding_window=True, sliding_window=16)
+    assert "sliding-window" in model_refusal(windowed, Config())
+
+
+def test_engine_config_accepts_the_prefix_strategy():
+    from verl_prefix.backend.megatron.config import PrefixMcoreEngineConfig
+
+    config = PrefixMcoreEngineConfig(dormant_prefix="recompute")  # verl's validation ran (bf16, its default)
+    assert config.strategy == "prefix_megatron" and config.prefix_reuse.enable
+    with pytest.raises(ValueError):
+        PrefixMcoreEngineConfig(dormant_prefix="sometimes")

@@ -1,0 +1,123 @@
+"""megatron-core's GPT model as the HF causal LM the one schedule calls (``schedule.executor``, ``schedule.tree``).
+
+The executor calls ``model(input_ids=..., position_ids=..., use_cache=False, prefix_ctx=ctx, logits_to_keep=...)``
+and reads ``.logits``; it reads the model's ``config`` (``_attn_implementation``, ``get_text_config()``'s
+``num_hidden_layers``, no ``vision_config``) and walks its modules (no FSDP unit, no vision tower).
+``MegatronCausalLM`` is that: verl's model chunk (the DDP wrapper, whose parameter hooks accumulate the main
+gradients) as its one child, a copy of the checkpoint's HF config, and a forward that runs megatron-core's
+``GPTModel`` with every layer's core attention handed to ``prefix_ctx`` (``megatron.attention``).
+
+Positions: megatron-core's rotary embedding counts from 0 over the call's length, and its forward takes no
+per-row positions for it. Every call of the schedule is a run of consecutive positions that starts at the same
+place on every row (a prefix from 0 or a chunk or trie node from its start; suffix rows of one group from the
+prompt's last position, right-padded): the call's first position goes to ``RotaryEmbedding.forward(offset=...)``
+(``rotary_offset``), and anything else is refused, never embedded at the wrong positions.
+
+Under TP the logits come back sharded over the vocabulary: gathered here (megatron-core's
+``gather_from_tensor_model_parallel_region``, whose backward hands each rank its shard); verl's own engine
+computes the same log-probs from the shards.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from verl_prefix.backend.megatron.attention import CoreAttentionHooks
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The ``GPTModel`` under verl's wrappers (megatron-core's DDP, ``Float16Module``): each keeps it as
+    ``.module``."""
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def call_offset(position_ids: torch.Tensor) -> int:
+    """The first position of a call whose rows are each ``offset + arange(length)``, the same offset on every
+    row; anything else is refused (megatron-core's rotary embedding takes one offset per call)."""
+    offset = int(position_ids[0, 0])
+    expected = offset + torch.arange(position_ids.shape[-1], device=position_ids.device)
+    if not bool((position_ids == expected).all()):
+        raise ValueError(
+            "prefix_megatron: a schedule call whose rows are not one run of consecutive positions from the same "
+            "start (megatron-core's RoPE takes one offset per call)"
+        )
+    return offset
+
+
+class RotaryOffset:
+    """megatron-core's ``RotaryEmbedding`` of one model, its ``forward`` shifted by ``offset`` while set."""
+
+    def __init__(self, model: nn.Module) -> None:
+        rotary = getattr(model, "rotary_pos_emb", None)
+        if rotary is None or getattr(model, "position_embedding_type", None) != "rope":
+            raise ValueError("prefix_megatron: only megatron-core's RoPE models are served (position_embedding_type)")
+        self.offset = 0
+        original = rotary.forward
+
+        def forward(max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return original(max_seq_len, offset + self.offset, *args, **kwargs)  # positions offset.. offset + len
+
+        rotary.forward = forward
+
+    @contextmanager
+    def at(self, offset: int) -> Iterator[None]:
+        saved, self.offset = self.offset, offset
+        try:
+            yield
+        finally:
+            self.offset = saved
+
+
+class MegatronCausalLM(nn.Module):
+    """verl's (one-stage) Megatron model chunk behind the HF causal-LM call the schedule makes."""
+
+    def __init__(self, chunk: nn.Module, hf_config: Any) -> None:
+        super().__init__()
+        self.chunk = chunk
+        gpt = unwrapped(chunk)
+        self.hooks = CoreAttentionHooks(gpt)
+        self.rotary = RotaryOffset(gpt)
+        config = copy.deepcopy(hf_config)
+        config._attn_implementation = "sdpa"  # the schedule's attention is sdpa's maths (kv.contexts)
+        self.config = config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool = False,
+        prefix_ctx: Any = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutput:
+        if prefix_ctx is None or kwargs:
+            raise ValueError(
+                "prefix_megatron: the schedule's model call takes a prefix context and no other input "
+                f"(got prefix_ctx={type(prefix_ctx).__name__}, {sorted(kwargs)})"
+            )
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        length = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device)[None]
+        offset = call_offset(position_ids.expand(input_ids.shape[0], -1))
+        zero = torch.arange(length, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        with self.hooks.scheduling(prefix_ctx), self.rotary.at(offset):
+            logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutput(logits=gather_from_tensor_model_parallel_region(logits).contiguous())

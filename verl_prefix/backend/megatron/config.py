@@ -1,0 +1,112 @@
+"""The ``prefix_megatron`` engine config, and what the engine refuses before it builds anything.
+
+``PrefixMcoreEngineConfig`` is verl's ``McoreEngineConfig`` plus the reuse knobs (``prefix_reuse``, the dormant
+policies), accepting ``strategy: prefix_megatron``. ``refusal`` names a parallelism the schedule is not built for
+(each with the knob to set); ``model_refusal`` is an allowlist of model types whose attention megatron-core runs as
+the plain causal attention the schedule's phase B spells out. Reuse switched off refuses nothing: the engine is
+then verl's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.workers.config import McoreEngineConfig
+
+from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.schedule.dormant import validate_policy
+
+MEGATRON_BACKEND = "prefix_megatron"
+MEGATRON_REUSE_OFF = "+actor_rollout_ref.actor.megatron.prefix_reuse.enable=false"
+
+
+@dataclass
+class PrefixMcoreEngineConfig(McoreEngineConfig):
+    """verl's Megatron engine config plus ``prefix_reuse``; accepts ``strategy: prefix_megatron``.
+
+    Select it with ``actor_rollout_ref.actor.megatron._target_=verl_prefix.config.PrefixMcoreEngineConfig`` to
+    set the knobs from YAML; the engine also accepts verl's own config (defaults). ``dormant_prefix`` /
+    ``dormant_prefix_budget_bytes``: where a group's phase-A graph waits until phase C (``schedule.dormant``).
+    """
+
+    strategy: str = MEGATRON_BACKEND
+    prefix_reuse: PrefixReuseConfig = field(default_factory=PrefixReuseConfig)
+    dormant_prefix: str = "keep"
+    dormant_prefix_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        requested = self.strategy
+        if requested == MEGATRON_BACKEND:
+            object.__setattr__(self, "strategy", "megatron")  # let the parent's validation run unchanged
+        super().__post_init__()
+        object.__setattr__(self, "strategy", requested)
+        validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
+
+
+def reuse_of(config: Any) -> PrefixReuseConfig:
+    """The config's reuse knobs (verl's own config: the defaults; from YAML without a ``_target_``: a mapping)."""
+    reuse = getattr(config, "prefix_reuse", None)
+    if isinstance(reuse, Mapping):
+        reuse = PrefixReuseConfig(**reuse)
+    return reuse if reuse is not None else PrefixReuseConfig()
+
+
+# knob -> (value the schedule is built for, why anything else is refused)
+_SERVED_VALUES: dict[str, tuple[Any, str]] = {
+    "pipeline_model_parallel_size": (
+        1,
+        "phases A/B/C would cross pipeline stages (each stage's prefix graph waiting for the next stage's phase C); "
+        "not built on megatron-core's schedules yet",
+    ),
+    "virtual_pipeline_model_parallel_size": (None, "virtual pipeline stages: see pipeline_model_parallel_size"),
+    "context_parallel_size": (
+        1,
+        "context parallelism shards every sequence over ranks; phase B's prefix leaves would need its ring "
+        "attention's all-gathers, not built",
+    ),
+    "expert_model_parallel_size": (1, "MoE flavors are not served by prefix_megatron yet"),
+    "expert_tensor_parallel_size": (None, "MoE flavors are not served by prefix_megatron yet"),
+    "dynamic_context_parallel": (False, "dynamic context parallelism: see context_parallel_size"),
+    "use_megatron_fsdp": (False, "megatron-core's FSDP is not tested under reuse"),
+    "param_offload": (False, "parameter offload between phases A and C is not verified"),
+    "optimizer_offload": (False, "optimizer offload is not verified under reuse"),
+}
+
+
+def refusal(config: Any) -> str | None:
+    """Why this engine config cannot run the schedule (checked when the engine is built), or None."""
+    if not reuse_of(config).enable:
+        return None
+    for knob, (value, why) in _SERVED_VALUES.items():
+        got = getattr(config, knob, value)
+        if value is None and got in (None, 1) or got == value:
+            continue
+        return (
+            f"prefix_megatron: {knob}={got!r} is refused with reuse on ({why}); set "
+            f"actor_rollout_ref.actor.megatron.{knob}={value!r}, or {MEGATRON_REUSE_OFF} for verl's Megatron engine"
+        )
+    return None
+
+
+# what megatron-core runs as plain causal attention with RoPE: the model types served, and why others are not
+SERVED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def model_refusal(hf_config: Any, config: Any) -> str | None:
+    """Why reuse cannot run this model on megatron-core (an allowlist), or None; nothing with reuse off."""
+    if not reuse_of(config).enable:
+        return None
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SERVED_MODEL_TYPES:
+        why = "a model type prefix_megatron does not serve yet (MoE, MLA, windows and multimodal towers are not built)"
+    elif getattr(hf_config, "use_sliding_window", False) or getattr(hf_config, "num_experts", 0):
+        why = "sliding-window attention and MoE layers are not served by prefix_megatron yet"
+    else:
+        return None
+    return (
+        f"prefix_megatron: model_type {model_type!r} is refused with reuse on ({why}); served: "
+        f"{', '.join(SERVED_MODEL_TYPES)} (dense, full attention). Use strategy=prefix_fsdp2, or set "
+        f"{MEGATRON_REUSE_OFF} to train it through verl's Megatron engine"
+    )

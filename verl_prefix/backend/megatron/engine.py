@@ -1,0 +1,151 @@
+"""The ``prefix_megatron`` engine backend: verl's Megatron engine with the A/B/C schedule per uid group.
+
+verl builds the model (megatron-core's ``GPTModel`` through Megatron-Bridge or mbridge, its TP/DP groups and
+distributed optimizer), loads the HF checkpoint, owns the loss, the optimizer step, the weight export for the
+rollout and checkpoints; only ``forward_backward_batch`` changes, through the mini-batch driver every engine shares
+(``backend.driver``). This adapter supplies the model as the one schedule calls it (``megatron.causal_lm``: the
+model chunk behind an HF causal-LM call, every layer's ``core_attention`` handed to the schedule's context), so the
+tree, a chunked prefix, merged phase-B attention and the dormant policies are served as on ``prefix_fsdp2``.
+
+megatron-core's own schedule (``get_forward_backward_func``) is a per-micro-batch loop that runs each backward
+itself and ends with ``finalize_model_grads`` (the data-parallel gradient reduction). Under reuse the schedule runs
+its own loop: every backward is plain ``backward`` on the micro-batch's loss (megatron-core's loss scale applied,
+as its ``backward_step`` applies it) inside the model's ``no_sync``, and ``finalize_model_grads`` runs once at the
+end of the mini-batch (``before_finish``). verl's loss sees the same normalisation as in its own engine; rows that
+cannot reuse run through verl's ``forward_step`` one chunk at a time (``run_dense``), counted under
+``prefix/fallback_<reason>``. What the schedule is not built for (pipeline and context parallelism, MoE, other
+attention) is refused when the engine is built (``megatron.config``).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
+from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
+from verl_prefix.backend.megatron.config import model_refusal, refusal, reuse_of
+from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
+from verl_prefix.schedule.models.structure import LayerRoles
+from verl_prefix.schedule.options import AuxFn, ScheduleOptions
+
+
+class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
+    """Drop-in for verl's ``MegatronEngineWithLMHead`` selected by ``actor.strategy=prefix_megatron``."""
+
+    def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
+        reason = refusal(engine_config) or model_refusal(model_config.hf_config, engine_config)
+        if reason is not None:
+            raise ValueError(reason)
+        self.reuse_config = reuse_of(engine_config)
+        budget = getattr(engine_config, "dormant_prefix_budget_bytes", None)
+        self.dormant_prefix = validate_policy(getattr(engine_config, "dormant_prefix", "keep"), budget)
+        self.dormant_prefix_budget_bytes = budget
+        self.offload_store_factory = default_store
+        self.causal_lm: MegatronCausalLM | None = None
+        super().__init__(model_config, engine_config, *args, **kwargs)
+        if self.reuse_config.enable and self.dormant_prefix == "offload":
+            refuse_offload_on(self.device())
+
+    def initialize(self) -> None:
+        super().initialize()
+        if not self.reuse_config.enable:
+            return
+        if len(self.module) != 1:
+            raise ValueError("prefix_megatron: one model chunk per rank expected (virtual pipeline stages are refused)")
+        config = self.tf_config
+        dropout = {k: getattr(config, k, 0.0) for k in ("hidden_dropout", "attention_dropout")}
+        if any(dropout.values()):
+            raise ValueError(
+                f"prefix_megatron: dropout {dropout} samples per forward, so a shared prefix cannot stand for each "
+                "row's; set it to 0 (actor_rollout_ref.actor.megatron.override_transformer_config), or "
+                "prefix_reuse.enable=false"
+            )
+        if getattr(config, "calculate_per_token_loss", False):
+            raise ValueError("prefix_megatron: calculate_per_token_loss (megatron-core's per-token regime) is refused")
+        self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config)
+
+    # -- the driver's hooks ---------------------------------------------------------------------------
+
+    def schedule_model(self) -> nn.Module:
+        assert self.causal_lm is not None, "prefix_megatron: reuse is off"
+        return self.causal_lm
+
+    def compute_dtype(self) -> torch.dtype | None:
+        return next(self.module[0].parameters()).dtype
+
+    def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
+        return ScheduleOptions(
+            device=run.meter.device,
+            calculate_entropy=run.calculate_entropy,
+            backward=self.backward,
+            early_exit=self.reuse_config.early_exit,
+            meter=run.meter,
+            phase_b_attention=self.reuse_config.phase_b_attention,
+            phase_b_refusal=run.agreement.kernel_refusal,
+            prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
+            layer_roles=LayerRoles({}, frozenset()),  # megatron-core's GPT layers: no KV-shared or recurrent ones
+        )
+
+    def mini_batch_context(self, forward_only: bool) -> AbstractContextManager:
+        """Forward-only passes keep no graph; training accumulates every micro-batch's gradients without a
+        data-parallel reduction (``no_sync``), which ``finalize_model_grads`` runs once (``before_finish``)."""
+        stack = ExitStack()
+        if forward_only:
+            stack.enter_context(torch.no_grad())
+        else:
+            stack.enter_context(self.module[0].no_sync())
+        return stack
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """A micro-batch's backward as megatron-core's ``backward_step`` runs it: the optimizer's loss scale."""
+        scale = getattr(self.tf_config, "grad_scale_func", None)
+        (scale(loss) if scale is not None else loss).backward()
+
+    def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
+        if not run.forward_only:
+            self._finalize_grads()
+        super().before_finish(run, metrics)
+
+    def _finalize_grads(self) -> None:
+        """The data-parallel gradient reduction megatron-core's schedule runs after its last micro-batch."""
+        from megatron.core.distributed import finalize_model_grads
+
+        chunk = self.module[0]
+        if getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False):
+            chunk.start_grad_sync()  # every backward ran under no_sync: launch the reduction now
+        finalize = getattr(self.tf_config, "finalize_model_grads_func", None) or finalize_model_grads
+        finalize(self.module)
+
+    def run_dense(self, run: MiniBatchRun, rows: list[int]) -> None:
+        """One chunk of dense rows through verl's ``forward_step`` and its postprocessing (the loss unscaled:
+        a chunk is one micro-batch here), backpropagated at once, recorded."""
+        micro = tu.index_select_tensor_dict(run.data, rows)
+        tu.assign_non_tensor(micro, num_micro_batch=1)
+        post = functools.partial(
+            self.postprocess_micro_batch_func, forward_only=run.forward_only, loss_function=run.loss_function
+        )
+        with torch.no_grad() if run.forward_only else nullcontext():
+            output, loss_func = self.forward_step(
+                iter([micro]), model=self.module[0], logits_processor_func=run.loss_function,
+                postprocess_micro_batch_func=post,
+            )  # fmt: skip
+            loss, meta = loss_func(output)
+            if not run.forward_only:
+                self.backward(loss)
+        run.record(rows, meta.get("model_output", {}), meta["loss"], meta["metrics"])
+
+    def run_dense_filler(self, run: MiniBatchRun) -> None:
+        """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=run.meter.device)
+        positions = torch.arange(2, device=ids.device)[None]
+        with torch.no_grad() if run.forward_only else nullcontext():
+            logits = self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)
+            if not run.forward_only:
+                self.backward(logits.sum() * 0.0)
