@@ -233,3 +233,27 @@ def test_engine_config_accepts_the_prefix_strategy():
     assert config.strategy == "prefix_megatron" and config.prefix_reuse.enable
     with pytest.raises(ValueError):
         PrefixMcoreEngineConfig(dormant_prefix="sometimes")
+
+
+def test_selected_through_verl_config():
+    """``configs/prefix_grpo_megatron.yaml`` (verl's ppo_trainer with ``model_engine=megatron``) selects
+    prefix_megatron for the actor and the reference policy, with the reuse knobs on the engine config."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from verl_prefix.backend.megatron.config import PrefixMcoreEngineConfig, reuse_of
+    from verl_prefix.backend.megatron.registry import build_prefix_megatron
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base=None):
+        config = compose(config_name="prefix_grpo_megatron")
+    for role in ("actor", "ref"):
+        section = config.actor_rollout_ref[role]
+        assert section.strategy == "prefix_megatron", role
+        engine = omega_conf_to_dataclass(section.megatron)
+        assert isinstance(engine, PrefixMcoreEngineConfig) and engine.strategy == "prefix_megatron", role
+        assert reuse_of(engine).min_prefix_len == 32, role
+        assert EngineRegistry.get_engine_cls("language_model", engine.strategy) is build_prefix_megatron
