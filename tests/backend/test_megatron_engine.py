@@ -25,6 +25,7 @@ if importlib.util.find_spec("megatron.bridge") is None:
 
 VOCAB = 128
 TOL = 1e-5  # fp32
+BUDGET = 40  # verl's max_token_len_per_gpu under dynamic batch size: two suffix rows of a 12-token prompt
 CASES = {
     "one_level": (dict(), "keep"),
     "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
@@ -144,6 +145,15 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
                 out[case]["no_phase_c"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
             with _suffix_rope_late():
                 out[case]["rope_late"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+    if name == "tp2":  # verl's dynamic batch size: suffix micro-batches by its token budget, against the same stock
+        from verl.utils import tensordict_utils as tu
+
+        dynamic = batch.copy()
+        tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
+        prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, suffix_micro_batch_size=None), "keep"
+        want_dynamic = _train(stock, loss_fn, dynamic)
+        out["dynamic"] = _summary(want_dynamic, _train(prefix, loss_fn, dynamic))
+        out["dynamic"]["vs_fixed"] = _summary(want, _train(prefix, loss_fn, dynamic))["worst"]
     return out
 
 
@@ -185,6 +195,15 @@ def test_update_and_log_probs_match_verl_megatron_engine(ranks, layout, case):
             assert m["prefix/fallback_short_prefix"] == 4.0, {k: v for k, v in m.items() if "fallback" in k}
 
 
+def test_dynamic_batch_size_matches_verl_megatron_engine(ranks):
+    """Under ``use_dynamic_bsz`` the suffix micro-batches follow verl's ``max_token_len_per_gpu``; the update equals
+    the stock engine's under the same setting (and without it: the split changes nothing)."""
+    for rank, result in ranks.items():
+        r = result["tp2"]["dynamic"]
+        assert r["worst"] < TOL and r["vs_fixed"] < TOL, (rank, r["name"], r["worst"])
+        assert_reuse_ran(r["metrics"], groups=2)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_negative_controls_fail(ranks, layout):
     for rank, result in ranks.items():
@@ -198,7 +217,7 @@ def test_refusals_name_the_knob():
     from transformers import CONFIG_MAPPING
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend.megatron.config import SERVED_MODEL_TYPES, model_refusal, refusal
+    from verl_prefix.backend.megatron.config import SERVED_MODEL_TYPES, lora_refusal, model_refusal, refusal
 
     class Config:
         prefix_reuse = PrefixReuseConfig()
@@ -210,6 +229,7 @@ def test_refusals_name_the_knob():
         ("context_parallel_size", 2),
         ("expert_model_parallel_size", 2),
         ("param_offload", True),
+        ("use_fused_kernels", True),
     ):
         config = Config()
         setattr(config, knob, value)
@@ -217,6 +237,10 @@ def test_refusals_name_the_knob():
         assert reason is not None and f"actor_rollout_ref.actor.megatron.{knob}=" in reason, (knob, reason)
         config.prefix_reuse = PrefixReuseConfig(enable=False)
         assert refusal(config) is None  # verl's own engine
+    recompute = Config()
+    recompute.override_transformer_config = {"recompute_granularity": "full"}
+    reason = refusal(recompute)
+    assert "override_transformer_config.recompute_granularity=null" in reason, reason
     for model_type in SERVED_MODEL_TYPES:
         assert model_refusal(CONFIG_MAPPING[model_type](), Config()) is None
     for model_type in ("qwen3_moe", "deepseek_v3", "gpt_oss", "mistral"):
@@ -224,6 +248,13 @@ def test_refusals_name_the_knob():
         assert reason is not None and model_type in reason and "prefix_reuse.enable=false" in reason, reason
     windowed = CONFIG_MAPPING["qwen2"](use_sliding_window=True, sliding_window=16)
     assert "sliding-window" in model_refusal(windowed, Config())
+
+    class Model:
+        lora = {"rank": 8, "alpha": 16}
+
+    assert "actor_rollout_ref.model.lora.rank=8" in lora_refusal(Model(), Config())
+    Model.lora = {}
+    assert lora_refusal(Model(), Config()) is None
 
 
 def test_engine_config_accepts_the_prefix_strategy():

@@ -104,7 +104,9 @@ KEYS: dict[str, KeyEffect] = {
     # -- actor -------------------------------------------------------------------------------------------
     "actor._target_": _fx("no_effect", "the actor config class; PrefixFSDPActorConfig adds the reuse knobs"),
     "actor.rollout_n": _NONE,
-    "actor.strategy": _fx("selector", "prefix_fsdp2 / prefix_torchtitan select reuse; fsdp, fsdp2 are verl's own"),
+    "actor.strategy": _fx(
+        "selector", "prefix_fsdp2 / prefix_torchtitan / prefix_megatron select reuse; fsdp, fsdp2 are verl's own"
+    ),
     "actor.ppo_mini_batch_size": _BATCHING,
     "actor.ppo_micro_batch_size": _fx(
         "served",
@@ -270,11 +272,13 @@ class Cell:
     tests: tuple[str, ...] = ()
 
 
-ENGINES = ("prefix_fsdp2", "prefix_torchtitan")
+ENGINES = ("prefix_fsdp2", "prefix_torchtitan", "prefix_megatron")
 TB = "tests/backend/test_trainer_balance.py"
 TT = "tests/backend/test_titan_engine.py"
 _TITAN_REFUSALS = f"{TT}::test_refusals_at_config_time"
 TS = "tests/backend/test_titan_schedule.py"
+ME = "tests/backend/test_megatron_engine.py"
+_MEGATRON_REFUSALS = f"{ME}::test_refusals_name_the_knob"
 
 MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
     (
@@ -310,6 +314,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 ),
             ),
             "prefix_torchtitan": Cell("absent", "verl's TorchTitan engine has none"),
+            "prefix_megatron": Cell("refused", "fused kernels under reuse: prefix_fsdp2 only", (_MEGATRON_REFUSALS,)),
         },
     ),
     (
@@ -319,6 +324,9 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 "reuses", "", (f"{FB}::test_remove_padding_dense_rows_match_the_padded_stock_engine",)
             ),
             "prefix_torchtitan": Cell("reuses", "`false` is refused", (_TITAN_REFUSALS,)),
+            "prefix_megatron": Cell(
+                "reuses", "`true` (THD) tested", (f"{ME}::test_update_and_log_probs_match_verl_megatron_engine",)
+            ),
         },
     ),
     (
@@ -329,6 +337,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 "reuses",
                 "suffix micro-batches by verl's token budget",
                 (f"{TS}::test_dynamic_batch_size_plans_suffix_micro_batches_by_token_budget",),
+            ),
+            "prefix_megatron": Cell(
+                "reuses",
+                "suffix micro-batches by verl's token budget",
+                (f"{ME}::test_dynamic_batch_size_matches_verl_megatron_engine",),
             ),
         },
     ),
@@ -343,6 +356,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 ),
             ),
             "prefix_torchtitan": Cell("refused", "`context_parallel_size > 1`", (_TITAN_REFUSALS,)),
+            "prefix_megatron": Cell("refused", "`context_parallel_size > 1`", (_MEGATRON_REFUSALS,)),
         },
     ),
     (
@@ -352,6 +366,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 "reuses", "non-reentrant (verl's)", (f"{E}::test_dynamic_batch_size_and_gradient_checkpointing",)
             ),
             "prefix_torchtitan": Cell("refused", "`activation_checkpoint` other than `none`", (_TITAN_REFUSALS,)),
+            "prefix_megatron": Cell("refused", "`recompute_granularity` set", (_MEGATRON_REFUSALS,)),
         },
     ),
     (
@@ -363,6 +378,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 ("tests/backend/test_silent_wrongness.py::test_verl_activation_offload_runs_dense_and_matches_stock",),
             ),
             "prefix_torchtitan": Cell("absent", "not a TorchTitan setting"),
+            "prefix_megatron": Cell("absent", "not a Megatron engine setting"),
         },
     ),
     (
@@ -370,6 +386,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
         {
             "prefix_fsdp2": Cell("gpu_check", "between steps; a no-op on CPU"),
             "prefix_torchtitan": Cell("refused", "not verified between phases A and C", (_TITAN_REFUSALS,)),
+            "prefix_megatron": Cell("refused", "not verified between phases A and C", (_MEGATRON_REFUSALS,)),
         },
     ),
     (
@@ -377,6 +394,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
         {
             "prefix_fsdp2": Cell("reuses", "", (f"{RS}::test_recipe_sets_match_the_stock_engine",)),
             "prefix_torchtitan": Cell("absent", "verl's TorchTitan engine has none"),
+            "prefix_megatron": Cell("refused", "Megatron-Bridge's LoRA not run under reuse yet", (_MEGATRON_REFUSALS,)),
         },
     ),
     (
@@ -395,6 +413,7 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 "model types qwen2/qwen3 (MoE) only",
                 (f"{TT}::test_model_types_outside_the_allowlist_are_refused_at_build",),
             ),
+            "prefix_megatron": Cell("refused", "model types qwen2/qwen3/llama only", (_MEGATRON_REFUSALS,)),
         },
     ),
     (
@@ -411,6 +430,9 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                     f"{TS}::test_moe_schedule_knob_matches_verl_torchtitan_engine",
                     _TITAN_REFUSALS,
                 ),
+            ),
+            "prefix_megatron": Cell(
+                "reuses", "TP, DP; refused under PP", (f"{ME}::test_update_and_log_probs_match_verl_megatron_engine",)
             ),
         },
     ),

@@ -72,7 +72,18 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
     "use_megatron_fsdp": (False, "megatron-core's FSDP is not tested under reuse"),
     "param_offload": (False, "parameter offload between phases A and C is not verified"),
     "optimizer_offload": (False, "optimizer offload is not verified under reuse"),
+    "use_fused_kernels": (
+        False,
+        "verl's fused Megatron forward returns log-probs instead of logits from the output layer; the schedule "
+        "computes them from logits on this engine (fused kernels under reuse: prefix_fsdp2)",
+    ),
 }
+# override_transformer_config key -> why anything set is refused
+_RECOMPUTE = (
+    "recompute_granularity",
+    "activation recompute re-runs layers (core attention among them) in backward; phase A's K/V capture inside a "
+    "recomputed layer is not verified on megatron-core",
+)
 
 
 def refusal(config: Any) -> str | None:
@@ -86,6 +97,13 @@ def refusal(config: Any) -> str | None:
         return (
             f"prefix_megatron: {knob}={got!r} is refused with reuse on ({why}); set "
             f"actor_rollout_ref.actor.megatron.{knob}={value!r}, or {MEGATRON_REUSE_OFF} for verl's Megatron engine"
+        )
+    key, why = _RECOMPUTE
+    got = (getattr(config, "override_transformer_config", None) or {}).get(key)
+    if got is not None:
+        return (
+            f"prefix_megatron: override_transformer_config.{key}={got!r} is refused with reuse on ({why}); set "
+            f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}=null, or {MEGATRON_REUSE_OFF}"
         )
     return None
 
@@ -109,4 +127,20 @@ def model_refusal(hf_config: Any, config: Any) -> str | None:
         f"prefix_megatron: model_type {model_type!r} is refused with reuse on ({why}); served: "
         f"{', '.join(SERVED_MODEL_TYPES)} (dense, full attention). Use strategy=prefix_fsdp2, or set "
         f"{MEGATRON_REUSE_OFF} to train it through verl's Megatron engine"
+    )
+
+
+def lora_refusal(model_config: Any, config: Any) -> str | None:
+    """Why reuse refuses verl's Megatron LoRA (``actor_rollout_ref.model.lora.rank > 0``: Megatron-Bridge's PEFT
+    adapters around the layers), or None: not run under reuse yet."""
+    if not reuse_of(config).enable:
+        return None
+    lora = getattr(model_config, "lora", None) or {}
+    rank = lora.get("rank", 0) if isinstance(lora, Mapping) else getattr(lora, "rank", 0)
+    if not rank or rank <= 0:
+        return None
+    return (
+        f"prefix_megatron: actor_rollout_ref.model.lora.rank={rank} is refused with reuse on (Megatron-Bridge's LoRA "
+        f"adapters are not run under reuse yet; prefix_fsdp2 serves LoRA); set {MEGATRON_REUSE_OFF} for verl's "
+        "Megatron engine"
     )

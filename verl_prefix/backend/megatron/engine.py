@@ -30,7 +30,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
-from verl_prefix.backend.megatron.config import model_refusal, refusal, reuse_of
+from verl_prefix.backend.megatron.config import lora_refusal, model_refusal, refusal, reuse_of
 from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
@@ -40,7 +40,11 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
     """Drop-in for verl's ``MegatronEngineWithLMHead`` selected by ``actor.strategy=prefix_megatron``."""
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
-        reason = refusal(engine_config) or model_refusal(model_config.hf_config, engine_config)
+        reason = (
+            refusal(engine_config)
+            or model_refusal(model_config.hf_config, engine_config)
+            or lora_refusal(model_config, engine_config)
+        )
         if reason is not None:
             raise ValueError(reason)
         self.reuse_config = reuse_of(engine_config)
