@@ -16,7 +16,7 @@ import dataclasses
 import importlib.util
 
 import pytest
-from helpers.ranks import run_two_ranks
+from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
@@ -288,3 +288,30 @@ def test_selected_through_verl_config():
         assert isinstance(engine, PrefixMcoreEngineConfig) and engine.strategy == "prefix_megatron", role
         assert reuse_of(engine).min_prefix_len == 32, role
         assert EngineRegistry.get_engine_cls("language_model", engine.strategy) is build_prefix_megatron
+
+
+def _bench_body(rank: int) -> dict:
+    """The bench's megatron cells at a tiny size (``verl-prefix bench --preset megatron`` runs the real ones)."""
+    import dataclasses
+
+    from verl_prefix.tools.bench import presets as BP
+    from verl_prefix.tools.bench import runner as BR
+
+    spec = BP.ModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=64)
+    one = BP.Cell("tiny/megatron", spec, 1, 4, 40, (3, 8), micro_batch_size=2, min_prefix_len=8, engine="megatron")
+    agentic = dataclasses.replace(
+        one, name="tiny-agentic/megatron", num_groups=2, prompt_len=8, system_len=24, question_len_range=(4, 10)
+    )
+    result = BR.run_bench(BP.Preset(cells=(one, agentic), reps=1, threads=1), log=lambda line: None)
+    return {c["cell"]: c for c in result["cells"]}
+
+
+def test_bench_cells_measure_both_engines():
+    """The megatron bench cells build verl's Megatron engine and prefix_megatron, time both (update and forward
+    only), and judge the gradients against the stock engine's; the agentic cell runs the tree."""
+    cells = run_ranks(_bench_body, world=1, timeout=600)[0]
+    for name, cell in cells.items():
+        assert cell["grad_check"] == "pass" and 0 < cell["max_rel_grad_diff"] < 1e-4, (name, cell["max_rel_grad_diff"])
+        assert cell["prefix_metrics"]["prefix/groups"] > 0, name
+        assert cell["ratio_median"] > 0 and cell["infer_ratio_median"] > 0, name
+    assert cells["tiny-agentic/megatron"]["prefix_metrics"]["prefix/tree_nodes"] > 0

@@ -201,8 +201,16 @@ def _model_parts(engine: Any) -> list[torch.nn.Module]:
 
 
 def grads_of(engine: Any) -> dict[str, torch.Tensor]:
-    """Full (unsharded) copies of every parameter gradient, by parameter name; None grads are skipped."""
-    return {n: _full(p.grad) for part in _model_parts(engine) for n, p in part.named_parameters() if p.grad is not None}
+    """Full (unsharded) copies of every parameter gradient, by parameter name; None grads are skipped. Under
+    megatron-core's DDP the gradient accumulates in ``main_grad`` (``param.grad`` stays None): that one, this
+    rank's TP shard (whole on one rank)."""
+    grads = {}
+    for part in _model_parts(engine):
+        for name, param in part.named_parameters():
+            grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+            if grad is not None:
+                grads[name] = _full(grad)
+    return grads
 
 
 def params_of(engine: Any) -> dict[str, torch.Tensor]:

@@ -110,7 +110,8 @@ class Cell:
     # of shared stems, level k 2**k stems of ``response_stems[k]`` tokens, then ``response_len_range`` own tokens
     response_stems: tuple[int, ...] = ()
     # "fsdp2": stock fsdp2 vs prefix_fsdp2; "torchtitan": verl's TorchTitan engine vs prefix_torchtitan (one rank,
-    # a qwen3 model: ``harness.titan`` registers the flavor of its shapes; classic cells only)
+    # a qwen3 model: ``harness.titan`` registers the flavor of its shapes; classic cells only); "megatron": verl's
+    # Megatron engine vs prefix_megatron (one rank; classic cells, an agentic batch runs the tree)
     engine: str = "fsdp2"
     # a vision-language cell: the patch grid (height, width) of the one image every prompt holds, placed
     # among ``prompt_len`` text tokens (half before it); its visual tokens add to the prompt
@@ -409,6 +410,23 @@ PRESETS: dict[str, Preset] = {
         description="1M-param Qwen3-style model, fp32, one G=8 group at prefix 2048, suffix 128: verl's TorchTitan "
         "engine vs prefix_torchtitan on one rank (needs torchtitan, scripts/setup.sh)",
     ),
+    "megatron": Preset(
+        cells=(
+            Cell("P2048/S128/G8/megatron", SMOKE_MODEL, 1, 8, 2048, (128, 128), micro_batch_size=1, engine="megatron"),
+            dataclasses.replace(
+                _agentic_cell(1024, (32, 128), (32, 64)),
+                name="S1024/Q32-128/R32-64/8xG8/megatron",
+                variants=(),
+                micro_batch_size=8,
+                engine="megatron",
+            ),
+        ),
+        reps=3,
+        threads=1,
+        description="1M-param Qwen3-style model, fp32, verl's Megatron engine vs prefix_megatron on one rank: one "
+        "G=8 group at prefix 2048, suffix 128; the quarter-size agentic batch (the tree) (needs megatron-core, "
+        "scripts/setup.sh)",
+    ),
     "vl": Preset(
         cells=(Cell("VL 1024 + P200/S128/G8", SMOKE_VL_MODEL, **_VL_CELL),),
         reps=3,
@@ -659,6 +677,9 @@ def resolve_preset(
     titan = [c.name for c in preset.cells if c.engine == "torchtitan"]
     if titan and importlib.util.find_spec("torchtitan") is None:
         raise BenchError(f"cell {titan[0]!r} needs torchtitan 0.3.0 (scripts/setup.sh installs it)")
+    megatron = [c.name for c in preset.cells if c.engine == "megatron"]
+    if megatron and importlib.util.find_spec("megatron.core") is None:
+        raise BenchError(f"cell {megatron[0]!r} needs megatron-core 0.16.1 (scripts/setup.sh installs it)")
     return preset, reps
 
 

@@ -142,7 +142,12 @@ def measure_cell(
     reuse = verl_prefix.PrefixReuseConfig(
         min_prefix_len=cell.min_prefix_len, suffix_micro_batch_size=cell.micro_batch_size
     )
-    engines = _titan_engines(cell, model_dir, reuse) if cell.engine == "torchtitan" else _fsdp_engines(cell, model_dir)
+    if cell.system_len:  # an agentic batch: the prefix engine runs the tree (every prompt opens with one block)
+        reuse = dataclasses.replace(reuse, tree=True, min_shared_tokens=cell.min_prefix_len)
+    if cell.engine == "fsdp2":
+        engines = _fsdp_engines(cell, model_dir)
+    else:
+        engines = {"torchtitan": _titan_engines, "megatron": _megatron_engines}[cell.engine](cell, model_dir, reuse)
     dense, dense_loss = engines["dense"]
     prefix, prefix_loss = engines["prefix"]
     prefix.reuse_config = reuse
@@ -235,6 +240,23 @@ def _titan_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tuple[A
             # torchtitan sizes its RoPE table by its training seq_len (2048 unless set)
             engine_overrides={"mixed_precision_param": param, "max_seq_len": cell.model.max_position_embeddings},
         )  # fmt: skip
+        engines[key] = (engine, loss_fn)
+    return engines
+
+
+def _megatron_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tuple[Any, Callable]]:
+    """verl's Megatron engine ("dense") and ``prefix_megatron`` ("prefix") on this one rank (TP=1, megatron-core's
+    local attention; the CPU platform applied where there is no GPU), fp32, with verl's PPO loss."""
+    from verl_prefix.harness import megatron as MG
+
+    verl_engine.init_single_process_group()
+    loss_fn, _ = MG.ppo_loss([f"ppo_micro_batch_size_per_gpu={cell.micro_batch_size}"])
+    engines = {}
+    for key, backend in (("dense", "megatron"), ("prefix", "prefix_megatron")):
+        extra = {"prefix_reuse": reuse} if backend == "prefix_megatron" else {}
+        engine = MG.build_megatron_engine(
+            model_dir, backend=backend, lr=0.0, micro_batch_size_per_gpu=cell.micro_batch_size, **extra
+        )
         engines[key] = (engine, loss_fn)
     return engines
 
