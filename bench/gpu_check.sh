@@ -241,6 +241,17 @@ elif [ "$SP_TESTS" = 1 ]; then
   echo "gpu_check: $gpus GPU(s): the Ulysses cell needs two; skipped"
 fi
 
+if [ "$SP_TESTS" = 1 ] && [ "$gpus" -ge 2 ] && "$PY" -c "import megatron.core" 2>/dev/null; then
+  step "prefix_megatron on 2 of the $gpus GPUs: TP=2, sequence parallel, bf16, TE attention where installed (NCCL)"
+  rc=0
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 240)" \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/backend/test_megatron_cuda.py 2>&1 \
+    | tee "$OUT/megatron_tests.log" || rc=$?
+  [ "$rc" = 0 ] || echo "gpu_check: the Megatron GPU test exited $rc (see megatron_tests.log); going on" >&2
+elif [ "$SP_TESTS" = 1 ]; then
+  echo "gpu_check: the Megatron cell needs two GPUs and megatron-core (scripts/setup.sh); skipped"
+fi
+
 if [ "$BENCH" != 1 ]; then
   echo "gpu_check: BENCH=$BENCH: no preset run"
   exit 0

@@ -145,6 +145,15 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
                 out[case]["no_phase_c"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
             with _suffix_rope_late():
                 out[case]["rope_late"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+    # sequence parallelism's padding (verl's default at TP > 1 on GPU; the CPU platform turns SP off): every call of
+    # the schedule padded to a multiple of 4 at the end, the CPU reference of what SP needs
+    prefix.causal_lm.sequence_multiple = 4
+    for knobs in (dict(), dict(tree=True, min_shared_tokens=4)):
+        prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, **knobs), "keep"
+        padded = _summary(want, _train(prefix, loss_fn, batch))
+        padded["infer"] = (_infer(want_infer), _infer(verl_engine.run_infer(prefix, batch)))
+        out.setdefault("padded", []).append(padded)
+    prefix.causal_lm.sequence_multiple = 1
     if name == "tp2":  # verl's dynamic batch size: suffix micro-batches by its token budget, against the same stock
         from verl.utils import tensordict_utils as tu
 
@@ -193,6 +202,17 @@ def test_update_and_log_probs_match_verl_megatron_engine(ranks, layout, case):
             assert m["prefix/policy/recompute"] > 0
         if layout == "dp2" and rank == 1:  # the singletons ran dense through verl's forward_step
             assert m["prefix/fallback_short_prefix"] == 4.0, {k: v for k, v in m.items() if "fallback" in k}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_calls_padded_for_sequence_parallelism_are_exact(ranks, layout):
+    """Every schedule call padded at the end to a multiple of 4 (what sequence parallelism needs of a length): the
+    attention sees the real positions, the logits are cut back; one-level and tree, exact as unpadded."""
+    for rank, result in ranks.items():
+        groups = 2 if layout == "tp2" or rank == 0 else 1
+        for r in result[layout]["padded"]:
+            assert r["worst"] < TOL, (rank, layout, r["name"], r["worst"])
+            assert_infer_matches(*r["infer"], TOL, groups=groups)
 
 
 def test_dynamic_batch_size_matches_verl_megatron_engine(ranks):

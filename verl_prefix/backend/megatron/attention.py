@@ -40,6 +40,7 @@ class CoreAttentionHooks:
     def __init__(self, model: nn.Module) -> None:
         self.layers = decoder_layers(model)
         self.ctx: Any = None
+        self.real_length: int | None = None  # a call padded past it (sequence parallelism, ``causal_lm``)
         for index, layer in enumerate(self.layers):
             core = layer.self_attention.core_attention
             if getattr(core, "_verl_prefix_hook", None) is not None:
@@ -54,15 +55,17 @@ class CoreAttentionHooks:
         return len(self.layers)
 
     @contextmanager
-    def scheduling(self, ctx: Any) -> Iterator[None]:
-        """A forward of the one schedule: every layer attends through ``ctx.attend``."""
+    def scheduling(self, ctx: Any, real_length: int | None = None) -> Iterator[None]:
+        """A forward of the one schedule: every layer attends through ``ctx.attend``. ``real_length``: the call
+        was padded at the end past it; ``ctx`` sees the real positions only (causal: no real token reads the
+        padding) and the padding's attention output is zero."""
         if self.ctx is not None:
             raise RuntimeError("prefix_megatron: a schedule call inside another")
-        self.ctx = ctx
+        self.ctx, self.real_length = ctx, real_length
         try:
             yield
         finally:
-            self.ctx = None
+            self.ctx, self.real_length = None, None
 
     def _forward(
         self,
@@ -80,8 +83,10 @@ class CoreAttentionHooks:
         if kwargs.get("packed_seq_params") is not None or kwargs.get("attention_bias") is not None:
             raise RuntimeError("prefix_megatron: the schedule's calls are [b, s] batches without attention bias")
         core = self.layers[index].self_attention.core_attention
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        real = self.real_length
+        q, k, v = (t[:real].permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
         shim = AttentionShim(index, q.shape[1] // k.shape[1], self.layers[index].self_attention)
         out, _ = self.ctx.attend(shim, sdpa_attention_forward, q, k, v, scaling=core.softmax_scale)
-        batch, length = out.shape[0], out.shape[1]
-        return out.transpose(0, 1).reshape(length, batch, -1)  # [b, s, h, d] -> [s, b, h * d]
+        out = out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)  # [b, s, h, d] -> [s, b, h * d]
+        extra = query.shape[0] - out.shape[0]
+        return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, extra)) if extra else out

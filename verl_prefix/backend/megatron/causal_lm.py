@@ -15,7 +15,10 @@ prompt's last position, right-padded): the call's first position goes to ``Rotar
 
 Under TP the logits come back sharded over the vocabulary: gathered here (megatron-core's
 ``gather_from_tensor_model_parallel_region``, whose backward hands each rank its shard); verl's own engine
-computes the same log-probs from the shards.
+computes the same log-probs from the shards. With sequence parallelism (verl's default at TP > 1 on GPU) megatron-
+core splits every sequence over the TP ranks, which must divide its length: each call is padded at the end to a
+multiple of ``sequence_multiple`` (``pad_tokens``), the attention hook hands the schedule the real positions only,
+and the logits are cut back; the padding comes after every real token, so causal attention never reads it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ def call_offset(position_ids: torch.Tensor) -> int:
     return offset
 
 
+def pad_tokens(input_ids: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``[B, L]`` ids padded at the end (id 0) to a length ``multiple`` divides."""
+    extra = -input_ids.shape[1] % multiple
+    return torch.nn.functional.pad(input_ids, (0, extra)) if extra else input_ids
+
+
 class RotaryOffset:
     """megatron-core's ``RotaryEmbedding`` of one model, its ``forward`` shifted by ``offset`` while set."""
 
@@ -85,9 +94,10 @@ class RotaryOffset:
 class MegatronCausalLM(nn.Module):
     """verl's (one-stage) Megatron model chunk behind the HF causal-LM call the schedule makes."""
 
-    def __init__(self, chunk: nn.Module, hf_config: Any) -> None:
+    def __init__(self, chunk: nn.Module, hf_config: Any, sequence_multiple: int = 1) -> None:
         super().__init__()
         self.chunk = chunk
+        self.sequence_multiple = sequence_multiple
         gpt = unwrapped(chunk)
         self.hooks = CoreAttentionHooks(gpt)
         self.rotary = RotaryOffset(gpt)
@@ -115,9 +125,12 @@ class MegatronCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device)[None]
         offset = call_offset(position_ids.expand(input_ids.shape[0], -1))
-        zero = torch.arange(length, device=input_ids.device)[None].expand(input_ids.shape[0], -1)
-        with self.hooks.scheduling(prefix_ctx), self.rotary.at(offset):
+        input_ids = pad_tokens(input_ids, self.sequence_multiple)
+        padded = input_ids.shape[1] > length
+        zero = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        with self.hooks.scheduling(prefix_ctx, length if padded else None), self.rotary.at(offset):
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
+        logits = logits[:, :length] if padded else logits
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutput(logits=gather_from_tensor_model_parallel_region(logits).contiguous())

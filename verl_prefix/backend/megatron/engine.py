@@ -73,7 +73,9 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             )
         if getattr(config, "calculate_per_token_loss", False):
             raise ValueError("prefix_megatron: calculate_per_token_loss (megatron-core's per-token regime) is refused")
-        self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config)
+        # sequence parallelism splits every sequence over the TP ranks: the schedule's calls pad to a multiple
+        multiple = self.engine_config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
+        self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple)
 
     # -- the driver's hooks ---------------------------------------------------------------------------
 
@@ -147,8 +149,9 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
 
     def run_dense_filler(self, run: MiniBatchRun) -> None:
         """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective."""
-        ids = torch.zeros(1, 2, dtype=torch.long, device=run.meter.device)
-        positions = torch.arange(2, device=ids.device)[None]
+        length = max(2, self.causal_lm.sequence_multiple if self.causal_lm is not None else 1)
+        ids = torch.zeros(1, length, dtype=torch.long, device=run.meter.device)
+        positions = torch.arange(length, device=ids.device)[None]
         with torch.no_grad() if run.forward_only else nullcontext():
             logits = self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)
             if not run.forward_only:

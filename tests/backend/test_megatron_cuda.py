@@ -1,0 +1,57 @@
+"""prefix_megatron on two GPUs (NCCL), what only a GPU runs: TP=2 with sequence parallelism (verl's default at
+TP > 1; the CPU platform turns it off because the local spec's norms refuse it), bf16 (verl's Megatron engine
+asserts bf16/fp16 on a GPU), TransformerEngine's attention where it is installed (megatron-core's local one
+otherwise): against verl's own Megatron engine on the same batch and weights. bf16 runs of two engines differ by
+rounding in different reduction orders, so the bound is a gross-error one (the bench's bf16 tolerance), with the
+negative control (phase C skipped) required to be far off it. ``bench/gpu_check.sh`` runs this file; the CPU
+reference of the same computation (the padding sequence parallelism needs, at fp32) is
+``test_megatron_engine.py::test_calls_padded_for_sequence_parallelism_are_exact``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from helpers.ranks import run_ranks
+from helpers.reuse import assert_reuse_ran
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs two CUDA GPUs (bench/gpu_check.sh runs it on a GPU machine)", allow_module_level=True)
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+
+BF16_TOL = 0.5  # verl_prefix.tools.bench.tables.GRAD_TOLERANCE["bfloat16"]: a gross-error bound
+
+
+def _body(rank: int, model_dir: str) -> dict:
+    from test_megatron_engine import _batch, _phase_c_skipped, _summary, _train
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
+
+    loss_fn, _ = ppo_loss(["use_kl_loss=true", "entropy_coeff=0.01", "ppo_micro_batch_size_per_gpu=4"])
+    gpu = dict(
+        tensor_parallel_size=2, dtype="bfloat16", sequence_parallel=True,
+        override_transformer_config={"attention_backend": "auto"},
+    )  # fmt: skip
+    stock = build_megatron_engine(model_dir, lr=0.0, **gpu)
+    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=reuse, **gpu)
+    assert prefix.causal_lm.sequence_multiple == 2  # sequence parallelism: the schedule pads its calls
+    batch = _batch(0, data_parallel=False)
+    want = _train(stock, loss_fn, batch)
+    out = {"reuse": _summary(want, _train(prefix, loss_fn, batch))}
+    with _phase_c_skipped():
+        out["no_phase_c"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+    return out
+
+
+def test_tp2_sequence_parallel_bf16_matches_verl_megatron_engine(tiny_model):
+    ranks = run_ranks(_body, str(tiny_model("qwen3")), world=2, cuda=True, timeout=900)
+    for rank, result in ranks.items():
+        r = result["reuse"]
+        assert r["worst"] < BF16_TOL, (rank, r["name"], r["worst"])
+        assert result["no_phase_c"] > 2 * r["worst"], (rank, result["no_phase_c"], r["worst"])
+        assert_reuse_ran(r["metrics"], groups=2)
