@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 
 import pytest
+from helpers.engine_batches import phase_c_skipped, shared_system_batch
 from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
@@ -23,7 +24,6 @@ pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
 
-VOCAB = 128
 TOL = 1e-5  # fp32
 BUDGET = 40  # verl's max_token_len_per_gpu under dynamic batch size: two suffix rows of a 12-token prompt
 CASES = {
@@ -34,30 +34,6 @@ CASES = {
     "recompute": (dict(), "recompute"),
 }
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict()}  # DP is what the world leaves over TP
-
-
-def _batch(dp_rank: int, data_parallel: bool):
-    """Two groups of four sharing an 8-token system block, responses branching after a 2-token stem (what the
-    tree computes once); under DP rank 1 holds one group and four singletons (lockstep fillers, dense rows)."""
-    from verl.utils import tensordict_utils as tu
-
-    from verl_prefix.harness import grpo_batches
-
-    shape = dict(response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,))
-    if not data_parallel:
-        return grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=7, **shape)
-    if dp_rank == 0:
-        return grpo_batches.make_grpo_batch(
-            num_groups=2, group_size=4, prompt_lens=[4, 2], seed=8, global_batch_size=16, **shape
-        )
-    group = grpo_batches.make_grpo_batch(
-        num_groups=1, group_size=4, prompt_lens=3, seed=9, global_batch_size=16, **shape
-    )
-    singles = grpo_batches.make_grpo_batch(
-        num_groups=4, group_size=1, prompt_lens=2, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
-        global_batch_size=16,
-    )  # fmt: skip
-    return tu.concat_tensordict([group, singles])
 
 
 def _train(engine, loss_fn, batch) -> dict:
@@ -73,18 +49,6 @@ def _train(engine, loss_fn, batch) -> dict:
     finally:
         engine.__dict__.pop("optimizer_step", None)
     return {**out, "grads": grads}
-
-
-@contextlib.contextmanager
-def _phase_c_skipped():
-    from verl_prefix.schedule import executor
-
-    saved = executor.prefix_backward, executor.seeded_backward
-    executor.prefix_backward = executor.seeded_backward = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        executor.prefix_backward, executor.seeded_backward = saved
 
 
 @contextlib.contextmanager
@@ -130,7 +94,7 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
     stock = build_megatron_engine(model_dir, lr=0.0, **layout)
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **layout)
     assert prefix.causal_lm is not None
-    batch = _batch(stock.get_data_parallel_rank(), data_parallel)
+    batch = shared_system_batch(stock.get_data_parallel_rank(), data_parallel)
     want = _train(stock, loss_fn, batch)
     want_infer = verl_engine.run_infer(stock, batch)
     out: dict = {"source": prefix.is_mp_src_rank_with_outputs(), "dp_rank": stock.get_data_parallel_rank()}
@@ -141,7 +105,7 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
         got_infer = verl_engine.run_infer(prefix, batch)
         out[case] = {**_summary(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
         if case in ("one_level", "tree"):  # negative controls
-            with _phase_c_skipped():
+            with phase_c_skipped():
                 out[case]["no_phase_c"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
             with _suffix_rope_late():
                 out[case]["rope_late"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]

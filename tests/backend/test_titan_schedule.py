@@ -19,13 +19,13 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.engine_batches import phase_c_skipped, shared_system_batch
 from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is an optional dependency (scripts/setup.sh installs it)")
 pytest.importorskip("triton", reason="torchtitan 0.3.0's model stack imports triton (scripts/setup.sh installs it)")
 
-VOCAB = 128
 TOL = 1e-5  # fp32
 BUDGET = 40  # verl's max_token_len_per_gpu under dynamic batch size: two suffix rows of a 12-token prompt
 MOE = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=32)
@@ -37,37 +37,6 @@ CASES = {
     "recompute": (dict(), "recompute"),
     "tree_recompute": (dict(tree=True, min_shared_tokens=4), "recompute"),
 }
-
-
-def _batch(rank: int, fsdp: bool, even: bool = False):
-    """Two groups of four sharing an 8-token system block, responses branching after a 2-token stem (what the
-    tree computes once); under FSDP data-parallel rank 1 holds one group and four singletons (lockstep).
-    ``even``: verl's own engine packs a micro-batch (four rows) into one sequence, which torchtitan's MoE splits
-    over the TP ranks under TP x EP: the reference needs even packed lengths (the prefix engine pads its own)."""
-    from verl.utils import tensordict_utils as tu
-
-    from verl_prefix.harness import grpo_batches
-
-    shape = dict(response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,))
-    if not fsdp:
-        for seed in range(7, 107):
-            batch = grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=seed, **shape)
-            lengths = batch["input_ids"].offsets().diff()
-            if not even or all(int(lengths[i : i + 4].sum()) % 2 == 0 for i in range(0, len(batch), 4)):
-                return batch
-        raise AssertionError("no batch with even micro-batches")
-    if rank == 0:
-        return grpo_batches.make_grpo_batch(
-            num_groups=2, group_size=4, prompt_lens=[4, 2], seed=8, global_batch_size=16, **shape
-        )
-    group = grpo_batches.make_grpo_batch(
-        num_groups=1, group_size=4, prompt_lens=3, seed=9, global_batch_size=16, **shape
-    )
-    singles = grpo_batches.make_grpo_batch(
-        num_groups=4, group_size=1, prompt_lens=2, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
-        global_batch_size=16,
-    )  # fmt: skip
-    return tu.concat_tensordict([group, singles])
 
 
 def _loss_fn(calls: list | None = None):
@@ -94,19 +63,6 @@ def _loss_fn(calls: list | None = None):
         return loss(model_output=model_output, data=data, dp_group=dp_group)
 
     return counted
-
-
-@contextlib.contextmanager
-def _phase_c_skipped():
-    from verl_prefix.schedule import executor
-
-    saved = executor.prefix_backward, executor.seeded_backward
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    executor.prefix_backward = executor.seeded_backward = noop  # phase C of every node, the tree's too
-    try:
-        yield
-    finally:
-        executor.prefix_backward, executor.seeded_backward = saved
 
 
 def _grads_error(want: dict, got: dict) -> tuple[float, str]:
@@ -171,7 +127,7 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=base, **layout)
     assert prefix.scheduled and prefix.causal_lm is not None
     assert bool(prefix.expert_counts) == moe
-    batch = _batch(dp_rank, fsdp, even=name == "tp2_ep2")
+    batch = shared_system_batch(dp_rank, fsdp, even=name == "tp2_ep2")
     want = _train(stock, loss_fn, batch, moe)
     want_infer = verl_engine.run_infer(stock, batch)
     out: dict = {}
@@ -185,7 +141,7 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
             out[case]["routed"] = (want["routed"], got["routed"])
             out[case]["bias"] = (want["bias"], got["bias"])
         if case in ("tree", "chunked"):  # negative control: phase C skipped
-            with _phase_c_skipped():
+            with phase_c_skipped():
                 out[case]["no_phase_c"] = _summary(
                     want, verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
                 )

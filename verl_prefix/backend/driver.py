@@ -190,6 +190,22 @@ class ReuseDriver:
         routers, fused kernels, with the phase-B refusal every rank agreed on (``run.agreement``)."""
         raise NotImplementedError
 
+    def base_options(self, run: MiniBatchRun, **engine: Any) -> ScheduleOptions:
+        """The options every engine sets alike (the mini-batch's device, entropy and meter, the reuse knobs, the
+        agreed phase-B refusal, the engine's ``backward``), plus the ``engine``'s own fields."""
+        reuse = self.reuse_config
+        return ScheduleOptions(
+            device=run.meter.device,
+            calculate_entropy=run.calculate_entropy,
+            backward=self.backward,
+            early_exit=reuse.early_exit,
+            meter=run.meter,
+            phase_b_attention=reuse.phase_b_attention,
+            phase_b_refusal=run.agreement.kernel_refusal,
+            prefix_chunk_tokens=reuse.prefix_chunk_tokens,
+            **engine,
+        )
+
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype the model computes in (autocast over fp32 master weights), or None: the parameters'."""
         return None

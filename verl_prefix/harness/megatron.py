@@ -51,12 +51,11 @@ def build_megatron_engine(
     selects verl's deprecated mbridge loader instead of Megatron-Bridge (verl's default). ``overrides`` are further
     ``McoreEngineConfig`` fields. The process group must exist (``verl_engine.init_single_process_group`` for one
     rank)."""
-    from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
 
     from verl_prefix.backend.megatron.config import MEGATRON_BACKEND
     from verl_prefix.backend.megatron.platform import ensure_megatron_platform
+    from verl_prefix.harness import verl_engine
 
     ensure_megatron_platform()
     model_config = HFModelConfig(path=str(Path(model_dir).resolve()), use_remove_padding=use_remove_padding)
@@ -83,17 +82,7 @@ def build_megatron_engine(
     else:
         engine_config = McoreEngineConfig(**settings)
     optimizer_config = McoreOptimizerConfig(lr=lr, total_training_steps=10, lr_warmup_steps=0, clip_grad=clip_grad)
-    model_config.model_type = "language_model"
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend=backend,
-        model_config=model_config,
-        engine_config=engine_config,
-        optimizer_config=optimizer_config,
-        checkpoint_config=CheckpointConfig(),
-    )
-    engine.initialize()
-    return engine
+    return verl_engine.new_language_model_engine(backend, model_config, engine_config, optimizer_config)
 
 
 def exported_weights(engine: Any) -> dict[str, torch.Tensor]:

@@ -49,12 +49,11 @@ def build_titan_engine(
 ) -> Any:
     """An initialised verl TorchTitan engine (``backend`` "torchtitan" or "prefix_torchtitan") in fp32, no
     compile, no activation checkpointing, ``partial_dtensor`` (verl's ``default``): what the CPU gloo tests compare."""
-    from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, TorchtitanOptimizerConfig
-    from verl.workers.engine import EngineRegistry
 
     from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig
     from verl_prefix.backend.titan.registry import STOCK_BACKEND, register_stock
+    from verl_prefix.harness import verl_engine
 
     if backend == STOCK_BACKEND:
         register_stock()  # the adapted stock engine is opt-in (importing the plugin leaves verl's entry alone)
@@ -82,13 +81,4 @@ def build_titan_engine(
         settings["prefix_reuse"] = prefix_reuse
     engine_config = PrefixTorchtitanEngineConfig(**settings)
     optimizer_config = TorchtitanOptimizerConfig(lr=lr, total_training_steps=10, lr_warmup_steps=0, clip_grad=1.0)
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend=backend,
-        model_config=model_config,
-        engine_config=engine_config,
-        optimizer_config=optimizer_config,
-        checkpoint_config=CheckpointConfig(),
-    )
-    engine.initialize()
-    return engine
+    return verl_engine.new_language_model_engine(backend, model_config, engine_config, optimizer_config)

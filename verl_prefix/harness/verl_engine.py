@@ -230,6 +230,27 @@ def reduce_step_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in reduce_metrics(flat).items()}
 
 
+def new_language_model_engine(
+    backend: str, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any = None
+) -> Any:
+    """An initialised verl engine from its registry, as verl's worker builds one (``model_type`` language_model;
+    verl's default checkpoint config unless given)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.engine import EngineRegistry
+
+    model_config.model_type = "language_model"
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend=backend,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
+        checkpoint_config=checkpoint_config if checkpoint_config is not None else CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
 def run_train_step(engine: Any, loss_fn: Callable, batch: TensorDict, *, capture_grads: bool = False) -> dict:
     """One actor update on one mini-batch, as ``TrainingWorker.train_batch`` runs it.
 

@@ -324,17 +324,10 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         aux_on = self.moe_aux_on(run.forward_only)
         fused = bool(tu.get_non_tensor_data(data=run.data, key="use_fused_kernels", default=False))
         temperature = run.layout.temperature
-        return ScheduleOptions(
-            device=run.meter.device,
-            calculate_entropy=run.calculate_entropy,
+        return self.base_options(
+            run,
             entropy_fn=self._entropy_fn(),
             autocast=self._autocast(),
-            backward=self.backward,
-            early_exit=self.reuse_config.early_exit,
-            meter=run.meter,
-            phase_b_attention=self.reuse_config.phase_b_attention,
-            phase_b_refusal=run.agreement.kernel_refusal,
-            prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             ulysses=self._ulysses(),
             routers=self._moe_routers() if aux_on else None,
             aux_fn=aux_fn if aux_on else None,

@@ -1,11 +1,10 @@
 """megatron-core's GPT model as the HF causal LM the one schedule calls (``schedule.executor``, ``schedule.tree``).
 
-The executor calls ``model(input_ids=..., position_ids=..., use_cache=False, prefix_ctx=ctx, logits_to_keep=...)``
-and reads ``.logits``; it reads the model's ``config`` (``_attn_implementation``, ``get_text_config()``'s
-``num_hidden_layers``, no ``vision_config``) and walks its modules (no FSDP unit, no vision tower).
-``MegatronCausalLM`` is that: verl's model chunk (the DDP wrapper, whose parameter hooks accumulate the main
-gradients) as its one child, a copy of the checkpoint's HF config, and a forward that runs megatron-core's
-``GPTModel`` with every layer's core attention handed to ``prefix_ctx`` (``megatron.attention``).
+The executor calls the model as an HF causal LM (``schedule.kv.shim.CausalLMStandIn``: the call, a copy of the
+checkpoint's HF config) and walks its modules (no FSDP unit, no vision tower). ``MegatronCausalLM`` is that:
+verl's model chunk (the DDP wrapper, whose parameter hooks accumulate the main gradients) as its one child, whose
+logits come from megatron-core's ``GPTModel`` with every layer's core attention handed to ``prefix_ctx``
+(``megatron.attention``).
 
 Positions: megatron-core's rotary embedding counts from 0 over the call's length, and its forward takes no
 per-row positions for it. Every call of the schedule is a run of consecutive positions that starts at the same
@@ -23,21 +22,15 @@ and the logits are cut back; the padding comes after every real token, so causal
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from verl_prefix.backend.megatron.attention import CoreAttentionHooks
-
-
-@dataclass
-class CausalLMOutput:
-    logits: torch.Tensor
+from verl_prefix.schedule.kv.shim import CausalLMStandIn
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
@@ -91,46 +84,27 @@ class RotaryOffset:
             self.offset = saved
 
 
-class MegatronCausalLM(nn.Module):
+class MegatronCausalLM(CausalLMStandIn):
     """verl's (one-stage) Megatron model chunk behind the HF causal-LM call the schedule makes."""
 
+    engine = "prefix_megatron"
+
     def __init__(self, chunk: nn.Module, hf_config: Any, sequence_multiple: int = 1) -> None:
-        super().__init__()
+        super().__init__(hf_config)
         self.chunk = chunk
         self.sequence_multiple = sequence_multiple
         gpt = unwrapped(chunk)
         self.hooks = CoreAttentionHooks(gpt)
         self.rotary = RotaryOffset(gpt)
-        config = copy.deepcopy(hf_config)
-        config._attn_implementation = "sdpa"  # the schedule's attention is sdpa's maths (kv.contexts)
-        self.config = config
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        use_cache: bool = False,
-        prefix_ctx: Any = None,
-        logits_to_keep: int = 0,
-        **kwargs: Any,
-    ) -> CausalLMOutput:
-        if prefix_ctx is None or kwargs:
-            raise ValueError(
-                "prefix_megatron: the schedule's model call takes a prefix context and no other input "
-                f"(got prefix_ctx={type(prefix_ctx).__name__}, {sorted(kwargs)})"
-            )
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         length = input_ids.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(length, device=input_ids.device)[None]
         offset = call_offset(position_ids.expand(input_ids.shape[0], -1))
         input_ids = pad_tokens(input_ids, self.sequence_multiple)
         padded = input_ids.shape[1] > length
         zero = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         with self.hooks.scheduling(prefix_ctx, length if padded else None), self.rotary.at(offset):
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
-        logits = logits[:, :length] if padded else logits
-        if logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
-        return CausalLMOutput(logits=gather_from_tensor_model_parallel_region(logits).contiguous())
+        return gather_from_tensor_model_parallel_region(logits[:, :length] if padded else logits)

@@ -87,17 +87,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         return next(self.module[0].parameters()).dtype
 
     def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
-        return ScheduleOptions(
-            device=run.meter.device,
-            calculate_entropy=run.calculate_entropy,
-            backward=self.backward,
-            early_exit=self.reuse_config.early_exit,
-            meter=run.meter,
-            phase_b_attention=self.reuse_config.phase_b_attention,
-            phase_b_refusal=run.agreement.kernel_refusal,
-            prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
-            layer_roles=LayerRoles({}, frozenset()),  # megatron-core's GPT layers: no KV-shared or recurrent ones
-        )
+        # megatron-core's GPT layers: no KV-shared or recurrent ones
+        return self.base_options(run, layer_roles=LayerRoles({}, frozenset()))
 
     def mini_batch_context(self, forward_only: bool) -> AbstractContextManager:
         """Forward-only passes keep no graph; training accumulates every micro-batch's gradients without a

@@ -185,16 +185,9 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         return torch.float32 if self.engine_config.mixed_precision_param == "float32" else torch.bfloat16
 
     def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
-        return ScheduleOptions(
-            device=run.meter.device,
-            calculate_entropy=run.calculate_entropy,
+        return self.base_options(  # autocast: the mini-batch's context (``mini_batch_context``)
+            run,
             entropy_fn=self.compute_entropy_from_logits,
-            backward=self.backward,  # autocast: the mini-batch's context (``mini_batch_context``)
-            early_exit=self.reuse_config.early_exit,
-            meter=run.meter,
-            phase_b_attention=self.reuse_config.phase_b_attention,
-            phase_b_refusal=run.agreement.kernel_refusal,
-            prefix_chunk_tokens=self.reuse_config.prefix_chunk_tokens,
             layer_roles=LayerRoles({}, frozenset()),  # torchtitan's decoders: no KV-shared or recurrent layers
             count_routing=self._counted if self.expert_counts else None,  # MoE: expert-load counts (titan.moe)
         )

@@ -1,4 +1,5 @@
-"""What a context's ``attend`` reads off an HF attention module, for an engine whose layers are not HF's.
+"""How an engine whose model is not HF's meets the schedule: its model behind the HF causal-LM call
+(``CausalLMStandIn``), and its layers' attention behind an HF attention module (``AttentionShim``).
 
 torchtitan's ``inner_attention`` and megatron-core's ``core_attention`` hand the schedule their post-RoPE q/k/v;
 the engine's hook calls ``ctx.attend(shim, sdpa_attention_forward, q, k, v, scaling=...)`` with an
@@ -11,6 +12,11 @@ them before a group runs.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 from torch import nn
 
 
@@ -24,3 +30,51 @@ class AttentionShim:
         self.layer_idx = layer_idx
         self.num_key_value_groups = groups
         self.wrapped = wrapped
+
+
+@dataclass
+class CausalLMOutput:
+    """What the schedule reads of a model call: the logits."""
+
+    logits: torch.Tensor
+
+
+class CausalLMStandIn(nn.Module):
+    """An engine's model behind the HF causal-LM call the schedule makes (``schedule.executor``,
+    ``schedule.tree``): ``model(input_ids, position_ids, use_cache, prefix_ctx, logits_to_keep) -> .logits``, a
+    copy of the checkpoint's HF config (``_attn_implementation`` set to sdpa: the schedule's attention is sdpa's
+    maths; ``get_text_config()``'s ``num_hidden_layers``). A subclass computes the logits (``logits``) with every
+    layer's attention handed to ``prefix_ctx``; ``engine`` names it in errors."""
+
+    engine = "the engine"
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        config = copy.deepcopy(hf_config)
+        config._attn_implementation = "sdpa"
+        self.config = config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool = False,
+        prefix_ctx: Any = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutput:
+        if prefix_ctx is None or kwargs:
+            raise ValueError(
+                f"{self.engine}: the schedule's model call takes a prefix context and no other input "
+                f"(got prefix_ctx={type(prefix_ctx).__name__}, {sorted(kwargs)})"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        logits = self.logits(input_ids, position_ids, prefix_ctx)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutput(logits=logits.contiguous())
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor:
+        """``[B, L, vocab]`` logits of the call, every layer attending through ``prefix_ctx``."""
+        raise NotImplementedError

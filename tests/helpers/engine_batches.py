@@ -1,0 +1,54 @@
+"""The mini-batches the engine-against-engine tests share (TorchTitan's schedule test, the Megatron engine test):
+two groups of four behind one system block, responses branching after a short stem, and under data parallelism a
+second rank with one group and four singletons; plus the phase-C negative control."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+VOCAB = 128
+
+
+def shared_system_batch(dp_rank: int, data_parallel: bool, even: bool = False):
+    """Two groups of four sharing an 8-token system block, responses branching after a 2-token stem (what the
+    tree computes once); under data parallelism rank 1 holds one group and four singletons (lockstep fillers,
+    dense rows). ``even``: every four-row micro-batch of a rank's rows packs to an even length (what verl's engine
+    needs under torchtitan's TP x EP, which splits a packed sequence over two TP ranks)."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix.harness import grpo_batches
+
+    shape = dict(response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,))
+    if not data_parallel:
+        for seed in range(7, 107):
+            batch = grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=seed, **shape)
+            lengths = batch["input_ids"].offsets().diff()
+            if not even or all(int(lengths[i : i + 4].sum()) % 2 == 0 for i in range(0, len(batch), 4)):
+                return batch
+        raise AssertionError("no batch with even micro-batches")
+    if dp_rank == 0:
+        return grpo_batches.make_grpo_batch(
+            num_groups=2, group_size=4, prompt_lens=[4, 2], seed=8, global_batch_size=16, **shape
+        )
+    group = grpo_batches.make_grpo_batch(
+        num_groups=1, group_size=4, prompt_lens=3, seed=9, global_batch_size=16, **shape
+    )
+    singles = grpo_batches.make_grpo_batch(
+        num_groups=4, group_size=1, prompt_lens=2, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
+        global_batch_size=16,
+    )  # fmt: skip
+    return tu.concat_tensordict([group, singles])
+
+
+@contextlib.contextmanager
+def phase_c_skipped() -> Iterator[None]:
+    """Negative control: phase C of every node (the tree's too, a chunk's seeded backward) does nothing."""
+    from verl_prefix.schedule import executor
+
+    saved = executor.prefix_backward, executor.seeded_backward
+    executor.prefix_backward = executor.seeded_backward = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        executor.prefix_backward, executor.seeded_backward = saved
