@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+from pathlib import Path
 
 import pytest
 from helpers.engine_batches import phase_c_skipped, shared_system_batch
@@ -118,6 +119,8 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
         padded["infer"] = (_infer(want_infer), _infer(verl_engine.run_infer(prefix, batch)))
         out.setdefault("padded", []).append(padded)
     prefix.causal_lm.sequence_multiple = 1
+    if name == "tp2":  # what the rollout receives, and verl's checkpoint round trip, through the prefix engine
+        out["export"] = _export_and_checkpoint(stock, prefix, Path(model_dir).parent / "megatron_tp2_checkpoint")
     if name == "tp2":  # verl's dynamic batch size: suffix micro-batches by its token budget, against the same stock
         from verl.utils import tensordict_utils as tu
 
@@ -128,6 +131,26 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
         out["dynamic"] = _summary(want_dynamic, _train(prefix, loss_fn, dynamic))
         out["dynamic"]["vs_fixed"] = _summary(want, _train(prefix, loss_fn, dynamic))["worst"]
     return out
+
+
+def _export_and_checkpoint(stock, prefix, root: Path) -> dict:
+    """The weights verl syncs to the rollout from the prefix engine equal the stock engine's (the same steps at lr
+    0); verl's ``save_checkpoint`` after them, the weights zeroed, ``load_checkpoint`` brings every one back."""
+    import torch
+
+    from verl_prefix.harness.megatron import exported_weights
+
+    exported = exported_weights(prefix)
+    same = sorted(n for n, w in exported_weights(stock).items() if torch.equal(w, exported[n]))
+    path = str(root / "global_step_1" / "actor")
+    prefix.save_checkpoint(path, global_step=1)
+    with torch.no_grad():
+        for param in prefix.module[0].parameters():
+            param.zero_()
+    prefix.load_checkpoint(path)
+    restored = exported_weights(prefix)
+    back = sorted(n for n, w in exported.items() if torch.equal(w, restored[n]))
+    return {"names": sorted(exported), "same_as_stock": same, "restored": back}
 
 
 def _body(rank: int, model_dir: str, name: str) -> dict:
@@ -177,6 +200,16 @@ def test_calls_padded_for_sequence_parallelism_are_exact(ranks, layout):
         for r in result[layout]["padded"]:
             assert r["worst"] < TOL, (rank, layout, r["name"], r["worst"])
             assert_infer_matches(*r["infer"], TOL, groups=groups)
+
+
+def test_weight_export_and_checkpoint_round_trip(ranks):
+    """TP=2: verl's weight sync from prefix_megatron sends the stock engine's weights (HF names, full tensors); a
+    checkpoint verl saves after reuse steps restores every weight (the CPU platform's ``cuda_synchronize`` and
+    ``optimizer_state_load`` entries make verl's distributed checkpointing run on CPU)."""
+    for rank, result in ranks.items():
+        r = result["tp2"]["export"]
+        assert len(r["names"]) > 10 and r["same_as_stock"] == r["names"], rank
+        assert r["restored"] == r["names"], (rank, sorted(set(r["names"]) - set(r["restored"])))
 
 
 def test_dynamic_batch_size_matches_verl_megatron_engine(ranks):

@@ -39,6 +39,11 @@ PATCHES: dict[str, str] = {
     "without CUDA: a no-op (the parameters are built on the host).",
     "cuda_streams": "Megatron-Bridge wraps DDP construction in torch.cuda.Stream / current_stream / stream: the "
     "torch.cpu equivalents.",
+    "optimizer_state_load": "the CPU engine keeps fp32 parameters, so the distributed optimizer's main params are "
+    "views of the model's leaf parameters (bf16 ones on a GPU get separate fp32 copies); loading a checkpoint copies "
+    "into them with grad mode on, which autograd refuses: that copy runs under torch.no_grad().",
+    "cuda_synchronize": "megatron-core's distributed checkpointing (verl's save_checkpoint) calls "
+    "torch.cuda.synchronize() before it writes, which raises without CUDA: a no-op (CPU work is synchronous).",
     "cuda_as_cpu_mode": "megatron-core writes device='cuda' literally (optimizer, clip_grads, DDP buffers, schedules) "
     "and checks param.type() == 'torch.cuda.FloatTensor' (optimizer, distributed optimizer, clip_grads): inside "
     "verl's Megatron engine's methods only (and the weight generator get_per_tensor_param returns), a "
@@ -219,6 +224,19 @@ def patch_cuda_streams() -> None:
     torch.cuda.stream = torch.cpu.stream
     setattr(torch.cuda, _MARK, True)
     _note("cuda_streams")
+
+
+def patch_cuda_synchronize() -> None:
+    """``torch.cuda.synchronize()`` a no-op (``PATCHES['cuda_synchronize']``)."""
+    if getattr(torch.cuda.synchronize, _MARK, False):
+        return
+
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    setattr(synchronize, _MARK, True)
+    torch.cuda.synchronize = synchronize
+    _note("cuda_synchronize")
 
 
 def patch_rng_tracker() -> None:
@@ -491,6 +509,25 @@ def patch_engine_config() -> None:
     _note("engine_config")
 
 
+def patch_optimizer_state_load() -> None:
+    """The distributed optimizer's checkpoint load copies into its main params under ``torch.no_grad()``
+    (``PATCHES['optimizer_state_load']``)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    stock = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(stock, _MARK, False):
+        return
+
+    @functools.wraps(stock)
+    def set_states(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return stock(self, *args, **kwargs)
+
+    setattr(set_states, _MARK, True)
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    _note("optimizer_state_load")
+
+
 def patch_transformer_overrides() -> None:
     """verl's transformer-config overrides on CPU: local attention by default, sequence parallel off."""
     import verl.utils.megatron_utils as megatron_utils
@@ -555,6 +592,7 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_current_device()
     patch_module_cuda()
     patch_cuda_streams()
+    patch_cuda_synchronize()
     patch_rng_tracker()
     patch_local_attention()
     import_megatron_bridge()
@@ -563,6 +601,7 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_mbridge_local_spec()
     patch_engine_config()
     patch_transformer_overrides()
+    patch_optimizer_state_load()
     impl = importlib.import_module("verl.workers.engine.megatron.transformer_impl")
     patch_engine_methods(impl)
     register_cpu_engine(impl)
