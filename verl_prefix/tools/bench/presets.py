@@ -417,7 +417,10 @@ PRESETS: dict[str, Preset] = {
                 _agentic_cell(1024, (32, 128), (32, 64)),
                 name="S1024/Q32-128/R32-64/8xG8/megatron",
                 variants=(),
-                micro_batch_size=8,
+                micro_batch_size=8,  # the tree's suffix micro-batches
+                # verl's engine one row per micro-batch: without TransformerEngine the CPU platform attends a
+                # packed micro-batch through one dense mask over all its tokens (T x T, not each row's L x L)
+                dense_micro_batch_size=1,
                 engine="megatron",
             ),
         ),

@@ -254,9 +254,8 @@ def _megatron_engines(cell: Cell, model_dir: Path, reuse: Any) -> dict[str, tupl
     engines = {}
     for key, backend in (("dense", "megatron"), ("prefix", "prefix_megatron")):
         extra = {"prefix_reuse": reuse} if backend == "prefix_megatron" else {}
-        engine = MG.build_megatron_engine(
-            model_dir, backend=backend, lr=0.0, micro_batch_size_per_gpu=cell.micro_batch_size, **extra
-        )
+        rows = cell.dense_micro_batch_size if key == "dense" and cell.dense_micro_batch_size else cell.micro_batch_size
+        engine = MG.build_megatron_engine(model_dir, backend=backend, lr=0.0, micro_batch_size_per_gpu=rows, **extra)
         engines[key] = (engine, loss_fn)
     return engines
 
