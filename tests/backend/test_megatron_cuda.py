@@ -26,8 +26,7 @@ BF16_TOL = 0.5  # verl_prefix.tools.bench.tables.GRAD_TOLERANCE["bfloat16"]: a g
 
 
 def _body(rank: int, model_dir: str) -> dict:
-    from helpers.engine_batches import phase_c_skipped, shared_system_batch
-    from test_megatron_engine import _summary, _train
+    from helpers.engine_batches import compare_steps, megatron_train_step, phase_c_skipped, shared_system_batch
 
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
@@ -42,10 +41,10 @@ def _body(rank: int, model_dir: str) -> dict:
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=reuse, **gpu)
     assert prefix.causal_lm.sequence_multiple == 2  # sequence parallelism: the schedule pads its calls
     batch = shared_system_batch(0, data_parallel=False)
-    want = _train(stock, loss_fn, batch)
-    out = {"reuse": _summary(want, _train(prefix, loss_fn, batch))}
+    want = megatron_train_step(stock, loss_fn, batch)
+    out = {"reuse": compare_steps(want, megatron_train_step(prefix, loss_fn, batch))}
     with phase_c_skipped():
-        out["no_phase_c"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+        out["no_phase_c"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
     return out
 
 

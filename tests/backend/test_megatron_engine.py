@@ -17,9 +17,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from helpers.engine_batches import phase_c_skipped, shared_system_batch
+from helpers.engine_batches import compare_steps, megatron_train_step, phase_c_skipped, shared_system_batch
 from helpers.ranks import run_ranks, run_two_ranks
-from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
+from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
 if importlib.util.find_spec("megatron.bridge") is None:
@@ -37,21 +37,6 @@ CASES = {
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict()}  # DP is what the world leaves over TP
 
 
-def _train(engine, loss_fn, batch) -> dict:
-    """verl's train step with every parameter's ``main_grad`` read just before the optimizer step."""
-    from verl_prefix.harness import verl_engine
-    from verl_prefix.harness.megatron import main_grads
-
-    grads: dict = {}
-    step = engine.optimizer_step
-    engine.optimizer_step = lambda: grads.update(main_grads(engine)) or step()
-    try:
-        out = verl_engine.run_train_step(engine, loss_fn, batch)
-    finally:
-        engine.__dict__.pop("optimizer_step", None)
-    return {**out, "grads": grads}
-
-
 @contextlib.contextmanager
 def _suffix_rope_late():
     """Negative control: every call that starts past position 0 (phase B, later chunks and nodes) is embedded one
@@ -64,19 +49,6 @@ def _suffix_rope_late():
         yield
     finally:
         causal_lm.call_offset = saved
-
-
-def _summary(want: dict, got: dict) -> dict:
-    errors = {n: ((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items() if g.norm() > 0}
-    name = max(errors, key=errors.get)
-    return {
-        "worst": errors[name],
-        "name": name,
-        "grads": len(errors),
-        "loss": (want["loss"], got["loss"]),
-        "grad_norm": (want["grad_norm"], got["grad_norm"]),
-        "metrics": reduced(got["metrics"]),
-    }
 
 
 def _infer(result: dict) -> dict:
@@ -96,26 +68,26 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **layout)
     assert prefix.causal_lm is not None
     batch = shared_system_batch(stock.get_data_parallel_rank(), data_parallel)
-    want = _train(stock, loss_fn, batch)
+    want = megatron_train_step(stock, loss_fn, batch)
     want_infer = verl_engine.run_infer(stock, batch)
     out: dict = {"source": prefix.is_mp_src_rank_with_outputs(), "dp_rank": stock.get_data_parallel_rank()}
     for case, (knobs, dormant) in CASES.items():
         prefix.reuse_config = dataclasses.replace(base, **knobs)
         prefix.dormant_prefix = dormant
-        got = _train(prefix, loss_fn, batch)
+        got = megatron_train_step(prefix, loss_fn, batch)
         got_infer = verl_engine.run_infer(prefix, batch)
-        out[case] = {**_summary(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
+        out[case] = {**compare_steps(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
         if case in ("one_level", "tree"):  # negative controls
             with phase_c_skipped():
-                out[case]["no_phase_c"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+                out[case]["no_phase_c"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
             with _suffix_rope_late():
-                out[case]["rope_late"] = _summary(want, _train(prefix, loss_fn, batch))["worst"]
+                out[case]["rope_late"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
     # sequence parallelism's padding (verl's default at TP > 1 on GPU; the CPU platform turns SP off): every call of
     # the schedule padded to a multiple of 4 at the end, the CPU reference of what SP needs
     prefix.causal_lm.sequence_multiple = 4
     for knobs in (dict(), dict(tree=True, min_shared_tokens=4)):
         prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, **knobs), "keep"
-        padded = _summary(want, _train(prefix, loss_fn, batch))
+        padded = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))
         padded["infer"] = (_infer(want_infer), _infer(verl_engine.run_infer(prefix, batch)))
         out.setdefault("padded", []).append(padded)
     prefix.causal_lm.sequence_multiple = 1
@@ -127,9 +99,9 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
         dynamic = batch.copy()
         tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
         prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, suffix_micro_batch_size=None), "keep"
-        want_dynamic = _train(stock, loss_fn, dynamic)
-        out["dynamic"] = _summary(want_dynamic, _train(prefix, loss_fn, dynamic))
-        out["dynamic"]["vs_fixed"] = _summary(want, _train(prefix, loss_fn, dynamic))["worst"]
+        want_dynamic = megatron_train_step(stock, loss_fn, dynamic)
+        out["dynamic"] = compare_steps(want_dynamic, megatron_train_step(prefix, loss_fn, dynamic))
+        out["dynamic"]["vs_fixed"] = compare_steps(want, megatron_train_step(prefix, loss_fn, dynamic))["worst"]
     return out
 
 

@@ -1,11 +1,14 @@
 """The mini-batches the engine-against-engine tests share (TorchTitan's schedule test, the Megatron engine test):
 two groups of four behind one system block, responses branching after a short stem, and under data parallelism a
-second rank with one group and four singletons; plus the phase-C negative control."""
+second rank with one group and four singletons; the phase-C negative control; a Megatron train step with its
+``main_grad``s and the comparison of two steps."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+from helpers.reuse import reduced
 
 VOCAB = 128
 
@@ -52,3 +55,33 @@ def phase_c_skipped() -> Iterator[None]:
         yield
     finally:
         executor.prefix_backward, executor.seeded_backward = saved
+
+
+def megatron_train_step(engine, loss_fn, batch) -> dict:
+    """verl's train step with every parameter's ``main_grad`` read just before the optimizer step."""
+    from verl_prefix.harness import verl_engine
+    from verl_prefix.harness.megatron import main_grads
+
+    grads: dict = {}
+    step = engine.optimizer_step
+    engine.optimizer_step = lambda: grads.update(main_grads(engine)) or step()
+    try:
+        out = verl_engine.run_train_step(engine, loss_fn, batch)
+    finally:
+        engine.__dict__.pop("optimizer_step", None)
+    return {**out, "grads": grads}
+
+
+def compare_steps(want: dict, got: dict) -> dict:
+    """Two train steps' gradients (``grads``: the worst parameter's relative error, its name, how many), losses,
+    grad norms, and the second one's reduced metrics."""
+    errors = {n: ((got["grads"][n] - g).norm() / g.norm()).item() for n, g in want["grads"].items() if g.norm() > 0}
+    name = max(errors, key=errors.get)
+    return {
+        "worst": errors[name],
+        "name": name,
+        "grads": len(errors),
+        "loss": (want["loss"], got["loss"]),
+        "grad_norm": (want["grad_norm"], got["grad_norm"]),
+        "metrics": reduced(got["metrics"]),
+    }
