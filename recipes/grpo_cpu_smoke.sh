@@ -11,12 +11,14 @@
 #                                                       # on (docs/trees.md); MODE=dense: the stock twin
 #   ENGINE=torchtitan bash recipes/grpo_cpu_smoke.sh    # prefix_torchtitan at TP=2 on a tiny Qwen3 (docs/torchtitan.md);
 #                                                       # MODE=dense: verl's own TorchTitan engine
+#   ENGINE=megatron bash recipes/grpo_cpu_smoke.sh      # prefix_megatron at TP=2 on a tiny Qwen3 (docs/megatron.md);
+#                                                       # MODE=dense: verl's own Megatron engine
 #
 # Two launches of main_ppo: steps 1..SAVE_AT saving a checkpoint at SAVE_AT, then a resumed run to STEPS.
 # Metrics go to the console and to $OUT/metrics_{first,resumed}.jsonl (verl's file logger).
 # Env: OUT (outputs/grpo_cpu_smoke), STEPS (3), SAVE_AT (STEPS-1), MODE (prefix|dense), NNODES (1),
-# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|agentic|vl), ENGINE (fsdp2|torchtitan), TP (torchtitan's
-# tensor-parallel size, 2; the other ranks shard data). With RAY_ADDRESS set, main_ppo joins that cluster instead of
+# GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|agentic|vl), ENGINE (fsdp2|torchtitan|megatron), TP
+# (torchtitan's or megatron's tensor-parallel size, 2; the other ranks shard data). With RAY_ADDRESS set, main_ppo joins that cluster instead of
 # starting one (docs/multinode.md). Extra arguments are passed to both launches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,11 +71,47 @@ case "$ENGINE/$MODE" in
         actor_rollout_ref.ref.strategy=torchtitan actor_rollout_ref.ref.torchtitan.strategy=torchtitan
         '++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PREFIX_STOCK_TORCHTITAN="1"')  # a string: Ray's env_vars
     fi ;;
-  */prefix | */dense) echo "ENGINE must be fsdp2 or torchtitan, got $ENGINE" >&2; exit 2 ;;
+  # verl's Megatron engine (megatron-core, Megatron-Bridge's loader) through the CPU platform layer: fp32, the
+  # local attention spec, sequence parallel off, the distributed optimizer (the rollout's weight sync,
+  # get_per_tensor_param, needs it); packed (THD) rows, verl's Megatron default; the smoke overlay's FSDP block
+  # is not its config
+  megatron/prefix | megatron/dense)
+    config=prefix_grpo_megatron
+    family=qwen3
+    ranks=$((NNODES * GPUS_PER_NODE))
+    if (( TP < 1 || ranks % TP )); then
+      echo "TP=$TP must divide the $ranks actor ranks (NNODES x GPUS_PER_NODE)" >&2; exit 2
+    fi
+    mcore=actor_rollout_ref.actor.megatron  # the reference policy's parallelism and overrides follow the actor's
+    # verl validates McoreEngineConfig (bf16/fp16 only) in the driver and each worker, before an engine applies the
+    # platform; and it registers its Megatron engine for cuda/npu only: the plugin's CPU opt-in does both (float32
+    # accepted; verl's engine for cpu through the platform layer), here and through the job's runtime env in every
+    # Ray worker
+    export VERL_PREFIX_MEGATRON_CPU=1
+    twin=('++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PREFIX_MEGATRON_CPU="1"'  # a string: Ray's env_vars
+      "$mcore.tensor_model_parallel_size=$TP" "$mcore.use_distributed_optimizer=true"
+      "$mcore.override_transformer_config.attention_backend=local"
+      "$mcore.dtype=float32" actor_rollout_ref.ref.megatron.dtype=float32
+      "$mcore.sequence_parallel=false" actor_rollout_ref.ref.megatron.sequence_parallel=false
+      '~actor_rollout_ref.actor.fsdp_config' '~actor_rollout_ref.ref.fsdp_config')
+    if [[ "$MODE" == dense ]]; then  # verl's own Megatron engine and synchronous trainer
+      twin+=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.ref.strategy=megatron
+        actor_rollout_ref.actor.megatron._target_=verl.workers.config.McoreEngineConfig
+        actor_rollout_ref.ref.megatron._target_=verl.workers.config.McoreEngineConfig
+        '~actor_rollout_ref.ref.megatron.prefix_reuse' '~actor_rollout_ref.actor.megatron.prefix_reuse'
+        '~actor_rollout_ref.actor.megatron.dormant_prefix'
+        # Hydra cannot delete a key whose value is null: give it a value first
+        actor_rollout_ref.actor.megatron.dormant_prefix_budget_bytes=0
+        '~actor_rollout_ref.actor.megatron.dormant_prefix_budget_bytes')
+    fi ;;
+  */prefix | */dense) echo "ENGINE must be fsdp2, torchtitan or megatron, got $ENGINE" >&2; exit 2 ;;
   *) echo "MODE must be prefix or dense, got $MODE" >&2; exit 2 ;;
 esac
 if [[ "$ENGINE" == torchtitan && "$TASK" != text ]]; then
   echo "ENGINE=torchtitan runs TASK=text (torchtitan builds no vision tower here)" >&2; exit 2
+fi
+if [[ "$ENGINE" == megatron && "$TASK" != text ]]; then
+  echo "ENGINE=megatron runs TASK=text (megatron-core builds no vision tower here)" >&2; exit 2
 fi
 case "$TASK" in
   text) task=() ;;
