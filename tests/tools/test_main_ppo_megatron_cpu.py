@@ -1,0 +1,55 @@
+"""verl's own ``main_ppo`` on CPU with ``prefix_megatron`` at TP=2 (``ENGINE=megatron`` of
+``recipes/grpo_cpu_smoke.sh``), against verl's own Megatron engine on identical rollouts.
+
+The tiny Qwen3 of ``verl-prefix smoke-data --family qwen3``, GSM8K-shaped prompts; megatron-core through the CPU
+platform layer (fp32, the local attention spec, sequence parallel off, gloo), Megatron-Bridge's loader, the
+distributed optimizer, packed (THD) rows; the ``hf`` rollout fed by the Megatron engine's weight sync
+(``get_per_tensor_param``: TP shards gathered, HF names, fp32). Two launches side by side, each in its own local Ray
+cluster with two actor ranks sharing one model over TP=2: verl's engine (``sync`` + ``megatron``, registered for
+cpu by the plugin's ``VERL_PREFIX_MEGATRON_CPU`` opt-in) and the prefix run (``prefix_sync`` + ``prefix_megatron``,
+the reference policy on ``prefix_megatron`` too), two steps each, 2 prompts x 4 samples in one mini-batch. The hf
+rollout seeds each request from its prompt and count, so both runs draw the same samples at step 1; step 2's come
+from weights that agree to AdamW's rounding, and draw the same too (asserted: same rewards and lengths).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from helpers.recipe_runs import (
+    SMALL_JOB,
+    assert_reuse_ran,
+    assert_same_rollouts_and_update,
+    metrics,
+    run_dense_and_prefix,
+)
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_dense_and_prefix(tmp_path_factory, "mcore", steps=STEPS, env={"ENGINE": "megatron"}, args=SMALL_JOB)
+
+
+def test_megatron_main_ppo_tp2_reuse_agrees_with_verl_engine(runs):
+    dense = metrics(runs["dense"] / "metrics_first.jsonl")
+    prefix = metrics(runs["prefix"] / "metrics_first.jsonl")
+    assert sorted(dense) == sorted(prefix) == list(range(1, STEPS + 1)), (dense.keys(), prefix.keys())
+    for step in dense:
+        d, p = dense[step], prefix[step]
+        assert_same_rollouts_and_update(d, p, step)  # identical rollouts; TP=2's weight sync feeds the sampler
+        assert p["actor/pg_loss"] == pytest.approx(d["actor/pg_loss"], rel=1e-4, abs=1e-6), step
+        assert_reuse_ran(p, step)  # and the reference policy's pass too
+        assert p["actor/prefix/ref_log_prob/groups"] > 0, (step, p)
+        assert p["actor/prefix/ref_log_prob/physical_tokens"] < p["actor/prefix/ref_log_prob/logical_tokens"], step
+    # after one update the policy has moved from the reference: both reference passes see it alike
+    assert dense[2]["actor/kl_loss"] > 0
+    assert prefix[2]["actor/kl_loss"] == pytest.approx(dense[2]["actor/kl_loss"], rel=1e-4)
