@@ -4,9 +4,11 @@ as verl registers them.
 Each case is a fresh interpreter (verl loads plugins once per process, on ``import verl``) that dumps verl's
 registries: verl alone (``VERL_USE_EXTERNAL_PLUGINS=none``) against verl with this plugin, loaded the way verl
 loads it (the ``verl.plugins`` entry point) and imported explicitly. Without opt-ins the plugin only adds names of
-its own (``prefix_*`` engines, the ``prefix_sync`` trainer, the ``hf`` rollout); the two opt-ins add exactly
-what docs/configuration.md says: ``VERL_PLATFORM=cpu`` device ``cpu`` for verl's FSDP engines,
-``VERL_PREFIX_STOCK_TORCHTITAN=1`` the adapted ``torchtitan`` engine on the devices verl left empty.
+its own (``prefix_*`` engines, the ``prefix_sync`` trainer, the ``hf`` rollout); the opt-ins add exactly what
+docs/configuration.md says: ``VERL_PLATFORM=cpu`` device ``cpu`` for verl's FSDP engines,
+``VERL_PREFIX_STOCK_TORCHTITAN=1`` the adapted ``torchtitan`` engine on the devices verl left empty,
+``VERL_PREFIX_MEGATRON_CPU=1`` (on a host without an accelerator) verl's ``megatron`` engine for ``cpu`` through
+the Megatron platform layer, and ``McoreEngineConfig`` accepting float32.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from verl_prefix.backend.megatron.registry import CPU_ENV as MEGATRON_CPU_ENV
 from verl_prefix.backend.titan.registry import STOCK_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,6 +33,7 @@ import verl.workers.engine  # verl's own engine registrations (FSDP, and whichev
 if os.environ.get("IMPORT_PLUGIN"):
     import verl_prefix
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+from verl.workers.config import McoreEngineConfig
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -58,6 +63,7 @@ print(json.dumps({
     "replicas": {key: name(loader) for key, loader in RolloutReplicaRegistry._registry.items()},
     "rollouts": {str(key): str(value) for key, value in rollout_base._ROLLOUT_REGISTRY.items()},
     "plugin_loaded": "verl_prefix" in sys.modules,
+    "mcore_config_patched": getattr(McoreEngineConfig.__post_init__, "_verl_prefix_megatron_cpu", False),
     "wrapped": sorted(
         f"{owner}.{key}"
         for owner, obj in (
@@ -79,7 +85,14 @@ WRAPPED = [
     "RayPPOTrainer._balance_batch",
     "monkey_patch.patch_forward_with_backends",
 ]
-_OWN_ENV = ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "VERL_USE_EXTERNAL_PLUGINS", STOCK_ENV, "IMPORT_PLUGIN")
+_OWN_ENV = (
+    "VERL_PLATFORM",
+    "VERL_ENGINE_DEVICE",
+    "VERL_USE_EXTERNAL_PLUGINS",
+    STOCK_ENV,
+    MEGATRON_CPU_ENV,
+    "IMPORT_PLUGIN",
+)
 
 
 def _registries(**env: str) -> dict:
@@ -136,13 +149,16 @@ def test_plugin_adds_only_its_own_names(stock):
         # the documented wrappers, each calling verl's own method unless a prefix engine is selected
         # (tests/backend/test_trainer_balance.py) or only remembering HF's forward before verl patches it
         assert found["wrapped"] == WRAPPED, found["wrapped"]
+        assert not found["mcore_config_patched"]  # verl's Megatron config validation as verl wrote it
     assert stock["wrapped"] == []
 
 
 def test_opt_ins_add_exactly_what_is_documented(stock):
     """``VERL_PLATFORM=cpu``: verl's FSDP classes for device ``cpu``; ``VERL_PREFIX_STOCK_TORCHTITAN=1``: the
-    adapted ``torchtitan`` factory where verl registered none. Nothing verl registered is replaced."""
-    found = _registries(VERL_PLATFORM="cpu", **{STOCK_ENV: "1"})
+    adapted ``torchtitan`` factory where verl registered none; ``VERL_PREFIX_MEGATRON_CPU=1`` (this host has no
+    accelerator): verl's ``megatron`` for ``cpu`` through the platform layer, and its engine config taking float32.
+    Nothing verl registered is replaced."""
+    found = _registries(VERL_PLATFORM="cpu", **{STOCK_ENV: "1", MEGATRON_CPU_ENV: "1"})
     added = {key: cls for key, cls in _added(stock, found)["engines"].items() if not key[1].startswith("prefix_")}
     fsdp = {
         ("language_model", backend, "cpu"): "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
@@ -157,4 +173,7 @@ def test_opt_ins_add_exactly_what_is_documented(stock):
         for device in ("cuda", "cpu")
         if device not in verl_titan
     }
-    assert added == fsdp | titan
+    cpu_host = not torch.cuda.is_available()  # with an accelerator the Megatron opt-in changes nothing
+    megatron = {("language_model", "megatron", "cpu"): "verl_prefix.backend.megatron.registry.build_stock_megatron"}
+    assert added == fsdp | titan | (megatron if cpu_host else {})
+    assert found["mcore_config_patched"] == cpu_host

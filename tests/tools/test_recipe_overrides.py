@@ -10,8 +10,10 @@ import json
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -120,6 +122,82 @@ def test_cpu_recipe_torchtitan_variant(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "TP=3 must divide the 2 actor ranks" in bad.stderr
+
+
+# ``_compose`` of a recorded launch in a fresh interpreter that imports verl with the recipe's environment (the
+# Megatron CPU opt-in changes verl's config validation in the process that sets it), and what the engines get
+_COMPOSE_MEGATRON = """
+import json, sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.workers.engine import EngineRegistry
+
+launch = json.loads(sys.argv[1])
+config_dir = next(a.split("=", 1)[1] for a in launch if a.startswith("--config-path="))
+name = next(a.split("=", 1)[1] for a in launch if a.startswith("--config-name="))
+with initialize_config_dir(config_dir=config_dir, version_base=None):
+    config = compose(config_name=name, overrides=[a for a in launch if not a.startswith("--")])
+validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+roles = {}
+for role in ("actor", "ref"):
+    engine = omega_conf_to_dataclass(config.actor_rollout_ref[role].megatron)
+    roles[role] = {
+        "strategy": config.actor_rollout_ref[role].strategy,
+        "config": type(engine).__name__,
+        "engine": [engine.strategy, engine.tensor_model_parallel_size, engine.dtype, engine.sequence_parallel,
+                   engine.use_distributed_optimizer, engine.override_transformer_config.get("attention_backend")],
+        "reuse": getattr(engine, "prefix_reuse", None) is not None,
+    }
+stock = EngineRegistry._engines["language_model"].get("megatron", {}).get("cpu")
+print(json.dumps({
+    "roles": roles,
+    "trainer_mode": config.trainer.v1.trainer_mode,
+    "env_vars": OmegaConf.to_container(config.ray_kwargs.ray_init.runtime_env.get("env_vars") or {}),
+    "fsdp_config": "fsdp_config" in config.actor_rollout_ref.actor or "fsdp_config" in config.actor_rollout_ref.ref,
+    "stock_cpu_factory": getattr(stock, "__name__", None),
+}))
+"""
+
+
+def _compose_megatron(launch: list[str]) -> dict:
+    """``_COMPOSE_MEGATRON`` over a recorded launch, with the recipe's ``VERL_PREFIX_MEGATRON_CPU=1``."""
+    env = {**os.environ, "VERL_PREFIX_MEGATRON_CPU": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPOSE_MEGATRON, json.dumps(launch)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_recipe_megatron_variant(tmp_path):
+    """``ENGINE=megatron``: ``configs/prefix_grpo_megatron.yaml`` under the smoke overlay (its FSDP blocks removed),
+    TP=2 on the two ranks, fp32, sequence parallel off, local attention, the distributed optimizer, the actor and
+    the reference policy on ``prefix_megatron``; ``MODE=dense`` is verl's own Megatron engine and synchronous
+    trainer. Both pass verl's validation with the opt-in the recipe sets, which both carry to their Ray workers."""
+    pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
+    served = ["prefix_megatron", 2, "float32", False, True, "local"]
+    env = {"ENGINE": "megatron", "OUT": str(tmp_path / "out"), "STEPS": "2", "SAVE_AT": "2", "MODE": "prefix"}
+    (launch,) = _recorded_launches(tmp_path, "grpo_cpu_smoke.sh", env)
+    prefix = _compose_megatron(launch)
+    assert prefix["trainer_mode"] == "prefix_sync" and not prefix["fsdp_config"]
+    for role in ("actor", "ref"):
+        found = prefix["roles"][role]
+        assert found["strategy"] == "prefix_megatron" and found["config"] == "PrefixMcoreEngineConfig", role
+        assert found["engine"] == served and found["reuse"], (role, found)
+    env["MODE"] = "dense"
+    (dense_launch,) = _recorded_launches(tmp_path / "dense", "grpo_cpu_smoke.sh", env)
+    dense = _compose_megatron(dense_launch)
+    assert dense["trainer_mode"] == "sync" and not dense["fsdp_config"]
+    for role in ("actor", "ref"):
+        found = dense["roles"][role]
+        assert found["strategy"] == "megatron" and found["config"] == "McoreEngineConfig", role
+        assert found["engine"] == ["megatron", *served[1:]] and not found["reuse"], (role, found)
+    for run in (prefix, dense):  # the opt-in in every Ray worker (a string: Ray's env_vars)
+        assert run["env_vars"]["VERL_PREFIX_MEGATRON_CPU"] == "1"
+        assert run["stock_cpu_factory"] == "build_stock_megatron"
 
 
 def test_gpu_rag_recipe(tmp_path, tiny_qwen3_dir):
