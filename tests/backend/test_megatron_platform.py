@@ -97,6 +97,7 @@ def _assert_export_is_checkpoint(exported: dict, model_dir: str) -> None:
 
 def _noop_on_cuda(rank: int) -> dict:
     import verl.utils.megatron_utils as megatron_utils
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from verl.workers.config import McoreEngineConfig
@@ -113,6 +114,7 @@ def _noop_on_cuda(rank: int) -> dict:
             "attention": DotProductAttention.forward,
             "config": McoreEngineConfig.__post_init__,
             "overrides": megatron_utils.mapping_string_to_attn_backend,
+            "optimizer_state_dict": DistributedOptimizer.state_dict,
             "registry": sorted(EngineRegistry._engines["language_model"].get("megatron", {})),
             "bridge": "megatron.bridge" in __import__("sys").modules,
         }
