@@ -122,3 +122,23 @@ def assert_reuse_ran(prefix: dict, step: int) -> None:
     assert prefix["actor/prefix/physical_tokens"] < prefix["actor/prefix/logical_tokens"], (step, prefix)
     assert prefix["actor/prefix/old_log_prob/groups"] > 0, (step, prefix)
     assert not any(k.startswith("actor/prefix/fallback_") and v > 0 for k, v in prefix.items()), (step, prefix)
+
+
+def assert_engine_twins_agree(runs: dict, steps: int) -> None:
+    """A prefix engine's ``main_ppo`` run and its stock twin (``run_dense_and_prefix``): every step on identical
+    rollouts with the same update (grad norm, PG loss), reuse in the update and in the reference policy's pass,
+    and after the first update both reference passes seeing the moved policy alike (the KL loss)."""
+    import pytest
+
+    dense = metrics(runs["dense"] / "metrics_first.jsonl")
+    prefix = metrics(runs["prefix"] / "metrics_first.jsonl")
+    assert sorted(dense) == sorted(prefix) == list(range(1, steps + 1)), (dense.keys(), prefix.keys())
+    for step in dense:
+        d, p = dense[step], prefix[step]
+        assert_same_rollouts_and_update(d, p, step)  # identical rollouts; TP=2's weight sync feeds the sampler
+        assert p["actor/pg_loss"] == pytest.approx(d["actor/pg_loss"], rel=1e-4, abs=1e-6), step
+        assert_reuse_ran(p, step)  # and the reference policy's pass too
+        assert p["actor/prefix/ref_log_prob/groups"] > 0, (step, p)
+        assert p["actor/prefix/ref_log_prob/physical_tokens"] < p["actor/prefix/ref_log_prob/logical_tokens"], step
+    assert dense[2]["actor/kl_loss"] > 0
+    assert prefix[2]["actor/kl_loss"] == pytest.approx(dense[2]["actor/kl_loss"], rel=1e-4)
