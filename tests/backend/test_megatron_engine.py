@@ -246,6 +246,30 @@ def test_refusals_name_the_knob():
     assert lora_refusal(Model(), Config()) is None
 
 
+def test_built_model_refusals():
+    """What the built model holds that the schedule would leave out is refused at initialisation, with the knob:
+    dropout, the per-token loss regime, sliding windows, attention sinks, MLA, multi-token prediction."""
+    from types import SimpleNamespace
+
+    from verl_prefix.backend.megatron.config import built_model_refusal
+
+    plain = dict(hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=False, window_size=None,
+                 softmax_type="vanilla", multi_latent_attention=False)  # fmt: skip
+    model = SimpleNamespace(mtp=SimpleNamespace(enable=False))
+    assert built_model_refusal(SimpleNamespace(**plain), model) is None
+    for change, words in (
+        (dict(hidden_dropout=0.1), "dropout"),
+        (dict(calculate_per_token_loss=True), "calculate_per_token_loss"),
+        (dict(window_size=(128, 0)), "window_size"),
+        (dict(softmax_type="learnable"), "attention sinks"),
+        (dict(multi_latent_attention=True), "MLA"),
+    ):
+        reason = built_model_refusal(SimpleNamespace(**{**plain, **change}), model)
+        assert reason is not None and words in reason and "prefix_reuse.enable=false" in reason, (change, reason)
+    mtp = built_model_refusal(SimpleNamespace(**plain), SimpleNamespace(mtp=SimpleNamespace(enable=True)))
+    assert "actor_rollout_ref.model.mtp.enable" in mtp
+
+
 def test_engine_config_accepts_the_prefix_strategy():
     from verl_prefix.backend.megatron.config import PrefixMcoreEngineConfig
 

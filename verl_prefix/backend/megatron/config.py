@@ -144,3 +144,36 @@ def lora_refusal(model_config: Any, config: Any) -> str | None:
         f"adapters are not run under reuse yet; prefix_fsdp2 serves LoRA); set {MEGATRON_REUSE_OFF} for verl's "
         "Megatron engine"
     )
+
+
+def built_model_refusal(tf_config: Any, model_config: Any) -> str | None:
+    """Why reuse cannot run the model verl built (its megatron-core ``TransformerConfig``), or None: what the
+    schedule's attention or loss would leave out, said at initialisation instead of trained silently different."""
+    override = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    dropout = {k: getattr(tf_config, k, 0.0) for k in ("hidden_dropout", "attention_dropout")}
+    if any(dropout.values()):
+        return (
+            f"prefix_megatron: dropout {dropout} samples per forward, so a shared prefix cannot stand for each row's; "
+            f"set it to 0 ({override}), or {MEGATRON_REUSE_OFF}"
+        )
+    checks = (
+        ("calculate_per_token_loss", "megatron-core's per-token loss regime (its CP / MoE path) is not built"),
+        ("window_size", "sliding-window attention: the schedule's attention would see the whole prefix"),
+        ("softmax_type", "attention sinks (a softmax other than vanilla): the schedule's attention has none"),
+        ("multi_latent_attention", "MLA is not served by prefix_megatron yet"),
+    )
+    for key, why in checks:
+        value = getattr(tf_config, key, None)
+        if key == "softmax_type" and value == "vanilla":
+            continue
+        if value:
+            return (
+                f"prefix_megatron: {key}={value!r} is refused with reuse on ({why}); unset it, or {MEGATRON_REUSE_OFF}"
+            )
+    mtp = getattr(model_config, "mtp", None)
+    if getattr(mtp, "enable", False):
+        return (
+            "prefix_megatron: multi-token prediction (actor_rollout_ref.model.mtp.enable) adds a loss over every "
+            f"row's tokens that the schedule does not compute; set it to false, or {MEGATRON_REUSE_OFF}"
+        )
+    return None

@@ -30,7 +30,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
-from verl_prefix.backend.megatron.config import lora_refusal, model_refusal, refusal, reuse_of
+from verl_prefix.backend.megatron.config import built_model_refusal, lora_refusal, model_refusal, refusal, reuse_of
 from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
@@ -64,15 +64,9 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         if len(self.module) != 1:
             raise ValueError("prefix_megatron: one model chunk per rank expected (virtual pipeline stages are refused)")
         config = self.tf_config
-        dropout = {k: getattr(config, k, 0.0) for k in ("hidden_dropout", "attention_dropout")}
-        if any(dropout.values()):
-            raise ValueError(
-                f"prefix_megatron: dropout {dropout} samples per forward, so a shared prefix cannot stand for each "
-                "row's; set it to 0 (actor_rollout_ref.actor.megatron.override_transformer_config), or "
-                "prefix_reuse.enable=false"
-            )
-        if getattr(config, "calculate_per_token_loss", False):
-            raise ValueError("prefix_megatron: calculate_per_token_loss (megatron-core's per-token regime) is refused")
+        reason = built_model_refusal(config, self.model_config)
+        if reason is not None:
+            raise ValueError(reason)
         # sequence parallelism splits every sequence over the TP ranks: the schedule's calls pad to a multiple
         multiple = self.engine_config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
         self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple)
