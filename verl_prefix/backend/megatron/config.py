@@ -171,9 +171,10 @@ def built_model_refusal(tf_config: Any, model_config: Any) -> str | None:
                 f"prefix_megatron: {key}={value!r} is refused with reuse on ({why}); unset it, or {MEGATRON_REUSE_OFF}"
             )
     mtp = getattr(model_config, "mtp", None)
-    if getattr(mtp, "enable", False):
+    mtp = dict(mtp) if isinstance(mtp, Mapping) else vars(mtp) if mtp is not None else {}
+    if mtp.get("enable") or mtp.get("enable_train"):
         return (
-            "prefix_megatron: multi-token prediction (actor_rollout_ref.model.mtp.enable) adds a loss over every "
-            f"row's tokens that the schedule does not compute; set it to false, or {MEGATRON_REUSE_OFF}"
+            "prefix_megatron: multi-token prediction layers (actor_rollout_ref.model.mtp.enable / enable_train) run "
+            f"over every row's tokens, which the schedule does not do; set them to false, or {MEGATRON_REUSE_OFF}"
         )
     return None
