@@ -216,7 +216,6 @@ def test_refusals_name_the_knob():
         ("pipeline_model_parallel_size", 2),
         ("virtual_pipeline_model_parallel_size", 2),
         ("context_parallel_size", 2),
-        ("expert_model_parallel_size", 2),
         ("param_offload", True),
         ("use_fused_kernels", True),
     ):
@@ -232,7 +231,7 @@ def test_refusals_name_the_knob():
     assert "override_transformer_config.recompute_granularity=null" in reason, reason
     for model_type in SERVED_MODEL_TYPES:
         assert model_refusal(CONFIG_MAPPING[model_type](), Config()) is None
-    for model_type in ("qwen3_moe", "deepseek_v3", "gpt_oss", "mistral"):
+    for model_type in ("qwen2_moe", "deepseek_v3", "gpt_oss", "mistral"):
         reason = model_refusal(CONFIG_MAPPING[model_type](), Config())
         assert reason is not None and model_type in reason and "prefix_reuse.enable=false" in reason, reason
     windowed = CONFIG_MAPPING["qwen2"](use_sliding_window=True, sliding_window=16)

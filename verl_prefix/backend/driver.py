@@ -214,6 +214,11 @@ class ReuseDriver:
         """The router aux loss term of a micro-batch and its metric (engines with ``moe_aux_on``)."""
         raise NotImplementedError
 
+    def reported_loss(self, loss: torch.Tensor, metrics: dict) -> float:
+        """The loss a scheduled micro-batch reports: what it backpropagated (the aux term included, where the stock
+        engine reports its aux inside the loss too)."""
+        return loss.item()
+
     def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
         """Why phase B's merged kernels cannot serve on this rank, or None: asked once per attention setting,
         compute dtype, device and pass kind (every rank's answer travels in the mini-batch's exchange)."""
@@ -258,7 +263,7 @@ class ReuseDriver:
         pending: list[tuple[list[int], dict, dict]] = []  # the running group's micro-batches, in order
         loss_fn, aux_fn = self._group_losses(run, pending)
         options = self.schedule_options(run, aux_fn)
-        return ScheduledRun(options, options.for_fillers(), loss_fn, pending, DormantStats())
+        return ScheduledRun(options, options.for_fillers(), loss_fn, pending, DormantStats(), self.reported_loss)
 
     def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
         """Phases A, B and C of one group, in the lockstep shape of its slot, its outputs recorded."""
@@ -574,11 +579,12 @@ class ScheduledRun:
     loss_fn: LossFn
     pending: list[tuple[list[int], dict, dict]]  # the running group's micro-batches (rows, output, metrics)
     dormant_stats: DormantStats
+    reported: Callable[[torch.Tensor, dict], float]  # the loss a micro-batch reports (``ReuseDriver.reported_loss``)
 
     def record_pending(self, run: MiniBatchRun, losses: list[torch.Tensor]) -> None:
-        """Record the group's micro-batches in the order they ran, each with its loss (aux term included)."""
+        """Record the group's micro-batches in the order they ran, each with the loss it reports."""
         for (rows, model_output, metrics), loss in zip(self.pending, losses, strict=True):
-            run.record(rows, model_output, loss.item(), metrics)
+            run.record(rows, model_output, self.reported(loss, metrics), metrics)
         self.pending.clear()
 
 

@@ -18,18 +18,22 @@ computes the same log-probs from the shards. With sequence parallelism (verl's d
 core splits every sequence over the TP ranks, which must divide its length: each call is padded at the end to a
 multiple of ``sequence_multiple`` (``pad_tokens``), the attention hook hands the schedule the real positions only,
 and the logits are cut back; the padding comes after every real token, so causal attention never reads it.
+
+Under megatron-core's router aux loss (``routers``) every call runs with the routers' own aux off: the schedule adds
+it per logical micro-batch (``megatron.moe``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from verl_prefix.backend.megatron.attention import CoreAttentionHooks
+from verl_prefix.backend.megatron.moe import McoreRouters
 from verl_prefix.schedule.kv.shim import CausalLMStandIn
 
 
@@ -96,6 +100,7 @@ class MegatronCausalLM(CausalLMStandIn):
         gpt = unwrapped(chunk)
         self.hooks = CoreAttentionHooks(gpt)
         self.rotary = RotaryOffset(gpt)
+        self.routers: McoreRouters | None = None  # the MoE routers under the aux loss (``megatron.moe``)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -105,6 +110,8 @@ class MegatronCausalLM(CausalLMStandIn):
         input_ids = pad_tokens(input_ids, self.sequence_multiple)
         padded = input_ids.shape[1] > length
         zero = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
-        with self.hooks.scheduling(prefix_ctx, length if padded else None), self.rotary.at(offset):
+        real = length if padded else None
+        own_aux = self.routers.own_aux_off(real) if self.routers is not None else nullcontext()
+        with self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), own_aux:
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
         return gather_from_tensor_model_parallel_region(logits[:, :length] if padded else logits)

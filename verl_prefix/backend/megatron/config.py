@@ -66,8 +66,6 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
         "context parallelism shards every sequence over ranks; phase B's prefix leaves would need its ring "
         "attention's all-gathers, not built",
     ),
-    "expert_model_parallel_size": (1, "MoE flavors are not served by prefix_megatron yet"),
-    "expert_tensor_parallel_size": (None, "MoE flavors are not served by prefix_megatron yet"),
     "dynamic_context_parallel": (False, "dynamic context parallelism: see context_parallel_size"),
     "use_megatron_fsdp": (False, "megatron-core's FSDP is not tested under reuse"),
     "param_offload": (False, "parameter offload between phases A and C is not verified"),
@@ -109,7 +107,7 @@ def refusal(config: Any) -> str | None:
 
 
 # what megatron-core runs as plain causal attention with RoPE: the model types served, and why others are not
-SERVED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SERVED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 def model_refusal(hf_config: Any, config: Any) -> str | None:
@@ -118,14 +116,14 @@ def model_refusal(hf_config: Any, config: Any) -> str | None:
         return None
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
-        why = "a model type prefix_megatron does not serve yet (MoE, MLA, windows and multimodal towers are not built)"
-    elif getattr(hf_config, "use_sliding_window", False) or getattr(hf_config, "num_experts", 0):
-        why = "sliding-window attention and MoE layers are not served by prefix_megatron yet"
+        why = "not served by prefix_megatron yet (MLA, windows, other MoE families, multimodal towers)"
+    elif getattr(hf_config, "use_sliding_window", False):
+        why = "sliding-window attention is not served by prefix_megatron yet"
     else:
         return None
     return (
         f"prefix_megatron: model_type {model_type!r} is refused with reuse on ({why}); served: "
-        f"{', '.join(SERVED_MODEL_TYPES)} (dense, full attention). Use strategy=prefix_fsdp2, or set "
+        f"{', '.join(SERVED_MODEL_TYPES)} (full attention). Use strategy=prefix_fsdp2, or set "
         f"{MEGATRON_REUSE_OFF} to train it through verl's Megatron engine"
     )
 

@@ -26,12 +26,22 @@ from typing import Any
 import torch
 from torch import nn
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
 from verl_prefix.backend.megatron.config import built_model_refusal, lora_refusal, model_refusal, refusal, reuse_of
+from verl_prefix.backend.megatron.moe import (
+    McoreRouters,
+    aux_coefficient,
+    aux_tracked,
+    replay_refusal,
+    router_refusal,
+    set_aux_scale,
+)
 from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
+from verl_prefix.schedule.models.moe import RouterStats
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 
@@ -44,6 +54,7 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             refusal(engine_config)
             or model_refusal(model_config.hf_config, engine_config)
             or lora_refusal(model_config, engine_config)
+            or (replay_refusal(engine_config) if reuse_of(engine_config).enable else None)
         )
         if reason is not None:
             raise ValueError(reason)
@@ -53,6 +64,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         self.dormant_prefix_budget_bytes = budget
         self.offload_store_factory = default_store
         self.causal_lm: MegatronCausalLM | None = None
+        self.routers: McoreRouters | None = None  # megatron-core's MoE routers, under the aux loss
+        self.aux_micro_batches = 1  # the mini-batch's logical micro-batches on this rank (the aux's 1/N)
         super().__init__(model_config, engine_config, *args, **kwargs)
         if self.reuse_config.enable and self.dormant_prefix == "offload":
             refuse_offload_on(self.device())
@@ -64,12 +77,15 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         if len(self.module) != 1:
             raise ValueError("prefix_megatron: one model chunk per rank expected (virtual pipeline stages are refused)")
         config = self.tf_config
-        reason = built_model_refusal(config, self.model_config)
+        reason = built_model_refusal(config, self.model_config) or router_refusal(config)
         if reason is not None:
             raise ValueError(reason)
         # sequence parallelism splits every sequence over the TP ranks: the schedule's calls pad to a multiple
         multiple = self.engine_config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
         self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple)
+        coeff = aux_coefficient(config) if getattr(config, "num_moe_experts", None) else 0.0
+        if coeff > 0:
+            self.routers = self.causal_lm.routers = McoreRouters(self.module[0], coeff)
 
     # -- the driver's hooks ---------------------------------------------------------------------------
 
@@ -82,7 +98,36 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
 
     def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
         # megatron-core's GPT layers: no KV-shared or recurrent ones
-        return self.base_options(run, layer_roles=LayerRoles({}, frozenset()))
+        aux = dict(routers=self.routers, aux_fn=aux_fn) if self.moe_aux_on(run.forward_only) else {}
+        return self.base_options(run, layer_roles=LayerRoles({}, frozenset()), **aux)
+
+    # -- megatron-core's router aux loss (``megatron.moe``) ---------------------------------------------------
+
+    def moe_aux_on(self, forward_only: bool) -> bool:
+        return not forward_only and self.routers is not None
+
+    def start_mini_batch(self, run: MiniBatchRun) -> Any:
+        """Under the aux loss: the mini-batch's logical micro-batches on this rank (suffix micro-batches of its
+        groups and dense chunks), each of whose aux counts ``1 / N`` as megatron-core's schedule counts a dense
+        micro-batch's; the routers' own aux (dense rows) gets that scale too."""
+        if self.moe_aux_on(run.forward_only):
+            count = sum(len(group.micro_batches) for group in run.plan.groups) + len(run.dense_chunks)
+            self.aux_micro_batches = max(count, 1)
+            set_aux_scale(self._loss_scale(torch.ones(1, device=run.meter.device)) / self.aux_micro_batches)
+        return super().start_mini_batch(run)
+
+    def moe_aux_term(self, stats: RouterStats, data: Any) -> tuple[torch.Tensor, Metric]:
+        """megatron-core's aux of one logical micro-batch (its rows' prefixes counted once per row), over ``N``;
+        logged without the coefficient, summed over the micro-batches (megatron-core's ``load_balancing_loss``)."""
+        assert self.routers is not None
+        aux = self.routers.loss(stats) / self.aux_micro_batches
+        return aux, Metric(value=aux.detach() / self.routers.coeff, aggregation=AggregationType.SUM)
+
+    def reported_loss(self, loss: torch.Tensor, metrics: dict) -> float:
+        """verl's loss without the aux term, as verl's Megatron engine reports it (the routers' aux rides on the
+        activations there, outside the loss)."""
+        aux = metrics.get("moe_aux_loss") if self.routers is not None else None
+        return loss.item() - (aux.aggregate() * self.routers.coeff if aux is not None else 0.0)
 
     def mini_batch_context(self, forward_only: bool) -> AbstractContextManager:
         """Forward-only passes keep no graph; training accumulates every micro-batch's gradients without a
@@ -96,8 +141,11 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
 
     def backward(self, loss: torch.Tensor) -> None:
         """A micro-batch's backward as megatron-core's ``backward_step`` runs it: the optimizer's loss scale."""
+        self._loss_scale(loss).backward()
+
+    def _loss_scale(self, loss: torch.Tensor) -> torch.Tensor:
         scale = getattr(self.tf_config, "grad_scale_func", None)
-        (scale(loss) if scale is not None else loss).backward()
+        return scale(loss) if scale is not None else loss
 
     def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
         if not run.forward_only:
@@ -122,6 +170,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         post = functools.partial(
             self.postprocess_micro_batch_func, forward_only=run.forward_only, loss_function=run.loss_function
         )
+        aux_on = self.moe_aux_on(run.forward_only)
+        before = aux_tracked() if aux_on else 0.0
         with torch.no_grad() if run.forward_only else nullcontext():
             output, loss_func = self.forward_step(
                 iter([micro]), model=self.module[0], logits_processor_func=run.loss_function,
@@ -130,14 +180,19 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             loss, meta = loss_func(output)
             if not run.forward_only:
                 self.backward(loss)
-        run.record(rows, meta.get("model_output", {}), meta["loss"], meta["metrics"])
+        metrics = dict(meta["metrics"])
+        if aux_on:  # the routers' own aux of this chunk (megatron-core's tracker logs it without the coefficient)
+            value = torch.tensor((aux_tracked() - before) / self.aux_micro_batches)
+            metrics["moe_aux_loss"] = Metric(value=value, aggregation=AggregationType.SUM)
+        run.record(rows, meta.get("model_output", {}), meta["loss"], metrics)
 
     def run_dense_filler(self, run: MiniBatchRun) -> None:
         """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective."""
         length = max(2, self.causal_lm.sequence_multiple if self.causal_lm is not None else 1)
         ids = torch.zeros(1, length, dtype=torch.long, device=run.meter.device)
         positions = torch.arange(length, device=ids.device)[None]
-        with torch.no_grad() if run.forward_only else nullcontext():
+        own_aux = self.routers.own_aux_off() if self.routers is not None else nullcontext()
+        with torch.no_grad() if run.forward_only else nullcontext(), own_aux:
             logits = self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)
             if not run.forward_only:
                 self.backward(logits.sum() * 0.0)

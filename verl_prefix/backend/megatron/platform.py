@@ -37,8 +37,16 @@ PATCHES: dict[str, str] = {
     "optimizer, schedules), which raises without CUDA: it returns the cpu device.",
     "module_cuda": "Megatron-Bridge's and mbridge's get_model move the built model with Module.cuda(), which raises "
     "without CUDA: a no-op (the parameters are built on the host).",
-    "cuda_streams": "Megatron-Bridge wraps DDP construction in torch.cuda.Stream / current_stream / stream: the "
-    "torch.cpu equivalents.",
+    "cuda_streams": "Megatron-Bridge wraps DDP construction in torch.cuda.Stream / current_stream / stream, and "
+    "megatron-core's all-to-all MoE token dispatcher copies its splits on a side stream and waits on the event that "
+    "stream records: the torch.cpu equivalents, with a stream whose record_event returns a torch.cpu.Event "
+    "(torch.cpu.Stream's returns None).",
+    "moe_host_splits": "megatron-core's all-to-all MoE token dispatcher turns its split sizes into numpy arrays with "
+    "maybe_move_tensor_to_cpu, which converts CUDA tensors only: on the host they stayed tensors, which gloo's "
+    "all_to_all_single refuses as split sizes; a host tensor asked for as numpy is converted too.",
+    "moe_gating_gemm": "megatron-core 0.16.1's router gating (RouterGatingLinearFunction) tests "
+    "`te_general_gemm is not None`, a name moe_utils binds only when TransformerEngine imports (NameError without "
+    "it): the name is bound to None, so the gating runs its torch.mm branch.",
     "optimizer_state_load": "the CPU engine keeps fp32 parameters, so the distributed optimizer's main params are "
     "views of the model's leaf parameters (bf16 ones on a GPU get separate fp32 copies); loading a checkpoint copies "
     "into them with grad mode on, which autograd refuses: that copy runs under torch.no_grad().",
@@ -76,7 +84,9 @@ PATCHES: dict[str, str] = {
     "engine_config": "verl's McoreEngineConfig asserts dtype in (bfloat16, float16): float32 is accepted (CPU has no "
     "fast bf16; the exactness tests run fp32); sequence parallel is off (the local spec's norms refuse it).",
     "transformer_overrides": "verl sets attention_backend=flash (Megatron-Bridge) and mbridge sets sequence_parallel "
-    "whenever TP > 1: attention_backend defaults to local and sequence_parallel is off.",
+    "whenever TP > 1: attention_backend defaults to local and sequence_parallel is off. Megatron-Bridge's MoE "
+    "providers turn on TransformerEngine's fused permutation and router kernels and grouped GEMM experts (the "
+    "grouped_gemm CUDA package): off, so the experts run megatron-core's SequentialMLP.",
     "engine_registry": "verl registers its Megatron engine for cuda/npu only: it is registered for cpu too.",
 }
 
@@ -225,16 +235,53 @@ def patch_module_cuda() -> None:
     _note("module_cuda")
 
 
+class HostStream(torch.cpu.Stream):
+    """``torch.cpu.Stream`` whose ``record_event`` returns an event (megatron-core's MoE dispatcher waits on it)."""
+
+    def record_event(self, event: torch.cpu.Event | None = None) -> torch.cpu.Event:
+        event = event if event is not None else torch.cpu.Event()
+        event.record(self)
+        return event
+
+
 def patch_cuda_streams() -> None:
     """``torch.cuda`` streams -> ``torch.cpu``'s (no-op streams)."""
     if getattr(torch.cuda, _MARK, False):
         return
-    torch.cuda.Stream = torch.cpu.Stream
+    torch.cuda.Stream = HostStream
     torch.cuda.current_stream = torch.cpu.current_stream
     torch.cuda.default_stream = torch.cpu.current_stream
     torch.cuda.stream = torch.cpu.stream
     setattr(torch.cuda, _MARK, True)
     _note("cuda_streams")
+
+
+def patch_moe_gating_gemm() -> None:
+    """``moe_utils.te_general_gemm`` bound to None without TransformerEngine (``PATCHES['moe_gating_gemm']``)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
+        _note("moe_gating_gemm")
+
+
+def patch_moe_host_splits() -> None:
+    """``maybe_move_tensor_to_cpu(as_numpy=True)`` converts host tensors too (``PATCHES['moe_host_splits']``)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    stock = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(stock, _MARK, False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return stock(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    setattr(maybe_move_tensor_to_cpu, _MARK, True)
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _note("moe_host_splits")
 
 
 def patch_cuda_synchronize() -> None:
@@ -609,6 +656,8 @@ def patch_transformer_overrides() -> None:
         args = dict(args)
         args.setdefault("attention_backend", "local")
         args["sequence_parallel"] = False
+        for kernel in ("moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm"):
+            args[kernel] = False
         return stock(args)
 
     setattr(mapping_string_to_attn_backend, _MARK, True)
@@ -662,6 +711,8 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_module_cuda()
     patch_cuda_streams()
     patch_cuda_synchronize()
+    patch_moe_gating_gemm()
+    patch_moe_host_splits()
     patch_rng_tracker()
     patch_local_attention()
     import_megatron_bridge()

@@ -1,0 +1,189 @@
+"""prefix_megatron on a tiny Qwen3-MoE at expert parallelism 2 (two ranks, DP=2 x EP=2, the distributed optimizer)
+against verl's Megatron engine on the same batch and weights, fp32, gloo.
+
+With megatron-core's router aux loss on (``moe_router_load_balancing_type=aux_loss``): the engine adds megatron-core's
+aux per logical micro-batch, each of its rows' prefixes counted once per row (``backend.megatron.moe``), with the
+stock engine's ``1 / num_microbatches`` scale; the stock engine runs the same micro-batches (four rows, one group or
+the four dense singletons each). One-level reuse, the tree, a chunked prefix, merged phase-B attention and
+``dormant_prefix=recompute``: every parameter's ``main_grad`` (router and local experts included), grad norm, the
+loss verl reports (the aux outside it, as verl's engine reports it), forward-only log-probs; reuse asserted.
+Negative controls: phase C skipped, and the prefix's router statistics counted once per micro-batch, both fail.
+With verl's default (no load-balancing loss) the update is exact too. And what the engine refuses in MoE routing,
+with the knob.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+from helpers.engine_batches import compare_steps, megatron_train_step, phase_c_skipped, shared_system_batch
+from helpers.ranks import run_two_ranks
+from helpers.reuse import assert_infer_matches, assert_reuse_ran
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+
+TOL = 1e-5  # fp32
+COEFF = 0.1  # large enough that the aux moves the router's gradient well past the tolerance
+AUX = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": COEFF}
+CASES = {
+    "one_level": (dict(), "keep"),
+    "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
+    "chunked": (dict(prefix_chunk_tokens=4), "keep"),
+    "merged": (dict(phase_b_attention="merged"), "keep"),
+    "recompute": (dict(), "recompute"),
+}
+
+
+@contextlib.contextmanager
+def _prefix_counted_once():
+    """Negative control: a micro-batch's aux sees its rows' shared prefix once, not once per row."""
+    from verl_prefix.schedule.models import moe
+
+    saved = moe.logical_stats
+    moe.logical_stats = lambda prefix, suffix, copies: saved(prefix, suffix, 1)
+    try:
+        yield
+    finally:
+        moe.logical_stats = saved
+
+
+def _infer(result: dict) -> dict:
+    return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
+
+
+def _pair(model_dir: str, routing: dict, base):
+    from verl_prefix.harness.megatron import build_megatron_engine
+
+    layout = dict(expert_model_parallel_size=2, override_transformer_config={"attention_backend": "local", **routing})
+    stock = build_megatron_engine(model_dir, lr=0.0, **layout)
+    prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **layout)
+    return stock, prefix
+
+
+def _body(rank: int, model_dir: str) -> dict:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import verl_engine
+    from verl_prefix.harness.megatron import ppo_loss
+
+    loss_fn, _ = ppo_loss(["use_kl_loss=true", "ppo_micro_batch_size_per_gpu=4"])
+    base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=4)  # the stock engine's micro-batches
+    stock, prefix = _pair(model_dir, AUX, base)
+    assert prefix.routers is not None and len(prefix.routers.modules) == 2
+    batch = shared_system_batch(stock.get_data_parallel_rank(), True)
+    want = megatron_train_step(stock, loss_fn, batch)
+    want_infer = verl_engine.run_infer(stock, batch)
+    out: dict = {"source": prefix.is_mp_src_rank_with_outputs()}
+    for case, (knobs, dormant) in CASES.items():
+        prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, **knobs), dormant
+        got = megatron_train_step(prefix, loss_fn, batch)
+        got_infer = verl_engine.run_infer(prefix, batch)
+        out[case] = {**compare_steps(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
+        if case in ("one_level", "tree"):
+            with phase_c_skipped():
+                out[case]["no_phase_c"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
+            with _prefix_counted_once():
+                once = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))
+                out[case]["counted_once"] = once["worst"]
+                out[case]["counted_once_name"] = once["name"]
+    # the aux's share of the router's gradient: the same step without it differs by far more than the tolerance
+    plain_stock, plain_prefix = _pair(model_dir, {}, base)
+    plain = megatron_train_step(plain_stock, loss_fn, batch)
+    out["aux_effect"] = compare_steps(want, plain)["worst"]
+    plain_got = megatron_train_step(plain_prefix, loss_fn, batch)
+    infer = (_infer(verl_engine.run_infer(plain_stock, batch)), _infer(verl_engine.run_infer(plain_prefix, batch)))
+    out["no_aux"] = {**compare_steps(plain, plain_got), "infer": infer}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model) -> dict:
+    return run_two_ranks(_body, str(tiny_model("qwen3_moe")), timeout=900)
+
+
+def _groups(rank: int) -> int:
+    return 2 if rank == 0 else 1  # data-parallel rank 1: one group and four singletons
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_aux_loss_update_matches_verl_megatron_engine(ranks, case):
+    for rank, result in ranks.items():
+        r = result[case]
+        assert r["grads"] > 10 and r["worst"] < TOL, f"rank {rank}: {r['name']} off by {r['worst']:.2e}"
+        if result["source"]:
+            assert r["loss"][1] == pytest.approx(r["loss"][0], rel=TOL, abs=1e-7)
+            assert r["grad_norm"][1] == pytest.approx(r["grad_norm"][0], rel=TOL)
+        assert_reuse_ran(r["metrics"], groups=_groups(rank))
+        assert r["metrics"]["moe_aux_loss"] > 0
+        assert_infer_matches(*r["infer"], TOL, groups=_groups(rank))
+        if case == "recompute":
+            assert r["metrics"]["prefix/policy/recompute"] > 0
+
+
+def test_aux_loss_matters_and_negative_controls_fail(ranks):
+    for rank, result in ranks.items():
+        assert result["aux_effect"] > 100 * TOL, f"rank {rank}: the aux loss changed no gradient"
+        for case in ("one_level", "tree"):
+            r = result[case]
+            assert r["no_phase_c"] > 1e-2, f"rank {rank} {case}: skipping phase C changed nothing"
+            assert r["counted_once"] > 100 * TOL, f"rank {rank} {case}: counting the prefix once passed"
+            assert ".mlp.router." in r["counted_once_name"] or r["counted_once"] > 1e-3, r
+
+
+def test_without_aux_loss_update_matches(ranks):
+    """verl's default MoE routing (no load-balancing loss): nothing counted, the update exact all the same."""
+    for rank, result in ranks.items():
+        r = result["no_aux"]
+        assert r["worst"] < TOL, (rank, r["name"], r["worst"])
+        assert_reuse_ran(r["metrics"], groups=_groups(rank))
+        assert "moe_aux_loss" not in r["metrics"]
+        assert_infer_matches(*r["infer"], TOL, groups=_groups(rank))
+
+
+def _tf(**changes):
+    plain = dict(
+        num_moe_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=None,
+        moe_input_jitter_eps=None, moe_expert_capacity_factor=None, moe_router_enable_expert_bias=False,
+        moe_router_force_load_balancing=False, sequence_parallel=False,
+    )  # fmt: skip
+    return SimpleNamespace(**{**plain, **changes})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(moe_router_load_balancing_type="seq_aux_loss"),
+        dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"], moe_aux_loss_coeff=[0.01, 0.01]),
+        dict(moe_z_loss_coeff=0.001),
+        dict(moe_input_jitter_eps=0.01),
+        dict(moe_expert_capacity_factor=1.0),
+        dict(moe_router_enable_expert_bias=True),
+        dict(moe_router_force_load_balancing=True),
+        dict(sequence_parallel=True),
+    ],
+)
+def test_router_refusals_name_the_knob(change):
+    from verl_prefix.backend.megatron.moe import router_refusal
+
+    reason = router_refusal(_tf(**change))
+    knob = next(iter(change)) if "moe_router_load_balancing_type" not in change else "moe_router_load_balancing_type"
+    assert reason is not None and f"{knob}=" in reason and "override_transformer_config" in reason, reason
+    assert "prefix_reuse.enable=false" in reason
+
+
+def test_router_settings_served():
+    from verl_prefix.backend.megatron.moe import aux_coefficient, replay_refusal, router_refusal
+
+    assert router_refusal(_tf()) is None
+    assert router_refusal(_tf(moe_router_load_balancing_type="none", sequence_parallel=True)) is None  # no aux
+    assert router_refusal(SimpleNamespace(num_moe_experts=None)) is None  # a dense model
+    assert aux_coefficient(_tf()) == 0.01
+    assert aux_coefficient(_tf(moe_router_load_balancing_type="none")) == 0.0
+    assert replay_refusal(SimpleNamespace(router_replay=SimpleNamespace(mode="disabled"))) is None
+    reason = replay_refusal(SimpleNamespace(router_replay=SimpleNamespace(mode="R3")))
+    assert "router_replay.mode=disabled" in reason, reason

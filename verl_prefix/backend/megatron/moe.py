@@ -1,0 +1,214 @@
+"""megatron-core's MoE routers under the schedule: the router load-balancing (aux) loss counted logically.
+
+megatron-core's ``TopKRouter`` adds the Switch-style aux loss inside every training forward call, over that call's
+tokens and per MoE layer (``switch_load_balancing_loss_func``)::
+
+    aux_l = coeff * E / (topk * T^2) * sum_e counts[l, e] * prob_sum[l, e]
+
+with ``counts`` the tokens whose top-k scores pick expert ``e`` (no gradient), ``prob_sum`` the router scores summed
+over the call's ``T`` tokens, and its gradient scaled by ``MoEAuxLossAutoScaler`` (megatron-core's schedule sets
+``loss_scale / num_microbatches``). Per call is per dense micro-batch in verl's engine; under reuse a call is a
+prefix, or suffixes without their prefix, so the router's own aux would count each prefix once per group.
+
+``McoreRouters`` gives the schedule what ``schedule.models.moe.MoeRouters`` gives it for HF models: each router's
+logits of a call (``capture``) and their statistics as sums (``stats``: ``[layers, E]`` counts and score sums,
+from megatron-core's own ``compute_routing_scores_for_aux_loss``), so that every suffix micro-batch sees its rows'
+prefix once per row (``moe.logical_stats``), and the aux of a micro-batch is megatron-core's formula on those sums
+(``aux_loss``). The router's own aux is switched off inside schedule calls (``own_aux``) and stays on for dense
+rows through verl's ``forward_step``, whose gradient scale the engine sets (``set_aux_scale``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from verl_prefix.backend.megatron.config import MEGATRON_REUSE_OFF
+from verl_prefix.schedule.models.moe import RouterStats
+
+OVERRIDE = "actor_rollout_ref.actor.megatron.override_transformer_config"
+
+
+def aux_coefficient(tf_config: Any) -> float:
+    """``moe_aux_loss_coeff`` of the ``aux_loss`` load-balancing type (0: no aux loss)."""
+    kind, coeff = tf_config.moe_router_load_balancing_type, tf_config.moe_aux_loss_coeff
+    kinds = kind if isinstance(kind, (list, tuple)) else [kind]
+    coeffs = coeff if isinstance(coeff, (list, tuple)) else [coeff] * len(kinds)
+    return float(sum(c for k, c in zip(kinds, coeffs) if k == "aux_loss" and c))
+
+
+def router_refusal(tf_config: Any) -> str | None:
+    """Why reuse cannot run the MoE routing of the model verl built, or None (a dense model: None).
+
+    Served: top-k routing with no load-balancing loss, or megatron-core's per-micro-batch ``aux_loss`` (counted
+    logically). What depends on which tokens share a call other than through that loss is refused."""
+    if not getattr(tf_config, "num_moe_experts", None):
+        return None
+    kind = tf_config.moe_router_load_balancing_type
+    kinds = list(kind) if isinstance(kind, (list, tuple)) else [kind]
+    checks: list[tuple[str, Any, str]] = [
+        (
+            "moe_router_load_balancing_type",
+            [k for k in kinds if k not in ("none", "aux_loss")],
+            "per-sequence, global-batch and sinkhorn balancing are not counted logically yet (served: none, aux_loss)",
+        ),
+        ("moe_z_loss_coeff", tf_config.moe_z_loss_coeff, "the router z-loss is a mean over each call's tokens"),
+        ("moe_input_jitter_eps", tf_config.moe_input_jitter_eps, "input jitter samples noise per forward"),
+        (
+            "moe_expert_capacity_factor",
+            tf_config.moe_expert_capacity_factor,
+            "token dropping decides by each call's tokens which ones an expert drops",
+        ),
+        (
+            "moe_router_enable_expert_bias",
+            tf_config.moe_router_enable_expert_bias,
+            "the expert-bias token counts are not counted per row yet",
+        ),
+        ("moe_router_force_load_balancing", tf_config.moe_router_force_load_balancing, "random routing logits"),
+    ]
+    if aux_coefficient(tf_config) and tf_config.sequence_parallel:
+        checks.append(
+            (
+                "sequence_parallel",
+                True,
+                "the aux loss's statistics of a sequence split over the TP ranks are not summed under reuse yet "
+                "(MoE at TP > 1 needs sequence parallelism; serve the aux at TP=1 with EP)",
+            )
+        )
+    for key, value, why in checks:
+        if value:
+            return (
+                f"prefix_megatron: {key}={value!r} is refused with reuse on ({why}); change it under {OVERRIDE}, or "
+                f"{MEGATRON_REUSE_OFF} for verl's Megatron engine"
+            )
+    return None
+
+
+def replay_refusal(engine_config: Any) -> str | None:
+    """Router replay (R2/R3) records or replays routes per dense micro-batch: refused under reuse."""
+    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    if mode in (None, "disabled"):
+        return None
+    return (
+        f"prefix_megatron: router_replay.mode={mode!r} is refused with reuse on (routes are recorded and replayed "
+        "per dense micro-batch); set actor_rollout_ref.actor.megatron.router_replay.mode=disabled, or "
+        f"{MEGATRON_REUSE_OFF}"
+    )
+
+
+def aux_loss(stats: RouterStats, num_experts: int, topk: int, coeff: float) -> torch.Tensor:
+    """megatron-core's ``switch_load_balancing_loss_func`` summed over the layers, from sums over one logical
+    micro-batch (``stats.tokens`` tokens)."""
+    tokens = stats.tokens
+    if tokens == 0:
+        return stats.prob_sum.sum() * 0.0
+    per_layer = torch.sum(stats.prob_sum * stats.counts.to(stats.prob_sum.dtype), dim=-1)
+    return (per_layer * (num_experts * coeff / (topk * tokens * tokens))).sum()
+
+
+class McoreRouters:
+    """The ``TopKRouter`` modules of one megatron-core model in forward order, as the schedule's ``routers``."""
+
+    def __init__(self, model: nn.Module, coeff: float) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.modules: list[nn.Module] = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        if not self.modules:
+            raise ValueError("prefix_megatron: an MoE config without TopKRouter modules in the built model")
+        first = self.modules[0]
+        self.num_experts = int(first.config.num_moe_experts)
+        self.top_k = int(first.topk)
+        self.score_function = first.score_function
+        self.coeff = coeff
+        self.model_name = type(model).__name__
+        self.own_aux = True  # megatron-core's per-call aux: off inside schedule calls
+        self.real_length: int | None = None  # a call padded at the end: its real positions (sequence parallel)
+        for router in self.modules:
+            stock = router.is_aux_loss_enabled
+            router.is_aux_loss_enabled = lambda stock=stock: self.own_aux and stock()
+
+    @contextmanager
+    def own_aux_off(self, real_length: int | None = None) -> Iterator[None]:
+        """A schedule call: the routers add no aux of their own; ``real_length`` positions are real."""
+        saved = self.own_aux, self.real_length
+        self.own_aux, self.real_length = False, real_length
+        try:
+            yield
+        finally:
+            self.own_aux, self.real_length = saved
+
+    @contextmanager
+    def capture(self, on_complete: Callable[[nn.Module], None] | None = None) -> Iterator[list[torch.Tensor | None]]:
+        """Each router's gating logits of one call, batch-major ``[B * L, E]`` over the real positions, graph
+        attached; only a router's first call counts. ``on_complete(router)`` once every router has run."""
+        captured: list[torch.Tensor | None] = [None] * len(self.modules)
+        saved = [router.__dict__.get("gating") for router in self.modules]
+
+        def wrap(i: int, router: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+            stock = type(router).gating.__get__(router)
+
+            def gating(input: torch.Tensor) -> torch.Tensor:
+                logits = stock(input)  # [L, B, E]
+                if captured[i] is None:
+                    real = logits if self.real_length is None else logits[: self.real_length]
+                    captured[i] = real.transpose(0, 1).reshape(-1, self.num_experts)
+                    if on_complete is not None and all(c is not None for c in captured):
+                        on_complete(router)
+                return logits
+
+            return gating
+
+        for i, router in enumerate(self.modules):
+            router.gating = wrap(i, router)
+        try:
+            yield captured
+        finally:
+            for router, before in zip(self.modules, saved):
+                del router.gating
+                if before is not None:
+                    router.gating = before
+
+    def stats(self, logits: list[torch.Tensor | None], valid: torch.Tensor | None = None) -> RouterStats:
+        """Sums over the tokens ``valid`` marks (row-major over the call's ``[B, L]``; None: all), per layer."""
+        from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+        missing = [i for i, lg in enumerate(logits) if lg is None]
+        if missing:
+            raise RuntimeError(f"{self.model_name}: routers {missing} did not run in this forward call")
+        flat = valid.reshape(-1) if valid is not None else None
+        counts, sums, tokens = [], [], 0
+        for layer_logits in logits:
+            if flat is not None:
+                if flat.numel() != layer_logits.shape[0]:
+                    raise RuntimeError(
+                        f"router logits have {layer_logits.shape[0]} rows but the token mask has {flat.numel()}"
+                    )
+                layer_logits = layer_logits[flat.to(layer_logits.device)]
+            routing_map, scores = compute_routing_scores_for_aux_loss(layer_logits, self.top_k, self.score_function)
+            counts.append(routing_map.sum(dim=0))
+            sums.append(scores.sum(dim=0))
+            tokens = layer_logits.shape[0]
+        return RouterStats(counts=torch.stack(counts), prob_sum=torch.stack(sums), tokens=tokens, layers=len(logits))
+
+    def loss(self, stats: RouterStats) -> torch.Tensor:
+        return aux_loss(stats, self.num_experts, self.top_k, self.coeff)
+
+
+def set_aux_scale(scale: torch.Tensor) -> None:
+    """The gradient scale of the routers' own aux (dense rows through verl's ``forward_step``), as megatron-core's
+    schedule sets it before each micro-batch."""
+    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+def aux_tracked() -> float:
+    """megatron-core's logged aux so far (``load_balancing_loss``, summed over layers, without the coefficient)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    return float(entry["values"].sum()) if entry is not None else 0.0
