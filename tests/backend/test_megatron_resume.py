@@ -4,11 +4,11 @@
 Without TransformerEngine or apex, megatron-core's distributed optimizer reads the iteration from torch Adam's
 per-parameter state, which a fresh engine has none of, and the load raised (the platform's
 ``optimizer_fresh_state_dict`` entry); once it loaded, Adam's step came back as the template's (0) in one tensor all
-parameters shared, which Adam then advanced once per parameter (``optimizer_step_load``: the second step ended 2.2e-2
-off). Here one engine steps, saves, and steps again; a fresh engine loads that checkpoint (the weights at the save,
-step 1) and takes the same second step: the weights after it equal the first engine's bit for bit. The control:
-the same load with Adam's moments zeroed afterwards ends elsewhere. One rank, fp32, the distributed optimizer, a tiny
-Qwen3, in a fresh process (the platform patches process-wide).
+parameters shared, which Adam then advanced once per parameter (``optimizer_state_load``'s step copy: the second step
+ended 2.2e-2 off). Here one engine steps, saves, and steps again; a fresh engine loads that checkpoint (the weights at
+the save, step 1) and takes the same second step: the weights after it equal the first engine's bit for bit. The
+control: the same load with Adam's moments zeroed afterwards ends elsewhere. One rank, fp32, the distributed
+optimizer, a tiny Qwen3, in a fresh process (the platform patches process-wide).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -198,6 +199,71 @@ def test_cpu_recipe_megatron_variant(tmp_path):
     for run in (prefix, dense):  # the opt-in in every Ray worker (a string: Ray's env_vars)
         assert run["env_vars"]["VERL_PREFIX_MEGATRON_CPU"] == "1"
         assert run["stock_cpu_factory"] == "build_stock_megatron"
+
+
+def test_gpu_megatron_recipe(tmp_path, tiny_qwen3_dir):
+    """``recipes/grpo_qwen3_megatron_prefix.sh`` composes over ``configs/prefix_grpo_megatron.yaml`` and passes
+    verl's validation; the actor and the reference policy are ``prefix_megatron`` on ``PrefixMcoreEngineConfig`` at
+    TP=4 with sequence parallelism and the distributed optimizer, and nothing in it is refused at start-up: the
+    engine configs as the worker hands them over (``use_fused_kernels`` from the model config) pass ``refusal``, the
+    model config (the tiny Qwen3 for the model type, Qwen3-8B's heads for the TP split) ``model_refusal`` and
+    ``lora_refusal``, the recipe's transformer overrides and MTP settings ``built_model_refusal``."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from verl_prefix.backend.megatron.config import built_model_refusal, lora_refusal, model_refusal, refusal, reuse_of
+    from verl_prefix.config import PrefixMcoreEngineConfig
+
+    env = {"MODEL": str(tiny_qwen3_dir), "DATA": str(tmp_path)}
+    (launch,) = _recorded_launches(tmp_path, "grpo_qwen3_megatron_prefix.sh", env)
+    config = _compose(launch)
+    assert config.trainer.v1.trainer_mode == "prefix_sync" and config.algorithm.adv_estimator == "grpo"
+    assert config.actor_rollout_ref.rollout.name == "vllm" and config.actor_rollout_ref.rollout.n == 8
+    assert config.data.max_prompt_length == 6144 and config.data.train_files == f"{tmp_path}/train.parquet"
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.CUDA_DEVICE_MAX_CONNECTIONS == "1"  # a string: Ray's
+    n_gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert actor.strategy == "prefix_megatron" and actor.use_dynamic_bsz
+    assert isinstance(actor.engine, PrefixMcoreEngineConfig)
+    model = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+    for role in ("actor", "ref"):
+        assert config.actor_rollout_ref[role].strategy == "prefix_megatron", role
+        assert config.actor_rollout_ref[role].megatron._target_ == "verl_prefix.config.PrefixMcoreEngineConfig", role
+        engine = omega_conf_to_dataclass(config.actor_rollout_ref[role].megatron)
+        assert isinstance(engine, PrefixMcoreEngineConfig) and engine.strategy == "prefix_megatron", role
+        assert (engine.tensor_model_parallel_size, engine.sequence_parallel, engine.dtype) == (4, True, "bfloat16")
+        assert engine.use_distributed_optimizer and n_gpus % engine.tensor_model_parallel_size == 0, role
+        assert reuse_of(engine).enable and reuse_of(engine).tree is False, role
+        engine.use_fused_kernels = model.use_fused_kernels  # what verl's worker does before building the engine
+        assert refusal(engine) is None, (role, refusal(engine))
+        assert model_refusal(model.hf_config, engine) is None and lora_refusal(model, engine) is None, role
+        overrides = SimpleNamespace(**engine.override_transformer_config)  # what the recipe sets of the built config
+        assert built_model_refusal(overrides, model) is None, role
+    # the control: an override the engine refuses is seen by the same check
+    offload = _compose([*launch, "actor_rollout_ref.actor.megatron.param_offload=true"])
+    assert "param_offload=True is refused" in refusal(omega_conf_to_dataclass(offload.actor_rollout_ref.actor.megatron))
+    qwen3_8b = Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8)
+    assert model_refusal(qwen3_8b, actor.engine) is None
+    assert qwen3_8b.num_key_value_heads % actor.engine.tensor_model_parallel_size == 0  # megatron-core's TP split
+    # TP=2 and the trie: the reference policy follows both; a TP that does not divide the GPUs stops the recipe
+    env.update(TP="2", TREE="true", MAX_CONNECTIONS="")
+    (launch,) = _recorded_launches(tmp_path / "tp2", "grpo_qwen3_megatron_prefix.sh", env)
+    config = _compose(launch)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in (config.ray_kwargs.ray_init.runtime_env.get("env_vars") or {})
+    for role in ("actor", "ref"):
+        engine = omega_conf_to_dataclass(config.actor_rollout_ref[role].megatron)
+        assert engine.tensor_model_parallel_size == 2 and reuse_of(engine).tree is True, role
+        assert refusal(engine) is None, role
+    no_python = tmp_path / "no_python"  # were the check missed, nothing would launch
+    no_python.mkdir()
+    (no_python / "python").symlink_to(shutil.which("false"))
+    bad = subprocess.run(
+        ["bash", str(ROOT / "recipes" / "grpo_qwen3_megatron_prefix.sh")],
+        env={**os.environ, "TP": "3", "PATH": f"{no_python}:{os.environ['PATH']}"},
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "TP=3 must divide the 8 GPUs" in bad.stderr
 
 
 def test_gpu_rag_recipe(tmp_path, tiny_qwen3_dir):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from verl.base_config import BaseConfig
 from verl.workers.config import FSDPEngineConfig
@@ -36,6 +38,19 @@ def validate_moe_aux_loss_coef(value: object) -> float:
     if not math.isfinite(coef) or coef < 0:
         raise ValueError(f"moe_aux_loss_coef must be a finite number >= 0 (0 turns it off), got {value!r}")
     return coef
+
+
+def post_init_as_stock(
+    config: Any, prefix_strategy: str, stock_strategy: str, parent_post_init: Callable[[], None]
+) -> None:
+    """Run a prefix engine config's parent ``__post_init__`` (``parent_post_init``, e.g. ``super().__post_init__``)
+    with ``strategy`` read as ``stock_strategy`` where it is ``prefix_strategy``, so verl's validation runs unchanged,
+    then put the requested strategy back."""
+    requested = config.strategy
+    if requested == prefix_strategy:
+        object.__setattr__(config, "strategy", stock_strategy)
+    parent_post_init()
+    object.__setattr__(config, "strategy", requested)
 
 
 @dataclass
@@ -160,11 +175,7 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
     dormant_prefix_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        requested = self.strategy
-        if requested == PREFIX_BACKEND:
-            object.__setattr__(self, "strategy", "fsdp2")  # let the parent's validation run unchanged
-        super().__post_init__()
-        object.__setattr__(self, "strategy", requested)
+        post_init_as_stock(self, PREFIX_BACKEND, "fsdp2", super().__post_init__)
         if isinstance(self.prefix_reuse, dict):
             object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
         object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))

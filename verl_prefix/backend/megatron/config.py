@@ -15,7 +15,7 @@ from typing import Any
 
 from verl.workers.config import McoreEngineConfig
 
-from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.backend.config import PrefixReuseConfig, post_init_as_stock
 from verl_prefix.schedule.dormant import validate_policy
 
 MEGATRON_BACKEND = "prefix_megatron"
@@ -37,11 +37,7 @@ class PrefixMcoreEngineConfig(McoreEngineConfig):
     dormant_prefix_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        requested = self.strategy
-        if requested == MEGATRON_BACKEND:
-            object.__setattr__(self, "strategy", "megatron")  # let the parent's validation run unchanged
-        super().__post_init__()
-        object.__setattr__(self, "strategy", requested)
+        post_init_as_stock(self, MEGATRON_BACKEND, "megatron", super().__post_init__)
         validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
 
 

@@ -47,20 +47,21 @@ PATCHES: dict[str, str] = {
     "moe_gating_gemm": "megatron-core 0.16.1's router gating (RouterGatingLinearFunction) tests "
     "`te_general_gemm is not None`, a name moe_utils binds only when TransformerEngine imports (NameError without "
     "it): the name is bound to None, so the gating runs its torch.mm branch.",
-    "optimizer_state_load": "the CPU engine keeps fp32 parameters, so the distributed optimizer's main params are "
-    "views of the model's leaf parameters (bf16 ones on a GPU get separate fp32 copies); loading a checkpoint copies "
-    "into them with grad mode on, which autograd refuses: that copy runs under torch.no_grad().",
+    "optimizer_state_load": "loading a distributed-optimizer checkpoint sets each parameter's main param and Adam "
+    "state (_set_main_param_and_optimizer_states), one wrapper for two reasons. (1) The CPU engine keeps fp32 "
+    "parameters, so the main params are views of the model's leaf parameters (bf16 ones on a GPU get separate fp32 "
+    "copies); the load copies into them with grad mode on, which autograd refuses: that copy runs under "
+    "torch.no_grad(). (2) Without TransformerEngine or apex torch's Adam keeps its iteration as a 'step' tensor in "
+    "each parameter's state; the load sets it from the checkpoint's param groups (megatron-core's design) as one "
+    "tensor shared by every parameter, which Adam then increments once per parameter per step, and copies the "
+    "parameter state over it, whose 'step' is the template's (the fresh engine's 0, or a live engine's own count): "
+    "Adam resumed at the wrong iteration (its bias correction off). Each parameter gets its own copy of the step "
+    "just loaded, which the parameter-state copy keeps.",
     "optimizer_fresh_state_dict": "without TransformerEngine or apex the distributed optimizer wraps torch's Adam and "
     "reads the iteration from its per-parameter state (state_dict asserts exactly one step); verl's resume loads a "
     "checkpoint into a fresh engine, whose optimizer has no state before its first step, and the template state dict "
     "for that load raised: a fresh optimizer's template reads step 0 (the loaded checkpoint replaces it), every other "
     "call is megatron-core's.",
-    "optimizer_step_load": "without TransformerEngine or apex torch's Adam keeps its iteration as a 'step' tensor in "
-    "each parameter's state; loading a distributed-optimizer checkpoint sets it from the checkpoint's param groups "
-    "(megatron-core's design) as one tensor shared by every parameter, which Adam then increments once per parameter "
-    "per step, and copies the parameter state over it, whose 'step' is the template's (the fresh engine's 0, or a "
-    "live engine's own count): Adam resumed at the wrong iteration (its bias correction off). Each parameter gets "
-    "its own copy of the step just loaded, which the parameter-state copy keeps.",
     "cuda_synchronize": "megatron-core's distributed checkpointing (verl's save_checkpoint) calls "
     "torch.cuda.synchronize() before it writes, which raises without CUDA: a no-op (CPU work is synchronous).",
     "cuda_as_cpu_mode": "megatron-core writes device='cuda' literally (optimizer, clip_grads, DDP buffers, schedules) "
@@ -568,21 +569,29 @@ def patch_engine_config() -> None:
 
 
 def patch_optimizer_state_load() -> None:
-    """The distributed optimizer's checkpoint load copies into its main params under ``torch.no_grad()``
-    (``PATCHES['optimizer_state_load']``)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    """The distributed optimizer's parameter-state load (``_set_main_param_and_optimizer_states``, which verl's
+    checkpoint load calls per parameter) keeps the Adam step its ``load_state_dict`` just set from the checkpoint's
+    param groups, and copies into the main params under ``torch.no_grad()`` (``PATCHES['optimizer_state_load']``)."""
+    from megatron.core.optimizer import distrib_optimizer
 
-    stock = DistributedOptimizer._set_main_param_and_optimizer_states
+    stock = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
     if getattr(stock, _MARK, False):
         return
 
     @functools.wraps(stock)
-    def set_states(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
-            return stock(self, *args, **kwargs)
+    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
+        if "step" in tensors and not distrib_optimizer.HAVE_APEX_OR_TE:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if state.get("step") is not None:  # its own tensor, copied onto itself: the loaded step stays
+                step = state["step"] = state["step"].detach().clone()
+                tensors = {**tensors, "step": step}
+        with torch.no_grad():  # fp32 main params on CPU are views of the model's leaf parameters
+            return stock(self, model_param, tensors)
 
     setattr(set_states, _MARK, True)
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     _note("optimizer_state_load")
 
 
@@ -614,34 +623,6 @@ def patch_optimizer_fresh_state_dict() -> None:
     setattr(state_dict, _MARK, True)
     distrib_optimizer.DistributedOptimizer.state_dict = state_dict
     _note("optimizer_fresh_state_dict")
-
-
-_STEP_MARK = "_verl_prefix_megatron_step_load"  # apart from _MARK: optimizer_state_load wraps the same method
-
-
-def patch_optimizer_step_load() -> None:
-    """The distributed optimizer's parameter-state load keeps the Adam step its ``load_state_dict`` just set from
-    the checkpoint's param groups (``PATCHES['optimizer_step_load']``)."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    stock = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(stock, _STEP_MARK, False):
-        return
-
-    @functools.wraps(stock)
-    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
-        if "step" in tensors and not distrib_optimizer.HAVE_APEX_OR_TE:
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            state = self.optimizer.state[main_param]
-            if state.get("step") is not None:  # its own tensor, copied onto itself: the loaded step stays
-                step = state["step"] = state["step"].detach().clone()
-                tensors = {**tensors, "step": step}
-        return stock(self, model_param, tensors)
-
-    setattr(set_states, _STEP_MARK, True)
-    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-    _note("optimizer_step_load")
 
 
 def patch_transformer_overrides() -> None:
@@ -723,7 +704,6 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_transformer_overrides()
     patch_optimizer_state_load()
     patch_optimizer_fresh_state_dict()
-    patch_optimizer_step_load()
     impl = importlib.import_module("verl.workers.engine.megatron.transformer_impl")
     patch_engine_methods(impl)
     register_cpu_engine(impl)

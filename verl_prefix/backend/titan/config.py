@@ -10,7 +10,7 @@ from typing import Any
 
 from verl.workers.config import TorchtitanEngineConfig
 
-from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
+from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig, post_init_as_stock
 from verl_prefix.schedule.dormant import validate_policy
 
 TITAN_BACKEND = "prefix_torchtitan"
@@ -38,11 +38,7 @@ class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
     dormant_prefix_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        requested = self.strategy
-        if requested == TITAN_BACKEND:
-            object.__setattr__(self, "strategy", "torchtitan")  # let the parent's validation run unchanged
-        super().__post_init__()
-        object.__setattr__(self, "strategy", requested)
+        post_init_as_stock(self, TITAN_BACKEND, "torchtitan", super().__post_init__)
         validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
 
 
