@@ -278,6 +278,7 @@ TT = "tests/backend/test_titan_engine.py"
 _TITAN_REFUSALS = f"{TT}::test_refusals_at_config_time"
 TS = "tests/backend/test_titan_schedule.py"
 ME = "tests/backend/test_megatron_engine.py"
+MM = "tests/backend/test_megatron_moe.py"
 _MEGATRON_REFUSALS = f"{ME}::test_refusals_name_the_knob"
 
 MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
@@ -413,7 +414,30 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 "model types qwen2/qwen3 (MoE) only",
                 (f"{TT}::test_model_types_outside_the_allowlist_are_refused_at_build",),
             ),
-            "prefix_megatron": Cell("refused", "model types qwen2/qwen3/llama only", (_MEGATRON_REFUSALS,)),
+            "prefix_megatron": Cell("refused", "model types qwen2/qwen3/llama/qwen3_moe only", (_MEGATRON_REFUSALS,)),
+        },
+    ),
+    (
+        "MoE (expert parallelism, router load balancing)",
+        {
+            "prefix_fsdp2": Cell(
+                "reuses",
+                "HF's aux loss (`moe_aux_loss_coef`) with each prefix counted per row",
+                ("tests/schedule/test_moe.py::test_aux_matches_hf_dense_for_every_partition",),
+            ),
+            "prefix_torchtitan": Cell(
+                "reuses",
+                "EP, TP x EP; the expert-bias token counts per row",
+                (f"{TS}::test_moe_schedule_knob_matches_verl_torchtitan_engine",),
+            ),
+            "prefix_megatron": Cell(
+                "reuses",
+                "EP; megatron-core's aux loss per row (TP=1); expert bias, z-loss, token dropping refused",
+                (
+                    f"{MM}::test_aux_loss_update_matches_verl_megatron_engine",
+                    f"{MM}::test_router_refusals_name_the_knob",
+                ),
+            ),
         },
     ),
     (
@@ -432,7 +456,12 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 ),
             ),
             "prefix_megatron": Cell(
-                "reuses", "TP, DP; refused under PP", (f"{ME}::test_update_and_log_probs_match_verl_megatron_engine",)
+                "reuses",
+                "TP, DP, EP; refused under PP",
+                (
+                    f"{ME}::test_update_and_log_probs_match_verl_megatron_engine",
+                    f"{MM}::test_aux_loss_update_matches_verl_megatron_engine",
+                ),
             ),
         },
     ),
