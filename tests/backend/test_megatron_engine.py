@@ -11,13 +11,18 @@ One prefix engine per layout, its knobs switched between steps (lr 0: every step
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 from pathlib import Path
 
 import pytest
-from helpers.engine_batches import compare_steps, megatron_train_step, phase_c_skipped, shared_system_batch
+from helpers.engine_batches import (
+    compare_steps,
+    megatron_train_step,
+    phase_c_skipped,
+    shared_system_batch,
+    suffix_rope_late,
+)
 from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
@@ -35,20 +40,6 @@ CASES = {
     "recompute": (dict(), "recompute"),
 }
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict()}  # DP is what the world leaves over TP
-
-
-@contextlib.contextmanager
-def _suffix_rope_late():
-    """Negative control: every call that starts past position 0 (phase B, later chunks and nodes) is embedded one
-    position late (a shift of every call alike would change nothing: RoPE is relative)."""
-    from verl_prefix.backend.megatron import causal_lm
-
-    saved = causal_lm.call_offset
-    causal_lm.call_offset = lambda positions: (lambda o: o + 1 if o else o)(saved(positions))
-    try:
-        yield
-    finally:
-        causal_lm.call_offset = saved
 
 
 def _infer(result: dict) -> dict:
@@ -80,7 +71,7 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
         if case in ("one_level", "tree"):  # negative controls
             with phase_c_skipped():
                 out[case]["no_phase_c"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
-            with _suffix_rope_late():
+            with suffix_rope_late():
                 out[case]["rope_late"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
     # sequence parallelism's padding (verl's default at TP > 1 on GPU; the CPU platform turns SP off): every call of
     # the schedule padded to a multiple of 4 at the end, the CPU reference of what SP needs
@@ -231,7 +222,7 @@ def test_refusals_name_the_knob():
     assert "override_transformer_config.recompute_granularity=null" in reason, reason
     for model_type in SERVED_MODEL_TYPES:
         assert model_refusal(CONFIG_MAPPING[model_type](), Config()) is None
-    for model_type in ("qwen2_moe", "deepseek_v3", "gpt_oss", "mistral"):
+    for model_type in ("qwen2_moe", "deepseek_v2", "gpt_oss", "mistral"):
         reason = model_refusal(CONFIG_MAPPING[model_type](), Config())
         assert reason is not None and model_type in reason and "prefix_reuse.enable=false" in reason, reason
     windowed = CONFIG_MAPPING["qwen2"](use_sliding_window=True, sliding_window=16)
@@ -247,13 +238,14 @@ def test_refusals_name_the_knob():
 
 def test_built_model_refusals():
     """What the built model holds that the schedule would leave out is refused at initialisation, with the knob:
-    dropout, the per-token loss regime, sliding windows, attention sinks, MLA, multi-token prediction."""
+    dropout, the per-token loss regime, sliding windows, attention sinks, DeepSeek's sparse attention variant, MLA's
+    latent cache, multi-token prediction (MLA itself is served: ``test_megatron_mla.py``)."""
     from types import SimpleNamespace
 
     from verl_prefix.backend.megatron.config import built_model_refusal
 
     plain = dict(hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=False, window_size=None,
-                 softmax_type="vanilla", multi_latent_attention=False)  # fmt: skip
+                 softmax_type="vanilla", experimental_attention_variant=None, cache_mla_latents=False)  # fmt: skip
     model = SimpleNamespace(mtp=SimpleNamespace(enable=False))
     assert built_model_refusal(SimpleNamespace(**plain), model) is None
     for change, words in (
@@ -261,7 +253,8 @@ def test_built_model_refusals():
         (dict(calculate_per_token_loss=True), "calculate_per_token_loss"),
         (dict(window_size=(128, 0)), "window_size"),
         (dict(softmax_type="learnable"), "attention sinks"),
-        (dict(multi_latent_attention=True), "MLA"),
+        (dict(experimental_attention_variant="dsa"), "sparse attention"),
+        (dict(cache_mla_latents=True), "latent cache"),
     ):
         reason = built_model_refusal(SimpleNamespace(**{**plain, **change}), model)
         assert reason is not None and words in reason and "prefix_reuse.enable=false" in reason, (change, reason)

@@ -85,3 +85,17 @@ def compare_steps(want: dict, got: dict) -> dict:
         "grad_norm": (want["grad_norm"], got["grad_norm"]),
         "metrics": reduced(got["metrics"]),
     }
+
+
+@contextlib.contextmanager
+def suffix_rope_late() -> Iterator[None]:
+    """Negative control: every call that starts past position 0 (phase B, later chunks and nodes) is embedded one
+    position late (a shift of every call alike would change nothing: RoPE is relative)."""
+    from verl_prefix.backend.megatron import causal_lm
+
+    saved = causal_lm.call_offset
+    causal_lm.call_offset = lambda positions: (lambda o: o + 1 if o else o)(saved(positions))
+    try:
+        yield
+    finally:
+        causal_lm.call_offset = saved

@@ -65,19 +65,39 @@ def pad_tokens(input_ids: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 class RotaryOffset:
-    """megatron-core's ``RotaryEmbedding`` of one model, its ``forward`` shifted by ``offset`` while set."""
+    """megatron-core's rotary embeddings of one model, shifted by ``offset`` while set: the model's
+    ``RotaryEmbedding``, or under MLA (which embeds positions inside each layer's attention, YaRN among them) every
+    layer's own. Both their ``forward`` and the fused path's ``get_cached_cos_sin`` take the offset."""
 
     def __init__(self, model: nn.Module) -> None:
-        rotary = getattr(model, "rotary_pos_emb", None)
-        if rotary is None or getattr(model, "position_embedding_type", None) != "rope":
-            raise ValueError("prefix_megatron: only megatron-core's RoPE models are served (position_embedding_type)")
         self.offset = 0
+        if getattr(model, "position_embedding_type", None) != "rope":
+            raise ValueError("prefix_megatron: only megatron-core's RoPE models are served (position_embedding_type)")
+        rotaries = [getattr(model, "rotary_pos_emb", None)]
+        if rotaries[0] is None:  # MLA: one rotary embedding per layer's attention
+            rotaries = [getattr(layer.self_attention, "rotary_pos_emb", None) for layer in model.decoder.layers]
+        if not rotaries or any(r is None for r in rotaries):
+            raise ValueError("prefix_megatron: a RoPE model without megatron-core rotary embeddings")
+        for rotary in rotaries:
+            self._shift(rotary)
+
+    def _shift(self, rotary: nn.Module) -> None:
         original = rotary.forward
 
-        def forward(max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def forward(max_seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> Any:
             return original(max_seq_len, offset + self.offset, *args, **kwargs)  # positions offset.. offset + len
 
         rotary.forward = forward
+        cached = getattr(rotary, "get_cached_cos_sin", None)
+        if cached is None:
+            return
+
+        def get_cached_cos_sin(seq_len: int, offset: int = 0, *args: Any, **kwargs: Any) -> Any:
+            shift = self.offset  # the cache is keyed by the shifted offset; its fill calls forward unshifted
+            with self.at(0):
+                return cached(seq_len, offset + shift, *args, **kwargs)
+
+        rotary.get_cached_cos_sin = get_cached_cos_sin
 
     @contextmanager
     def at(self, offset: int) -> Iterator[None]:

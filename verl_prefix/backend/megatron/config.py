@@ -103,7 +103,7 @@ def refusal(config: Any) -> str | None:
 
 
 # what megatron-core runs as plain causal attention with RoPE: the model types served, and why others are not
-SERVED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+SERVED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3")
 
 
 def model_refusal(hf_config: Any, config: Any) -> str | None:
@@ -112,7 +112,7 @@ def model_refusal(hf_config: Any, config: Any) -> str | None:
         return None
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
-        why = "not served by prefix_megatron yet (MLA, windows, other MoE families, multimodal towers)"
+        why = "not served by prefix_megatron yet (windows, other MoE and MLA families, multimodal towers)"
     elif getattr(hf_config, "use_sliding_window", False):
         why = "sliding-window attention is not served by prefix_megatron yet"
     else:
@@ -154,7 +154,8 @@ def built_model_refusal(tf_config: Any, model_config: Any) -> str | None:
         ("calculate_per_token_loss", "megatron-core's per-token loss regime (its CP / MoE path) is not built"),
         ("window_size", "sliding-window attention: the schedule's attention would see the whole prefix"),
         ("softmax_type", "attention sinks (a softmax other than vanilla): the schedule's attention has none"),
-        ("multi_latent_attention", "MLA is not served by prefix_megatron yet"),
+        ("experimental_attention_variant", "a sparse attention variant (DeepSeek's DSA) the schedule does not run"),
+        ("cache_mla_latents", "MLA's latent cache is an inference path"),
     )
     for key, why in checks:
         value = getattr(tf_config, key, None)

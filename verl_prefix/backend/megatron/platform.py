@@ -73,9 +73,17 @@ PATCHES: dict[str, str] = {
     "init and dropout fork them): a tracker of CPU generator states with the same seeds and names.",
     "local_attention": "without TransformerEngine the layers use megatron-core's local DotProductAttention, which "
     "refuses THD (packed_seq_params) and wants a [b, 1, sq, sk] True=masked mask; verl passes THD cu_seqlens "
-    "(use_remove_padding) or a [b, s] True=valid mask: both become a dense causal-per-sequence mask.",
+    "(use_remove_padding) or a [b, s] True=valid mask: both become a dense causal-per-sequence mask. MLA builds it "
+    "with k_channels / v_channels (TE's signature), which the local one lacks: accepted, its keys and values one "
+    "per head, as MLA expands them, and its context as wide as the values it is given (MLA's v_head_dim, or the "
+    "query's where verl's MLA patch pads them); its matmuls already follow the tensors' widths and MLA passes its own "
+    "softmax scale.",
     "bridge_import": "Megatron-Bridge 0.3.1 imports transformer_engine.pytorch at module level (its LoRA layers): it "
     "is imported with a transient stub in sys.modules, removed afterwards, so megatron-core never sees TE.",
+    "te_flags": "without TransformerEngine megatron-core's extensions module binds its TE classes to MagicMocks, so "
+    "modules importing them (multi_latent_attention among them) set HAVE_TE = True and then fail isinstance checks; "
+    "the Megatron-Bridge modules that tried `import transformer_engine` under the import stub did the same (the "
+    "DeepSeek bridges then build TE's block spec): every such HAVE_TE reads False.",
     "bridge_local_spec": "Megatron-Bridge's default layer spec is TransformerEngine's: the local spec.",
     "bridge_tp_scatter": "Megatron-Bridge's loader splits row-parallel weights with torch.chunk(dim=1) and scatters "
     "the views over the TP group; gloo sends a non-contiguous view's raw storage, so TP >= 2 loads wrong weights "
@@ -87,7 +95,9 @@ PATCHES: dict[str, str] = {
     "transformer_overrides": "verl sets attention_backend=flash (Megatron-Bridge) and mbridge sets sequence_parallel "
     "whenever TP > 1: attention_backend defaults to local and sequence_parallel is off. Megatron-Bridge's MoE "
     "providers turn on TransformerEngine's fused permutation and router kernels and grouped GEMM experts (the "
-    "grouped_gemm CUDA package): off, so the experts run megatron-core's SequentialMLP.",
+    "grouped_gemm CUDA package): off, so the experts run megatron-core's SequentialMLP; so is apex's persistent "
+    "layer norm and apex's gradient-accumulation fusion (the DeepSeek providers set them; torch's norms and "
+    "megatron-core's linear layers refuse them without apex).",
     "engine_registry": "verl registers its Megatron engine for cuda/npu only: it is registered for cpu too.",
 }
 
@@ -388,6 +398,8 @@ def patch_local_attention() -> None:
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
+        # the context is heads x the values' width (MLA's v_head_dim, or q's where verl's MLA patch pads it)
+        self.hidden_size_per_partition = self.num_attention_heads_per_partition * value.shape[-1]
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
@@ -400,8 +412,18 @@ def patch_local_attention() -> None:
             attention_mask = padded_causal_mask(attention_mask)
         return stock(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
+    stock_init = DotProductAttention.__init__
+
+    def __init__(
+        self: Any, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kw: Any
+    ) -> None:
+        stock_init(self, *args, **kw)
+        if v_channels is not None:  # MLA: its keys and values come one per head
+            self.num_query_groups_per_partition = self.num_attention_heads_per_partition
+
     setattr(forward, _MARK, True)
     DotProductAttention.forward = forward
+    DotProductAttention.__init__ = __init__
     _note("local_attention")
 
 
@@ -451,6 +473,18 @@ def import_megatron_bridge() -> types.ModuleType:
                 sys.modules[name] = module
     _note("bridge_import")
     return bridge
+
+
+def patch_te_flags() -> None:
+    """``HAVE_TE`` reads False in every megatron module that set it without TransformerEngine (``PATCHES``)."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    with contextlib.suppress(ImportError):
+        importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "HAVE_TE", False) is True:
+            module.HAVE_TE = False
+    _note("te_flags")
 
 
 def patch_bridge_local_spec() -> None:
@@ -637,7 +671,8 @@ def patch_transformer_overrides() -> None:
         args = dict(args)
         args.setdefault("attention_backend", "local")
         args["sequence_parallel"] = False
-        for kernel in ("moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm"):
+        kernels = ("moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm", "persist_layer_norm")
+        for kernel in (*kernels, "gradient_accumulation_fusion"):
             args[kernel] = False
         return stock(args)
 
@@ -697,6 +732,7 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_rng_tracker()
     patch_local_attention()
     import_megatron_bridge()
+    patch_te_flags()
     patch_bridge_local_spec()
     patch_bridge_tp_scatter()
     patch_mbridge_local_spec()
