@@ -39,6 +39,8 @@ reference log-prob passes), fall back nowhere and match the stock twin's gradien
   twin compute, which is what this test asserts.
 
 Both recipes' batch sizes and ``rollout.n`` are the job's (a 2-core machine), and their strategy is the twin's.
+Measured 2026-12-05 on the 2-vCPU VM (``-n 0``): 102 s for the Qwen3.5 pair, 111 s for GPT-OSS; gradient norms
+equal to 7 digits on both steps (Qwen3.5 step 1: 6.892369 stock, 6.892370 prefix, 1.4e-7 relative).
 """
 
 from __future__ import annotations
