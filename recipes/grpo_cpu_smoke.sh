@@ -13,13 +13,19 @@
 #                                                       # MODE=dense: verl's own TorchTitan engine
 #   ENGINE=megatron bash recipes/grpo_cpu_smoke.sh      # prefix_megatron at TP=2 on a tiny Qwen3 (docs/megatron.md);
 #                                                       # MODE=dense: verl's own Megatron engine
+#   FAMILY=qwen3_5 bash recipes/grpo_cpu_smoke.sh       # a tiny Qwen3.5 decoder (gated delta-net + full attention)
+#                                                       # under verl's run_qwen3_5_2b_openr1_fsdp.sh training knobs
+#   FAMILY=gpt_oss bash recipes/grpo_cpu_smoke.sh       # a tiny GPT-OSS (windows, sinks, experts; eager attention)
+#                                                       # under verl's run_gpt_oss_20b_fsdp.sh training knobs
 #
 # Two launches of main_ppo: steps 1..SAVE_AT saving a checkpoint at SAVE_AT, then a resumed run to STEPS.
 # Metrics go to the console and to $OUT/metrics_{first,resumed}.jsonl (verl's file logger).
 # Env: OUT (outputs/grpo_cpu_smoke), STEPS (3), SAVE_AT (STEPS-1), MODE (prefix|dense), NNODES (1),
 # GPUS_PER_NODE (actor ranks per node, 2), PYTHON (python), TASK (text|agentic|vl), ENGINE (fsdp2|torchtitan|megatron), TP
-# (torchtitan's or megatron's tensor-parallel size, 2; the other ranks shard data). With RAY_ADDRESS set, main_ppo joins that cluster instead of
-# starting one (docs/multinode.md). Extra arguments are passed to both launches.
+# (torchtitan's or megatron's tensor-parallel size, 2; the other ranks shard data), FAMILY (the text task's model under
+# ENGINE=fsdp2: llama by default; qwen3_5 or gpt_oss add the training-side overrides of verl 0.9's FSDP GRPO recipe for
+# that family, below). With RAY_ADDRESS set, main_ppo joins that cluster instead of starting one (docs/multinode.md).
+# Extra arguments are passed to both launches (after the family's overrides: they win).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +39,7 @@ PYTHON="${PYTHON:-python}"
 TASK="${TASK:-text}"
 ENGINE="${ENGINE:-fsdp2}"
 TP="${TP:-2}"
+FAMILY="${FAMILY:-}"
 
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -127,6 +134,50 @@ case "$TASK" in
     reward.custom_reward_function.path=pkg://verl_prefix.tools.smoke.vl) ;;
   *) echo "TASK must be text, agentic or vl, got $TASK" >&2; exit 2 ;;
 esac
+# verl 0.9's FSDP GRPO recipe of a family, its training-side overrides (actor, reference, model) as the recipe sets
+# them, but for: the strategy (fsdp2 in the recipe: the twin's choice here, fsdp2 or prefix_fsdp2), the job's size
+# (train and mini-batch sizes, rollout.n: the smoke job's, or the test's), and bf16 (fp32 here, as the hf rollout
+# samples: the twins compare gradient norms at 1e-4, which bf16 rounding, 1e-3, does not meet; docs/cpu.md). The
+# offload knobs are passed as the recipe sets them and change nothing on CPU (the parameters live there already).
+case "$FAMILY" in
+  "" | llama) family_args=() ;;
+  # examples/grpo_trainer/run_qwen3_5_2b_openr1_fsdp.sh (the padded layout: its 27B/35B twins' use_remove_padding=true
+  # is refused beside reuse for a decoder whose delta-net layers verl does not patch, qwen3_5_text; docs/cpu.md)
+  qwen3_5) family=qwen3_5
+    family_args=(actor_rollout_ref.model.use_remove_padding=false actor_rollout_ref.model.enable_gradient_checkpointing=true
+      actor_rollout_ref.actor.optim.lr=5e-7 actor_rollout_ref.actor.use_dynamic_bsz=false
+      actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1
+      actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1
+      actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.entropy_coeff=0
+      actor_rollout_ref.actor.kl_loss_coef=0.02 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+      actor_rollout_ref.actor.use_torch_compile=false actor_rollout_ref.actor.fsdp_config.fsdp_size=8
+      actor_rollout_ref.actor.fsdp_config.reshard_after_forward=true actor_rollout_ref.actor.fsdp_config.entropy_checkpointing=true
+      actor_rollout_ref.actor.entropy_from_logits_with_chunking=true actor_rollout_ref.actor.fsdp_config.offload_policy=true
+      actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1
+      actor_rollout_ref.actor.fsdp_config.param_offload=true actor_rollout_ref.actor.fsdp_config.optimizer_offload=true
+      actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false actor_rollout_ref.ref.fsdp_config.param_offload=false
+      actor_rollout_ref.ref.fsdp_config.reshard_after_forward=true actor_rollout_ref.ref.entropy_from_logits_with_chunking=true
+      actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=1 actor_rollout_ref.ref.use_torch_compile=false
+      actor_rollout_ref.ref.fsdp_config.offload_policy=false actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false
+      trainer.balance_batch=false) ;;
+  # examples/grpo_trainer/run_gpt_oss_20b_fsdp.sh, whose checkpoint is saved for eager attention (transformers has
+  # no sdpa for GPT-OSS: its sinks; the hf rollout follows the actor's eager). Its micro-batches of 32 rows are the
+  # job's size: verl asserts a pass's rows divide by it (the smoke job's 8 rows are one micro-batch, as 32 are of
+  # the recipe's 160 per GPU a fifth). MODE=dense packs GPT-OSS wrongly in transformers 5.10.4 (its forward builds
+  # masks without the position ids that mark packed sequences: each attends to the ones before it in the row); the
+  # test runs that stock twin padded (tests/tools/test_main_ppo_families_cpu.py)
+  gpt_oss) family=gpt_oss
+    family_args=(actor_rollout_ref.model.override_config.attn_implementation=eager
+      actor_rollout_ref.model.use_remove_padding=true actor_rollout_ref.model.enable_gradient_checkpointing=true
+      actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.use_kl_loss=true
+      actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+      actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.fsdp_config.param_offload=false
+      actor_rollout_ref.actor.fsdp_config.optimizer_offload=false actor_rollout_ref.ref.fsdp_config.param_offload=true) ;;
+  *) echo "FAMILY must be llama, qwen3_5 or gpt_oss, got $FAMILY" >&2; exit 2 ;;
+esac
+if [[ -n "$FAMILY" && "$FAMILY" != llama && ( "$ENGINE" != fsdp2 || "$TASK" != text ) ]]; then
+  echo "FAMILY=$FAMILY runs ENGINE=fsdp2 TASK=text" >&2; exit 2
+fi
 cluster=()
 if [[ -n "${RAY_ADDRESS:-}" ]]; then
   cluster=(ray_kwargs.ray_init.num_cpus=null)  # joining a cluster: its nodes declare their own CPUs
@@ -145,8 +196,8 @@ main_ppo() {
     trainer.n_gpus_per_node="$GPUS_PER_NODE" \
     trainer.default_local_dir="$OUT/checkpoints" \
     trainer.logger='[console,file]' \
-    trainer.experiment_name="grpo_cpu_smoke_${TASK}_${ENGINE}_$MODE" \
-    "${twin[@]}" ${task[@]+"${task[@]}"} ${cluster[@]+"${cluster[@]}"} "$@"
+    trainer.experiment_name="grpo_cpu_smoke_${TASK}_${ENGINE}_${family}_$MODE" \
+    "${twin[@]}" ${task[@]+"${task[@]}"} ${family_args[@]+"${family_args[@]}"} ${cluster[@]+"${cluster[@]}"} "$@"
 }
 
 # The job's runtime env carries these to its Ray workers, also on a cluster started elsewhere (where workers
@@ -160,4 +211,4 @@ if (( STEPS > SAVE_AT )); then
   main_ppo "$(job_env metrics_resumed.jsonl)" \
     trainer.total_training_steps="$STEPS" trainer.save_freq=-1 trainer.resume_mode=auto "$@"
 fi
-echo "grpo_cpu_smoke ($TASK, $ENGINE, $MODE): $STEPS steps in $((SECONDS - start)) s; metrics in $OUT/metrics_*.jsonl"
+echo "grpo_cpu_smoke ($TASK, $ENGINE, $family, $MODE): $STEPS steps in $((SECONDS - start)) s; metrics in $OUT/metrics_*.jsonl"

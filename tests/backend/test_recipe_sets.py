@@ -5,7 +5,8 @@ and every gradient within 1e-5 relative).
 
 This is the engine-level check: each recipe end to end through ``main_ppo`` (Ray, rollout, reward) takes minutes
 per recipe on the CPUs these tests run on, too slow for CI; ``tests/tools/test_main_ppo_cpu.py`` covers the
-trainer path once.
+trainer path once, and ``tests/tools/test_main_ppo_families_cpu.py`` the Qwen3.5 and GPT-OSS recipes' overrides
+on tiny models of their families.
 """
 
 from __future__ import annotations

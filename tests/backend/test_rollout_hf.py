@@ -182,3 +182,28 @@ def test_text_model_refuses_images(server):
     srv, _ = server
     with pytest.raises(NotImplementedError, match="vision-language"):
         srv.image_inputs(PROMPT, ["an image"])
+
+
+def test_eager_actor_gets_an_eager_rollout_with_its_sinks_and_windows(tmp_path):
+    """GPT-OSS has no sdpa in transformers; with the actor's ``attn_implementation=eager`` the server generates
+    eagerly, its log-probs the actor's (attention sinks and the 16-token window applied) past the window."""
+    from verl.workers.config import RolloutConfig
+
+    assert rollout_hf.rollout_attention({"attn_implementation": "eager"}) == "eager"
+    assert rollout_hf.rollout_attention({"attn_implementation": "flash_attention_2"}) == "sdpa"
+    assert rollout_hf.rollout_attention({}) == "sdpa"
+    model_dir = tiny_models.write_tiny_model(tmp_path / "gpt_oss", "gpt_oss")
+    config = RolloutConfig(name="hf", dtype="float32", prompt_length=32, response_length=12, calculate_log_probs=True)
+    model_config = OmegaConf.create(
+        {"path": str(model_dir), "trust_remote_code": False, "override_config": {"attn_implementation": "eager"}}
+    )
+    srv = rollout_hf.HFRolloutServer(config=config, model_config=model_config, replica_rank=0)
+    assert srv.model.config._attn_implementation == "eager"
+    prompt = [2] + list(range(10, 39))  # 30 tokens: past the window
+    out = srv._generate(prompt, {"logprobs": True, "temperature": 1.0}, 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    want = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.log_probs), want, rtol=1e-5, atol=1e-5)

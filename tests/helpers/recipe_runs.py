@@ -83,16 +83,24 @@ def ray_tmpdir(name: str) -> str:
 
 
 def run_dense_and_prefix(
-    tmp_path_factory, name: str, *, steps: int, env: dict, args: Sequence[str] = ()
+    tmp_path_factory,
+    name: str,
+    *,
+    steps: int,
+    env: dict,
+    args: Sequence[str] = (),
+    dense_args: Sequence[str] = (),
 ) -> dict[str, Path]:
     """The recipe's dense and prefix launches started together (each in its own local Ray cluster), each waited
-    for: ``{"dense": out, "prefix": out}``. Both are killed if either fails."""
+    for: ``{"dense": out, "prefix": out}``; ``dense_args`` go to the dense launch only, after ``args``. Both are
+    killed if either fails."""
     procs = {}
     try:
         for mode in ("dense", "prefix"):
             out = tmp_path_factory.mktemp(f"{name}_{mode}")
             run_env = {**env, "RAY_TMPDIR": ray_tmpdir(f"{name}_{mode}")}
-            procs[mode] = (start_recipe(out, mode=mode, steps=steps, save_at=steps, env=run_env, args=args), out)
+            mode_args = (*args, *dense_args) if mode == "dense" else tuple(args)
+            procs[mode] = (start_recipe(out, mode=mode, steps=steps, save_at=steps, env=run_env, args=mode_args), out)
         for proc, out in procs.values():
             finish_recipe(proc, out)
         return {mode: out for mode, (_, out) in procs.items()}

@@ -5,9 +5,22 @@ Each mode runs twice (``recipes/grpo_cpu_smoke.sh``, one step on two data-parall
 (``fsdp2``) and the prefix run, which must reuse, keep every group whole (``actor/prefix/split_groups`` 0) and,
 under the legacy trainer, match the stock twin's rollouts and gradient norm (colocate_async's twins sample
 different rollouts). ``sync`` runs in ``test_main_ppo_cpu.py`` and the CPU GRPO loop (``test_grpo_loop_ray.py``).
-``separate_async`` needs a standalone rollout pool beside the trainer's ranks (``trainer.hybrid_engine=false``,
-verl's separate rollout resources): its balancing is the same wrapped method, tested at the trainer level in
-``tests/backend/test_trainer_balance.py``."""
+``separate_async`` needs a standalone rollout pool beside the trainer's ranks
+(``actor_rollout_ref.hybrid_engine=false``, ``rollout.nnodes``/``rollout.n_gpus_per_node``): its balancing is the same
+wrapped method, tested at the trainer level in ``tests/backend/test_trainer_balance.py``. It does not run end to end on
+CPU (tried 2026-12-05 through ``recipes/grpo_cpu_smoke.sh`` with those keys and
+``trainer.v1.separate_async.parameter_sync_step=1``): the standalone replicas take the actor's weights through a
+checkpoint engine, and verl 0.9.1 has none for CPU.
+``PPOTrainerSeparateAsync.__init__`` (``verl/trainer/ppo/v1/trainer_separate_async.py``, line 68) refuses the
+in-worker one, ``AssertionError: please use nccl/nixl/mooncake, etc. backend for separate async training`` with
+``checkpoint_engine.backend=naive``; with ``nccl`` the actor's ``init_model`` stops in
+``CheckpointEngineRegistry.get`` (``verl/checkpoint_engine/base.py``, line 98): ``Checkpoint engine nccl not
+registered, registered backends: ['naive']``, every other backend's module failing to import (``cupy`` for nccl,
+nixl and delta_sharded; ``vllm`` for hccl; ``mooncake``; ``checkpoint_engine`` for kimi), and each of them moves
+weights over NCCL, HCCL or RDMA, not gloo. Running it would take a gloo (or object-store) checkpoint engine
+registered through ``checkpoint_engine.custom_backend_module``, and the ``hf`` rollout's standalone replicas
+receiving weights from it (today its server takes them only from the adapter inside the actor workers, the naive
+path)."""
 
 from __future__ import annotations
 

@@ -125,6 +125,48 @@ def test_cpu_recipe_torchtitan_variant(tmp_path):
     assert bad.returncode == 2 and "TP=3 must divide the 2 actor ranks" in bad.stderr
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_cpu_recipe_family_variants(tmp_path, family):
+    """``FAMILY=qwen3_5|gpt_oss``: the smoke model of that family and the training-side overrides of verl's FSDP
+    recipe for it compose over the smoke overlay and pass verl's validation, in both twins (each on its engine)."""
+    env = {"FAMILY": family, "OUT": str(tmp_path / "out"), "STEPS": "2", "SAVE_AT": "2", "MODE": "prefix"}
+    (launch,) = _recorded_launches(tmp_path, "grpo_cpu_smoke.sh", env)
+    config = _compose(launch)
+    env["MODE"] = "dense"
+    (dense_launch,) = _recorded_launches(tmp_path / "dense", "grpo_cpu_smoke.sh", env)
+    dense = _compose(dense_launch)
+    assert config.actor_rollout_ref.actor.strategy == "prefix_fsdp2"
+    assert dense.actor_rollout_ref.actor.strategy == "fsdp2"
+    for run in (config, dense):
+        actor, ref, model = run.actor_rollout_ref.actor, run.actor_rollout_ref.ref, run.actor_rollout_ref.model
+        assert actor.use_kl_loss and actor.kl_loss_type == "low_var_kl" and actor.entropy_coeff == 0
+        assert model.enable_gradient_checkpointing
+        assert actor.fsdp_config.model_dtype == "fp32"  # the recipe's bf16 is not taken (docs/cpu.md)
+        if family == "qwen3_5":
+            assert (actor.kl_loss_coef, actor.optim.lr, actor.ppo_micro_batch_size_per_gpu) == (0.02, 5e-7, 1)
+            fsdp = actor.fsdp_config
+            assert fsdp.offload_policy and fsdp.param_offload and fsdp.entropy_checkpointing and fsdp.fsdp_size == 8
+            assert actor.entropy_from_logits_with_chunking
+            assert ref.log_prob_micro_batch_size_per_gpu == 1 and not run.trainer.balance_batch
+            assert not model.use_remove_padding  # the 2B recipe's padded layout
+        else:
+            assert (actor.kl_loss_coef, actor.optim.lr) == (0.001, 1e-6) and ref.fsdp_config.param_offload
+            assert model.use_remove_padding and model.override_config.attn_implementation == "eager"
+    calls = [json.loads(line) for line in (tmp_path / "args.jsonl").read_text().splitlines()]
+    (smoke_data,) = [c for c in calls if "smoke-data" in c]
+    assert smoke_data[smoke_data.index("--family") + 1] == family
+    for bad_env, message in (
+        ({"ENGINE": "torchtitan"}, "runs ENGINE=fsdp2 TASK=text"),
+        ({"FAMILY": "x"}, "FAMILY must"),
+    ):
+        bad = subprocess.run(
+            ["bash", str(ROOT / "recipes" / "grpo_cpu_smoke.sh")],
+            env={**os.environ, "FAMILY": family, "OUT": str(tmp_path / "bad"), "PYTHON": "false", **bad_env},
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
 # ``_compose`` of a recorded launch in a fresh interpreter that imports verl with the recipe's environment (the
 # Megatron CPU opt-in changes verl's config validation in the process that sets it), and what the engines get
 _COMPOSE_MEGATRON = """

@@ -121,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     smoke.add_argument(
         "--family",
-        choices=("llama", "qwen3"),
+        choices=("llama", "qwen3", "qwen3_5", "gpt_oss"),
         default="llama",
-        help="--task text's model: llama (default) or qwen3 (the TorchTitan engines': torchtitan builds qwen3)",
+        help="--task text's model: llama (default), qwen3 (the TorchTitan and Megatron engines'), qwen3_5 "
+        "(Qwen3.5's gated delta-net decoder) or gpt_oss (sliding windows, attention sinks, experts)",
     )
     smoke.add_argument("--train", type=_positive_int, default=64, help="training prompts (default 64)")
     smoke.add_argument("--test", type=_positive_int, default=8, help="validation prompts (default 8)")

@@ -94,6 +94,15 @@ def _seed_book_class() -> Any:
     return ray.remote(SeedBook)
 
 
+def rollout_attention(override_config: Any) -> str:
+    """The attention implementation the rollout generates with: the actor's ``eager`` where the model config asks
+    for it (GPT-OSS has no sdpa in transformers, and sdpa would drop its attention sinks, which eager applies: the
+    sampler's log-probs would not be the actor's), else ``sdpa`` (verl's default, flash_attention_2, has no CPU
+    kernel)."""
+    asked = (override_config or {}).get("attn_implementation")
+    return "eager" if asked == "eager" else "sdpa"
+
+
 class HFRolloutServer:
     """One replica's generation server: an HF causal LM on CPU behind verl's token-in/token-out interface."""
 
@@ -109,7 +118,10 @@ class HFRolloutServer:
         vision = getattr(AutoConfig.from_pretrained(path, trust_remote_code=remote), "vision_config", None)
         auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
         self.model = auto.from_pretrained(
-            path, dtype=_torch_dtype(config.dtype), attn_implementation="sdpa", trust_remote_code=remote
+            path,
+            dtype=_torch_dtype(config.dtype),
+            attn_implementation=rollout_attention(model_config.override_config),
+            trust_remote_code=remote,
         )
         self.model.eval()
         self.processor: Any = None
@@ -452,4 +464,12 @@ def is_registered() -> bool:
     )
 
 
-__all__ = ["HFReplica", "HFRolloutServer", "HFServerAdapter", "ROLLOUT_NAME", "is_registered", "register"]
+__all__ = [
+    "HFReplica",
+    "HFRolloutServer",
+    "HFServerAdapter",
+    "ROLLOUT_NAME",
+    "is_registered",
+    "register",
+    "rollout_attention",
+]

@@ -6,6 +6,10 @@
   (``tiny_models.write_tiny_model``), plus a chat template, because verl's agent loop builds every prompt with
   ``apply_chat_template``; with ``--family qwen3`` a Qwen3 of the same size (what the TorchTitan engines take:
   torchtitan has a qwen3 model and no Llama of Qwen's layout), whose tokenizer also has a newline token;
+  ``--family qwen3_5``: Qwen3.5's decoder (``qwen3_5_text``: a gated delta-net layer, then a full-attention
+  one); ``--family gpt_oss``: GPT-OSS (a 16-token sliding-window layer, then a full one, attention sinks, 4
+  experts, 2 per token). Both keep the word-level tokenizer: verl's agent loop builds their prompts with its
+  generic and GPT-OSS token builders, which need no newline token;
 - ``DIR/data/train.parquet`` and ``DIR/data/test.parquet`` in verl's RL dataset format, the columns
   ``examples/data_preprocess/gsm8k.py`` writes: ``data_source``, ``prompt`` (chat messages), ``ability``,
   ``reward_model`` (``{"style": "rule", "ground_truth": ...}``) and ``extra_info``
@@ -60,7 +64,15 @@ def newline_tokenizer(dir: str | os.PathLike, vocab_size: int) -> Path:
     return out
 
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "qwen3_5", "gpt_oss")
+# smoke family -> (``tiny_models`` family, its extra config): Qwen3.5's decoder needs a full-attention layer beside
+# its delta-net one in two layers (its default puts one in every fourth)
+_TINY = {
+    "llama": ("llama", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_5": ("qwen3_5_text", {"layer_types": ["linear_attention", "full_attention"]}),
+    "gpt_oss": ("gpt_oss", {}),
+}
 
 
 def write_smoke_model(out: str | os.PathLike, *, seed: int = 0, family: str = "llama") -> Path:
@@ -68,13 +80,18 @@ def write_smoke_model(out: str | os.PathLike, *, seed: int = 0, family: str = "l
 
     Llama-style by default: verl's agent loop picks its token builder by ``model_type``, and the Qwen builders
     expect Qwen's newline token, which a word-level tokenizer does not have. ``family="qwen3"`` (the TorchTitan
-    engines' smoke model) gives the tokenizer one, at the last id (``newline_tokenizer``).
+    engines' smoke model) gives the tokenizer one, at the last id (``newline_tokenizer``). ``"qwen3_5"`` is
+    Qwen3.5's text decoder (``qwen3_5_text``, which no builder of verl's names: the generic one) and ``"gpt_oss"``
+    GPT-OSS (its builder only formats tool turns), both with the plain word-level tokenizer.
     """
     from verl_prefix.harness.tiny_models import write_tiny_model
 
     if family not in FAMILIES:
         raise ValueError(f"the smoke model is one of {FAMILIES}, got {family!r}")
-    path = write_tiny_model(out, family, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=seed)
+    tiny, extra = _TINY[family]
+    path = write_tiny_model(
+        out, tiny, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=seed, extra_config=extra
+    )
     if family == "qwen3":
         newline_tokenizer(path, VOCAB_SIZE)
     config_path = path / "tokenizer_config.json"
