@@ -414,7 +414,9 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 "model types qwen2/qwen3 (MoE) only",
                 (f"{TT}::test_model_types_outside_the_allowlist_are_refused_at_build",),
             ),
-            "prefix_megatron": Cell("refused", "model types qwen2/qwen3/llama/qwen3_moe only", (_MEGATRON_REFUSALS,)),
+            "prefix_megatron": Cell(
+                "refused", "model types qwen2/qwen3/llama/qwen3_moe/deepseek_v3 only", (_MEGATRON_REFUSALS,)
+            ),
         },
     ),
     (
