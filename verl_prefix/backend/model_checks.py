@@ -1,12 +1,14 @@
 """What a model's modules say about reuse, read off the HF model itself (no batch): dropout, reentrant
 checkpointing and activation offload (each a reason a training mini-batch runs dense, ``backend.fallbacks``),
-the sliding windows attention is handed and the ones the config declares, and RoPE whose frequencies follow
-the call's length."""
+the sliding windows attention is handed and the ones the config declares, RoPE whose frequencies follow
+the call's length, and a decoder that builds its attention masks without the position ids (packed rows)."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 from collections.abc import Iterator
 
 import torch
@@ -186,3 +188,77 @@ def undeclared_windows(model: nn.Module) -> list[int]:
     the config disagree, and reuse cannot tell which one the dense model's masks follow."""
     carried = set(attention_windows(model))
     return [window for window in declared_windows(model) if window not in carried]
+
+
+# transformers' mask builders: given the position ids they find packed sequences (positions restarting at 0)
+MASK_BUILDERS = frozenset({"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"})
+
+
+def packed_masks_without_positions(model: nn.Module) -> str | None:
+    """The class of a module whose forward builds attention masks without the position ids, or None.
+
+    Under verl's remove-padding layout a micro-batch's sequences are one row, told apart only by position ids that
+    restart at 0; transformers' mask builders find those sequences only when given the position ids. A decoder
+    that builds its masks without them (transformers 5.10.4: ``GptOssModel``, ``AfmoeModel``) lets each packed
+    sequence attend to the ones before it under a mask-based attention (eager, sdpa, flex): verl's stock engine
+    computes that (measured on a tiny GPT-OSS: logits 3.1 apart). Flash attention's varlen path reads the
+    position ids itself, so it is no reason."""
+    attention = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
+    if "flash" in attention:
+        return None
+    for cls in {type(module) for module in model.modules()}:
+        forward = next((k.__dict__["forward"] for k in cls.__mro__ if "forward" in k.__dict__), None)
+        if forward is not None and _masks_without_positions(forward):
+            return next(k for k in cls.__mro__ if "forward" in k.__dict__).__name__
+    return None
+
+
+@functools.cache
+def _masks_without_positions(forward: object) -> bool:
+    """Whether ``forward`` calls a mask builder without ``position_ids`` (as a keyword, or a key of the dict
+    literal it unpacks)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(forward))
+    except (OSError, TypeError):
+        return False
+    if not any(name in source for name in MASK_BUILDERS):
+        return False
+    tree = ast.parse(source)
+    literal_keys: dict[str, set[str]] = {}  # a keyword dict's keys: its literal, its copies, its item assignments
+    for node in ast.walk(tree):  # in source order: a copy follows the dict it copies
+        if not isinstance(node, ast.Assign):
+            continue
+        keys = _dict_keys(node.value, literal_keys)
+        for target in node.targets:
+            if isinstance(target, ast.Name) and keys is not None:
+                literal_keys.setdefault(target.id, set()).update(keys)
+            elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                key = target.slice
+                if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                    literal_keys.setdefault(target.value.id, set()).add(key.value)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if callee not in MASK_BUILDERS:
+            continue
+        passed = {k.arg for k in node.keywords if k.arg is not None}
+        for k in node.keywords:
+            if k.arg is None and isinstance(k.value, ast.Name):
+                passed |= literal_keys.get(k.value.id, set())
+        if "position_ids" not in passed:
+            return True
+    return False
+
+
+def _dict_keys(value: ast.expr, known: dict[str, set[str]]) -> set[str] | None:
+    """The string keys of a dict literal, or of ``other.copy()`` / ``dict(other)`` of a dict seen before."""
+    if isinstance(value, ast.Dict):
+        return {k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    if isinstance(value, ast.Call):
+        func = value.func
+        if isinstance(func, ast.Attribute) and func.attr == "copy" and isinstance(func.value, ast.Name):
+            return set(known.get(func.value.id, set()))
+        if isinstance(func, ast.Name) and func.id == "dict" and value.args and isinstance(value.args[0], ast.Name):
+            return set(known.get(value.args[0].id, set()))
+    return None

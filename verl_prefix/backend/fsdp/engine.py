@@ -31,7 +31,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from verl_prefix.backend import fallbacks
+from verl_prefix.backend import fallbacks, model_checks
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
 from verl_prefix.backend.distributed.once import agree_on_structure
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
@@ -124,6 +124,7 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         super().initialize()
         if self.freeze_vision_tower:
             self._freeze_vision_tower()
+        self._unpack_dense_rows()
         if self._structure_reason() is not None:
             return
         error = (
@@ -133,6 +134,33 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         )
         if error is not None:
             raise ValueError(error)
+
+    def _unpack_dense_rows(self) -> None:
+        """Under ``use_remove_padding`` with a decoder that builds its attention masks without the position ids
+        (``model_checks.packed_masks_without_positions``: GPT-OSS, Afmoe, OPT, Bloom... under eager or sdpa), verl's
+        packed rows would attend across sequences; the rows that run through verl's forward (dense chunks, the
+        stock path) run padded instead, one sequence a row, as reuse's groups run. Ulysses needs packed rows: an
+        error naming the fix."""
+        self.unpacked_dense_rows: str | None = None
+        if not self.use_remove_padding:
+            return
+        decoder = model_checks.packed_masks_without_positions(self.module)
+        if decoder is None:
+            return
+        if self.use_ulysses_sp:
+            raise ValueError(
+                f"{decoder} builds its attention masks without the position ids, so verl's packed rows (which "
+                "Ulysses needs) attend across sequences under this attention implementation: set "
+                "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1, or a flash attention "
+                "implementation (actor_rollout_ref.model.override_config.attn_implementation)"
+            )
+        self.unpacked_dense_rows = decoder
+        logger.warning(
+            "%s builds its attention masks without the position ids: verl's packed rows (use_remove_padding=true) "
+            "would attend across sequences, so the rows that run through verl's forward run padded instead "
+            "(verl's own engine computes the packed rows wrongly; docs/configuration.md)",
+            decoder,
+        )
 
     def _freeze_vision_tower(self) -> None:
         """``actor.freeze_vision_tower``: the vision encoder's parameters stop requiring grad, so neither phase C
@@ -187,6 +215,8 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         The routers' logits are captured by forward hooks during verl's own model call; the wrapped
         loss function (called by verl right after the model) adds the weighted aux term.
         """
+        if getattr(self, "unpacked_dense_rows", None) is not None:  # one sequence a row (``_unpack_dense_rows``)
+            tu.assign_non_tensor(micro_batch, use_remove_padding=False)
         unfused = self._fused_head_unreadable(micro_batch)
         if unfused:  # verl's fused forward would read the sharded head: its unfused path, HF's forward, instead
             tu.assign_non_tensor(micro_batch, use_fused_kernels=False)
