@@ -8,18 +8,22 @@ the four dense singletons each). One-level reuse, the tree, a chunked prefix, me
 ``dormant_prefix=recompute``: every parameter's ``main_grad`` (router and local experts included), grad norm, the
 loss verl reports (the aux outside it, as verl's engine reports it), forward-only log-probs; reuse asserted.
 Negative controls: phase C skipped, and the prefix's router statistics counted once per micro-batch, both fail.
-With verl's default (no load-balancing loss) the update is exact too. And what the engine refuses in MoE routing,
-with the knob.
+With verl's default (no load-balancing loss) the update is exact too. Expert bias (DeepSeek-V3's aux-loss-free
+balancing: sigmoid scores, ``moe_router_enable_expert_bias``, here beside the aux loss): the per-expert token counts
+``finalize_model_grads`` moves the bias by, all-reduced, equal the stock engine's exactly, and so do the biases and
+the update; counting the prefix once per group fails. And what the engine refuses in MoE routing, with the knob.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers.engine_batches import compare_steps, megatron_train_step, phase_c_skipped, shared_system_batch
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
@@ -31,6 +35,8 @@ if importlib.util.find_spec("megatron.bridge") is None:
 TOL = 1e-5  # fp32
 COEFF = 0.1  # large enough that the aux moves the router's gradient well past the tolerance
 AUX = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": COEFF}
+BIAS = {**AUX, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
+BIAS_CASES = ("one_level", "tree", "chunked")
 CASES = {
     "one_level": (dict(), "keep"),
     "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
@@ -51,6 +57,44 @@ def _prefix_counted_once():
         yield
     finally:
         moe.logical_stats = saved
+
+
+@contextlib.contextmanager
+def _counts_prefix_once():
+    """Negative control: the expert counts see a shared prefix once, not once per row below it."""
+    from verl_prefix.backend.megatron.moe import ExpertCounts
+
+    saved = ExpertCounts.weighted
+    ExpertCounts.weighted = lambda self, weights: saved(self, torch.as_tensor(weights).clamp(max=1.0))
+    try:
+        yield
+    finally:
+        ExpertCounts.weighted = saved
+
+
+def _counted_step(engine, loss_fn, batch) -> dict:
+    """A train step from zero expert counts and biases (a step moves the bias, lr or not); the counts
+    ``finalize_model_grads`` all-reduced and the biases after."""
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
+
+    routers = [m for m in engine.module[0].modules() if getattr(m, "enable_expert_bias", False)]
+    for router in routers:  # every step from the same state: no counts yet, the checkpoint's bias (zeros)
+        router.local_tokens_per_expert.zero_()
+        router.expert_bias.zero_()
+    recorded: list = []
+    stock = finalize.get_updated_expert_bias
+
+    def record(tokens_per_expert, expert_bias, rate):
+        updated = stock(tokens_per_expert, expert_bias, rate)  # all-reduces the counts in place
+        recorded.append(tokens_per_expert.clone())
+        return updated
+
+    finalize.get_updated_expert_bias = record
+    try:
+        step = megatron_train_step(engine, loss_fn, batch)
+    finally:
+        finalize.get_updated_expert_bias = stock
+    return {**step, "counts": recorded, "bias": [r.expert_bias.clone() for r in routers]}
 
 
 def _infer(result: dict) -> dict:
@@ -98,6 +142,22 @@ def _body(rank: int, model_dir: str) -> dict:
     plain_got = megatron_train_step(plain_prefix, loss_fn, batch)
     infer = (_infer(verl_engine.run_infer(plain_stock, batch)), _infer(verl_engine.run_infer(plain_prefix, batch)))
     out["no_aux"] = {**compare_steps(plain, plain_got), "infer": infer}
+    # expert bias beside the aux loss
+    bias_stock, bias_prefix = _pair(model_dir, BIAS, base)
+    assert bias_prefix.expert_counts is not None and len(bias_prefix.expert_counts.routers) == 2
+    want = _counted_step(bias_stock, loss_fn, batch)
+    assert len(want["counts"]) == 1 and want["counts"][0].sum() > 0
+    for case in BIAS_CASES:
+        bias_prefix.reuse_config = dataclasses.replace(base, **CASES[case][0])
+        got = _counted_step(bias_prefix, loss_fn, batch)
+        out[f"bias_{case}"] = {
+            **compare_steps(want, got),
+            "counts": (want["counts"][0], got["counts"][0]),
+            "bias": (want["bias"], got["bias"]),
+        }
+        with _counts_prefix_once():
+            once = _counted_step(bias_prefix, loss_fn, batch)
+        out[f"bias_{case}"]["once"] = (want["counts"][0] - once["counts"][0]).abs().sum().item()
     return out
 
 
@@ -145,6 +205,21 @@ def test_without_aux_loss_update_matches(ranks):
         assert_infer_matches(*r["infer"], TOL, groups=_groups(rank))
 
 
+@pytest.mark.parametrize("case", BIAS_CASES)
+def test_expert_bias_counts_match_verl_megatron_engine(ranks, case):
+    import torch
+
+    for rank, result in ranks.items():
+        r = result[f"bias_{case}"]
+        want, got = r["counts"]
+        assert torch.equal(got, want), f"rank {rank} {case}: expert counts {got.tolist()} vs {want.tolist()}"
+        for w, g in zip(*r["bias"]):
+            assert torch.equal(g, w), (rank, case)
+        assert r["grads"] > 10 and r["worst"] < TOL, f"rank {rank}: {r['name']} off by {r['worst']:.2e}"
+        assert_reuse_ran(r["metrics"], groups=_groups(rank))
+        assert r["once"] > 0, f"rank {rank} {case}: counting the prefix once gave the same counts"
+
+
 def _tf(**changes):
     plain = dict(
         num_moe_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=None,
@@ -162,7 +237,7 @@ def _tf(**changes):
         dict(moe_z_loss_coeff=0.001),
         dict(moe_input_jitter_eps=0.01),
         dict(moe_expert_capacity_factor=1.0),
-        dict(moe_router_enable_expert_bias=True),
+        dict(moe_router_enable_expert_bias=True, sequence_parallel=True, moe_router_load_balancing_type="none"),
         dict(moe_router_force_load_balancing=True),
         dict(sequence_parallel=True),
     ],
@@ -171,7 +246,7 @@ def test_router_refusals_name_the_knob(change):
     from verl_prefix.backend.megatron.moe import router_refusal
 
     reason = router_refusal(_tf(**change))
-    knob = next(iter(change)) if "moe_router_load_balancing_type" not in change else "moe_router_load_balancing_type"
+    knob = next(iter(change))
     assert reason is not None and f"{knob}=" in reason and "override_transformer_config" in reason, reason
     assert "prefix_reuse.enable=false" in reason
 
@@ -180,6 +255,7 @@ def test_router_settings_served():
     from verl_prefix.backend.megatron.moe import aux_coefficient, replay_refusal, router_refusal
 
     assert router_refusal(_tf()) is None
+    assert router_refusal(_tf(moe_router_enable_expert_bias=True)) is None  # counted per row at TP=1
     assert router_refusal(_tf(moe_router_load_balancing_type="none", sequence_parallel=True)) is None  # no aux
     assert router_refusal(SimpleNamespace(num_moe_experts=None)) is None  # a dense model
     assert aux_coefficient(_tf()) == 0.01

@@ -434,9 +434,10 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             ),
             "prefix_megatron": Cell(
                 "reuses",
-                "EP; megatron-core's aux loss per row (TP=1); expert bias, z-loss, token dropping refused",
+                "EP; megatron-core's aux loss and expert-bias counts per row (TP=1); z-loss, token dropping refused",
                 (
                     f"{MM}::test_aux_loss_update_matches_verl_megatron_engine",
+                    f"{MM}::test_expert_bias_counts_match_verl_megatron_engine",
                     f"{MM}::test_router_refusals_name_the_knob",
                 ),
             ),

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from verl_prefix.backend.megatron.attention import CoreAttentionHooks
-from verl_prefix.backend.megatron.moe import McoreRouters
+from verl_prefix.backend.megatron.moe import ExpertCounts, McoreRouters
 from verl_prefix.schedule.kv.shim import CausalLMStandIn
 
 
@@ -121,6 +121,7 @@ class MegatronCausalLM(CausalLMStandIn):
         self.hooks = CoreAttentionHooks(gpt)
         self.rotary = RotaryOffset(gpt)
         self.routers: McoreRouters | None = None  # the MoE routers under the aux loss (``megatron.moe``)
+        self.counts: ExpertCounts | None = None  # expert-biased routers' load counts (``megatron.moe``)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -132,6 +133,12 @@ class MegatronCausalLM(CausalLMStandIn):
         zero = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         real = length if padded else None
         own_aux = self.routers.own_aux_off(real) if self.routers is not None else nullcontext()
-        with self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), own_aux:
+        counts = self.counts.call(*input_ids.shape, length) if self.counts is not None else nullcontext()
+        if self.counts is not None and self.counts.weights is None and torch.is_grad_enabled() and self.chunk.training:
+            raise RuntimeError(
+                "prefix_megatron: a schedule call without routing weights (ScheduleOptions.count_routing) would "
+                "count the experts' load physically"
+            )
+        with self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), own_aux, counts:
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
         return gather_from_tensor_model_parallel_region(logits[:, :length] if padded else logits)

@@ -33,6 +33,7 @@ from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
 from verl_prefix.backend.megatron.config import built_model_refusal, lora_refusal, model_refusal, refusal, reuse_of
 from verl_prefix.backend.megatron.moe import (
+    ExpertCounts,
     McoreRouters,
     aux_coefficient,
     aux_tracked,
@@ -65,6 +66,7 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         self.offload_store_factory = default_store
         self.causal_lm: MegatronCausalLM | None = None
         self.routers: McoreRouters | None = None  # megatron-core's MoE routers, under the aux loss
+        self.expert_counts: ExpertCounts | None = None  # expert-biased routers' load counts
         self.aux_micro_batches = 1  # the mini-batch's logical micro-batches on this rank (the aux's 1/N)
         super().__init__(model_config, engine_config, *args, **kwargs)
         if self.reuse_config.enable and self.dormant_prefix == "offload":
@@ -86,6 +88,9 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         coeff = aux_coefficient(config) if getattr(config, "num_moe_experts", None) else 0.0
         if coeff > 0:
             self.routers = self.causal_lm.routers = McoreRouters(self.module[0], coeff)
+        counts = ExpertCounts(self.module[0])
+        if counts:
+            self.expert_counts = self.causal_lm.counts = counts
 
     # -- the driver's hooks ---------------------------------------------------------------------------
 
@@ -99,7 +104,12 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
     def schedule_options(self, run: MiniBatchRun, aux_fn: AuxFn) -> ScheduleOptions:
         # megatron-core's GPT layers: no KV-shared or recurrent ones
         aux = dict(routers=self.routers, aux_fn=aux_fn) if self.moe_aux_on(run.forward_only) else {}
-        return self.base_options(run, layer_roles=LayerRoles({}, frozenset()), **aux)
+        counts = self.expert_counts.weighted if self.expert_counts is not None else None
+        return self.base_options(run, layer_roles=LayerRoles({}, frozenset()), count_routing=counts, **aux)
+
+    def routes_last(self, forward_only: bool) -> bool:
+        """Every row's last response token is routed too (dense routes it): under the aux loss, or expert bias."""
+        return self.moe_aux_on(forward_only) or self.expert_counts is not None
 
     # -- megatron-core's router aux loss (``megatron.moe``) ---------------------------------------------------
 
@@ -192,7 +202,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         ids = torch.zeros(1, length, dtype=torch.long, device=run.meter.device)
         positions = torch.arange(length, device=ids.device)[None]
         own_aux = self.routers.own_aux_off() if self.routers is not None else nullcontext()
-        with torch.no_grad() if run.forward_only else nullcontext(), own_aux:
+        uncounted = self.expert_counts.weighted(0.0) if self.expert_counts is not None else nullcontext()
+        with torch.no_grad() if run.forward_only else nullcontext(), own_aux, uncounted:
             logits = self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)
             if not run.forward_only:
                 self.backward(logits.sum() * 0.0)

@@ -16,10 +16,17 @@ from megatron-core's own ``compute_routing_scores_for_aux_loss``), so that every
 prefix once per row (``moe.logical_stats``), and the aux of a micro-batch is megatron-core's formula on those sums
 (``aux_loss``). The router's own aux is switched off inside schedule calls (``own_aux``) and stays on for dense
 rows through verl's ``forward_step``, whose gradient scale the engine sets (``set_aux_scale``).
+
+Expert bias (DeepSeek-V3's aux-loss-free balancing, ``moe_router_enable_expert_bias``): every training forward adds
+the tokens each expert was routed to ``local_tokens_per_expert``, by which ``finalize_model_grads`` moves the bias.
+``ExpertCounts`` makes that count logical through the schedule's ``count_routing`` seam (as ``prefix_torchtitan``'s
+counts): a prefix's tokens once per row below it, suffix rows' real tokens (their last response token included)
+once, padding, lockstep fillers and phase C's recomputed forwards not at all; verl's dense rows count for themselves.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -50,6 +57,7 @@ def router_refusal(tf_config: Any) -> str | None:
         return None
     kind = tf_config.moe_router_load_balancing_type
     kinds = list(kind) if isinstance(kind, (list, tuple)) else [kind]
+    sequence_parallel = bool(getattr(tf_config, "sequence_parallel", False))
     checks: list[tuple[str, Any, str]] = [
         (
             "moe_router_load_balancing_type",
@@ -65,12 +73,13 @@ def router_refusal(tf_config: Any) -> str | None:
         ),
         (
             "moe_router_enable_expert_bias",
-            tf_config.moe_router_enable_expert_bias,
-            "the expert-bias token counts are not counted per row yet",
+            tf_config.moe_router_enable_expert_bias and sequence_parallel,
+            "the expert-bias counts of a sequence split over the TP ranks are not weighted per slice yet (serve it "
+            "at TP=1 with EP)",
         ),
         ("moe_router_force_load_balancing", tf_config.moe_router_force_load_balancing, "random routing logits"),
     ]
-    if aux_coefficient(tf_config) and tf_config.sequence_parallel:
+    if aux_coefficient(tf_config) and sequence_parallel:
         checks.append(
             (
                 "sequence_parallel",
@@ -212,3 +221,59 @@ def aux_tracked() -> float:
 
     entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     return float(entry["values"].sum()) if entry is not None else 0.0
+
+
+class ExpertCounts:
+    """Every expert-biased router's load count with per-token weights while ``weighted`` is active."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter) and m.enable_expert_bias]
+        self.weights: torch.Tensor | None = None
+        self.shape: tuple[int, int, int] | None = None  # the call's rows, padded length, real length
+        for router in self.routers:
+            router._apply_expert_bias = functools.partial(self._count, router, router._apply_expert_bias)
+
+    def __bool__(self) -> bool:
+        return bool(self.routers)
+
+    @contextmanager
+    def weighted(self, weights: torch.Tensor | float) -> Iterator[None]:
+        """Each routed token counts ``weights`` (``[B, L]`` over the call's real positions, or a scalar): the rows
+        below a prefix, 1 for real suffix tokens, 0 for padding, fillers and phase C's recomputed forwards."""
+        outer, self.weights = self.weights, torch.as_tensor(weights, dtype=torch.float32)
+        try:
+            yield
+        finally:
+            self.weights = outer
+
+    @contextmanager
+    def call(self, rows: int, length: int, real: int) -> Iterator[None]:
+        """A schedule call of ``rows`` x ``length`` tokens, real up to ``real`` (padded past it)."""
+        outer, self.shape = self.shape, (rows, length, real)
+        try:
+            yield
+        finally:
+            self.shape = outer
+
+    def _count(self, router: nn.Module, stock: Callable, routing_map: torch.Tensor, padding_mask: Any = None) -> None:
+        if self.weights is None:  # verl's own forward: the router counts each token once
+            return stock(routing_map, padding_mask=padding_mask)
+        if not torch.is_grad_enabled():  # megatron-core counts training forwards only
+            return None
+        weights = self.weights.to(routing_map.device)
+        if self.shape is not None:  # a schedule call: [B, real] weights, zero past the real positions
+            rows, length, real = self.shape
+            weights = torch.nn.functional.pad(weights.expand(rows, real), (0, length - real))
+            weights = weights.t().reshape(-1)  # megatron-core's [s, b] order
+        elif weights.dim() != 0:
+            raise RuntimeError("prefix_megatron: per-token expert-count weights outside a schedule call")
+        else:  # one weight for every token of a call of the engine's own (a zero-loss filler)
+            weights = weights.expand(routing_map.shape[0])
+        if weights.numel() != routing_map.shape[0]:
+            raise RuntimeError(f"prefix_megatron: {routing_map.shape[0]} routed tokens, {weights.numel()} weights")
+        with torch.no_grad():
+            counts = (routing_map.to(weights.dtype) * weights[:, None]).sum(dim=0)
+            router.local_tokens_per_expert += counts.to(router.local_tokens_per_expert.dtype)
+        return None

@@ -85,6 +85,10 @@ PATCHES: dict[str, str] = {
     "the Megatron-Bridge modules that tried `import transformer_engine` under the import stub did the same (the "
     "DeepSeek bridges then build TE's block spec): every such HAVE_TE reads False.",
     "bridge_local_spec": "Megatron-Bridge's default layer spec is TransformerEngine's: the local spec.",
+    "bridge_unmapped": "Megatron-Bridge 0.3.1 leaves None in its conversion task list for a model parameter its "
+    "mapping table lacks (it logs 'No mapping found'), then reads task.megatron_module of every entry and raises: "
+    "the None entries are dropped (such a parameter keeps its initial value, e.g. a Qwen3-MoE router's expert bias "
+    "of zeros, which the HF checkpoint does not hold).",
     "bridge_tp_scatter": "Megatron-Bridge's loader splits row-parallel weights with torch.chunk(dim=1) and scatters "
     "the views over the TP group; gloo sends a non-contiguous view's raw storage, so TP >= 2 loads wrong weights "
     "silently (log-prob error ~3): the pieces are made contiguous first.",
@@ -487,6 +491,22 @@ def patch_te_flags() -> None:
     _note("te_flags")
 
 
+def patch_bridge_unmapped() -> None:
+    """Megatron-Bridge's conversion tasks without the None entries of unmapped parameters (``PATCHES``)."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    stock = MegatronModelBridge.build_conversion_tasks
+    if getattr(stock, _MARK, False):
+        return
+
+    def build_conversion_tasks(self: Any, *args: Any, **kwargs: Any) -> list:
+        return [task for task in stock(self, *args, **kwargs) if task is not None]
+
+    setattr(build_conversion_tasks, _MARK, True)
+    MegatronModelBridge.build_conversion_tasks = build_conversion_tasks
+    _note("bridge_unmapped")
+
+
 def patch_bridge_local_spec() -> None:
     """Megatron-Bridge's default (TransformerEngine) layer spec -> the local spec."""
     from megatron.bridge.models import gpt_provider
@@ -734,6 +754,7 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     import_megatron_bridge()
     patch_te_flags()
     patch_bridge_local_spec()
+    patch_bridge_unmapped()
     patch_bridge_tp_scatter()
     patch_mbridge_local_spec()
     patch_engine_config()
