@@ -6,6 +6,11 @@ rounding in different reduction orders, so the bound is a gross-error one (the b
 negative control (phase C skipped) required to be far off it. ``bench/gpu_check.sh`` runs this file; the CPU
 reference of the same computation (the padding sequence parallelism needs, at fp32) is
 ``test_megatron_engine.py::test_calls_padded_for_sequence_parallelism_are_exact``.
+
+Also on two GPUs: a tiny Qwen3-MoE at EP=2 with megatron-core's aux loss and expert bias (sigmoid scores),
+TransformerEngine's grouped experts where installed (CPU reference: ``test_megatron_moe.py``), the same MoE at TP=2
+with sequence parallelism and verl's default routing (no load-balancing loss), and DeepSeek-V3's MLA at TP=2 with
+sequence parallelism (CPU reference: ``test_megatron_mla.py``).
 """
 
 from __future__ import annotations
@@ -25,22 +30,40 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 BF16_TOL = 0.5  # verl_prefix.tools.bench.tables.GRAD_TOLERANCE["bfloat16"]: a gross-error bound
 
 
-def _body(rank: int, model_dir: str) -> dict:
+SP = dict(tensor_parallel_size=2, sequence_parallel=True)
+LAYOUTS = {
+    # family, engine settings, extra transformer-config overrides, model extra config
+    "tp2_sp": ("qwen3", SP, {}, None),
+    "moe_ep2_aux_bias": (
+        "qwen3_moe",
+        dict(expert_model_parallel_size=2),
+        {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01,
+         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+        None,
+    ),
+    "moe_tp2_sp": ("qwen3_moe", SP, {}, None),
+    "mla_tp2_sp": (
+        "deepseek_v3", SP, {"moe_router_enable_expert_bias": False},
+        {"first_k_dense_replace": 2, "q_lora_rank": 16},
+    ),
+}  # fmt: skip
+
+
+def _body(rank: int, model_dir: str, name: str) -> dict:
     from helpers.engine_batches import compare_steps, megatron_train_step, phase_c_skipped, shared_system_batch
 
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
 
+    _, settings, overrides, _ = LAYOUTS[name]
     loss_fn, _ = ppo_loss(["use_kl_loss=true", "entropy_coeff=0.01", "ppo_micro_batch_size_per_gpu=4"])
-    gpu = dict(
-        tensor_parallel_size=2, dtype="bfloat16", sequence_parallel=True,
-        override_transformer_config={"attention_backend": "auto"},
-    )  # fmt: skip
+    gpu = dict(dtype="bfloat16", override_transformer_config={"attention_backend": "auto", **overrides}, **settings)
     stock = build_megatron_engine(model_dir, lr=0.0, **gpu)
-    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    reuse = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=4)
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=reuse, **gpu)
-    assert prefix.causal_lm.sequence_multiple == 2  # sequence parallelism: the schedule pads its calls
-    batch = shared_system_batch(0, data_parallel=False)
+    if settings.get("sequence_parallel"):
+        assert prefix.causal_lm.sequence_multiple == 2  # sequence parallelism: the schedule pads its calls
+    batch = shared_system_batch(stock.get_data_parallel_rank(), data_parallel="tensor_parallel_size" not in settings)
     want = megatron_train_step(stock, loss_fn, batch)
     out = {"reuse": compare_steps(want, megatron_train_step(prefix, loss_fn, batch))}
     with phase_c_skipped():
@@ -48,10 +71,16 @@ def _body(rank: int, model_dir: str) -> dict:
     return out
 
 
-def test_tp2_sequence_parallel_bf16_matches_verl_megatron_engine(tiny_model):
-    ranks = run_ranks(_body, str(tiny_model("qwen3")), world=2, cuda=True, timeout=900)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_bf16_on_two_gpus_matches_verl_megatron_engine(tmp_path, name):
+    from verl_prefix.harness.tiny_models import write_tiny_model
+
+    family, settings, _, extra = LAYOUTS[name]
+    model_dir = write_tiny_model(tmp_path / family, family, extra_config=extra)
+    ranks = run_ranks(_body, str(model_dir), name, world=2, cuda=True, timeout=900)
     for rank, result in ranks.items():
         r = result["reuse"]
         assert r["worst"] < BF16_TOL, (rank, r["name"], r["worst"])
         assert result["no_phase_c"] > 2 * r["worst"], (rank, result["no_phase_c"], r["worst"])
-        assert_reuse_ran(r["metrics"], groups=2)
+        groups = 2 if "tensor_parallel_size" in settings or rank == 0 else 1
+        assert_reuse_ran(r["metrics"], groups=groups)
