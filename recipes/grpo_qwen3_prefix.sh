@@ -15,8 +15,12 @@
 # examples/data_preprocess/gsm8k.py (TASK=text) or geo3k.py (TASK=vl; verl's data set then needs
 # qwen_vl_utils, and its geo3k reward mathruler).
 #
-# Any verl trainer mode keeps groups whole with the prefix engine: add trainer.v1.trainer_mode=colocate_async (or
-# separate_async with its rollout pool, or trainer.use_v1=false) after "$@" to run this recipe under it.
+# Any verl trainer mode keeps groups whole with the prefix engine (TRAINER, below): sync (prefix_sync, the default),
+# colocate_async, legacy (trainer.use_v1=false), or separate_async, where a standalone vLLM pool of ROLLOUT_GPUS (4)
+# GPUs per node generates while the other GPUs train (partial rollouts; weights synced over NCCL every
+# train_batch_size / ppo_mini_batch_size mini-batches, as verl requires).
+#
+#   TRAINER=separate_async ROLLOUT_GPUS=4 bash recipes/grpo_qwen3_prefix.sh
 #
 # Cluster shape from the environment: NNODES (1) and GPUS_PER_NODE (8). On several nodes, start Ray on each
 # first and run this on the head (or submit it with `ray job submit`): docs/multinode.md.
@@ -38,6 +42,24 @@ case "$TASK" in
 esac
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+TRAINER="${TRAINER:-sync}"
+TRAIN_GPUS="$GPUS_PER_NODE"
+case "$TRAINER" in
+  sync) trainer=() ;;  # prefix_sync, from configs/prefix_grpo.yaml
+  colocate_async) trainer=(trainer.v1.trainer_mode=colocate_async) ;;
+  legacy) trainer=(trainer.use_v1=false) ;;
+  separate_async)
+    ROLLOUT_GPUS="${ROLLOUT_GPUS:-4}"
+    if (( ROLLOUT_GPUS < 1 || ROLLOUT_GPUS >= GPUS_PER_NODE )); then
+      echo "ROLLOUT_GPUS=$ROLLOUT_GPUS must leave GPUs to train on (GPUS_PER_NODE=$GPUS_PER_NODE)" >&2; exit 2
+    fi
+    TRAIN_GPUS=$((GPUS_PER_NODE - ROLLOUT_GPUS))
+    trainer=(trainer.v1.trainer_mode=separate_async actor_rollout_ref.hybrid_engine=false
+      trainer.v1.separate_async.parameter_sync_step=4  # train_batch_size 64 / ppo_mini_batch_size 16
+      actor_rollout_ref.rollout.nnodes="$NNODES" actor_rollout_ref.rollout.n_gpus_per_node="$ROLLOUT_GPUS"
+      actor_rollout_ref.rollout.checkpoint_engine.backend=nccl) ;;
+  *) echo "TRAINER must be sync, colocate_async, legacy or separate_async, got $TRAINER" >&2; exit 2 ;;
+esac
 
 python -m verl.trainer.main_ppo \
   --config-path="$PWD/configs" --config-name=prefix_grpo \
@@ -61,7 +83,8 @@ python -m verl.trainer.main_ppo \
   trainer.project_name=verl_prefix \
   trainer.experiment_name="grpo_$(basename "$MODEL")_prefix" \
   trainer.nnodes="$NNODES" \
-  trainer.n_gpus_per_node="$GPUS_PER_NODE" \
+  trainer.n_gpus_per_node="$TRAIN_GPUS" \
   trainer.total_epochs=15 \
   "${task[@]}" \
+  "${trainer[@]}" \
   "$@"

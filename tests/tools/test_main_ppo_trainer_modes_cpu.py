@@ -20,7 +20,8 @@ nixl and delta_sharded; ``vllm`` for hccl; ``mooncake``; ``checkpoint_engine`` f
 weights over NCCL, HCCL or RDMA, not gloo. Running it would take a gloo (or object-store) checkpoint engine
 registered through ``checkpoint_engine.custom_backend_module``, and the ``hf`` rollout's standalone replicas
 receiving weights from it (today its server takes them only from the adapter inside the actor workers, the naive
-path)."""
+path). The GPU recipe runs it (``TRAINER=separate_async bash recipes/grpo_qwen3_prefix.sh``: a standalone vLLM pool,
+NCCL weight sync), its overrides validated against verl's config in ``test_recipe_overrides.py``."""
 
 from __future__ import annotations
 

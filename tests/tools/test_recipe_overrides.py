@@ -73,6 +73,36 @@ def test_gpu_recipe_vl_variant(tmp_path, tiny_qwen3_dir):
     assert isinstance(actor, PrefixFSDPActorConfig) and actor.freeze_vision_tower is True
 
 
+@pytest.mark.parametrize("trainer", ["sync", "colocate_async", "legacy", "separate_async"])
+def test_gpu_recipe_trainer_modes(tmp_path, tiny_qwen3_dir, trainer):
+    """``TRAINER``: every verl trainer mode composes over the prefix config and passes verl's validation, the
+    actor on prefix_fsdp2 (the plugin keeps groups whole under each: ``test_trainer_balance.py``). separate_async,
+    which cannot run on CPU (``test_main_ppo_trainer_modes_cpu.py``), gets what verl asserts at its start: a
+    standalone rollout pool beside the trainer's GPUs, NCCL weight sync, train_batch_size = parameter_sync_step x
+    ppo_mini_batch_size."""
+    env = {"TRAINER": trainer, "MODEL": str(tiny_qwen3_dir), "DATA": str(tmp_path)}
+    (launch,) = _recorded_launches(tmp_path, "grpo_qwen3_prefix.sh", env)
+    config = _compose(launch)
+    assert config.actor_rollout_ref.actor.strategy == "prefix_fsdp2"
+    v1 = config.trainer.v1
+    mode = {"sync": "prefix_sync", "legacy": "prefix_sync"}.get(trainer, trainer)
+    assert v1.trainer_mode == mode and config.trainer.use_v1 is (trainer != "legacy")
+    if trainer == "separate_async":
+        rollout = config.actor_rollout_ref.rollout
+        assert config.actor_rollout_ref.hybrid_engine is False and rollout.checkpoint_engine.backend == "nccl"
+        assert rollout.nnodes == 1 and rollout.n_gpus_per_node == 4 and config.trainer.n_gpus_per_node == 4
+        batch = config.data.train_batch_size
+        assert batch == v1.separate_async.parameter_sync_step * config.actor_rollout_ref.actor.ppo_mini_batch_size
+    else:
+        assert config.trainer.n_gpus_per_node == 8
+
+
+def test_gpu_recipe_refuses_a_rollout_pool_without_trainers(tmp_path):
+    env = {"TRAINER": "separate_async", "ROLLOUT_GPUS": "8", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(["bash", str(ROOT / "recipes" / "grpo_qwen3_prefix.sh")], env=env, capture_output=True)
+    assert result.returncode == 2 and b"ROLLOUT_GPUS=8" in result.stderr
+
+
 def test_cpu_recipe_vl_variant(tmp_path):
     env = {"TASK": "vl", "OUT": str(tmp_path / "out"), "STEPS": "2", "SAVE_AT": "1", "MODE": "prefix"}
     launches = _recorded_launches(tmp_path, "grpo_cpu_smoke.sh", env)
