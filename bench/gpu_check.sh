@@ -205,6 +205,14 @@ if [ "$CUDA_TESTS" = 1 ]; then
   [ "$rc" = 0 ] || echo "gpu_check: the CUDA tests exited $rc (see cuda_tests.log); going on" >&2
 fi
 
+if [ "$CUDA_TESTS" = 1 ]; then
+  step "merged attention: the prefix part's backward split into batch entries vs not (median ms, bench/merged_backward.py)"
+  rc=0
+  VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 90)" \
+    "$PY" bench/merged_backward.py --out "$OUT/merged_backward.json" 2>&1 | tee "$OUT/merged_backward.log" || rc=$?
+  [ "$rc" = 0 ] || echo "gpu_check: the merged backward bench exited $rc (see merged_backward.log); going on" >&2
+fi
+
 if [ "$OFFLOAD_TESTS" = 1 ]; then
   step "tests/schedule/test_offload_cuda.py: dormant_prefix=offload's CUDA store (residency, exactness, allocator peaks)"
   rc=0

@@ -473,3 +473,46 @@ def test_prefix_leaves_are_metered(autocast):
     leaves_bytes = one * (4 + 8) if autocast else one * 8  # (V's fp32 copy +) K and V fp32 grads
     assert metrics["prefix/max_prefix_kv_mib"] == pytest.approx(kv_bytes)
     assert metrics["prefix/max_prefix_kv_leaves_mib"] == pytest.approx(leaves_bytes)
+
+
+# -- the prefix part's backward split into batch entries (CUDA's occupancy; the same maths on every device) --------
+
+
+def test_prefix_backward_splits_fill_the_sms():
+    # Qwen3-8B (8 KV heads) on 132 SMs: a 512-token prefix gives 32 blocks, so 9 entries make two waves
+    assert MA.prefix_backward_splits(8, 512, queries=8192, sms=132) == 9
+    assert MA.prefix_backward_splits(8, 8192, queries=8192, sms=132) == 1  # a long prefix fills them already
+    assert MA.prefix_backward_splits(8, 64, queries=600, sms=132) == 2  # each entry keeps 256 queries or more
+    assert MA.prefix_backward_splits(1, 16, queries=1 << 20, sms=132) == MA.SPLIT_MAX
+    assert MA.prefix_backward_splits(8, 512, queries=8192, sms=None) == 1  # CPU: no SMs to fill
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_split_prefix_backward_is_the_same_maths(monkeypatch, splits, groups):
+    """The backward split into ``splits`` batch entries (the last padded: 5 rows x groups x 5 queries do not
+    divide) against the unsplit one in fp64; the kernel sees the entries; dropping an entry's dK/dV fails."""
+    q, pk, pv, sk, sv, w = attention_inputs(5, 2 * groups, 2, prefix=7, suffix=5, dtype=torch.float64)
+    tensors = (q, pk, pv, sk, sv)
+    want = weighted_grads(MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3), w, tensors)
+    seen = []
+    kernel = MA.attention_backward
+
+    def spy(grad, query, *args):
+        seen.append(query.shape[0])
+        return kernel(grad, query, *args)
+
+    monkeypatch.setattr(MA, "prefix_backward_splits", lambda *args: splits)
+    monkeypatch.setattr(MA, "attention_backward", spy)
+    got = weighted_grads(MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3), w, tensors)
+    assert splits in seen  # the prefix part ran as that many batch entries
+    for g_got, g_want in zip(got, want):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
+    def first_entry_only(grad, query, key, value, *args):
+        dq, dk, dv = kernel(grad, query, key, value, *args)
+        return (dq, dk[:1].expand_as(dk) * 0 + dk[:1], dv) if query.shape[0] == splits else (dq, dk, dv)
+
+    monkeypatch.setattr(MA, "attention_backward", first_entry_only)
+    dropped = weighted_grads(MA.merged_attention(q, pk, pv, sk, sv, scaling=0.3), w, tensors)
+    assert (dropped[1] - want[1]).abs().max() > 1e-3

@@ -20,6 +20,14 @@ part's backward returns that part's exact share of the gradients (ring attention
 K/V block). The LSE the forward ops return carries no autograd, so ``MergedAttention`` owns the
 backward, and the prefix part's dK/dV come out summed over rows and query heads.
 
+The prefix part's folded queries are one batch entry of ``Hkv`` heads. Flash attention's backward runs one thread
+block per (key block, batch entry, head), each walking every query block in series: a short prefix and few KV heads
+(Qwen3-8B: 8) leave most of a GPU's SMs idle behind a long serial walk. On CUDA the backward splits the folded
+queries into several batch entries against copies of the prefix K/V (``prefix_backward_splits``: enough blocks for
+two waves of the SMs, each entry keeping at least 256 queries) and sums their dK/dV in fp32; the padded queries of
+the last entry carry a zero gradient, output and LSE, so they add nothing. The maths is the same; only the sum's
+order changes.
+
 Kernels: CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``; fp64, fp32, bf16,
 fp16; ``is_causal`` is upper-left, which equals lower-right for the square suffix part), CUDA
 ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``; fp16/bf16, head_dim a multiple of 8 up
@@ -124,6 +132,70 @@ def attention_backward(
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
     )
+
+
+SPLIT_WAVES = 2  # blocks for two waves of the SMs
+SPLIT_MIN_QUERIES = 256  # queries per batch entry, at least: each thread block walks a useful query length
+SPLIT_MAX = 16  # copies of the prefix K/V the backward makes, at most
+KEY_BLOCK = 128  # flash attention's backward key block
+
+
+def prefix_backward_splits(kv_heads: int, prefix_len: int, queries: int, sms: int | None) -> int:
+    """Into how many batch entries the prefix part's ``queries`` folded queries go for its backward: enough
+    (key block x batch entry x head) blocks for ``SPLIT_WAVES`` waves of ``sms`` SMs, each entry keeping at least
+    ``SPLIT_MIN_QUERIES`` queries, at most ``SPLIT_MAX``; 1 without SMs to fill (CPU: ``sms`` None)."""
+    if not sms:
+        return 1
+    blocks = kv_heads * -(-prefix_len // KEY_BLOCK)
+    wanted = -(-SPLIT_WAVES * sms // blocks)
+    return max(1, min(wanted, queries // SPLIT_MIN_QUERIES, SPLIT_MAX))
+
+
+def split_folded(x: torch.Tensor, splits: int) -> torch.Tensor:
+    """``[1, H, N, ...]`` folded queries (or their grads, outputs, LSEs) -> ``[splits, H, ceil(N / splits), ...]``,
+    the last entry zero-padded."""
+    if splits == 1:
+        return x
+    length = -(-x.shape[2] // splits)
+    pad = [0, 0] * (x.dim() - 3) + [0, splits * length - x.shape[2]]
+    x = F.pad(x, pad) if pad[-1] else x
+    return x.reshape(x.shape[1], splits, length, *x.shape[3:]).transpose(0, 1).contiguous()
+
+
+def join_folded(x: torch.Tensor, total: int) -> torch.Tensor:
+    """Inverse of ``split_folded`` (``total``: the folded length before padding)."""
+    if x.shape[0] == 1:
+        return x
+    x = x.transpose(0, 1).reshape(1, x.shape[1], -1, *x.shape[3:])
+    return x[:, :, :total]
+
+
+def prefix_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    aux: tuple,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefix part's backward over its folded queries ``[1, Hkv, N, d]``, split into batch entries where
+    ``prefix_backward_splits`` says so; dK/dV summed over the entries in fp32."""
+    kv_heads, total = query.shape[1], query.shape[2]
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else None
+    splits = prefix_backward_splits(kv_heads, key.shape[2], total, sms)
+    if splits == 1:
+        return attention_backward(grad, query, key, value, out, lse, aux, False, scale)
+    length = -(-total // splits)
+    if aux:  # the CUDA op's (cum_q, cum_k, max_q, max_k, seed, offset): the query length is the entry's now
+        aux = (aux[0], aux[1], length, *aux[3:])
+    keys, values = (t.expand(splits, -1, -1, -1).contiguous() for t in (key, value))
+    parts = [split_folded(t, splits) for t in (grad, query, out, lse)]
+    dq, dk, dv = attention_backward(parts[0], parts[1], keys, values, parts[2], parts[3], aux, False, scale)
+    acc = torch.promote_types(dk.dtype, torch.float32)
+    dk, dv = (t.to(acc).sum(0, keepdim=True).to(t.dtype) for t in (dk, dv))
+    return join_folded(dq, total), dk, dv
 
 
 def fold_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -243,7 +315,7 @@ class MergedAttention(torch.autograd.Function):
         grad = pad_head(grad.contiguous().to(dtype), dim)
         q, out_p, out_s = pad_head(query, dim), pad_head(out_p, dim), pad_head(out_s, dim)
         with torch.autocast(query.device.type, enabled=False):
-            dq_p, dk_p, dv_p = attention_backward(
+            dq_p, dk_p, dv_p = prefix_backward(
                 fold_queries(grad, kv_heads),
                 fold_queries(q, kv_heads),
                 pad_head(prefix_key.to(dtype), dim),
@@ -251,7 +323,6 @@ class MergedAttention(torch.autograd.Function):
                 fold_queries(out_p, kv_heads),
                 fold_queries(lse_p, kv_heads),
                 ctx.aux[0],
-                False,
                 ctx.scale,
             )
             dq_s, dk_s, dv_s = attention_backward(
