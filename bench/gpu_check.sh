@@ -199,7 +199,7 @@ if [ "$CUDA_TESTS" = 1 ]; then
     tests/schedule/test_varlen_attention.py::test_cuda_varlen_matches_cpu_reference \
     tests/schedule/test_varlen_attention.py::test_cuda_varlen_layer_has_no_host_sync \
     tests/schedule/test_varlen_attention.py::test_cuda_flash_attn_backward_is_deterministic_when_asked \
-    tests/schedule/test_recurrent_cuda.py 2>&1 \
+    tests/schedule/test_recurrent_cuda.py tests/backend/test_mamba_cuda.py 2>&1 \
     | tee "$OUT/cuda_tests.log" || rc=$?
   # a failing test is a finding to read, not a reason to skip the benchmark
   [ "$rc" = 0 ] || echo "gpu_check: the CUDA tests exited $rc (see cuda_tests.log); going on" >&2

@@ -287,12 +287,69 @@ def test_negative_control_state_gradient_dropped_in_phase_c(model64, ragged64, m
 # -- what is not served is refused before phase A --------------------------------------------------
 
 
-def test_fused_kernels_and_patched_forwards_are_not_served(monkeypatch):
+def test_patched_forwards_are_not_served_and_the_fused_path_is(monkeypatch):
     model = nemotron_h(torch.float32)
     assert recurrent.recurrent_refusal(model) is None
-    monkeypatch.setattr(modeling_nemotron_h, "is_fast_path_available", True)  # mamba_ssm's fused scan
-    reason = recurrent.recurrent_refusal(model)
-    assert reason is not None and "NemotronHMamba2Mixer" in reason
+    monkeypatch.setattr(modeling_nemotron_h, "is_fast_path_available", True)  # mamba_ssm loaded (not on CUDA here)
+    assert recurrent.recurrent_refusal(model) is None
+    mixer = model.model.layers[0].mixer
+    assert not mamba.takes_fast_path(mixer)  # transformers takes the kernels for CUDA weights only
     monkeypatch.setattr(modeling_nemotron_h, "is_fast_path_available", False)
     monkeypatch.setattr(modeling_nemotron_h.NemotronHMamba2Mixer, "forward", lambda self, *a, **k: None)
     assert "not served" in recurrent.recurrent_refusal(model)
+
+
+# -- the fused path (mamba_ssm on a GPU): the kernel's own state arguments, past one chunk -------------------------
+
+
+def chunk_scan_stand_in(x, dt, A, B, C, chunk_size, initial_states=None, return_final_states=False, **kwargs):
+    """``mamba_chunk_scan_combined``'s call on CPU: what the kernel computes, the token-by-token recurrence
+    ``h_t = exp(dt_t A) h_(t-1) + dt_t x_t B_t^T``, ``y_t = h_t C_t``, from ``initial_states``."""
+    batch, length, heads, head_dim = x.shape
+    h = initial_states if initial_states is not None else x.new_zeros(batch, heads, head_dim, B.shape[-1])
+    ys = []
+    for t in range(length):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        h = decay * h + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append((h * C[:, t, :, None, :]).sum(-1))
+    y = torch.stack(ys, 1)
+    return (y, h) if return_final_states else y
+
+
+def fused_path(monkeypatch, scan=chunk_scan_stand_in) -> None:
+    """Every Nemotron-H mixer as on a GPU with mamba_ssm: the schedule scans through the kernel's call (here its
+    stand-in), and the stock mixer's fused forward computes the recurrence over every chunk from zeros."""
+
+    def stock_fused(self, hidden_states, cache_params=None, attention_mask=None):
+        start = mamba.Continuation(self, None, None, None)
+        with monkeypatch.context() as inner:
+            inner.setattr(mamba, "fused_chunk_scan", lambda: chunk_scan_stand_in)
+            return mamba.continue_forward(self, hidden_states, start, attention_mask)
+
+    monkeypatch.setattr(mamba, "takes_fast_path", lambda module: isinstance(module, mamba.MIXERS))
+    monkeypatch.setattr(mamba, "fused_chunk_scan", lambda: scan)
+    monkeypatch.setattr(modeling_nemotron_h.NemotronHMamba2Mixer, "torch_forward", stock_fused)
+
+
+def test_fused_path_past_one_chunk_matches_dense(monkeypatch):
+    """Chunks of 4 tokens under a 9-token prompt and suffixes of up to 8: on the fused path nothing runs dense for
+    its length, and reuse (the prefix's final state into each suffix's scan, through the kernel's initial_states
+    and return_final_states) equals the dense recurrence in fp64, in micro-batches of 8, 2 and 1 rows; a kernel
+    call that drops the initial state fails."""
+    model = nemotron_h(torch.float64, chunk_size=4)
+    layout = make_layout(RAGGED)
+    weights = token_weights(layout, torch.float64)
+    assert mamba.single_chunk_limit(model) == 4  # the torch path: past 4 tokens it runs dense
+    fused_path(monkeypatch)
+    assert mamba.single_chunk_limit(model) is None  # the engine's mamba_multichunk reason never fires
+    with fp64_throughout():
+        want = dense_grads(model, layout, weights)
+        for rows in (8, 2, 1):
+            assert worst_relative(run(model, layout, weights, rows=rows), want) < 1e-10, f"{rows} rows"
+
+    def from_zero(*args, initial_states=None, **kwargs):
+        return chunk_scan_stand_in(*args, initial_states=None, **kwargs)
+
+    fused_path(monkeypatch, scan=from_zero)
+    with fp64_throughout():
+        assert worst_relative(run(model, layout, weights, rows=2), want) > 1e-2

@@ -478,7 +478,7 @@ def mamba_chunk_note(model: nn.Module) -> str:
     return (
         f"served only within one scan chunk (`mamba_chunk_size`, {limit} tokens in the default build): longer "
         "sequences run dense as `mamba_multichunk` (transformers' torch multi-chunk scan is not the recurrence); "
-        "lifting it needs mamba_ssm's GPU kernels with initial states"
+        "on a GPU with mamba_ssm's kernels (the stock path then) every length reuses"
     )
 
 

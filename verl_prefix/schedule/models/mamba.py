@@ -12,8 +12,12 @@ discrete SSD of the Mamba-2 paper). Within one chunk it computes what the mixer 
 against the dense model in tests/schedule/test_mamba.py); the conv context is the last ``kernel - 1``
 pre-convolution inputs.
 
-The fused CUDA path (``mamba_ssm``/``causal_conv1d``) is not served: a model whose mixers would take it is
-refused (``served_mamba_layer``) and runs dense with the reason.
+On a GPU with ``mamba_ssm`` loaded the stock mixer takes its fused kernels instead (``takes_fast_path``), which
+compute the recurrence over every chunk. ``continue_forward`` then scans with the same kernel through its own state
+arguments (``mamba_chunk_scan_combined(..., initial_states=, return_final_states=True)``, ``fused_chunk_scan``),
+the dt limit as the fused path applies it, and no sequence length runs dense (``single_chunk_limit`` counts torch-path
+mixers only). The tests run that branch on CPU with a stand-in of the kernel's call (the token-by-token recurrence);
+``bench/gpu_check.sh`` runs it against the stock engine on the kernels.
 """
 
 from __future__ import annotations
@@ -54,12 +58,28 @@ def is_stateless_block(module: nn.Module) -> bool:
 
 def served_mamba_layer(module: nn.Module) -> bool:
     """Whether ``module`` is a Mamba-2 mixer (or LFM2 short conv) the schedule continues from a boundary
-    state: one of ``MIXERS`` / ``SHORT_CONVS`` running transformers' own forward on its torch path (no
-    ``mamba_ssm`` / ``causal_conv1d`` fast path loaded)."""
+    state: one of ``MIXERS`` / ``SHORT_CONVS`` running transformers' own forward; a Mamba-2 mixer on its torch path
+    or on ``mamba_ssm``'s kernels (``takes_fast_path``), a short conv on its torch path only (no ``causal_conv1d``)."""
     cls = next((c for c in MIXERS + SHORT_CONVS if isinstance(module, c)), None)
     if cls is None or getattr(type(module).forward, "__module__", None) != cls.__module__:
         return False
+    if isinstance(module, MIXERS):
+        return True
     return not getattr(sys.modules[cls.__module__], "is_fast_path_available", False)
+
+
+def takes_fast_path(module: nn.Module) -> bool:
+    """Whether the stock Mamba-2 mixer runs ``mamba_ssm``'s fused CUDA kernels (transformers' own test: the fast
+    path loaded and the projection on CUDA), which compute the recurrence over every chunk."""
+    fast = getattr(sys.modules[type(module).__module__], "is_fast_path_available", False)
+    return bool(fast) and module.in_proj.weight.is_cuda
+
+
+def fused_chunk_scan() -> Callable:
+    """``mamba_ssm``'s chunked scan, the kernel the stock mixer's fused path runs."""
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    return mamba_chunk_scan_combined
 
 
 def single_chunk_limit(model: nn.Module) -> int | None:
@@ -67,7 +87,11 @@ def single_chunk_limit(model: nn.Module) -> int | None:
     ``chunk_size`` (None without served Mamba-2 mixers). Past it transformers' multi-chunk scan, which the stock
     engine runs, differs from the recurrence the schedule computes (``continue_forward``), so such a mini-batch
     runs dense to stay equal to the stock engine (``fallbacks.length_fallback_reason``)."""
-    sizes = [int(m.chunk_size) for m in model.modules() if served_mamba_layer(m) and not isinstance(m, SHORT_CONVS)]
+    sizes = [
+        int(m.chunk_size)
+        for m in model.modules()
+        if served_mamba_layer(m) and not isinstance(m, SHORT_CONVS) and not takes_fast_path(m)
+    ]
     return min(sizes) if sizes else None
 
 
@@ -169,7 +193,12 @@ def continue_forward(
 
     a = -torch.exp(module.A_log.float())
     dt = F.softplus(dt + module.dt_bias)
-    if isinstance(module, _CLAMP_MIN_ONLY):
+    fast = takes_fast_path(module)
+    if fast:  # the fused path clamps to time_step_limit where one is set, as its dt_limit
+        low, high = module.time_step_limit
+        if (low, high) != (0.0, float("inf")):
+            dt = torch.clamp(dt, low, high)
+    elif isinstance(module, _CLAMP_MIN_ONLY):
         dt = torch.clamp(dt, module.time_step_min)
     else:
         dt = torch.clamp(dt, module.time_step_limit[0], module.time_step_limit[1])
@@ -178,7 +207,15 @@ def continue_forward(
     c = c.reshape(batch, length, -1, n).float().repeat_interleave(heads // module.n_groups, dim=2)
     d_residual = module.D[..., None] * x
     state = None if cache.state is None else cache.state.expand(batch, -1, -1, -1)
-    y, final = ssd_scan(x * dt[..., None], a.to(x.dtype) * dt, b, c, module.chunk_size, state)
+    if fast:  # mamba_ssm's kernel from the boundary state, its final state out (fp32 inside)
+        scan = fused_chunk_scan()
+        initial = None if state is None else state.float().contiguous()
+        y, final = scan(
+            x.contiguous(), dt.float().contiguous(), a, b.contiguous(), c.contiguous(), module.chunk_size,
+            initial_states=initial, return_final_states=True,
+        )  # fmt: skip
+    else:
+        y, final = ssd_scan(x * dt[..., None], a.to(x.dtype) * dt, b, c, module.chunk_size, state)
     if cache.on_end is not None:
         cache.on_end(end_conv, final.clone())
     y = (y + d_residual).reshape(batch, length, -1)
