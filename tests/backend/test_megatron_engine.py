@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 from helpers.engine_batches import (
+    MEGATRON_CASES,
     compare_steps,
+    inferred,
+    megatron_cases,
     megatron_train_step,
     phase_c_skipped,
     shared_system_batch,
@@ -32,18 +35,8 @@ if importlib.util.find_spec("megatron.bridge") is None:
 
 TOL = 1e-5  # fp32
 BUDGET = 40  # verl's max_token_len_per_gpu under dynamic batch size: two suffix rows of a 12-token prompt
-CASES = {
-    "one_level": (dict(), "keep"),
-    "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
-    "chunked": (dict(prefix_chunk_tokens=4), "keep"),
-    "merged": (dict(phase_b_attention="merged"), "keep"),
-    "recompute": (dict(), "recompute"),
-}
+CASES = MEGATRON_CASES
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict()}  # DP is what the world leaves over TP
-
-
-def _infer(result: dict) -> dict:
-    return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
 
 
 def _layout_body(rank: int, model_dir: str, name: str) -> dict:
@@ -60,26 +53,17 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
     assert prefix.causal_lm is not None
     batch = shared_system_batch(stock.get_data_parallel_rank(), data_parallel)
     want = megatron_train_step(stock, loss_fn, batch)
-    want_infer = verl_engine.run_infer(stock, batch)
+    want_infer = inferred(verl_engine.run_infer(stock, batch))
+    controls = {"no_phase_c": phase_c_skipped, "rope_late": suffix_rope_late}
     out: dict = {"source": prefix.is_mp_src_rank_with_outputs(), "dp_rank": stock.get_data_parallel_rank()}
-    for case, (knobs, dormant) in CASES.items():
-        prefix.reuse_config = dataclasses.replace(base, **knobs)
-        prefix.dormant_prefix = dormant
-        got = megatron_train_step(prefix, loss_fn, batch)
-        got_infer = verl_engine.run_infer(prefix, batch)
-        out[case] = {**compare_steps(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
-        if case in ("one_level", "tree"):  # negative controls
-            with phase_c_skipped():
-                out[case]["no_phase_c"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
-            with suffix_rope_late():
-                out[case]["rope_late"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
+    out.update(megatron_cases(stock, prefix, loss_fn, batch, base, CASES, controls))
     # sequence parallelism's padding (verl's default at TP > 1 on GPU; the CPU platform turns SP off): every call of
     # the schedule padded to a multiple of 4 at the end, the CPU reference of what SP needs
     prefix.causal_lm.sequence_multiple = 4
     for knobs in (dict(), dict(tree=True, min_shared_tokens=4)):
         prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, **knobs), "keep"
         padded = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))
-        padded["infer"] = (_infer(want_infer), _infer(verl_engine.run_infer(prefix, batch)))
+        padded["infer"] = (want_infer, inferred(verl_engine.run_infer(prefix, batch)))
         out.setdefault("padded", []).append(padded)
     prefix.causal_lm.sequence_multiple = 1
     if name == "tp2":  # what the rollout receives, and verl's checkpoint round trip, through the prefix engine

@@ -11,13 +11,12 @@ controls: phase C skipped, phase B's RoPE one position late.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import pytest
 from helpers.engine_batches import (
-    compare_steps,
-    megatron_train_step,
+    MEGATRON_CASES,
+    megatron_cases,
     phase_c_skipped,
     shared_system_batch,
     suffix_rope_late,
@@ -30,25 +29,15 @@ if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
 
 TOL = 1e-5  # fp32
-CASES = {
-    "one_level": dict(),
-    "tree": dict(tree=True, min_shared_tokens=4),
-    "chunked": dict(prefix_chunk_tokens=4),
-    "merged": dict(phase_b_attention="merged"),
-}
+CASES = {name: MEGATRON_CASES[name] for name in ("one_level", "tree", "chunked", "merged")}
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict()}
 # MLA with every MLP dense; DeepSeek-V3's expert bias off (its routers have no layer to run in)
 MODEL = dict(extra_config={"first_k_dense_replace": 2, "q_lora_rank": 16})
 OVERRIDES = {"attention_backend": "local", "moe_router_enable_expert_bias": False}
 
 
-def _infer(result: dict) -> dict:
-    return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
-
-
 def _body(rank: int, model_dir: str, name: str) -> dict:
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.harness import verl_engine
     from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
 
     layout = dict(LAYOUTS[name], override_transformer_config=OVERRIDES)
@@ -58,19 +47,9 @@ def _body(rank: int, model_dir: str, name: str) -> dict:
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **layout)
     assert stock.tf_config.multi_latent_attention
     batch = shared_system_batch(stock.get_data_parallel_rank(), "tensor_parallel_size" not in LAYOUTS[name])
-    want = megatron_train_step(stock, loss_fn, batch)
-    want_infer = verl_engine.run_infer(stock, batch)
+    controls = {"no_phase_c": phase_c_skipped, "rope_late": suffix_rope_late}
     out: dict = {"source": prefix.is_mp_src_rank_with_outputs()}
-    for case, knobs in CASES.items():
-        prefix.reuse_config = dataclasses.replace(base, **knobs)
-        got = megatron_train_step(prefix, loss_fn, batch)
-        got_infer = verl_engine.run_infer(prefix, batch)
-        out[case] = {**compare_steps(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
-        if case in ("one_level", "tree"):
-            with phase_c_skipped():
-                out[case]["no_phase_c"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
-            with suffix_rope_late():
-                out[case]["rope_late"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
+    out.update(megatron_cases(stock, prefix, loss_fn, batch, base, CASES, controls))
     return out
 
 

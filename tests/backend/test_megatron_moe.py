@@ -24,7 +24,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.engine_batches import compare_steps, megatron_train_step, phase_c_skipped, shared_system_batch
+from helpers.engine_batches import (
+    MEGATRON_CASES,
+    compare_steps,
+    inferred,
+    megatron_cases,
+    megatron_train_step,
+    phase_c_skipped,
+    shared_system_batch,
+)
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
@@ -37,13 +45,7 @@ COEFF = 0.1  # large enough that the aux moves the router's gradient well past t
 AUX = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": COEFF}
 BIAS = {**AUX, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
 BIAS_CASES = ("one_level", "tree", "chunked")
-CASES = {
-    "one_level": (dict(), "keep"),
-    "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
-    "chunked": (dict(prefix_chunk_tokens=4), "keep"),
-    "merged": (dict(phase_b_attention="merged"), "keep"),
-    "recompute": (dict(), "recompute"),
-}
+CASES = MEGATRON_CASES
 
 
 @contextlib.contextmanager
@@ -97,10 +99,6 @@ def _counted_step(engine, loss_fn, batch) -> dict:
     return {**step, "counts": recorded, "bias": [r.expert_bias.clone() for r in routers]}
 
 
-def _infer(result: dict) -> dict:
-    return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
-
-
 def _pair(model_dir: str, routing: dict, base):
     from verl_prefix.harness.megatron import build_megatron_engine
 
@@ -120,27 +118,16 @@ def _body(rank: int, model_dir: str) -> dict:
     stock, prefix = _pair(model_dir, AUX, base)
     assert prefix.routers is not None and len(prefix.routers.modules) == 2
     batch = shared_system_batch(stock.get_data_parallel_rank(), True)
-    want = megatron_train_step(stock, loss_fn, batch)
-    want_infer = verl_engine.run_infer(stock, batch)
+    controls = {"no_phase_c": phase_c_skipped, "counted_once": _prefix_counted_once}
     out: dict = {"source": prefix.is_mp_src_rank_with_outputs()}
-    for case, (knobs, dormant) in CASES.items():
-        prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, **knobs), dormant
-        got = megatron_train_step(prefix, loss_fn, batch)
-        got_infer = verl_engine.run_infer(prefix, batch)
-        out[case] = {**compare_steps(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
-        if case in ("one_level", "tree"):
-            with phase_c_skipped():
-                out[case]["no_phase_c"] = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))["worst"]
-            with _prefix_counted_once():
-                once = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))
-                out[case]["counted_once"] = once["worst"]
-                out[case]["counted_once_name"] = once["name"]
+    out.update(megatron_cases(stock, prefix, loss_fn, batch, base, CASES, controls))
+    want = megatron_train_step(stock, loss_fn, batch)
     # the aux's share of the router's gradient: the same step without it differs by far more than the tolerance
     plain_stock, plain_prefix = _pair(model_dir, {}, base)
     plain = megatron_train_step(plain_stock, loss_fn, batch)
     out["aux_effect"] = compare_steps(want, plain)["worst"]
     plain_got = megatron_train_step(plain_prefix, loss_fn, batch)
-    infer = (_infer(verl_engine.run_infer(plain_stock, batch)), _infer(verl_engine.run_infer(plain_prefix, batch)))
+    infer = (inferred(verl_engine.run_infer(plain_stock, batch)), inferred(verl_engine.run_infer(plain_prefix, batch)))
     out["no_aux"] = {**compare_steps(plain, plain_got), "infer": infer}
     # expert bias beside the aux loss
     bias_stock, bias_prefix = _pair(model_dir, BIAS, base)

@@ -6,7 +6,7 @@ second rank with one group and four singletons; the phase-C negative control; a 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from helpers.reuse import reduced
 
@@ -99,3 +99,42 @@ def suffix_rope_late() -> Iterator[None]:
         yield
     finally:
         causal_lm.call_offset = saved
+
+
+# prefix_megatron's knob cases against one stock step: name -> (reuse knobs, dormant policy)
+MEGATRON_CASES = {
+    "one_level": (dict(), "keep"),
+    "tree": (dict(tree=True, min_shared_tokens=4), "keep"),
+    "chunked": (dict(prefix_chunk_tokens=4), "keep"),
+    "merged": (dict(phase_b_attention="merged"), "keep"),
+    "recompute": (dict(), "recompute"),
+}
+
+
+def inferred(result: dict) -> dict:
+    """What a forward-only comparison reads of ``verl_engine.run_infer``'s result."""
+    return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
+
+
+def megatron_cases(
+    stock, prefix, loss_fn, batch, base, cases: dict, controls: dict[str, Callable], controlled=("one_level", "tree")
+) -> dict:
+    """prefix_megatron (its ``reuse_config`` from ``base``) against one stock step and forward-only pass on
+    ``batch``, per case of ``cases`` (name -> (knobs, dormant policy)); in the ``controlled`` cases each negative
+    control of ``controls`` (name -> a context manager factory) runs one more step, recorded as its worst error."""
+    import dataclasses
+
+    from verl_prefix.harness import verl_engine
+
+    want = megatron_train_step(stock, loss_fn, batch)
+    want_infer = inferred(verl_engine.run_infer(stock, batch))
+    out: dict = {}
+    for case, (knobs, dormant) in cases.items():
+        prefix.reuse_config, prefix.dormant_prefix = dataclasses.replace(base, **knobs), dormant
+        got = megatron_train_step(prefix, loss_fn, batch)
+        out[case] = {**compare_steps(want, got), "infer": (want_infer, inferred(verl_engine.run_infer(prefix, batch)))}
+        for control, context in controls.items() if case in controlled else ():
+            with context():
+                wrong = compare_steps(want, megatron_train_step(prefix, loss_fn, batch))
+            out[case][control], out[case][f"{control}_name"] = wrong["worst"], wrong["name"]
+    return out
