@@ -19,8 +19,8 @@
 # Megatron-Bridge, TransformerEngine: verl's Megatron docker image), plus this package (`pip install .`).
 # Env: MODEL (Qwen/Qwen3-8B), DATA (~/data/hotpotqa_long), NNODES (1), GPUS_PER_NODE (8), TP (4: must divide the
 # GPUs), PROMPT_LEN (6144: longer prompts are filtered out), TREE (false), MAX_CONNECTIONS (1: the workers'
-# CUDA_DEVICE_MAX_CONNECTIONS, which verl sets itself only for strategy=megatron on Ampere/Hopper; empty leaves it
-# unset, for Blackwell). Every verl option can still be overridden after "$@".
+# CUDA_DEVICE_MAX_CONNECTIONS, which verl sets itself for a Megatron actor on Ampere/Hopper only; empty leaves it
+# to verl, for Blackwell). Every verl option can still be overridden after "$@".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

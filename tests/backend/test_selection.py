@@ -52,3 +52,22 @@ def test_invalid_knob_fails_at_config_time(tiny_qwen3_dir):
                 f"+{fsdp}.prefix_reuse.min_prefix_len=0",
             ],
         )
+
+
+def test_prefix_megatron_counts_as_megatron_for_verls_worker_environment():
+    """verl gives Megatron workers ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on Hopper/Ampere when the actor or critic
+    strategy is ``megatron``; with the plugin imported ``prefix_megatron`` counts too, and nothing else changes."""
+    from omegaconf import OmegaConf
+    from verl.trainer import constants_ppo
+
+    import verl_prefix  # noqa: F401  (the plugin wraps verl's check on import)
+
+    def uses(actor: str, critic: str | None = None) -> bool:
+        config = {"actor_rollout_ref": {"actor": {"strategy": actor}}}
+        if critic is not None:
+            config["critic"] = {"strategy": critic}
+        return constants_ppo._uses_megatron(OmegaConf.create(config))
+
+    assert uses("prefix_megatron") and uses("megatron") and uses("fsdp2", critic="megatron")
+    assert not uses("fsdp2") and not uses("prefix_fsdp2") and not uses("prefix_torchtitan")
+    assert constants_ppo._uses_megatron(None) is False

@@ -3,7 +3,11 @@ every process, and megatron-core (optional) is heavy. The registry holds a facto
 the platform layer (``megatron.platform.ensure_megatron_platform``: nothing on a CUDA host) and imports the engine.
 
 Importing the plugin leaves verl's own ``megatron`` backend as verl registered it (cuda/npu), and verl's
-``McoreEngineConfig`` as verl wrote it. Two things a ``main_ppo`` run of a Megatron engine on CPU needs before any
+``McoreEngineConfig`` as verl wrote it. It wraps verl's ``constants_ppo._uses_megatron`` (``megatron_env``): on
+Hopper/Ampere ``main_ppo`` gives every worker ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when the actor or critic runs
+Megatron, which it decides by ``strategy == "megatron"``; ``prefix_megatron`` is Megatron too.
+
+Two things a ``main_ppo`` run of a Megatron engine on CPU needs before any
 engine is built are opt-in, ``VERL_PREFIX_MEGATRON_CPU=1`` in the environment of every process that imports verl
 (the driver, and a Ray job's workers through its runtime env), and only on a host without an accelerator:
 
@@ -61,12 +65,35 @@ def cpu_requested() -> bool:
     return host_device() == "cpu"
 
 
+def megatron_env() -> None:
+    """Idempotent: verl's ``_uses_megatron`` (which sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` for Megatron workers on
+    Hopper/Ampere) also true for ``prefix_megatron``; verl's own answer for every other strategy."""
+    from omegaconf import OmegaConf
+    from verl.trainer import constants_ppo
+
+    stock = constants_ppo._uses_megatron
+    if getattr(stock, "_verl_prefix", False):
+        return
+
+    def uses_megatron(config: Any) -> bool:
+        if config is not None:
+            for key in ("actor_rollout_ref.actor.strategy", "critic.strategy"):
+                if OmegaConf.select(config, key, default=None) == MEGATRON_BACKEND:
+                    return True
+        return stock(config)
+
+    uses_megatron._verl_prefix = True  # type: ignore[attr-defined]
+    constants_ppo._uses_megatron = uses_megatron
+
+
 def register() -> None:
-    """Idempotent: ``prefix_megatron`` on every device in ``DEVICES`` that has no engine for it yet; where
-    ``cpu_requested``, the float32 engine config and verl's ``megatron`` engine for ``cpu``."""
+    """Idempotent: ``prefix_megatron`` on every device in ``DEVICES`` that has no engine for it yet, and counted as
+    Megatron where verl sets its workers' environment (``megatron_env``); where ``cpu_requested``, the float32 engine
+    config and verl's ``megatron`` engine for ``cpu``."""
     registered = EngineRegistry._engines.setdefault("language_model", {}).setdefault(MEGATRON_BACKEND, {})
     for device in DEVICES:
         registered.setdefault(device, build_prefix_megatron)
+    megatron_env()
     if cpu_requested():
         from verl_prefix.backend.megatron.platform import patch_engine_config
 
