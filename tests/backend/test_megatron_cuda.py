@@ -9,8 +9,9 @@ reference of the same computation (the padding sequence parallelism needs, at fp
 
 Also on two GPUs: a tiny Qwen3-MoE at EP=2 with megatron-core's aux loss and expert bias (sigmoid scores),
 TransformerEngine's grouped experts where installed (CPU reference: ``test_megatron_moe.py``), the same MoE at TP=2
-with sequence parallelism and verl's default routing (no load-balancing loss), and DeepSeek-V3's MLA at TP=2 with
-sequence parallelism (CPU reference: ``test_megatron_mla.py``).
+with sequence parallelism and verl's default routing (no load-balancing loss), DeepSeek-V3's MLA at TP=2 with
+sequence parallelism (CPU reference: ``test_megatron_mla.py``), and verl's fused kernels on (its Triton linear
+cross-entropy for dense rows, logits for reused ones; CPU reference: ``test_megatron_fused.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ LAYOUTS = {
         None,
     ),
     "moe_tp2_sp": ("qwen3_moe", SP, {}, None),
+    "fused_tp2_sp": ("qwen3", {**SP, "use_fused_kernels": True}, {}, None),  # both engines on verl's fused kernels
     "mla_tp2_sp": (
         "deepseek_v3", SP, {"moe_router_enable_expert_bias": False},
         {"first_k_dense_replace": 2, "q_lora_rank": 16},

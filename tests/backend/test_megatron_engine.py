@@ -192,7 +192,6 @@ def test_refusals_name_the_knob():
         ("virtual_pipeline_model_parallel_size", 2),
         ("context_parallel_size", 2),
         ("param_offload", True),
-        ("use_fused_kernels", True),
     ):
         config = Config()
         setattr(config, knob, value)

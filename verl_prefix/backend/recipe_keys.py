@@ -315,7 +315,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 ),
             ),
             "prefix_torchtitan": Cell("absent", "verl's TorchTitan engine has none"),
-            "prefix_megatron": Cell("refused", "fused kernels under reuse: prefix_fsdp2 only", (_MEGATRON_REFUSALS,)),
+            "prefix_megatron": Cell(
+                "reuses",
+                "reused rows from the logits, dense rows verl's fused kernels (GPU)",
+                ("tests/backend/test_megatron_fused.py::test_fused_kernels_setting_reuses_and_matches",),
+            ),
         },
     ),
     (

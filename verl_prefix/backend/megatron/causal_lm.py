@@ -21,6 +21,11 @@ and the logits are cut back; the padding comes after every real token, so causal
 
 Under megatron-core's router aux loss (``routers``) every call runs with the routers' own aux off: the schedule adds
 it per logical micro-batch (``megatron.moe``).
+
+Under ``use_fused_kernels`` verl replaces the ``GPTModel``'s forward with one that returns log-probs from the last
+hidden states (its fused linear cross-entropy) instead of logits; the schedule's calls run the model's own forward
+(``unfused``: verl keeps it as ``forward_backup``), so reused rows take their log-probs from the logits, the same
+maths up to rounding, and verl's dense rows keep its fused path.
 """
 
 from __future__ import annotations
@@ -108,6 +113,21 @@ class RotaryOffset:
             self.offset = saved
 
 
+@contextmanager
+def unfused(model: nn.Module) -> Iterator[None]:
+    """megatron-core's own ``GPTModel.forward`` for the duration, where verl's fused forward replaced it."""
+    backup = model.__dict__.get("forward_backup")
+    if backup is None:
+        yield
+        return
+    fused = model.__dict__["forward"]
+    model.forward = backup
+    try:
+        yield
+    finally:
+        model.forward = fused
+
+
 class MegatronCausalLM(CausalLMStandIn):
     """verl's (one-stage) Megatron model chunk behind the HF causal-LM call the schedule makes."""
 
@@ -118,6 +138,7 @@ class MegatronCausalLM(CausalLMStandIn):
         self.chunk = chunk
         self.sequence_multiple = sequence_multiple
         gpt = unwrapped(chunk)
+        self.gpt = gpt
         self.hooks = CoreAttentionHooks(gpt)
         self.rotary = RotaryOffset(gpt)
         self.routers: McoreRouters | None = None  # the MoE routers under the aux loss (``megatron.moe``)
@@ -139,6 +160,6 @@ class MegatronCausalLM(CausalLMStandIn):
                 "prefix_megatron: a schedule call without routing weights (ScheduleOptions.count_routing) would "
                 "count the experts' load physically"
             )
-        with self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), own_aux, counts:
+        with self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), own_aux, counts, unfused(self.gpt):
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
         return gather_from_tensor_model_parallel_region(logits[:, :length] if padded else logits)

@@ -66,11 +66,6 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
     "use_megatron_fsdp": (False, "megatron-core's FSDP is not tested under reuse"),
     "param_offload": (False, "parameter offload between phases A and C is not verified"),
     "optimizer_offload": (False, "optimizer offload is not verified under reuse"),
-    "use_fused_kernels": (
-        False,
-        "verl's fused Megatron forward returns log-probs instead of logits from the output layer; the schedule "
-        "computes them from logits on this engine (fused kernels under reuse: prefix_fsdp2)",
-    ),
 }
 # override_transformer_config key -> why anything set is refused
 _RECOMPUTE = (

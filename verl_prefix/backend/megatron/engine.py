@@ -20,6 +20,7 @@ attention) is refused when the engine is built (``megatron.config``).
 from __future__ import annotations
 
 import functools
+import logging
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
@@ -45,6 +46,8 @@ from verl_prefix.schedule.dormant import default_store, refuse_offload_on, valid
 from verl_prefix.schedule.models.moe import RouterStats
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
+
+logger = logging.getLogger(__name__)
 
 
 class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
@@ -85,6 +88,12 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         # sequence parallelism splits every sequence over the TP ranks: the schedule's calls pad to a multiple
         multiple = self.engine_config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
         self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple)
+        if self.engine_config.use_fused_kernels:  # still on after verl's own checks (remove padding, no MTP)
+            logger.warning(
+                "prefix_megatron with use_fused_kernels=true: reused rows take their log-probs from the logits "
+                "(megatron-core's own forward, the same maths up to rounding; a suffix micro-batch holds its logits), "
+                "dense rows run verl's fused kernels (docs/megatron.md)"
+            )
         coeff = aux_coefficient(config) if getattr(config, "num_moe_experts", None) else 0.0
         if coeff > 0:
             self.routers = self.causal_lm.routers = McoreRouters(self.module[0], coeff)
