@@ -252,6 +252,10 @@ def test_engine_config_accepts_the_prefix_strategy():
     assert config.strategy == "prefix_megatron" and config.prefix_reuse.enable
     with pytest.raises(ValueError):
         PrefixMcoreEngineConfig(dormant_prefix="sometimes")
+    # the reuse knobs from YAML without a _target_ (a mapping) are checked when verl builds the config
+    assert PrefixMcoreEngineConfig(prefix_reuse={"tree": True}).prefix_reuse.tree is True
+    with pytest.raises(ValueError, match="min_prefix_len"):
+        PrefixMcoreEngineConfig(prefix_reuse={"min_prefix_len": 0})
 
 
 def test_selected_through_verl_config():

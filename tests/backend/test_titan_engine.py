@@ -526,6 +526,10 @@ def test_refusals_at_config_time():
         reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, pipeline_parallel_size=2))
         assert reason is not None and words in reason and "pipeline stages" in reason, (reuse, reason)
     assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False, tree=True))) is None
+    # the reuse knobs from YAML without a _target_ (a mapping) are checked when verl builds the config
+    assert PrefixTorchtitanEngineConfig(prefix_reuse={"tree": True}).prefix_reuse.tree is True
+    with pytest.raises(ValueError, match="min_prefix_len"):
+        PrefixTorchtitanEngineConfig(prefix_reuse={"min_prefix_len": 0})
     # pipeline parallelism is served alone (one stage per rank), reuse on or off: the engine pipelines every pass
     assert refusal(PrefixTorchtitanEngineConfig(pipeline_parallel_size=2)) is None
     for knob in ("tensor_parallel_size", "expert_parallel_size", "context_parallel_size", "data_parallel_shard_size"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,15 @@ def post_init_as_stock(
         object.__setattr__(config, "strategy", stock_strategy)
     parent_post_init()
     object.__setattr__(config, "strategy", requested)
+
+
+def reuse_knobs_checked(config: Any) -> None:
+    """An engine config's ``prefix_reuse`` as the ``PrefixReuseConfig`` it names: from YAML without a ``_target_`` it
+    arrives as a mapping, which is validated here, when verl builds the config (in the driver, before any worker),
+    instead of when the engine is built."""
+    reuse = getattr(config, "prefix_reuse", None)
+    if isinstance(reuse, Mapping):
+        object.__setattr__(config, "prefix_reuse", PrefixReuseConfig(**reuse))
 
 
 @dataclass
@@ -176,7 +185,6 @@ class PrefixFSDPEngineConfig(FSDPEngineConfig):
 
     def __post_init__(self) -> None:
         post_init_as_stock(self, PREFIX_BACKEND, "fsdp2", super().__post_init__)
-        if isinstance(self.prefix_reuse, dict):
-            object.__setattr__(self, "prefix_reuse", PrefixReuseConfig(**self.prefix_reuse))
+        reuse_knobs_checked(self)
         object.__setattr__(self, "moe_aux_loss_coef", validate_moe_aux_loss_coef(self.moe_aux_loss_coef))
         validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)

@@ -15,7 +15,7 @@ from typing import Any
 
 from verl.workers.config import McoreEngineConfig
 
-from verl_prefix.backend.config import PrefixReuseConfig, post_init_as_stock
+from verl_prefix.backend.config import PrefixReuseConfig, post_init_as_stock, reuse_knobs_checked
 from verl_prefix.schedule.dormant import validate_policy
 
 MEGATRON_BACKEND = "prefix_megatron"
@@ -38,6 +38,7 @@ class PrefixMcoreEngineConfig(McoreEngineConfig):
 
     def __post_init__(self) -> None:
         post_init_as_stock(self, MEGATRON_BACKEND, "megatron", super().__post_init__)
+        reuse_knobs_checked(self)
         validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from verl.workers.config import TorchtitanEngineConfig
 
-from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig, post_init_as_stock
+from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig, post_init_as_stock, reuse_knobs_checked
 from verl_prefix.schedule.dormant import validate_policy
 
 TITAN_BACKEND = "prefix_torchtitan"
@@ -39,6 +39,7 @@ class PrefixTorchtitanEngineConfig(TorchtitanEngineConfig):
 
     def __post_init__(self) -> None:
         post_init_as_stock(self, TITAN_BACKEND, "torchtitan", super().__post_init__)
+        reuse_knobs_checked(self)
         validate_policy(self.dormant_prefix, self.dormant_prefix_budget_bytes)
 
 
