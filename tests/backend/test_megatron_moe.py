@@ -248,5 +248,7 @@ def test_router_settings_served():
     assert aux_coefficient(_tf()) == 0.01
     assert aux_coefficient(_tf(moe_router_load_balancing_type="none")) == 0.0
     assert replay_refusal(SimpleNamespace(router_replay=SimpleNamespace(mode="disabled"))) is None
+    off = SimpleNamespace(router_replay=SimpleNamespace(mode="R3"), prefix_reuse={"enable": False})
+    assert replay_refusal(off) is None  # reuse off: verl's own engine
     reason = replay_refusal(SimpleNamespace(router_replay=SimpleNamespace(mode="R3")))
     assert "router_replay.mode=disabled" in reason, reason

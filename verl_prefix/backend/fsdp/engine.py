@@ -102,6 +102,7 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         )
         self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
         self.freeze_vision_tower = bool(getattr(engine_config, "freeze_vision_tower", False))
+        self.unpacked_dense_rows: str | None = None  # a decoder whose packed rows would cross (``_unpack_dense_rows``)
         if self.dormant_prefix == "offload":
             refuse_offload_on(self.device())
         self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
@@ -141,7 +142,6 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         packed rows would attend across sequences; the rows that run through verl's forward (dense chunks, the
         stock path) run padded instead, one sequence a row, as reuse's groups run. Ulysses needs packed rows: an
         error naming the fix."""
-        self.unpacked_dense_rows: str | None = None
         if not self.use_remove_padding:
             return
         decoder = model_checks.packed_masks_without_positions(self.module)
@@ -215,7 +215,7 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         The routers' logits are captured by forward hooks during verl's own model call; the wrapped
         loss function (called by verl right after the model) adds the weighted aux term.
         """
-        if getattr(self, "unpacked_dense_rows", None) is not None:  # one sequence a row (``_unpack_dense_rows``)
+        if self.unpacked_dense_rows is not None:  # one sequence a row (``_unpack_dense_rows``)
             tu.assign_non_tensor(micro_batch, use_remove_padding=False)
         unfused = self._fused_head_unreadable(micro_batch)
         if unfused:  # verl's fused forward would read the sharded head: its unfused path, HF's forward, instead

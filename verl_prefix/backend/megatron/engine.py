@@ -58,7 +58,7 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             refusal(engine_config)
             or model_refusal(model_config.hf_config, engine_config)
             or lora_refusal(model_config, engine_config)
-            or (replay_refusal(engine_config) if reuse_of(engine_config).enable else None)
+            or replay_refusal(engine_config)
         )
         if reason is not None:
             raise ValueError(reason)

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from verl_prefix.backend.megatron.config import MEGATRON_REUSE_OFF
-from verl_prefix.schedule.models.moe import RouterStats
+from verl_prefix.backend.megatron.config import MEGATRON_REUSE_OFF, reuse_of
+from verl_prefix.schedule.models.moe import RouterStats, valid_router_rows
 
 OVERRIDE = "actor_rollout_ref.actor.megatron.override_transformer_config"
 
@@ -51,8 +51,8 @@ def aux_coefficient(tf_config: Any) -> float:
 def router_refusal(tf_config: Any) -> str | None:
     """Why reuse cannot run the MoE routing of the model verl built, or None (a dense model: None).
 
-    Served: top-k routing with no load-balancing loss, or megatron-core's per-micro-batch ``aux_loss`` (counted
-    logically). What depends on which tokens share a call other than through that loss is refused."""
+    Served: top-k routing with no load-balancing loss, megatron-core's per-micro-batch ``aux_loss`` and expert bias
+    (both counted per row). What depends on which tokens share a call other than through those is refused."""
     if not getattr(tf_config, "num_moe_experts", None):
         return None
     kind = tf_config.moe_router_load_balancing_type
@@ -98,9 +98,10 @@ def router_refusal(tf_config: Any) -> str | None:
 
 
 def replay_refusal(engine_config: Any) -> str | None:
-    """Router replay (R2/R3) records or replays routes per dense micro-batch: refused under reuse."""
+    """Router replay (R2/R3) records or replays routes per dense micro-batch: refused under reuse (nothing with
+    reuse off)."""
     mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
-    if mode in (None, "disabled"):
+    if mode in (None, "disabled") or not reuse_of(engine_config).enable:
         return None
     return (
         f"prefix_megatron: router_replay.mode={mode!r} is refused with reuse on (routes are recorded and replayed "
@@ -185,18 +186,8 @@ class McoreRouters:
         """Sums over the tokens ``valid`` marks (row-major over the call's ``[B, L]``; None: all), per layer."""
         from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 
-        missing = [i for i, lg in enumerate(logits) if lg is None]
-        if missing:
-            raise RuntimeError(f"{self.model_name}: routers {missing} did not run in this forward call")
-        flat = valid.reshape(-1) if valid is not None else None
         counts, sums, tokens = [], [], 0
-        for layer_logits in logits:
-            if flat is not None:
-                if flat.numel() != layer_logits.shape[0]:
-                    raise RuntimeError(
-                        f"router logits have {layer_logits.shape[0]} rows but the token mask has {flat.numel()}"
-                    )
-                layer_logits = layer_logits[flat.to(layer_logits.device)]
+        for layer_logits in valid_router_rows(logits, valid, self.model_name):
             routing_map, scores = compute_routing_scores_for_aux_loss(layer_logits, self.top_k, self.score_function)
             counts.append(routing_map.sum(dim=0))
             sums.append(scores.sum(dim=0))

@@ -679,6 +679,16 @@ def patch_optimizer_fresh_state_dict() -> None:
     _note("optimizer_fresh_state_dict")
 
 
+# transformer-config switches for kernels of TransformerEngine, apex or the grouped_gemm CUDA package
+_TE_APEX_KERNELS = (
+    "moe_permute_fusion",
+    "moe_router_fusion",
+    "moe_grouped_gemm",
+    "persist_layer_norm",
+    "gradient_accumulation_fusion",
+)
+
+
 def patch_transformer_overrides() -> None:
     """verl's transformer-config overrides on CPU: local attention by default, sequence parallel off."""
     import verl.utils.megatron_utils as megatron_utils
@@ -691,8 +701,7 @@ def patch_transformer_overrides() -> None:
         args = dict(args)
         args.setdefault("attention_backend", "local")
         args["sequence_parallel"] = False
-        kernels = ("moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm", "persist_layer_norm")
-        for kernel in (*kernels, "gradient_accumulation_fusion"):
+        for kernel in _TE_APEX_KERNELS:
             args[kernel] = False
         return stock(args)
 

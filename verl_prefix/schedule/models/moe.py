@@ -131,6 +131,25 @@ def router_probabilities(logits: torch.Tensor) -> torch.Tensor:
     return F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
+def valid_router_rows(
+    logits: list[torch.Tensor | None], valid: torch.Tensor | None, model_name: str
+) -> list[torch.Tensor]:
+    """Each router's captured logits ``[tokens, E]`` of one call, kept to the tokens ``valid`` marks (row-major
+    over the call's ``[B, S]``; None: all). A router that did not run, or a mask of another size, is an error."""
+    missing = [i for i, lg in enumerate(logits) if lg is None]
+    if missing:
+        raise RuntimeError(f"{model_name}: routers {missing} did not run in this forward call")
+    if valid is None:
+        return list(logits)
+    flat = valid.reshape(-1)
+    rows = []
+    for layer_logits in logits:
+        if flat.numel() != layer_logits.shape[0]:
+            raise RuntimeError(f"router logits have {layer_logits.shape[0]} rows but the token mask has {flat.numel()}")
+        rows.append(layer_logits[flat.to(layer_logits.device)])
+    return rows
+
+
 class MoeRouters:
     """The router modules of an HF MoE causal LM, in forward order, and their load-balancing loss.
 
@@ -209,20 +228,10 @@ class MoeRouters:
 
     def stats(self, logits: list[torch.Tensor | None], valid: torch.Tensor | None = None) -> RouterStats:
         """Sums over the tokens ``valid`` marks (row-major over the forward's ``[B, S]``; None: all)."""
-        missing = [i for i, lg in enumerate(logits) if lg is None]
-        if missing:
-            raise RuntimeError(f"{self.model_name}: routers {missing} did not run in this forward call")
-        flat = valid.reshape(-1) if valid is not None else None
         counts = None
         prob_sum = None
         tokens = 0
-        for layer_logits in logits:
-            if flat is not None:
-                if flat.numel() != layer_logits.shape[0]:
-                    raise RuntimeError(
-                        f"router logits have {layer_logits.shape[0]} rows but the token mask has {flat.numel()}"
-                    )
-                layer_logits = layer_logits[flat.to(layer_logits.device)]
+        for layer_logits in valid_router_rows(logits, valid, self.model_name):
             probs = router_probabilities(layer_logits)
             selected = torch.topk(probs, self.top_k, dim=-1).indices
             layer_counts = F.one_hot(selected, self.num_experts).sum(dim=0)
