@@ -206,10 +206,10 @@ def packed_masks_without_positions(model: nn.Module) -> str | None:
     attention = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
     if "flash" in attention:
         return None
-    for cls in {type(module) for module in model.modules()}:
-        forward = next((k.__dict__["forward"] for k in cls.__mro__ if "forward" in k.__dict__), None)
-        if forward is not None and _masks_without_positions(forward):
-            return next(k for k in cls.__mro__ if "forward" in k.__dict__).__name__
+    for cls in dict.fromkeys(type(module) for module in model.modules()):  # in module order, each class once
+        owner = next((k for k in cls.__mro__ if "forward" in k.__dict__), None)  # the class whose forward runs
+        if owner is not None and _masks_without_positions(owner.__dict__["forward"]):
+            return owner.__name__
     return None
 
 
