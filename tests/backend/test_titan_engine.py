@@ -12,11 +12,11 @@ same weights).
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.engine_batches import phase_c_skipped
 from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
 from helpers.titan_moe import counted_train_step
@@ -111,28 +111,13 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
             titan_moe.shard_like = shard_like
         out["odd_dense_refused"] = _odd_dense_refusal(prefix, loss_fn, batch, stock.get_data_parallel_rank())
     if negative:  # negative control: phase C skipped (the engine's own phases, or the one schedule's)
-        with _phase_c_skipped():
+        with phase_c_skipped():
             out["no_phase_c"] = verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
     if not (fsdp or ep or tp_ep):  # last: it zeroes the weights before restoring them
         out["checkpoint"] = _checkpoint_round_trip(prefix, Path(model_dir).parent / "titan_tp2_checkpoint")
     for key in ("want_infer", "got_infer"):
         out[key] = {k: out[key][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     return out
-
-
-@contextlib.contextmanager
-def _phase_c_skipped():
-    """Phase C does nothing, wherever the engine runs it: its own phases (``titan.engine._group``) or the one
-    schedule's (``schedule.executor.train_group``)."""
-    from verl_prefix.backend.titan import engine as titan_engine
-    from verl_prefix.schedule import executor
-
-    saved = titan_engine.prefix_backward, executor.prefix_backward
-    titan_engine.prefix_backward = executor.prefix_backward = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        titan_engine.prefix_backward, executor.prefix_backward = saved
 
 
 def _checkpoint_round_trip(engine, root: Path) -> dict:
@@ -185,10 +170,10 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     in verl's dynamic-batch-size micro-batches."""
     import dataclasses
 
+    from helpers.engine_batches import titan_phase_c_not_crossing
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix import PrefixReuseConfig
-    from verl_prefix.backend.titan import pipeline as titan_pipeline
     from verl_prefix.harness import titan as TT
     from verl_prefix.harness import verl_engine
 
@@ -203,13 +188,9 @@ def _pipeline(rank: int, model_dir: str, loss_fn) -> dict:
     out["got_infer"] = verl_engine.run_infer(engine, batch)
     out["got_infer"] = {k: out["got_infer"][k] for k in ("response_log_probs", "response_entropy", "metrics")}
     out["got"] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
-    seeded = titan_pipeline.seeded_backward
     # negative control: each stage's phase C seeded by its own leaves only, never by the next stage's gradient
-    titan_pipeline.seeded_backward = lambda prefix, seeds, model=None, extra=(): seeded(prefix, seeds, model)
-    try:
+    with titan_phase_c_not_crossing():
         out["not_crossing"] = verl_engine.run_train_step(engine, loss_fn, batch, capture_grads=True)
-    finally:
-        titan_pipeline.seeded_backward = seeded
     # reuse off under verl's dynamic batch size: its token-budget micro-batches, pipelined (rows reordered, restored)
     dynamic = batch.copy()
     tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=48)
@@ -514,17 +495,12 @@ def test_refusals_at_config_time():
     ):
         reason = refusal(PrefixTorchtitanEngineConfig(**{knob: value}))
         assert reason is not None and knob in reason and words in reason, (knob, reason)
-    # knobs only the one schedule serves: served at PP=1 with EP=1 (tests/backend/test_titan_schedule.py), refused,
-    # never ignored, where the engine keeps its own phases (pipeline stages, MoE under EP)
-    for reuse, words in (
-        (PrefixReuseConfig(tree=True), "prefix_reuse.tree"),
-        (PrefixReuseConfig(prefix_chunk_tokens=64), "prefix_chunk_tokens"),
-        (PrefixReuseConfig(phase_b_attention="merged"), "phase_b_attention"),
-    ):
-        assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse)) is None
-        assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, expert_parallel_size=2)) is None  # served
-        reason = refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, pipeline_parallel_size=2))
-        assert reason is not None and words in reason and "pipeline stages" in reason, (reuse, reason)
+    # the one schedule's knobs: served at every layout, pipeline stages and EP included
+    # (tests/backend/test_titan_schedule.py)
+    for reuse in (PrefixReuseConfig(tree=True), PrefixReuseConfig(prefix_chunk_tokens=64),
+                  PrefixReuseConfig(phase_b_attention="merged")):  # fmt: skip
+        for layout in ({}, dict(expert_parallel_size=2), dict(pipeline_parallel_size=2)):
+            assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=reuse, **layout)) is None, (reuse, layout)
     assert refusal(PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(enable=False, tree=True))) is None
     # the reuse knobs from YAML without a _target_ (a mapping) are checked when verl builds the config
     assert PrefixTorchtitanEngineConfig(prefix_reuse={"tree": True}).prefix_reuse.tree is True

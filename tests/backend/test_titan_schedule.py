@@ -125,7 +125,7 @@ def _layout_body(rank: int, model_dir: str, name: str) -> dict:
     base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
     stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, **layout)
     prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=base, **layout)
-    assert prefix.scheduled and prefix.causal_lm is not None
+    assert prefix.causal_lm is not None and prefix.causal_lm.scores
     assert bool(prefix.expert_counts) == moe
     batch = shared_system_batch(dp_rank, fsdp, even=name == "tp2_ep2")
     want = _train(stock, loss_fn, batch, moe)
@@ -167,8 +167,83 @@ def _infer(result: dict) -> dict:
     return {k: result[k] for k in ("response_log_probs", "response_entropy", "metrics")}
 
 
+# under pipeline parallelism: what each stage runs of the one schedule (recompute is refused there, see below)
+PP_CASES = {
+    "one_level": dict(),
+    "tree": dict(tree=True, min_shared_tokens=4),
+    "chunked": dict(prefix_chunk_tokens=4),
+    "merged": dict(phase_b_attention="merged"),
+    "tree_chunked_merged": dict(tree=True, min_shared_tokens=4, prefix_chunk_tokens=4, phase_b_attention="merged"),
+}
+
+
+def _pp_body(rank: int, model_dir: str) -> dict:
+    """prefix_torchtitan at pipeline_parallel_size=2 (rank 0: embeddings + layer 0, rank 1: layer 1 + norm + LM
+    head) through the one schedule, each case against verl's engine at TP=2 (no pipeline: verl has no pipelined
+    step) on the same rows; phase C not crossing the stages (the next stage's gradient dropped) for the tree and a
+    chunked prefix; verl's dynamic batch size."""
+    from helpers.engine_batches import titan_phase_c_not_crossing
+    from helpers.tree_batches import shared_loss_batch
+    from verl.utils import tensordict_utils as tu
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import titan as TT
+    from verl_prefix.harness import verl_engine
+
+    loss_fn = _loss_fn()
+    base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    stock = TT.build_titan_engine(model_dir, backend="torchtitan", lr=0.0, tensor_parallel_size=2)
+    batch = shared_system_batch(0, False)
+    want = _train(stock, loss_fn, batch, False)
+    want_infer = verl_engine.run_infer(stock, batch)
+    dynamic = batch.copy()
+    tu.assign_non_tensor(dynamic, use_dynamic_bsz=True, max_token_len_per_gpu=BUDGET)
+    want_dynamic = verl_engine.run_train_step(stock, loss_fn, dynamic, capture_grads=True)
+    shared = shared_loss_batch()
+    want_shared, want_shared_infer = _train(stock, loss_fn, shared, False), verl_engine.run_infer(stock, shared)
+    del stock
+    pp = dict(engine_overrides=dict(pipeline_parallel_size=2))
+    prefix = TT.build_titan_engine(model_dir, backend="prefix_torchtitan", lr=0.0, prefix_reuse=base, **pp)
+    assert not prefix.causal_lm.scores if rank == 0 else prefix.causal_lm.scores
+    out: dict = {"stage": (prefix.link.stage, prefix.link.num_stages)}
+    for case, knobs in PP_CASES.items():
+        prefix.reuse_config = dataclasses.replace(base, **knobs)
+        got = _train(prefix, loss_fn, batch, False)
+        got_infer = verl_engine.run_infer(prefix, batch)
+        out[case] = {**_stage_summary(want, got), "infer": (_infer(want_infer), _infer(got_infer))}
+        if case in ("tree", "chunked"):
+            with titan_phase_c_not_crossing():
+                crossing = verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
+            out[case]["not_crossing"] = _stage_summary(want, crossing)
+    prefix.reuse_config = dataclasses.replace(base, suffix_micro_batch_size=None)
+    calls: list = []
+    got = verl_engine.run_train_step(prefix, _loss_fn(calls), dynamic, capture_grads=True)
+    out["dynamic"] = {**_stage_summary(want_dynamic, got), "calls": calls}
+    # loss on shared tokens: tree rollouts and per-turn samples, the trie's loss-carrying nodes scored on the last
+    # stage (their LM head there), reached on stage 0 through the node's output
+    shared = shared_loss_batch()
+    prefix.reuse_config = PrefixReuseConfig(min_prefix_len=2, min_group_size=1, tree=True, min_shared_tokens=2)
+    got, got_infer = _train(prefix, loss_fn, shared, False), verl_engine.run_infer(prefix, shared)
+    out["shared_loss"] = {**_stage_summary(want_shared, got), "infer": (_infer(want_shared_infer), _infer(got_infer))}
+    return out
+
+
+def _stage_summary(want: dict, got: dict) -> dict:
+    """A pipeline stage's result: the worst error of its own parameters' gradients (against the same parameters of
+    the whole model), which parameters it holds, the loss pair (the last stage's, on every stage), reuse metrics."""
+    worst, name = _grads_error({n: want["grads"][n] for n in got["grads"]}, got["grads"])
+    return {
+        "worst": worst,
+        "name": name,
+        "params": (sorted(got["grads"]), sorted(want["grads"])),
+        "loss": (want["loss"], got["loss"]),
+        "metrics": reduced(got["metrics"]),
+    }
+
+
 def _body(rank: int, model_dir: str, moe_dir: str) -> dict:
     return {
+        "pp2": _pp_body(rank, model_dir),
         "tp2": _layout_body(rank, model_dir, "tp2"),
         "fsdp2": _layout_body(rank, model_dir, "fsdp2"),
         "ep2": _layout_body(rank, moe_dir, "ep2"),
@@ -267,6 +342,58 @@ def test_dynamic_batch_size_plans_suffix_micro_batches_by_token_budget(ranks):
             assert len(rows) == 1 or cost <= BUDGET, rows
 
 
+@pytest.mark.parametrize("case", list(PP_CASES))
+def test_pipeline_stages_run_the_one_schedule(ranks, case):
+    """PP=2 through the one schedule: each stage's gradients (its own parameters; together every parameter once)
+    within 1e-5 of verl's engine without a pipeline, the loss and forward-only log-probs and entropies (the last
+    stage's, on every stage), reuse asserted on both stages; the tree and a chunked prefix with phase C not
+    crossing the stages are wrong on stage 0 (its K/V reach the loss through stage 1's layers only)."""
+    held = []
+    for rank in (0, 1):
+        assert ranks[rank]["pp2"]["stage"] == (rank, 2)
+        r = ranks[rank]["pp2"][case]
+        got_params, all_params = r["params"]
+        held.append(set(got_params))
+        _assert_exact(r, groups=2)
+        m = r["metrics"]
+        if case.startswith("tree"):
+            assert m["prefix/tree_saved_tokens"] > 0 and m["prefix/tree_nodes"] >= 2
+        if case == "chunked":
+            assert m["prefix/chunked_groups"] > 0 and m["prefix/prefix_chunks"] > m["prefix/chunked_groups"]
+        if case == "tree_chunked_merged":  # the trie's long nodes ran as chains of chunks
+            assert m["prefix/tree_node_chunks"] > 0
+        if "merged" in case:
+            assert m["prefix/phase_b_attention/merged"] > 0 and m["prefix/phase_b_attention/concat"] == 0
+        if "not_crossing" in r:
+            worst = r["not_crossing"]["worst"]
+            assert worst > 1e-2 if rank == 0 else worst < TOL, (case, rank, worst)
+    assert not held[0] & held[1] and held[0] | held[1] == set(all_params) and len(all_params) > 10
+
+
+def test_pipeline_stages_serve_loss_on_shared_tokens(ranks):
+    """The trie's loss-carrying nodes (tree rollouts sharing response stems, per-turn samples) at PP=2: the last
+    stage scores them, stage 0's gradients reach them through each node's output; exact on both stages."""
+    for rank in (0, 1):
+        r = ranks[rank]["pp2"]["shared_loss"]
+        _assert_exact(r, groups=4)
+        m = r["metrics"]
+        assert m["prefix/tree_loss_nodes"] >= 4 and m["prefix/tree_shared_loss_tokens"] > 0, m
+
+
+def test_pipeline_stages_plan_by_dynamic_batch_size(ranks):
+    """Under verl's dynamic batch size the suffix micro-batches follow its token budget at PP=2 too (the loss runs
+    on the last stage: one call per micro-batch there, none on stage 0)."""
+    for rank in (0, 1):
+        r = ranks[rank]["pp2"]["dynamic"]
+        assert r["worst"] < TOL, (rank, r["name"], r["worst"])
+        assert_reuse_ran(r["metrics"], groups=2)
+    assert ranks[0]["pp2"]["dynamic"]["calls"] == []
+    calls = ranks[1]["pp2"]["dynamic"]["calls"]
+    assert len(calls) > 2
+    for rows in calls:
+        assert len(rows) == 1 or len(rows) * max(p - 1 + s for p, s in rows) <= BUDGET, rows
+
+
 def test_config_refusals_under_pipeline_parallelism():
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.backend.titan.config import PrefixTorchtitanEngineConfig, refusal
@@ -276,10 +403,15 @@ def test_config_refusals_under_pipeline_parallelism():
         return PrefixTorchtitanEngineConfig(prefix_reuse=PrefixReuseConfig(**reuse), **kwargs)
 
     for knobs in (dict(reuse=dict(tree=True)), dict(reuse=dict(prefix_chunk_tokens=8)),
-                  dict(reuse=dict(phase_b_attention="merged")), dict(dormant_prefix="recompute")):  # fmt: skip
-        assert refusal(config(**knobs)) is None  # served at PP=1
-        message = refusal(config(pipeline_parallel_size=2, **knobs))
-        assert "pipeline stages" in message, message
+                  dict(reuse=dict(phase_b_attention="merged")), dict(dormant_prefix="offload")):  # fmt: skip
+        assert refusal(config(**knobs)) is None
+        assert refusal(config(pipeline_parallel_size=2, **knobs)) is None  # the one schedule on every stage
+    # recompute runs phase A again in phase C, crossing the stages again out of order: refused with PP only
+    for policy in ("recompute", "auto"):
+        budget = dict(dormant_prefix_budget_bytes=1 << 20) if policy == "auto" else {}
+        assert refusal(config(dormant_prefix=policy, **budget)) is None
+        message = refusal(config(pipeline_parallel_size=2, dormant_prefix=policy, **budget))
+        assert "dormant_prefix=" + policy in message and "pipeline_parallel_size" in message, message
     assert refusal(config(pipeline_parallel_size=2)) is None
     with pytest.raises(ValueError):
         config(dormant_prefix="sometimes")

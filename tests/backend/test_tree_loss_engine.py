@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.precision import promote_fp32_upcasts
 from helpers.reuse import assert_infer_matches, assert_reuse_ran, reduced
-from helpers.tree_batches import rows_batch, tokens
+from helpers.tree_batches import rows_batch, shared_loss_batch, tokens
 from verl.workers.utils.losses import ppo_loss
 
 from verl_prefix import PrefixReuseConfig
@@ -31,25 +31,6 @@ VOCAB = 128
 TOL = {"float64": 1e-10, "float32": 1e-5}
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 GROUPS = 4  # uid t (the tree rollouts) and c0..c2 (the turns)
-
-
-def shared_loss_batch(seed: int = 0):
-    """Tree rollouts (uid ``t``): a 10-token prompt; five responses share a 6-token stem, then two 4-token
-    stems (rows 0-1, rows 2-4); row 0 ends on its stem. Per-turn samples ``c0..c2``: turn k's prompt is turn k-1's
-    prompt and response, then a user turn."""
-    gen = torch.Generator().manual_seed(seed)
-    rand = functools.partial(tokens, gen, vocab=VOCAB)
-    prompt, stem, left, right = rand(10), rand(6), rand(4), rand(4)
-    tails = [rand(0), rand(3), rand(2), rand(5), rand(3)]
-    halves = [left, left, right, right, right]
-    rows = [(prompt, torch.cat([stem, half, tail]), "t") for half, tail in zip(halves, tails)]
-    turn = rand(8)
-    for k, (user, answer) in enumerate([(0, 5), (3, 4), (2, 6)]):
-        turn = torch.cat([turn, rand(user)])
-        response = rand(answer)
-        rows.append((turn, response, f"c{k}"))
-        turn = torch.cat([turn, response])
-    return rows_batch(rows, vocab=VOCAB, seed=seed)
 
 
 def assert_shared_loss_ran(metrics) -> None:

@@ -57,6 +57,22 @@ def phase_c_skipped() -> Iterator[None]:
         executor.prefix_backward, executor.seeded_backward = saved
 
 
+@contextlib.contextmanager
+def titan_phase_c_not_crossing() -> Iterator[None]:
+    """Negative control under torchtitan's pipeline stages: each stage's phase C seeded by its own leaves only, the
+    gradient the next stage sends back for a node's output received (the sends stay matched) and dropped."""
+    import torch
+
+    from verl_prefix.backend.titan.pipeline import StageHandoff
+
+    roots = StageHandoff.roots
+    StageHandoff.roots = lambda self: [(out, torch.zeros_like(grad)) for out, grad in roots(self)]
+    try:
+        yield
+    finally:
+        StageHandoff.roots = roots
+
+
 def megatron_train_step(engine, loss_fn, batch) -> dict:
     """verl's train step with every parameter's ``main_grad`` read just before the optimizer step."""
     from verl_prefix.harness import verl_engine

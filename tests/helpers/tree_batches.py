@@ -4,7 +4,9 @@ random rows never do. The v1 layout (nested-jagged per-sample fields) ``make_grp
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -58,3 +60,31 @@ def rows_batch(
         disable_auto_offload=True,
     )
     return batch
+
+
+def shared_loss_batch(seed: int = 0, vocab: int = 128) -> TensorDict:
+    """Loss on shared tokens (``test_tree_loss_engine``, ``test_titan_schedule``): tree rollouts (uid ``t``): a
+    10-token prompt; five responses share a 6-token stem, then two 4-token stems (rows 0-1, rows 2-4); row 0 ends
+    on its stem. Per-turn samples ``c0..c2``: turn k's prompt is turn k-1's prompt and response, then a user turn."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = functools.partial(tokens, gen, vocab=vocab)
+    prompt, stem, left, right = rand(10), rand(6), rand(4), rand(4)
+    tails = [rand(0), rand(3), rand(2), rand(5), rand(3)]
+    halves = [left, left, right, right, right]
+    rows = [(prompt, torch.cat([stem, half, tail]), "t") for half, tail in zip(halves, tails)]
+    rows += per_turn_rows(rand, 8, [(0, 5), (3, 4), (2, 6)])
+    return rows_batch(rows, vocab=vocab, seed=seed)
+
+
+def per_turn_rows(
+    rand: Callable[[int], torch.Tensor], first: int, turns: list[tuple[int, int]]
+) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """Per-turn samples ``c0, c1, ...`` of one conversation: a ``first``-token opening, then per turn ``(user,
+    answer)`` a user turn of that many tokens and an answer; turn k's prompt is turn k-1's prompt and answer."""
+    rows, turn = [], rand(first)
+    for k, (user, answer) in enumerate(turns):
+        turn = torch.cat([turn, rand(user)])
+        response = rand(answer)
+        rows.append((turn, response, f"c{k}"))
+        turn = torch.cat([turn, response])
+    return rows

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers.layouts import VOCAB, token_weights
 from helpers.precision import promote_fp32_upcasts
+from helpers.tree_batches import per_turn_rows
 from test_schedule_hf import dense_grads, dense_response_outputs, tiny_model, weighted_loss, worst_relative
 
 from verl_prefix.schedule.grouping import RowLayout, plan_batch
@@ -35,12 +36,7 @@ def shared_loss_layout(seed: int = 0) -> RowLayout:
         torch.cat([stem, right, rand(1)]),
     ]
     rows = [(prompt, r, "t") for r in responses]
-    turn_prompt = rand(6)
-    for k, (user, answer) in enumerate([(0, 4), (3, 3), (2, 4)]):
-        turn_prompt = torch.cat([turn_prompt, rand(user)])
-        response = rand(answer)
-        rows.append((turn_prompt, response, f"c{k}"))
-        turn_prompt = torch.cat([turn_prompt, response])
+    rows += per_turn_rows(rand, 6, [(0, 4), (3, 3), (2, 4)])
     ids = [torch.cat([p, r]) for p, r, _ in rows]
     return RowLayout(
         ids,

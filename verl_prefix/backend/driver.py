@@ -66,6 +66,7 @@ from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
 from verl_prefix.schedule.kv.contexts import LAYER_PATHS
+from verl_prefix.schedule.kv.shim import scores
 from verl_prefix.schedule.models import moe
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 from verl_prefix.schedule.telemetry import PhaseMeter
@@ -339,7 +340,10 @@ class ReuseDriver:
         self, run: MiniBatchRun, group: GroupPlan, results: dict[int, tuple[torch.Tensor, torch.Tensor | None]]
     ) -> None:
         """A forward-only group's micro-batches recorded as verl's outputs (``results``: row -> log-probs,
-        entropy), each with verl's loss where one is given."""
+        entropy), each with verl's loss where one is given. Nothing on a pipeline stage before the last: the last
+        stage's results are the outputs (``kv.shim.scores``)."""
+        if not scores(self.schedule_model()):
+            return
         layout, dp_group = run.layout, self.get_data_parallel_group()
         for rows in group.micro_batches:
             model_output = {"log_probs": full_length([results[i][0] for i in rows], layout, rows)}

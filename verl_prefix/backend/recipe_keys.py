@@ -340,8 +340,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             "prefix_fsdp2": Cell("reuses", "", (f"{E}::test_dynamic_batch_size_and_gradient_checkpointing",)),
             "prefix_torchtitan": Cell(
                 "reuses",
-                "suffix micro-batches by verl's token budget",
-                (f"{TS}::test_dynamic_batch_size_plans_suffix_micro_batches_by_token_budget",),
+                "suffix micro-batches by verl's token budget (PP too)",
+                (
+                    f"{TS}::test_dynamic_batch_size_plans_suffix_micro_batches_by_token_budget",
+                    f"{TS}::test_pipeline_stages_plan_by_dynamic_batch_size",
+                ),
             ),
             "prefix_megatron": Cell(
                 "reuses",
@@ -455,11 +458,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             ),
             "prefix_torchtitan": Cell(
                 "reuses",
-                "one pipeline stage, dense and MoE flavors (EP, TP x EP); refused under PP",
+                "TP, FSDP, PP; dense and MoE flavors (EP, TP x EP)",
                 (
                     f"{TS}::test_schedule_knob_matches_verl_torchtitan_engine",
                     f"{TS}::test_moe_schedule_knob_matches_verl_torchtitan_engine",
-                    _TITAN_REFUSALS,
+                    f"{TS}::test_pipeline_stages_run_the_one_schedule",
                 ),
             ),
             "prefix_megatron": Cell(

@@ -47,6 +47,7 @@ from verl_prefix.schedule.grouping import GroupPlan, RowLayout
 from verl_prefix.schedule.kv.container import PrefixCaptured, PrefixKV
 from verl_prefix.schedule.kv.contexts import CaptureContext, ChunkCaptureContext, ServeContext
 from verl_prefix.schedule.kv.seam import prefix_attention_mode
+from verl_prefix.schedule.kv.shim import Handoff, scores
 from verl_prefix.schedule.models import moe, recurrent
 from verl_prefix.schedule.models.multimodal import (
     VisualInputs,
@@ -144,7 +145,7 @@ def prefix_forward(
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
     sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
-    early_exit = options.exits_early
+    early_exit = options.exits_early and scores(model)  # a pipeline stage before the last feeds the next one
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -203,7 +204,9 @@ def prefix_forward(
                     **keep,
                     **visual_kwargs(visual, prefix_ids.device),
                 )
-                if options.keep_logits:  # under fused kernels the kept positions' packed values (fused_head)
+                ctx.kv.handoff = getattr(out, "handoff", None)  # a pipeline stage before the last (kv.shim)
+                # under fused kernels the kept positions' packed values (fused_head)
+                if options.keep_logits and ctx.kv.handoff is None:
                     if call is not None:
                         call.outputs(out)  # checks the model returned them untouched
                         ctx.kv.logits, ctx.kv.fused_dtypes = call.packed[0, -to_keep:], call.dtypes
@@ -253,7 +256,7 @@ def suffix_router_stats(router_logits: list, batch: SuffixBatch, options: Schedu
 
 def suffix_forward(
     model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, options: ScheduleOptions
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | Handoff:
     """Phase B forward: response log-probs (and, with ``options.calculate_entropy``, entropy) of each
     row, computed exactly as verl does, each row's logits divided by its ``batch.temperature``.
 
@@ -266,7 +269,10 @@ def suffix_forward(
     ``[B, S]`` results are indexed; a temperature other than 1 divides the logits in place.
 
     With ``options.ulysses`` the rows run as this rank's slice of their positions; the ``[B, S]`` results
-    are gathered over the group (the gather's backward scales the local slice, see ``schedule.ulysses``)."""
+    are gathered over the group (the gather's backward scales the local slice, see ``schedule.ulysses``).
+
+    On a pipeline stage before the last (``kv.shim.scores``) the call's ``Handoff`` instead: the next stage
+    scores the rows."""
     ulysses = options.ulysses
     rows, full_width = batch.input_ids.shape
     input_ids, position_ids, labels = batch.input_ids, batch.position_ids, batch.labels
@@ -292,6 +298,8 @@ def suffix_forward(
     with text_only_call(model), fused as call, options.routing(routed.float()):
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, prefix_ctx=ctx)
     _note_attention(options.meter, ctx)
+    if out.logits is None:
+        return out.handoff
     width = input_ids.shape[1]
     if call is not None:
         log_probs, entropy = (values.reshape(-1) for values in call.outputs(out))
@@ -386,7 +394,9 @@ def seeded_backward(
     """``prefix_backward`` with the seeds given: per boundary tensor of ``prefix`` its accumulated
     gradient, or None where nothing reached it (zeros are used; see below). A chunked prefix seeds each
     chunk with its slice of the whole prefix's leaf gradients. ``extra``: more (root, gradient) pairs that run
-    in the same backward (a loss-carrying tree node's log-probs and entropy, ``schedule.tree.loss``)."""
+    in the same backward (a loss-carrying tree node's log-probs and entropy, ``schedule.tree.loss``); on a
+    pipeline stage before the last, the phase-A output with the next stage's gradient joins them
+    (``PrefixKV.handoff``)."""
     if model is not None:
         unshard_cut_short(model, [prefix.interrupted, prefix.last_source])
     roots, grads = [], []
@@ -411,6 +421,8 @@ def seeded_backward(
         # Zeros where no suffix reached a leaf (e.g. the router leaf of a lockstep filler group): every
         # rank then gives (zero) grads to the same parameters, and FSDP2 reduce-scatters exactly those.
         grads.append(seed.to(root.dtype) if seed is not None else torch.zeros_like(root))
+    if prefix.handoff is not None:  # a pipeline stage before the last: the next stage's gradient of the output
+        extra = [*extra, *prefix.handoff.roots()]
     for root, grad in extra:
         roots.append(root)
         grads.append(grad.to(root.dtype))
@@ -498,11 +510,12 @@ def node_forward(
 
 def suffix_step(
     model: nn.Module, above: Above, batch: SuffixBatch, loss_fn: LossFn, options: ScheduleOptions
-) -> torch.Tensor:
+) -> torch.Tensor | Handoff:
     """Phase B of one training micro-batch: ``batch`` (built with ``include_last`` under ``options.routers``)
     attends to its path's leaves (``join_path``), its loss, plus with ``options.routers`` the aux over the
     statistics a dense micro-batch of its rows sees (``path_stats``), is backpropagated at once; the leaves
-    accumulate dK/dV. Returns the loss, detached."""
+    accumulate dK/dV. Returns the loss, detached; on a pipeline stage before the last the call's ``Handoff``,
+    whose backward ``train_suffixes`` runs once every micro-batch went forward."""
     meter = options.meter or NullMeter()
     routers = options.routers
     with meter.phase("B") as saved:
@@ -510,7 +523,10 @@ def suffix_step(
             capture = routers.capture() if routers is not None else nullcontext([])
             prefix = join_path(above.path)
             with capture as router_logits:
-                log_probs, entropy = suffix_forward(model, prefix, batch, options)
+                scored = suffix_forward(model, prefix, batch, options)
+            if not isinstance(scored, tuple):
+                return scored
+            log_probs, entropy = scored
             loss = loss_fn(batch.rows, log_probs, entropy)
             if routers is not None:
                 stats = path_stats(above.path, suffix_router_stats(router_logits, batch, options), len(batch.rows))
@@ -523,16 +539,29 @@ def suffix_step(
 
 def filler_step(
     model: nn.Module, prefix: PrefixKV, batch: SuffixBatch, options: ScheduleOptions, train: bool, phase: str = "B"
-) -> None:
+) -> Handoff | None:
     """One lockstep filler micro-batch (data-parallel ranks run the same passes): ``batch`` over ``prefix`` under
     ``options.for_fillers()``, metered as ``phase`` on ``options.meter``; training backpropagates a zero loss, so
-    every rank gives (zero) grads to the same parameters."""
+    every rank gives (zero) grads to the same parameters. On a pipeline stage before the last: the call's
+    ``Handoff`` (its backward is the caller's, after the node's other micro-batches)."""
     meter = options.meter or NullMeter()
     with meter.phase(phase):
         with options.autocast():
-            log_probs, _ = suffix_forward(model, prefix, batch, options.for_fillers())
+            scored = suffix_forward(model, prefix, batch, options.for_fillers())
+        if not isinstance(scored, tuple):
+            return scored
         if train:
-            options.backward(log_probs[0].sum() * 0.0)
+            options.backward(scored[0][0].sum() * 0.0)
+    return None
+
+
+def handoffs_backward(handoffs: list[Handoff | None], options: ScheduleOptions, phase: str = "B") -> None:
+    """A pipeline stage before the last: the backward of a node's micro-batches, in the order they went forward
+    (GPipe: the next stages scored each meanwhile and send its gradient back), metered as ``phase``."""
+    with (options.meter or NullMeter()).phase(phase):
+        for handoff in handoffs:
+            if handoff is not None:
+                handoff.backward()
 
 
 # rebuild() -> the graph-attached K/V phase C backpropagates through, and more (root, gradient) pairs
@@ -561,18 +590,24 @@ def train_suffixes(
     model: nn.Module, layout: RowLayout, group: GroupPlan, above: Above, loss_fn: LossFn, options: ScheduleOptions
 ) -> list[torch.Tensor]:
     """Phase B of training: the group's suffix micro-batches under ``above`` (``suffix_step``), then its lockstep
-    filler micro-batches (over ``rows[0]``, ``filler_step``). Returns each micro-batch's loss (detached)."""
-    losses = []
+    filler micro-batches (over ``rows[0]``, ``filler_step``). Returns each micro-batch's loss (detached; none on a
+    pipeline stage before the last, which backpropagates its handoffs once all went forward)."""
+    steps: list[torch.Tensor | Handoff | None] = []
     for rows in group.micro_batches:
         batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=options.routes_last)
-        losses.append(suffix_step(model, above, batch, loss_fn, options))
+        steps.append(suffix_step(model, above, batch, loss_fn, options))
     if group.filler_micro_batches:
         prefix = join_path(above.path)
         for _ in range(group.filler_micro_batches):
-            filler_step(
-                model, prefix, build_suffix_batch(layout, group.rows[:1], group.prompt_len, options), options, True
+            steps.append(
+                filler_step(
+                    model, prefix, build_suffix_batch(layout, group.rows[:1], group.prompt_len, options), options, True
+                )
             )
-    return losses
+    if scores(model):
+        return [loss for loss in steps if isinstance(loss, torch.Tensor)]
+    handoffs_backward([step for step in steps if not isinstance(step, torch.Tensor)], options)
+    return []
 
 
 def infer_suffixes(
@@ -589,7 +624,10 @@ def infer_suffixes(
     for rows in group.micro_batches:
         batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=options.routes_last)
         with meter.phase("B"):
-            log_probs, entropy = suffix_forward(model, prefix, batch, options)
+            scored = suffix_forward(model, prefix, batch, options)
+        if not isinstance(scored, tuple):
+            continue  # a pipeline stage before the last: the last stage's results are the outputs
+        log_probs, entropy = scored
         for k, i in enumerate(rows):
             results[i] = (log_probs[k], entropy[k] if entropy is not None else None)
     for _ in range(group.filler_micro_batches):

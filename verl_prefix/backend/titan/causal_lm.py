@@ -13,6 +13,11 @@ MoE flavors: torchtitan's expert-load counts take the schedule's routing weights
 -> ``titan.moe.ExpertCounts``); a training call with none is refused rather than counted physically. Under TP x EP
 every sequence is padded at the end to a multiple of TP (``titan.sequence``): the schedule's attention sees the
 real positions only, the padding's counts weigh zero, its logits are cut off.
+
+Under pipeline parallelism the model is this rank's stage (``titan.pipeline``): a stage after the first takes
+the previous stage's output in place of the token ids, a stage before the last hands its output on instead of
+returning logits (``scores`` False; the config's ``num_hidden_layers`` is the stage's, the layers the schedule
+captures and serves).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from verl_prefix.schedule.kv.shim import CausalLMStandIn
 
 
 class TitanCausalLM(CausalLMStandIn):
-    """torchtitan's (whole, one-stage) model behind the HF causal-LM call the schedule makes."""
+    """torchtitan's model (this rank's pipeline stage of it, with ``link``) behind the HF causal-LM call the
+    schedule makes."""
 
     engine = "prefix_torchtitan"
 
@@ -42,14 +48,19 @@ class TitanCausalLM(CausalLMStandIn):
         hf_config: Any,
         counts: ExpertCounts | None = None,
         sequence_multiple: int = 1,
+        link: Any = None,
     ) -> None:
         super().__init__(hf_config)
+        if link is not None:  # a pipeline stage: the layers the schedule captures and serves are its own
+            self.config.get_text_config().num_hidden_layers = hooks.num_layers
         self.model = model
         self.hooks = hooks
         self.counts = counts if counts else None
         self.sequence_multiple = sequence_multiple
+        self.link = link  # titan.pipeline.StageLink: None or one stage, the whole model
+        self.scores = link is None or link.is_last
 
-    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> Any:
         counts = self.counts
         if counts is not None and counts.weights is None and self.model.training:
             raise RuntimeError(
@@ -61,8 +72,12 @@ class TitanCausalLM(CausalLMStandIn):
         padded = input_ids.shape[1] > length
         # the hooked inner attention ignores torchtitan's mask; the model's forward still takes one
         mask = causal_mask(input_ids.shape[1], input_ids.device)
+        link = self.link
+        inputs = input_ids if link is None or link.is_first else link.receive(torch.is_grad_enabled())
         with self.hooks.scheduling(prefix_ctx, length if padded else None), self._padded(length if padded else None):
-            logits = self.model(input_ids, positions=position_ids, attention_masks=mask)
+            logits = self.model(inputs, positions=position_ids, attention_masks=mask)
+        if not self.scores:  # a pipeline stage before the last: its output goes on (padding: none under PP)
+            return link.hand_off(logits)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         return logits[:, :length] if padded else logits

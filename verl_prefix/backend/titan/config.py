@@ -162,34 +162,19 @@ def refusal(config: Any) -> str | None:
         got = getattr(config, knob, value)
         if got != value:
             return f"prefix_torchtitan: {knob}={got!r} is refused ({why}); set {knob}={value!r}"
-    if reuse is not None and getattr(config, "pipeline_parallel_size", 1) > 1:
-        return own_phases_refusal(reuse, getattr(config, "dormant_prefix", "keep"), "pipeline stages")
+    if getattr(config, "pipeline_parallel_size", 1) > 1:
+        return pipeline_dormant_refusal(getattr(config, "dormant_prefix", "keep"))
     return None
 
 
-# what torchtitan's own phases (``engine._group``: pipeline stages) do not run, and why
-_OWN_PHASES: dict[str, str] = {
-    "pipeline stages": "phases A/B/C cross torchtitan's pipeline stages by point-to-point sends (titan.pipeline), "
-    "which the one schedule (schedule.executor) does not do",
-}
-
-
-def own_phases_refusal(reuse: PrefixReuseConfig, dormant_prefix: str, why: str) -> str | None:
-    """Why a knob that only the one schedule serves cannot run where the engine keeps its own phases (``why``: a
-    key of ``_OWN_PHASES``), or None."""
-    knobs = []
-    if reuse.tree:
-        knobs.append("prefix_reuse.tree=true")
-    if reuse.prefix_chunk_tokens is not None:
-        knobs.append(f"prefix_reuse.prefix_chunk_tokens={reuse.prefix_chunk_tokens}")
-    if reuse.phase_b_attention not in ("auto", "concat"):
-        knobs.append(f"prefix_reuse.phase_b_attention={reuse.phase_b_attention}")
-    if dormant_prefix != "keep":
-        knobs.append(f"dormant_prefix={dormant_prefix}")
-    if not knobs:
+def pipeline_dormant_refusal(dormant_prefix: str) -> str | None:
+    """Why a dormant policy cannot run over pipeline stages, or None. ``recompute`` (and ``auto``, which may pick
+    it) runs a node's phase A again in phase C: on a stage that means receiving the previous stage's activation
+    again and sending its output again, out of the order the other stages run their steps in."""
+    if dormant_prefix not in ("recompute", "auto"):
         return None
     return (
-        f"prefix_torchtitan: {', '.join(knobs)} is refused with {why} ({_OWN_PHASES[why]}); it runs with one "
-        "pipeline stage and a dense flavor (TP, FSDP), or on prefix_fsdp2. Unset it for one-level reuse with "
-        "concat attention and dormant_prefix=keep"
+        f"prefix_torchtitan: dormant_prefix={dormant_prefix} is refused with pipeline_parallel_size > 1 (recompute "
+        "runs a prefix forward again in phase C, which would cross the stages again out of the order every stage "
+        "runs its steps in); use keep or offload, or pipeline_parallel_size=1"
     )

@@ -15,21 +15,19 @@ Rows that cannot reuse (short prefix, a group of one) run through verl's own ``f
 under ``prefix/fallback_<reason>`` with one log line. Data-parallel ranks keep FSDP's collectives matched with
 the driver's lockstep (``backend.distributed``: agreed shape, zero-loss fillers). What this slice does not
 serve is refused when the engine is built (``titan.config.refusal``), and so is a torchtitan flavor that does
-not match the checkpoint (``titan.flavor``). Under pipeline parallelism each rank holds one stage of the model
-and the same three phases cross the stages by point-to-point sends (``titan.pipeline``); without it the same code
-runs as a pipeline of one stage.
+not match the checkpoint (``titan.flavor``).
 
-Without pipeline parallelism a group's phases are the one schedule's, as ``prefix_fsdp2`` runs them
-(``schedule.executor.train_group`` / ``infer_group``, ``schedule.tree.schedule``): torchtitan's model behind an HF
-causal-LM call (``titan.causal_lm``), so the tree, a chunked prefix, merged phase-B attention and the dormant
-policies are served here too, MoE flavors included (torchtitan's expert-load counts take the schedule's routing
-weights, ``ScheduleOptions.count_routing``: the prefix once per row below it, each row's last token routed).
-Pipeline stages keep this module's own phases (``_group``).
+A group's phases are the one schedule's, as ``prefix_fsdp2`` runs them (``schedule.executor.train_group`` /
+``infer_group``, ``schedule.tree.schedule``): torchtitan's model behind an HF causal-LM call (``titan.causal_lm``),
+so the tree, a chunked prefix, merged phase-B attention and the dormant policies are served here too, MoE flavors
+included (torchtitan's expert-load counts take the schedule's routing weights, ``ScheduleOptions.count_routing``:
+the prefix once per row below it, each row's last token routed). Under pipeline parallelism each rank holds one
+stage of the model and runs the same schedule on it; its model call crosses the stages by point-to-point sends
+(``titan.pipeline``), and dense rows run as pipeline micro-batches (verl's own engine has no pipelined step).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -42,39 +40,24 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
-from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.utils import prepare_micro_batches
 
 from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.distributed.collectives import is_distributed
-from verl_prefix.backend.distributed.lockstep import filler_group
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
-from verl_prefix.backend.outputs import MiniBatchOutputs, full_length, micro_batch_loss
+from verl_prefix.backend.outputs import MiniBatchOutputs
 from verl_prefix.backend.titan import platform as titan_platform
-from verl_prefix.backend.titan.attention import InnerAttentionHooks, causal_mask, suffix_mask
+from verl_prefix.backend.titan.attention import InnerAttentionHooks, causal_mask
 from verl_prefix.backend.titan.causal_lm import TitanCausalLM
-from verl_prefix.backend.titan.config import model_refusal, own_phases_refusal, refusal
+from verl_prefix.backend.titan.config import model_refusal, pipeline_dormant_refusal, refusal
 from verl_prefix.backend.titan.flavor import check_flavor
 from verl_prefix.backend.titan.moe import ExpertCounts
-from verl_prefix.backend.titan.pipeline import (
-    StageLink,
-    StageStep,
-    backward_across,
-    batch_fingerprint,
-    run_micro_batches,
-)
-from verl_prefix.backend.titan.sequence import pad_tokens, padded_length, sequence_multiple
-from verl_prefix.schedule.dormant import (
-    default_store,
-    refuse_offload_on,
-    validate_policy,
-)
-from verl_prefix.schedule.executor import build_suffix_batch, prefix_backward
-from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout
-from verl_prefix.schedule.kv.container import PrefixKV
+from verl_prefix.backend.titan.pipeline import StageLink, StageStep, batch_fingerprint, run_micro_batches
+from verl_prefix.backend.titan.sequence import padded_length, sequence_multiple
+from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
+from verl_prefix.schedule.grouping import GroupPlan
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
-from verl_prefix.schedule.tree.trie import TrieNode
 
 logger = logging.getLogger(__name__)
 
@@ -135,20 +118,14 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
                 f"actor_rollout_ref.actor.torchtitan.expert_parallel_size > 1 (TP x EP is served), or {TITAN_REUSE_OFF}"
             )
         self.hooks = InnerAttentionHooks(self.module[0])
-        if self.scheduled:
-            self.causal_lm = TitanCausalLM(
-                self.module[0], self.hooks, self.model_config.hf_config, self.expert_counts, self.sequence_multiple
-            )
-        elif self.reuse_config.enable:
-            reason = own_phases_refusal(self.reuse_config, self.dormant_prefix, "pipeline stages")
+        link = self.link if self.link.num_stages > 1 else None
+        self.causal_lm = TitanCausalLM(
+            self.module[0], self.hooks, self.model_config.hf_config, self.expert_counts, self.sequence_multiple, link
+        )
+        if self.reuse_config.enable and link is not None:
+            reason = pipeline_dormant_refusal(self.dormant_prefix)
             if reason is not None:
                 raise ValueError(reason)
-
-    @property
-    def scheduled(self) -> bool:
-        """Groups run through the one schedule (``titan.causal_lm``): one pipeline stage (pipeline stages need
-        this engine's own phases, ``_group``)."""
-        return self.link.num_stages == 1
 
     # -- the mini-batch -----------------------------------------------------------------------------
 
@@ -178,7 +155,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         return stack
 
     def schedule_model(self) -> nn.Module:
-        assert self.causal_lm is not None, "the one schedule serves one dense pipeline stage (``scheduled``)"
+        assert self.causal_lm is not None, "initialize() builds the schedule's model"
         return self.causal_lm
 
     def compute_dtype(self) -> torch.dtype | None:
@@ -196,39 +173,19 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         """MoE flavors route every row's last response token, as dense does (the expert-load counts)."""
         return bool(self.expert_counts)
 
-    # -- this engine's own phases: pipeline stages (``_group``) ---------------------------------------
-
-    def start_mini_batch(self, run: MiniBatchRun) -> Any:
-        if self.scheduled:
-            return super().start_mini_batch(run)
-        return ScheduleOptions(device=run.meter.device, meter=run.meter)
+    # -- pipeline stages: each runs the schedule on its own part, the sends matched (``titan.pipeline``) -------
 
     def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
-        if self.scheduled:
-            super().run_group(run, slot, group)
-        else:
-            self._group(run, run.layout, group, run.state, run.loss_function)
+        super().run_group(run, slot, group)
+        self.link.flush()
 
     def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
-        if self.scheduled:
-            super().run_filler_group(run, slot)
-        else:
-            layout, group = filler_group(run.lockstep.micro_batches[slot])
-            self._group(run, layout, group, run.state, None, filler=True)
+        super().run_filler_group(run, slot)
+        self.link.flush()
 
-    def kernel_refusal(self, device: torch.device, forward_only: bool) -> tuple[str, str] | None:
-        return super().kernel_refusal(device, forward_only) if self.scheduled else None
-
-    def local_trie(self, layout: RowLayout, plan: BatchPlan, forward_only: bool) -> list[TrieNode] | None:
-        return super().local_trie(layout, plan, forward_only) if self.scheduled else None
-
-    def dormant_knob(self) -> str:
-        return self.dormant_prefix if self.scheduled else "keep"
-
-    def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
-        if self.scheduled:
-            return super().group_policies(plan, device, forward_only)
-        return [("keep", "configured")] * len(plan.groups)
+    def run_tree(self, run: MiniBatchRun) -> None:
+        super().run_tree(run)
+        self.link.flush()
 
     def run_dense_chunks(self, run: MiniBatchRun) -> None:
         if self.link.num_stages == 1:
@@ -270,129 +227,6 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
             "TorchTitan engine has the same limit); the rows fell back to dense (prefix/fallback_*): lower "
             "prefix_reuse.min_prefix_len / min_group_size, or pad the batch"
         )
-
-    def _group(
-        self,
-        run: MiniBatchRun,
-        layout: RowLayout,
-        group: GroupPlan,
-        options: ScheduleOptions,
-        loss_function: Callable | None,
-        filler: bool = False,
-    ) -> None:
-        """Phases A, B and C of one uid group on this rank's stage of torchtitan's model (the whole model without
-        pipeline parallelism; ``titan.pipeline``); ``filler``: a lockstep slot, uncounted."""
-        assert self.hooks is not None
-        model, meter, device, link = self.module[0], options.meter, options.device, self.link
-        forward_only = run.forward_only
-        first = group.rows[0]
-        ids = layout.input_ids[first][: group.prefix_len].to(device)[None]
-        pos = layout.position_ids[first][..., : group.prefix_len].to(device)[None]
-        prefix = PrefixKV(self.hooks.num_layers)
-        counts = self.expert_counts
-        # the prefix's tokens count once per row of the group (zero for a lockstep filler); with MoE layers
-        # phase A runs to the end so that the last layer routes the prefix too. Under pipeline parallelism only
-        # the last stage exits early: the others' outputs feed the next stage's layers.
-        copies = 0.0 if filler else float(len(group.rows))
-        early_exit = self.reuse_config.early_exit and not counts and link.is_last
-        ids, pos, copies = pad_tokens(ids, pos, copies, self.sequence_multiple)  # TP x EP (titan.sequence)
-        mask = causal_mask(ids.shape[1], device)
-
-        def phase_a(inputs: torch.Tensor) -> torch.Tensor | None:
-            output = None
-            with self.hooks.capturing(prefix, early_exit, keep=group.prefix_len), self._counted(copies):
-                output = model(inputs, positions=pos, attention_masks=mask)
-            return output
-
-        with meter.phase("A"):
-            prefix_in, prefix_out = link.forward(phase_a, ids, requires_grad=not forward_only)
-        leaves = prefix.as_leaves(requires_grad=not forward_only)
-        meter.note_prefix_leaves(prefix.tensors(), leaves.tensors())
-        scoring = functools.partial(self._score, run, layout, loss_function)
-        with meter.phase("B"):
-            steps = [
-                self._suffix_step(layout, group, rows, leaves, options, scoring, filler) for rows in group.micro_batches
-            ]
-            run_micro_batches(link, steps, backward=not forward_only)
-        if group.filler_micro_batches:  # lockstep: the same collectives, zero loss
-            with meter.phase("lockstep"):
-                steps = [self._filler_step(layout, group, leaves, options) for _ in range(group.filler_micro_batches)]
-                run_micro_batches(link, steps, backward=not forward_only)
-        if not forward_only:
-            with meter.phase("C"):
-                if link.num_stages == 1:
-                    prefix_backward(prefix, leaves, model)
-                else:  # last stage first, each seeded by the next stage's gradient of its phase-A output
-                    backward_across(link, prefix, leaves, model, prefix_in, prefix_out)
-
-    def _suffix_step(
-        self,
-        layout: RowLayout,
-        group: GroupPlan,
-        rows: list[int],
-        leaves: PrefixKV,
-        options: ScheduleOptions,
-        scoring: Callable,
-        filler: bool,
-    ) -> StageStep:
-        """One suffix micro-batch of ``rows`` as a pipeline step: this stage's layers serve their prefix leaves."""
-        assert self.hooks is not None
-        model, hooks = self.module[0], self.hooks
-        # with MoE layers each row's last response token is routed too, as dense routes it
-        batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=bool(self.expert_counts))
-        real = 0.0 if filler else batch.tokens.float()
-        ids, pos, real = pad_tokens(batch.input_ids, batch.position_ids, real, self.sequence_multiple)
-        mask = suffix_mask(len(rows), group.prefix_len, ids.shape[1], options.device)
-
-        def forward(inputs: torch.Tensor) -> torch.Tensor:
-            with hooks.serving(leaves), self._counted(real):
-                return model(inputs, positions=pos, attention_masks=mask)
-
-        return StageStep(ids, forward, functools.partial(scoring, rows, batch))
-
-    def _score(
-        self,
-        run: MiniBatchRun,
-        layout: RowLayout,
-        loss_function: Callable | None,
-        rows: list[int],
-        batch: Any,
-        logits: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """The last stage's part of a suffix micro-batch: log-probs (and entropy) of the rows' responses, verl's
-        loss on them, the outputs recorded; the loss to backpropagate (None when forward-only)."""
-        calculate_entropy, forward_only = run.calculate_entropy, run.forward_only
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        log_probs, entropy = [], []
-        for k, length in enumerate(batch.lengths):
-            row_logits = logits[k, :length] / batch.temperature[k].to(logits.dtype)
-            log_probs.append(logprobs_from_logits(row_logits, batch.labels[k, :length]))
-            if calculate_entropy:
-                entropy.append(self.compute_entropy_from_logits(row_logits))
-        model_output = {"log_probs": full_length(log_probs, layout, rows)}
-        if calculate_entropy:
-            model_output["entropy"] = full_length(entropy, layout, rows)
-        dp_group = self.get_data_parallel_group()
-        loss, metrics = micro_batch_loss(loss_function, model_output, run.data, rows, dp_group)
-        run.record(rows, model_output, 1.0 if loss is None else loss.detach().item(), metrics)
-        return None if forward_only else loss
-
-    def _filler_step(
-        self, layout: RowLayout, group: GroupPlan, leaves: PrefixKV, options: ScheduleOptions
-    ) -> StageStep:
-        """A zero-loss suffix micro-batch of one row: a lockstep peer's micro-batch, collective for collective."""
-        assert self.hooks is not None
-        model, hooks = self.module[0], self.hooks
-        batch = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
-        ids, pos, _ = pad_tokens(batch.input_ids, batch.position_ids, 0.0, self.sequence_multiple)
-        mask = suffix_mask(1, group.prefix_len, ids.shape[1], options.device)
-
-        def forward(inputs: torch.Tensor) -> torch.Tensor:
-            with hooks.serving(leaves), self._counted(0.0):
-                return model(inputs, positions=pos, attention_masks=mask)
-
-        return StageStep(ids, forward, lambda logits: logits.sum() * 0.0)
 
     def _pipelined_dense(
         self,

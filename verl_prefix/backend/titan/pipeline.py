@@ -1,23 +1,23 @@
-"""The A/B/C schedule over torchtitan's pipeline stages: one rank holds one stage (a model part torchtitan split
+"""torchtitan's pipeline stages under the one schedule: one rank holds one stage (a model part torchtitan split
 off: ``tok_embeddings`` and the first layers, then more layers, the last one ending with ``norm`` and
 ``lm_head``), and activations and their gradients cross stages by point-to-point sends over the ``pp`` mesh.
 
 verl 0.9.1's TorchTitan engine has no pipelined forward step, and torchtitan's pipeline schedules run whole
 micro-batches forward and backward with a loss of their own; neither knows phase A's prefix, which is one
-forward with no backward of its own, or phase C's backward, which starts inside every stage at once. So the
-engine drives the stages itself (``docs/design.md``, "Pipeline parallelism"):
+forward with no backward of its own, or phase C's backward, which starts inside every stage at once. So every
+stage runs the one schedule (``schedule.executor`` / ``schedule.tree.schedule``) on its own model part, and the
+stage's model call (``titan.causal_lm``) does the crossing (``docs/design.md``, "Pipeline parallelism"):
 
-- phase A: the prefix row through the stages once (``StageLink.forward``); each stage captures its own layers'
-  K/V and keeps the graph, and its output activation stays a root for phase C;
-- phase B: the suffix micro-batches in GPipe order (``run_micro_batches``): the non-last stages run every
-  forward and send it on, the last stage scores each micro-batch with verl's loss and backpropagates it at once,
-  then the gradients flow back micro-batch by micro-batch; each stage's prefix leaves accumulate dK/dV;
-- phase C (``backward_across``): last stage first, each stage backpropagates its captured K/V seeded with its
-  leaves' gradients plus, below the last stage, the gradient of its phase-A output received from the next stage,
-  and sends the gradient of its phase-A input to the previous stage.
+- a call's input on a stage after the first is the previous stage's output (``StageLink.receive``), a leaf whose
+  gradient goes back to that stage as soon as a backward computes it;
+- a call on a stage before the last sends its output on and returns a ``StageHandoff`` instead of logits
+  (``schedule.kv.shim.Handoff``): no loss runs there. Phase B backpropagates a node's handoffs once all its
+  micro-batches went forward (GPipe order), each seeded with the gradient the next stage sent back; phase C's
+  seeded backward of a node takes its phase-A output with the next stage's gradient as one more root. Every
+  stage runs the same steps in the same order (``check_same``), so each receive matches a send.
 
-Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer that waits on it. At one stage
-(no pipeline parallelism) nothing is sent or received and every function is the plain schedule.
+Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer that waits on it. Dense rows run
+as pipeline micro-batches (``run_micro_batches``: verl's own inputs and loss on the last stage).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import torch
 import torch.distributed as dist
 
 from verl_prefix.backend.inputs import uids_of
-from verl_prefix.schedule.executor import seeded_backward
-from verl_prefix.schedule.kv.container import PrefixKV
 
 # activation dtypes a header can name (index in this tuple)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -120,6 +118,22 @@ class StageLink:
         dist.recv(grad, src=self.ranks[self.stage + 1], group=self.group)
         return grad
 
+    def receive(self, requires_grad: bool) -> torch.Tensor:
+        """A schedule call's input on a stage after the first: the previous stage's output, whose gradient goes
+        back as soon as a backward computes it (phase B's micro-batch, phase C's node)."""
+        received = self.recv_activation(requires_grad)
+        if requires_grad:
+            received.register_hook(self._send_back)
+        return received
+
+    def _send_back(self, grad: torch.Tensor) -> None:
+        self._isend(grad, self.stage - 1)
+
+    def hand_off(self, output: torch.Tensor) -> StageHandoff:
+        """A schedule call's output on a stage before the last: sent on; the next stage scores it."""
+        self.send_activation(output)
+        return StageHandoff(self, output)
+
     def flush(self) -> None:
         """Wait for every send in flight (their tensors stay alive until then)."""
         for work, _ in self.pending:
@@ -186,6 +200,22 @@ class StageLink:
         return box[0]
 
 
+@dataclass
+class StageHandoff:
+    """``schedule.kv.shim.Handoff`` on a stage before the last: ``output`` went to the next stage."""
+
+    link: StageLink
+    output: torch.Tensor
+
+    def backward(self) -> None:
+        """Phase B: this stage's part of the micro-batch's backward, seeded with the next stage's gradient."""
+        torch.autograd.backward(self.output, self.link.recv_grad(self.output))
+
+    def roots(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Phase C: the node's output and the gradient of it the next stage's phase C sent back."""
+        return [(self.output, self.link.recv_grad(self.output))]
+
+
 def batch_fingerprint(data: Any) -> str:
     """A short hash of a mini-batch's rows (token ids, row lengths, uids), for ``StageLink.check_same``."""
     ids = data["input_ids"]
@@ -215,17 +245,4 @@ def run_micro_batches(link: StageLink, steps: Sequence[StageStep], backward: boo
         torch.autograd.backward(output, link.recv_grad(output))
         if not link.is_first:
             link.send_grad(inputs)
-    link.flush()
-
-
-def backward_across(
-    link: StageLink, prefix: PrefixKV, leaves: PrefixKV, model: torch.nn.Module, inputs: torch.Tensor, output: Any
-) -> None:
-    """Phase C on this stage, last stage first: its captured K/V seeded with its leaves' dK/dV and, below the
-    last stage, its phase-A ``output`` seeded with the gradient the next stage sent back; then the gradient of
-    its phase-A ``inputs`` goes to the previous stage (stage 0 ends at the embedding)."""
-    extra = () if link.is_last else ((output, link.recv_grad(output)),)
-    seeded_backward(prefix, [leaf.grad for leaf in leaves.tensors()], model, extra=extra)
-    if not link.is_first:
-        link.send_grad(inputs)
     link.flush()

@@ -14,6 +14,7 @@ from torch import nn
 from verl_prefix.schedule.models.recurrent import RecurrentState
 
 if TYPE_CHECKING:
+    from verl_prefix.schedule.kv.shim import Handoff
     from verl_prefix.schedule.models.moe import RouterStats
 
 
@@ -47,6 +48,9 @@ class PrefixKV:
         self.logits: torch.Tensor | None = None
         # under verl's fused kernels ``logits`` holds packed (log-prob, entropy) pairs of these dtypes (fused_head)
         self.fused_dtypes: tuple[torch.dtype, torch.dtype] | None = None
+        # on a pipeline stage before the last: phase A's output, handed to the next stage (``kv.shim.Handoff``);
+        # its gradient joins phase C's backward
+        self.handoff: Handoff | None = None
 
     def share(self, sources: dict[int, int]) -> None:
         """KV-shared layers (``structure.kv_sources``): each one's prefix K/V are its source layer's tensors."""

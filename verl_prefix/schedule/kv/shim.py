@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,11 +32,34 @@ class AttentionShim:
         self.wrapped = wrapped
 
 
+class Handoff(Protocol):
+    """What a model call returns on a pipeline stage before the last instead of logits: its output went on to the
+    next stage, which scores the rows. The schedule runs such a stage's part of every step and of no loss:
+
+    - ``backward()``: phase B, after the node's last suffix micro-batch (GPipe order: every forward first), this
+      stage's backward of the micro-batch seeded with what the next stage sends back;
+    - ``roots()``: phase C, the (output, gradient from the next stage) pair that joins the node's seeded backward
+      (``executor.seeded_backward``): the next stage's phase C reached this node's K/V through its output.
+    """
+
+    def backward(self) -> None: ...
+
+    def roots(self) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
 @dataclass
 class CausalLMOutput:
-    """What the schedule reads of a model call: the logits."""
+    """What the schedule reads of a model call: the logits, or on a pipeline stage before the last its
+    ``Handoff`` (no logits)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    handoff: Handoff | None = None
+
+
+def scores(model: nn.Module) -> bool:
+    """Whether this rank's part of ``model`` ends in the LM head: False on a pipeline stage before the last,
+    whose calls return a ``Handoff`` (their phase A does not exit early, no loss runs there)."""
+    return getattr(model, "scores", True)
 
 
 class CausalLMStandIn(nn.Module):
@@ -71,10 +94,13 @@ class CausalLMStandIn(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         logits = self.logits(input_ids, position_ids, prefix_ctx)
+        if not isinstance(logits, torch.Tensor):  # a stage before the last: the next stage scores the rows
+            return CausalLMOutput(logits=None, handoff=logits)
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutput(logits=logits.contiguous())
 
-    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor:
-        """``[B, L, vocab]`` logits of the call, every layer attending through ``prefix_ctx``."""
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor | Handoff:
+        """``[B, L, vocab]`` logits of the call, every layer attending through ``prefix_ctx`` (a ``Handoff`` on a
+        pipeline stage before the last)."""
         raise NotImplementedError

@@ -106,8 +106,9 @@ def _scored(
 
 def node_values(kv: PrefixKV, node: TrieNode, layout: RowLayout, options: ScheduleOptions) -> NodeValues | None:
     """The node's log-probs and entropies from the logits (or, under fused kernels, the hidden states) its phase A
-    kept, per temperature of its rows (None for a node without loss); they are released from ``kv``."""
-    if node.logits_from is None:
+    kept, per temperature of its rows (None for a node without loss, and on a pipeline stage before the last, where
+    the next stage's phase C reaches them through the node's output); they are released from ``kv``."""
+    if node.logits_from is None or kv.handoff is not None:  # no loss, or a pipeline stage before the last
         return None
     logits, kv.logits = kv.logits, None
     dtypes = kv.fused_dtypes

@@ -58,6 +58,7 @@ from verl_prefix.schedule.executor import (
     LossFn,
     build_suffix_batch,
     filler_step,
+    handoffs_backward,
     infer_suffixes,
     join_path,
     node_backward,
@@ -68,6 +69,7 @@ from verl_prefix.schedule.executor import (
 from verl_prefix.schedule.grouping import RowLayout
 from verl_prefix.schedule.kv.container import PrefixKV
 from verl_prefix.schedule.kv.seam import prefix_attention_mode
+from verl_prefix.schedule.kv.shim import scores
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import NullMeter
 from verl_prefix.schedule.tree import loss as tree_loss
@@ -135,8 +137,12 @@ def run_filler_micro_batches(
     model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions, train: bool
 ) -> None:
     """``node.filler_micro_batches`` zero-loss suffix micro-batches under ``path`` (``node.end`` tokens)."""
-    for _ in range(node.filler_micro_batches):
+    handoffs = [
         filler_step(model, join_path(path), filler_suffix(node.end, options), options, train, "lockstep")
+        for _ in range(node.filler_micro_batches)
+    ]
+    if train and not scores(model):  # a pipeline stage before the last: their backward once all went forward
+        handoffs_backward(handoffs, options, "lockstep")
 
 
 def _node_forward(
@@ -226,7 +232,8 @@ def train_tree(
         for group in node.groups:
             losses.extend(train_suffixes(model, layout, group, Above(below, dormant, held), with_path_loss, options))
         run_filler_micro_batches(model, node, below, fillers, train=True)
-        for rows in node.ended:  # rows without a tail: their loss on the path's values alone, no model call
+        # rows without a tail: their loss on the path's values alone, no model call (the last stage's, under PP)
+        for rows in node.ended if scores(model) else ():
             if options.routes_last:  # their last token would go unrouted: the engine builds the trie own_last
                 raise RuntimeError(f"rows {rows} have no tail to route their last token (trie.build_trie own_last)")
             with meter.phase("B"):
@@ -245,7 +252,7 @@ def train_tree(
                 lambda rebuilt: tree_loss.node_values(rebuilt, node, layout, options),
             )
             extra = again.seeds(value_leaves) if again is not None else []
-            if node.lockstep_logits:  # the LM head joins this rank's backward as it joins the peer's
+            if node.lockstep_logits and again is not None:  # the LM head joins the backward as on the peer
                 extra.append((again.log_probs, torch.zeros_like(again.log_probs)))
             return roots, extra
 
@@ -291,7 +298,7 @@ def infer_tree(
                 first, temperature = layout.prompt_lens[row] - 1, tree_loss.row_temperature(layout, row)
                 results[row] = tree_loss.row_values(values_below, first, tail, temperature)
         run_filler_micro_batches(model, node, below, fillers, train=False)
-        for rows in node.ended:
+        for rows in node.ended if scores(model) else ():
             for row in rows:
                 first, temperature = layout.prompt_lens[row] - 1, tree_loss.row_temperature(layout, row)
                 results[row] = tree_loss.row_values(values_below, first, (None, None), temperature)
