@@ -110,7 +110,7 @@ def _compare(rank: int, model_dir: str, loss_fn, fsdp: bool, negative: bool, ep:
         finally:
             titan_moe.shard_like = shard_like
         out["odd_dense_refused"] = _odd_dense_refusal(prefix, loss_fn, batch, stock.get_data_parallel_rank())
-    if negative:  # negative control: phase C skipped (the engine's own phases, or the one schedule's)
+    if negative:  # negative control: the one schedule's phase C skipped
         with phase_c_skipped():
             out["no_phase_c"] = verl_engine.run_train_step(prefix, loss_fn, batch, capture_grads=True)
     if not (fsdp or ep or tp_ep):  # last: it zeroes the weights before restoring them

@@ -49,7 +49,7 @@ from verl_prefix.backend.outputs import MiniBatchOutputs
 from verl_prefix.backend.titan import platform as titan_platform
 from verl_prefix.backend.titan.attention import InnerAttentionHooks, causal_mask
 from verl_prefix.backend.titan.causal_lm import TitanCausalLM
-from verl_prefix.backend.titan.config import model_refusal, pipeline_dormant_refusal, refusal
+from verl_prefix.backend.titan.config import model_refusal, refusal
 from verl_prefix.backend.titan.flavor import check_flavor
 from verl_prefix.backend.titan.moe import ExpertCounts
 from verl_prefix.backend.titan.pipeline import StageLink, StageStep, batch_fingerprint, run_micro_batches
@@ -122,10 +122,6 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         self.causal_lm = TitanCausalLM(
             self.module[0], self.hooks, self.model_config.hf_config, self.expert_counts, self.sequence_multiple, link
         )
-        if self.reuse_config.enable and link is not None:
-            reason = pipeline_dormant_refusal(self.dormant_prefix)
-            if reason is not None:
-                raise ValueError(reason)
 
     # -- the mini-batch -----------------------------------------------------------------------------
 

@@ -109,8 +109,7 @@ class StageLink:
 
     def send_grad(self, received: torch.Tensor) -> None:
         """The gradient this stage's backward left on ``received`` (its input), to the previous stage."""
-        grad = received.grad if received.grad is not None else torch.zeros_like(received)
-        self._isend(grad, self.stage - 1)
+        self._send_back(received.grad if received.grad is not None else torch.zeros_like(received))
 
     def recv_grad(self, output: torch.Tensor) -> torch.Tensor:
         """The gradient of ``output`` (sent on to the next stage) that the next stage computed."""
