@@ -106,17 +106,24 @@ def run_dense_and_prefix(
     env: dict,
     args: Sequence[str] = (),
     dense_args: Sequence[str] = (),
+    one_line: str | None = None,
 ) -> dict[str, Path]:
     """The recipe's dense and prefix launches started together (each in its own local Ray cluster), each waited
-    for: ``{"dense": out, "prefix": out}``; ``dense_args`` go to the dense launch only, after ``args``. Both are
-    killed if either fails."""
+    for: ``{"dense": out, "prefix": out}``; ``dense_args`` go to the dense launch only, after ``args``. With
+    ``one_line`` (a selection override such as ``actor_rollout_ref.actor.strategy=prefix_megatron``) the prefix
+    launch is the dense one plus exactly that line, as a user switching a stock recipe writes it. Both are killed if
+    either fails."""
     procs = {}
     try:
         for mode in ("dense", "prefix"):
             out = tmp_path_factory.mktemp(f"{name}_{mode}")
             run_env = {**env, "RAY_TMPDIR": ray_tmpdir(f"{name}_{mode}")}
             mode_args = (*args, *dense_args) if mode == "dense" else tuple(args)
-            procs[mode] = (start_recipe(out, mode=mode, steps=steps, save_at=steps, env=run_env, args=mode_args), out)
+            recipe_mode = mode
+            if mode == "prefix" and one_line is not None:
+                recipe_mode, mode_args = "dense", (*args, *dense_args, one_line)
+            run = start_recipe(out, mode=recipe_mode, steps=steps, save_at=steps, env=run_env, args=mode_args)
+            procs[mode] = (run, out)
         for proc, out in procs.values():
             finish_recipe(proc, out)
         return {mode: out for mode, (_, out) in procs.items()}

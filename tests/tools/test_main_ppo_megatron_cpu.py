@@ -6,8 +6,11 @@ platform layer (fp32, the local attention spec, sequence parallel off, gloo), Me
 distributed optimizer, packed (THD) rows; the ``hf`` rollout fed by the Megatron engine's weight sync
 (``get_per_tensor_param``: TP shards gathered, HF names, fp32). Two launches side by side, each in its own local Ray
 cluster with two actor ranks sharing one model over TP=2: verl's engine (``sync`` + ``megatron``, registered for
-cpu by the plugin's ``VERL_PREFIX_MEGATRON_CPU`` opt-in) and the prefix run (``prefix_sync`` + ``prefix_megatron``,
-the reference policy on ``prefix_megatron`` too), two steps each, 2 prompts x 4 samples in one mini-batch. The hf
+cpu by the plugin's ``VERL_PREFIX_MEGATRON_CPU`` opt-in) and the prefix run: that same stock launch plus exactly
+one line, ``actor_rollout_ref.actor.strategy=prefix_megatron`` (verl's Megatron actor and reference configs keep
+``strategy: megatron`` on their engine configs; the plugin's selection swaps in ``prefix_megatron`` for both, and
+the metrics show reuse in the update and in the reference pass), two steps each, 2 prompts x 4 samples in one
+mini-batch. The hf
 rollout seeds each request from its prompt and count, so both runs draw the same samples at step 1; step 2's come
 from weights that agree to AdamW's rounding, and draw the same too (asserted: same rewards and lengths).
 """
@@ -30,8 +33,15 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_dense_and_prefix(tmp_path_factory, "mcore", steps=STEPS, env={"ENGINE": "megatron"}, args=SMALL_JOB)
+    return run_dense_and_prefix(
+        tmp_path_factory,
+        "mcore",
+        steps=STEPS,
+        env={"ENGINE": "megatron"},
+        args=SMALL_JOB,
+        one_line="actor_rollout_ref.actor.strategy=prefix_megatron",
+    )
 
 
-def test_megatron_main_ppo_tp2_reuse_agrees_with_verl_engine(runs):
+def test_megatron_main_ppo_one_line_reuses_and_agrees_with_verl_engine(runs):
     assert_engine_twins_agree(runs, STEPS)

@@ -394,7 +394,8 @@ class ReuseDriver:
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
         output = self._forward_backward(data, loss_function, forward_only)
-        output["metrics"] = as_micro_batch_lists(output["metrics"])
+        if "metrics" in output:  # verl's Megatron engine returns {} on every pipeline stage but the last
+            output["metrics"] = as_micro_batch_lists(output["metrics"])
         return output
 
     def _forward_backward(self, data: TensorDict, loss_function: Callable | None, forward_only: bool) -> dict:
@@ -569,7 +570,8 @@ class ReuseDriver:
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
         outputs = super().train_batch(data, loss_function)  # type: ignore[misc]
-        outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
+        if "metrics" in outputs:  # not on a pipeline stage before the last (verl returns {} there)
+            outputs["metrics"]["prefix/time_s/optimizer"] = [self._optimizer_seconds]
         return outputs
 
 

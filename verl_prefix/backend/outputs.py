@@ -193,9 +193,12 @@ def dense_batch_output(
 ) -> dict:
     """A whole mini-batch through the stock engine (``run``), counted as ``prefix/fallback_<reason>`` with one
     log line (``disabled`` too: a run that selected ``prefix_fsdp2`` sees that reuse is off), every token logical
-    and physical; with the model's ``shape``, its FLOPs dense on both sides (a saving of exactly 1)."""
+    and physical; with the model's ``shape``, its FLOPs dense on both sides (a saving of exactly 1). A pipeline stage
+    before the last has no outputs (verl's Megatron engine returns ``{}``) and gets none."""
     with meter.phase("dense"):
         output = run()
+    if "metrics" not in output:  # a pipeline stage before the last: verl's Megatron engine returns {} there
+        return output
     tokens = int(data["input_ids"].offsets()[-1])
     output["metrics"].update(fallback_metrics({reason: len(data)}, groups=0))
     fallbacks.log_fallbacks([reason])

@@ -281,9 +281,12 @@ def run_train_step(engine: Any, loss_fn: Callable, batch: TensorDict, *, capture
     finally:
         if capture_grads:
             del engine.optimizer_step
-    result: dict[str, Any] = {"loss": float(sum(output["loss"])), "metrics": output["metrics"]}
-    result["grad_norm"] = output["metrics"].pop("grad_norm", None)
-    result["reduced_metrics"] = reduce_step_metrics(output["metrics"])
+    if "loss" not in output:  # a pipeline stage before the last: verl's Megatron engine returns {} there
+        result: dict[str, Any] = {"loss": None, "metrics": {}, "grad_norm": None, "reduced_metrics": {}}
+    else:
+        result = {"loss": float(sum(output["loss"])), "metrics": output["metrics"]}
+        result["grad_norm"] = output["metrics"].pop("grad_norm", None)
+        result["reduced_metrics"] = reduce_step_metrics(output["metrics"])
     if tu.get(data, key="update_lr_scheduler", default=False):
         result["lr"] = engine.lr_scheduler_step()
     if capture_grads:
@@ -309,6 +312,8 @@ def run_infer(engine: Any, batch: TensorDict, calculate_entropy: bool = True) ->
     disable = tu.get(data, key="disable_auto_offload", default=False)
     with engine.eval_mode(disable_auto_offload=disable):
         output = engine.infer_batch(data, loss_function=None)
+    if "model_output" not in output:  # a pipeline stage before the last (verl's Megatron engine returns {})
+        return {k: None for k in ("log_probs", "entropy", "response_log_probs", "response_entropy")} | {"metrics": {}}
     model_output = output["model_output"]
     log_probs, entropy = model_output["log_probs"], model_output.get("entropy")
 

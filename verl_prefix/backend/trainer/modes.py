@@ -49,6 +49,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl_prefix.backend.plugin_check import check_plugin_on_nodes
 from verl_prefix.backend.trainer.balance import balance_groups
 from verl_prefix.backend.trainer.roots import prompt_rows, shared_roots
+from verl_prefix.backend.trainer.selection import install_selection
 from verl_prefix.schedule.tree.trie import DEFAULT_MIN_SHARED_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -367,6 +368,7 @@ def _role_name(role: Any) -> str:
 
 
 install_trainer_hooks()
+install_selection()
 
 __all__ = [
     "PrefixActorRolloutRefWorker",
