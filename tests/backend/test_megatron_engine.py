@@ -201,8 +201,17 @@ def test_refusals_name_the_knob():
         assert refusal(config) is None  # verl's own engine
     recompute = Config()
     recompute.override_transformer_config = {"recompute_granularity": "full"}
-    reason = refusal(recompute)
-    assert "override_transformer_config.recompute_granularity=null" in reason, reason
+    assert refusal(recompute) is None  # served (test_megatron_recompute.py); what is not, at initialisation:
+    from types import SimpleNamespace
+
+    from verl_prefix.backend.megatron.recompute import recompute_refusal
+
+    full = dict(recompute_granularity="full", fp8=None, fp4=None)
+    assert recompute_refusal(SimpleNamespace(**full), moe_counted=False) is None
+    assert recompute_refusal(SimpleNamespace(**{**full, "recompute_granularity": None}), moe_counted=True) is None
+    for built, counted, named in ((dict(fp8="hybrid"), False, "te_checkpoint"), (dict(), True, "aux loss")):
+        reason = recompute_refusal(SimpleNamespace(**{**full, **built}), moe_counted=counted)
+        assert named in reason and "recompute_granularity=null" in reason, reason
     for model_type in SERVED_MODEL_TYPES:
         assert model_refusal(CONFIG_MAPPING[model_type](), Config()) is None
     for model_type in ("qwen2_moe", "deepseek_v2", "gpt_oss", "mistral"):

@@ -374,7 +374,12 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
                 "reuses", "non-reentrant (verl's)", (f"{E}::test_dynamic_batch_size_and_gradient_checkpointing",)
             ),
             "prefix_torchtitan": Cell("refused", "`activation_checkpoint` other than `none`", (_TITAN_REFUSALS,)),
-            "prefix_megatron": Cell("refused", "`recompute_granularity` set", (_MEGATRON_REFUSALS,)),
+            "prefix_megatron": Cell(
+                "reuses",
+                "`recompute_granularity` full (uniform, block) or selective; with the MoE aux loss / expert bias or "
+                "fp8: refused",
+                ("tests/backend/test_megatron_recompute.py::test_reuse_under_recompute_matches_verls_engine",),
+            ),
         },
     ),
     (

@@ -22,6 +22,10 @@ and the logits are cut back; the padding comes after every real token, so causal
 Under megatron-core's router aux loss (``routers``) every call runs with the routers' own aux off: the schedule adds
 it per logical micro-batch (``megatron.moe``).
 
+Under megatron-core's activation recompute each call is a ``recompute.schedule_call``: phase A's calls (a capture
+context) keep their graph, phase B's recompute in backward re-enters the call's attention hook, RoPE offset and
+unfused forward (``megatron.recompute``).
+
 Under ``use_fused_kernels`` verl replaces the ``GPTModel``'s forward with one that returns log-probs from the last
 hidden states (its fused linear cross-entropy) instead of logits; the schedule's calls run the model's own forward
 (``unfused``: verl keeps it as ``forward_backup``), so reused rows take their log-probs from the logits, the same
@@ -31,7 +35,7 @@ maths up to rounding, and verl's dense rows keep its fused path.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -39,6 +43,8 @@ from torch import nn
 
 from verl_prefix.backend.megatron.attention import CoreAttentionHooks
 from verl_prefix.backend.megatron.moe import ExpertCounts, McoreRouters
+from verl_prefix.backend.megatron.recompute import schedule_call
+from verl_prefix.schedule.kv.contexts import CaptureContext
 from verl_prefix.schedule.kv.shim import CausalLMStandIn
 
 
@@ -160,6 +166,15 @@ class MegatronCausalLM(CausalLMStandIn):
                 "prefix_megatron: a schedule call without routing weights (ScheduleOptions.count_routing) would "
                 "count the experts' load physically"
             )
-        with self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), own_aux, counts, unfused(self.gpt):
+
+        def call_state() -> ExitStack:
+            """What the call's forward runs inside, and a recompute of it in backward re-enters."""
+            stack = ExitStack()
+            for manager in (self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), unfused(self.gpt)):
+                stack.enter_context(manager)
+            return stack
+
+        keep_graph = isinstance(prefix_ctx, CaptureContext)  # phase A: its K/V's graph is phase C's
+        with call_state(), schedule_call(keep_graph, call_state), own_aux, counts:
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
         return gather_from_tensor_model_parallel_region(logits[:, :length] if padded else logits)

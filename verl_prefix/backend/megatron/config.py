@@ -68,12 +68,6 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
     "param_offload": (False, "parameter offload between phases A and C is not verified"),
     "optimizer_offload": (False, "optimizer offload is not verified under reuse"),
 }
-# override_transformer_config key -> why anything set is refused
-_RECOMPUTE = (
-    "recompute_granularity",
-    "activation recompute re-runs layers (core attention among them) in backward; phase A's K/V capture inside a "
-    "recomputed layer is not verified on megatron-core",
-)
 
 
 def refusal(config: Any) -> str | None:
@@ -87,13 +81,6 @@ def refusal(config: Any) -> str | None:
         return (
             f"prefix_megatron: {knob}={got!r} is refused with reuse on ({why}); set "
             f"actor_rollout_ref.actor.megatron.{knob}={value!r}, or {MEGATRON_REUSE_OFF} for verl's Megatron engine"
-        )
-    key, why = _RECOMPUTE
-    got = (getattr(config, "override_transformer_config", None) or {}).get(key)
-    if got is not None:
-        return (
-            f"prefix_megatron: override_transformer_config.{key}={got!r} is refused with reuse on ({why}); set "
-            f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}=null, or {MEGATRON_REUSE_OFF}"
         )
     return None
 

@@ -42,6 +42,8 @@ from verl_prefix.backend.megatron.moe import (
     router_refusal,
     set_aux_scale,
 )
+from verl_prefix.backend.megatron.recompute import install as install_recompute
+from verl_prefix.backend.megatron.recompute import recompute_refusal
 from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.models.moe import RouterStats
 from verl_prefix.schedule.models.structure import LayerRoles
@@ -85,6 +87,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         reason = built_model_refusal(config, self.model_config) or router_refusal(config)
         if reason is not None:
             raise ValueError(reason)
+        if getattr(config, "recompute_granularity", None) is not None:
+            install_recompute()  # megatron-core's recompute under the schedule's calls (``megatron.recompute``)
         # sequence parallelism splits every sequence over the TP ranks: the schedule's calls pad to a multiple
         multiple = self.engine_config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
         self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple)
@@ -100,6 +104,9 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         counts = ExpertCounts(self.module[0])
         if counts:
             self.expert_counts = self.causal_lm.counts = counts
+        reason = recompute_refusal(config, moe_counted=self.routers is not None or self.expert_counts is not None)
+        if reason is not None:
+            raise ValueError(reason)
 
     # -- the driver's hooks ---------------------------------------------------------------------------
 

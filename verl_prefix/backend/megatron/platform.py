@@ -71,6 +71,14 @@ PATCHES: dict[str, str] = {
     "torch.cuda name.",
     "rng_tracker": "model_parallel_cuda_manual_seed keeps CUDA generator states per parallel group (the TP weight "
     "init and dropout fork them): a tracker of CPU generator states with the same seeds and names.",
+    "recompute_rng": "activation recompute (megatron-core's CheckpointFunction / CheckpointWithoutOutput, "
+    "recompute_granularity full or selective) saves and restores the CUDA generator's state around the recomputed "
+    "forward (_get_cuda_rng_state / _set_cuda_rng_state call torch.cuda.random.get_rng_state, which raises without "
+    "CUDA): on the host the tracker's states are CPU generator states and the device generator is the CPU one, so "
+    "the two read and set torch's CPU generator state. megatron-core 0.16.1's CheckpointWithoutOutput (selective "
+    "recompute of layer norms, MoE activations, MLA up-projections) sets its fp8 flag as `fp8 is not None`, true "
+    "for its default False, and then calls TransformerEngine's FP8GlobalStateManager (a NameError without TE): "
+    "the flag is what was passed.",
     "local_attention": "without TransformerEngine the layers use megatron-core's local DotProductAttention, which "
     "refuses THD (packed_seq_params) and wants a [b, 1, sq, sk] True=masked mask; verl passes THD cu_seqlens "
     "(use_remove_padding) or a [b, s] True=valid mask: both become a dense causal-per-sequence mask. MLA builds it "
@@ -359,6 +367,32 @@ def patch_rng_tracker() -> None:
     setattr(initialize_rng_tracker, _MARK, True)
     mrandom.initialize_rng_tracker = initialize_rng_tracker
     _note("rng_tracker")
+
+
+def patch_recompute_rng() -> None:
+    """megatron-core's recompute saves and restores the CPU generator (``PATCHES['recompute_rng']``)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(mrandom._get_cuda_rng_state, _MARK, False):
+        return
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    setattr(get_state, _MARK, True)
+    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = get_state, set_state
+    stock_init = mrandom.CheckpointWithoutOutput.__init__
+
+    @functools.wraps(stock_init)
+    def init(self: Any, fp8: Any = False) -> None:
+        stock_init(self, fp8)
+        self.fp8 = bool(fp8)
+
+    mrandom.CheckpointWithoutOutput.__init__ = init
+    _note("recompute_rng")
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -759,6 +793,7 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_moe_gating_gemm()
     patch_moe_host_splits()
     patch_rng_tracker()
+    patch_recompute_rng()
     patch_local_attention()
     import_megatron_bridge()
     patch_te_flags()
