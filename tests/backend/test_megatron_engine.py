@@ -191,7 +191,6 @@ def test_refusals_name_the_knob():
         ("pipeline_model_parallel_size", 2),
         ("virtual_pipeline_model_parallel_size", 2),
         ("context_parallel_size", 2),
-        ("param_offload", True),
     ):
         config = Config()
         setattr(config, knob, value)

@@ -399,7 +399,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
         {
             "prefix_fsdp2": Cell("gpu_check", "between steps; a no-op on CPU"),
             "prefix_torchtitan": Cell("refused", "not verified between phases A and C", (_TITAN_REFUSALS,)),
-            "prefix_megatron": Cell("refused", "not verified between phases A and C", (_MEGATRON_REFUSALS,)),
+            "prefix_megatron": Cell(
+                "reuses",
+                "verl's offload between passes, run for real on CPU by the platform",
+                ("tests/backend/test_megatron_offload.py::test_prefix_engine_with_offload_matches_verls_engine",),
+            ),
         },
     ),
     (

@@ -65,8 +65,6 @@ _SERVED_VALUES: dict[str, tuple[Any, str]] = {
     ),
     "dynamic_context_parallel": (False, "dynamic context parallelism: see context_parallel_size"),
     "use_megatron_fsdp": (False, "megatron-core's FSDP is not tested under reuse"),
-    "param_offload": (False, "parameter offload between phases A and C is not verified"),
-    "optimizer_offload": (False, "optimizer offload is not verified under reuse"),
 }
 
 

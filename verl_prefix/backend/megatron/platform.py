@@ -62,6 +62,13 @@ PATCHES: dict[str, str] = {
     "checkpoint into a fresh engine, whose optimizer has no state before its first step, and the template state dict "
     "for that load raised: a fresh optimizer's template reads step 0 (the loaded checkpoint replaces it), every other "
     "call is megatron-core's.",
+    "offload": "verl's Megatron engine moves its state with to(device): the device's name loads, 'cpu' offloads; on "
+    "the host both are 'cpu', so to('cpu') took the load branch and param_offload / optimizer_offload moved nothing. "
+    "Inside verl's engine context the direction is the context's (entering loads, leaving offloads: the same calls of "
+    "verl's own load_megatron_model_to_gpu / offload_megatron_model_to_cpu and optimizer functions a GPU run makes, "
+    "so the parameter and gradient buffers really are released to zero storage between passes and restored from "
+    "their host copies); a call outside it offloads loaded parameters and loads offloaded ones. Their pinned host "
+    "copies are plain ones (the cuda_as_cpu_mode drops pin_memory).",
     "cuda_synchronize": "megatron-core's distributed checkpointing (verl's save_checkpoint) calls "
     "torch.cuda.synchronize() before it writes, which raises without CUDA: a no-op (CPU work is synchronous).",
     "cuda_as_cpu_mode": "megatron-core writes device='cuda' literally (optimizer, clip_grads, DDP buffers, schedules) "
@@ -176,7 +183,9 @@ class CudaAsCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
+        if kwargs.get("pin_memory"):  # verl's offload pins its host copies: no pinned allocator without CUDA
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
@@ -759,6 +768,63 @@ def run_methods_in_mode(cls: type) -> type:
     return cls
 
 
+_DIRECTION = threading.local()  # "load" / "offload" while verl's engine context enters / leaves
+
+
+def offloaded(engine: Any) -> bool:
+    """Whether the engine's parameter buffers are released (verl's offload resizes their storage to zero)."""
+    return any(
+        buffer.param_data.storage().size() == 0
+        for chunk in engine.module
+        for buffers in (getattr(chunk, "buffers", ()), getattr(chunk, "expert_parallel_buffers", ()))
+        for buffer in buffers
+    )
+
+
+def patch_offload(impl: types.ModuleType) -> None:
+    """verl's Megatron offload moves state on the host (``PATCHES['offload']``)."""
+    from verl.workers.engine.base import BaseEngine, BaseEngineCtx
+
+    if getattr(impl.MegatronEngine.to, _MARK + "_offload", False):
+        return
+    stock_enter, stock_exit = BaseEngineCtx.__enter__, BaseEngineCtx.__exit__
+
+    def enter(self: Any) -> Any:
+        _DIRECTION.value = "load"
+        try:
+            return stock_enter(self)
+        finally:
+            _DIRECTION.value = None
+
+    def exit_(self: Any, *exc: Any) -> Any:
+        _DIRECTION.value = "offload"
+        try:
+            return stock_exit(self, *exc)
+        finally:
+            _DIRECTION.value = None
+
+    def to(self: Any, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        BaseEngine.to(self, device=device, model=model, optimizer=optimizer, grad=grad)
+        assert device == "cpu", f"prefix_megatron's CPU platform: device {device!r} on a host without CUDA"
+        direction = getattr(_DIRECTION, "value", None) or ("load" if offloaded(self) else "offload")
+        with cuda_as_cpu():
+            if direction == "load":
+                if model:
+                    impl.load_megatron_model_to_gpu(self.module, load_grad=grad)
+                if optimizer and self.optimizer is not None:
+                    impl.load_megatron_optimizer(self.optimizer)
+            else:
+                if model:
+                    impl.offload_megatron_model_to_cpu(self.module)
+                if optimizer and self.optimizer is not None:
+                    impl.offload_megatron_optimizer(self.optimizer)
+
+    setattr(to, _MARK + "_offload", True)
+    BaseEngineCtx.__enter__, BaseEngineCtx.__exit__ = enter, exit_
+    impl.MegatronEngine.to = to
+    _note("offload")
+
+
 def patch_engine_methods(impl: types.ModuleType) -> None:
     """verl's Megatron engine classes run their methods in the ``cuda_as_cpu_mode``."""
     for cls in (impl.MegatronEngine, impl.MegatronEngineWithLMHead, impl.MegatronEngineWithValueHead):
@@ -806,6 +872,7 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_optimizer_state_load()
     patch_optimizer_fresh_state_dict()
     impl = importlib.import_module("verl.workers.engine.megatron.transformer_impl")
+    patch_offload(impl)
     patch_engine_methods(impl)
     register_cpu_engine(impl)
     return tuple(_APPLIED)
