@@ -1,7 +1,9 @@
 """verl-prefix: shared-prefix reuse for GRPO actor updates, as a verl engine backend.
 
-Importing the package registers the ``prefix_fsdp2`` engine with verl's ``EngineRegistry`` and the
-``hf`` CPU rollout with verl's rollout registries. It is also
+Importing the package registers the ``prefix_fsdp2``, ``prefix_torchtitan`` and ``prefix_megatron`` engines with
+verl's ``EngineRegistry`` (the last two as factories: torchtitan and megatron-core load only when such an engine is
+built), the ``hf`` CPU rollout with verl's rollout registries, and the trainer hooks (one selection line, groups kept
+whole). It is also
 a ``verl.plugins`` entry point, so ``import verl`` does this in the driver and in every Ray worker;
 the CPU platform activates here when ``VERL_PLATFORM=cpu`` is set.
 """

@@ -201,3 +201,23 @@ def test_a_stock_engine_built_under_a_prefix_strategy_stops_the_worker():
     # the wrapped init_model keeps verl's dispatch registration
     assert getattr(ActorRolloutRefWorker.init_model, "_verl_prefix", False)
     assert hasattr(ActorRolloutRefWorker.init_model, MAGIC_ATTR)
+
+
+def test_only_the_registry_module_touches_verls_engine_table():
+    """verl's ``EngineRegistry._engines`` is read and written in ``backend/registry.py`` alone (idempotent class
+    registration, lazy factories, taking ours back); every engine registers through it."""
+    import re
+    from pathlib import Path
+
+    from verl_prefix.backend import registry
+
+    package = Path(verl_prefix.__file__).parent
+    table = re.compile(r"\._engines\b")  # the attribute, not names ending in it
+    own = package / "backend" / "registry.py"
+    touching = sorted(
+        str(p.relative_to(package)) for p in package.rglob("*.py") if p != own and table.search(p.read_text())
+    )
+    assert touching == [], touching
+    for backend in ("prefix_fsdp2", "prefix_torchtitan", "prefix_megatron"):
+        assert registry.is_registered(backend)
+        assert {"cuda", "cpu"} <= set(registry.registered_devices(backend)), backend

@@ -237,15 +237,13 @@ def cpu_platform_requested() -> bool:
 
 def _register_cpu_engines() -> None:
     """Register verl's stock FSDP engines for device "cpu" (verl registers them for cuda/npu only)."""
-    from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    from verl_prefix.backend.registry import register_class
 
     for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
         for backend in ("fsdp", "fsdp2"):
-            # EngineRegistry.register asserts on duplicates, so only add missing keys.
-            if PLATFORM_NAME in EngineRegistry._engines.get(model_type, {}).get(backend, {}):
-                continue
-            EngineRegistry.register(model_type=model_type, backend=backend, device=PLATFORM_NAME)(engine_cls)
+            register_class(engine_cls, backend, [PLATFORM_NAME], model_type)
 
 
 def _patch_process_group_backend() -> None:

@@ -28,10 +28,9 @@ from torch import nn
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_name
 from verl.utils.metric import AggregationType, Metric
-from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from verl_prefix.backend import fallbacks, model_checks
+from verl_prefix.backend import fallbacks, model_checks, registry
 from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, validate_moe_aux_loss_coef
 from verl_prefix.backend.distributed.once import agree_on_structure
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
@@ -428,14 +427,9 @@ def _dense_token_mask(data: TensorDict, router_rows: int) -> torch.Tensor:
 
 def register() -> None:
     """Register ``prefix_fsdp2`` for every device verl's FSDP engine runs on (idempotent)."""
-    registered = EngineRegistry._engines.get("language_model", {}).get(PREFIX_BACKEND, {})
-    devices = [d for d in ("cuda", "npu", "cpu") if d not in registered]
-    if devices:
-        EngineRegistry.register(model_type="language_model", backend=PREFIX_BACKEND, device=devices)(
-            PrefixFSDPEngineWithLMHead
-        )
+    registry.register_class(PrefixFSDPEngineWithLMHead, PREFIX_BACKEND, ("cuda", "npu", "cpu"))
 
 
 def is_registered() -> bool:
     """True when ``prefix_fsdp2`` is in verl's engine registry (plugin failures are silent in verl)."""
-    return PREFIX_BACKEND in EngineRegistry._engines.get("language_model", {})
+    return registry.is_registered(PREFIX_BACKEND)

@@ -834,14 +834,13 @@ def patch_engine_methods(impl: types.ModuleType) -> None:
 
 def register_cpu_engine(impl: types.ModuleType) -> None:
     """verl's Megatron engine for device cpu (verl registers it for cuda/npu)."""
-    from verl.workers.engine import EngineRegistry
+    from verl_prefix.backend.registry import register_class
 
     for model_type, cls in (
         ("language_model", impl.MegatronEngineWithLMHead),
         ("value_model", impl.MegatronEngineWithValueHead),
     ):
-        if "cpu" not in EngineRegistry._engines.get(model_type, {}).get(BACKEND, {}):
-            EngineRegistry.register(model_type=model_type, backend=BACKEND, device="cpu")(cls)
+        register_class(cls, BACKEND, ["cpu"], model_type)
     _note("engine_registry")
 
 

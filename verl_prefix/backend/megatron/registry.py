@@ -24,9 +24,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from verl.workers.engine.base import EngineRegistry
-
 from verl_prefix.backend.megatron.config import MEGATRON_BACKEND
+from verl_prefix.backend.registry import register_factory
 
 DEVICES = ("cuda", "npu", "cpu")
 CPU_ENV = "VERL_PREFIX_MEGATRON_CPU"
@@ -90,9 +89,7 @@ def register() -> None:
     """Idempotent: ``prefix_megatron`` on every device in ``DEVICES`` that has no engine for it yet, and counted as
     Megatron where verl sets its workers' environment (``megatron_env``); where ``cpu_requested``, the float32 engine
     config and verl's ``megatron`` engine for ``cpu``."""
-    registered = EngineRegistry._engines.setdefault("language_model", {}).setdefault(MEGATRON_BACKEND, {})
-    for device in DEVICES:
-        registered.setdefault(device, build_prefix_megatron)
+    register_factory(build_prefix_megatron, MEGATRON_BACKEND, DEVICES)
     megatron_env()
     if cpu_requested():
         from verl_prefix.backend.megatron.platform import patch_engine_config
@@ -104,6 +101,4 @@ def register() -> None:
 def register_stock() -> None:
     """Idempotent opt-in: verl's ``megatron`` language-model engine, through the platform layer, for ``cpu`` where
     verl registered none (its own registrations are kept)."""
-    registered = EngineRegistry._engines.setdefault("language_model", {}).setdefault(STOCK_BACKEND, {})
-    for device in STOCK_DEVICES:
-        registered.setdefault(device, build_stock_megatron)
+    register_factory(build_stock_megatron, STOCK_BACKEND, STOCK_DEVICES)

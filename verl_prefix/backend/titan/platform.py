@@ -383,15 +383,10 @@ def release_stock() -> None:
     """Drop the ``torchtitan`` factories on the devices verl's own module registers (cuda, npu) right before that
     module is imported: its decorator refuses a key that is already there. The CPU factory stays. Ours are the
     factories ``registry`` marked with ``STOCK_FACTORY_MARK`` (the registry sits above this module)."""
-    from verl.workers.engine.base import EngineRegistry
+    from verl_prefix.backend.registry import unregister
 
-    engines = EngineRegistry._engines.get("language_model", {})
-    registered = engines.get(STOCK_BACKEND, {})
-    for device in ("cuda", "npu"):
-        if getattr(registered.get(device), STOCK_FACTORY_MARK, False):
-            del registered[device]
-    if STOCK_BACKEND in engines and not registered:
-        del engines[STOCK_BACKEND]  # nothing of ours left: verl's decorator recreates the entry as it would
+    # nothing of ours left: the entry goes, and verl's decorator recreates it as it would
+    unregister(STOCK_BACKEND, ("cuda", "npu"), lambda entry: getattr(entry, STOCK_FACTORY_MARK, False))
 
 
 def ensure_titan_platform() -> types.ModuleType:

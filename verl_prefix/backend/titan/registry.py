@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from verl.workers.engine.base import EngineRegistry
-
+from verl_prefix.backend.registry import register_factory
 from verl_prefix.backend.titan.config import TITAN_BACKEND
 from verl_prefix.backend.titan.platform import STOCK_BACKEND, STOCK_FACTORY_MARK
 
@@ -60,9 +59,7 @@ def stock_requested() -> bool:
 
 def _register(backend: str, factory: Any) -> None:
     """``factory`` for ``backend`` on every device in ``DEVICES`` that has no engine yet (verl's stay)."""
-    registered = EngineRegistry._engines.setdefault("language_model", {}).setdefault(backend, {})
-    for device in DEVICES:
-        registered.setdefault(device, factory)
+    register_factory(factory, backend, DEVICES)
 
 
 def register() -> None:
