@@ -387,7 +387,17 @@ class ReuseDriver:
         loss.backward()
 
     def run_dense_filler(self, run: MiniBatchRun) -> None:
-        """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective."""
+        """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective: the engine's model
+        on a dummy row (``filler_logits``), backpropagated at zero in training."""
+        with torch.no_grad() if run.forward_only else nullcontext():
+            logits = self.filler_logits(run)
+            if not run.forward_only:
+                self.backward(logits.sum() * 0.0)
+
+    def filler_logits(self, run: MiniBatchRun) -> torch.Tensor:
+        """The engine's model on a dummy row of a few tokens, in its own call convention (the lockstep filler's
+        forward: every collective a dense chunk's forward makes, no loss), inside whatever the engine's dense
+        forwards run in (autocast, router and counting switches)."""
         raise NotImplementedError
 
     # -- the mini-batch -----------------------------------------------------------------------------

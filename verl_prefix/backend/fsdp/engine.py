@@ -383,18 +383,12 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
             self._layer_roles_cache = (id(self.module), layer_roles(self.module))
         return self._layer_roles_cache[1]
 
-    def run_dense_filler(self, run: MiniBatchRun) -> None:
+    def filler_logits(self, run: MiniBatchRun) -> torch.Tensor:
         device = run.meter.device
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        ctx = torch.no_grad() if run.forward_only else nullcontext()
-        with ctx, self._autocast()(), text_only_call(self.module):
-            logits = self.module(
-                input_ids=ids,
-                position_ids=model_positions(self.module, torch.arange(2, device=device)[None]),
-                use_cache=False,
-            ).logits
-            if not run.forward_only:
-                self.backward(logits.sum() * 0.0)
+        with self._autocast()(), text_only_call(self.module):
+            positions = model_positions(self.module, torch.arange(2, device=device)[None])
+            return self.module(input_ids=ids, position_ids=positions, use_cache=False).logits
 
     def train_batch(self, data: TensorDict, loss_function: Callable) -> Any:
         if self.record_trace_dir:

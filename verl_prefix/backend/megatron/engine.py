@@ -212,14 +212,12 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             metrics["moe_aux_loss"] = Metric(value=value, aggregation=AggregationType.SUM)
         run.record(rows, meta.get("model_output", {}), meta["loss"], metrics)
 
-    def run_dense_filler(self, run: MiniBatchRun) -> None:
-        """A zero-loss dense micro-batch matching a peer's dense chunk, collective for collective."""
+    def filler_logits(self, run: MiniBatchRun) -> torch.Tensor:
+        """The routers' own aux off and expert loads uncounted: a filler routes nothing that counts."""
         length = max(2, self.causal_lm.sequence_multiple if self.causal_lm is not None else 1)
         ids = torch.zeros(1, length, dtype=torch.long, device=run.meter.device)
         positions = torch.arange(length, device=ids.device)[None]
         own_aux = self.routers.own_aux_off() if self.routers is not None else nullcontext()
         uncounted = self.expert_counts.weighted(0.0) if self.expert_counts is not None else nullcontext()
-        with torch.no_grad() if run.forward_only else nullcontext(), own_aux, uncounted:
-            logits = self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)
-            if not run.forward_only:
-                self.backward(logits.sum() * 0.0)
+        with own_aux, uncounted:
+            return self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)

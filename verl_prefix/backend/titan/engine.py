@@ -190,16 +190,13 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         with run.meter.phase("dense"):  # one data-parallel rank per stage (titan.config): no lockstep peers
             self._pipelined_dense(run.data, run.dense_chunks, run.loss_function, run.forward_only, run.record)
 
-    def run_dense_filler(self, run: MiniBatchRun) -> None:
-        """A zero-loss dense micro-batch that matches a peer's dense chunk collective for collective."""
+    def filler_logits(self, run: MiniBatchRun) -> torch.Tensor:
         device = run.meter.device
         length = padded_length(2, self.sequence_multiple)
         ids = torch.zeros(1, length, dtype=torch.long, device=device)
         pos = torch.arange(length, device=device)[None]
         with self._counted(0.0):
-            logits = self.module[0](ids, positions=pos, attention_masks=causal_mask(length, device))
-        if not run.forward_only:
-            (logits.sum() * 0.0).backward()
+            return self.module[0](ids, positions=pos, attention_masks=causal_mask(length, device))
 
     def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
         run.outputs.replace(self.link.share((run.outputs.outputs, run.outputs.order)))  # the last stage's
