@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.model"
 
 
-def verl_keys() -> dict[str, object]:
-    """Every leaf of verl's generated ``ppo_trainer.yaml`` under ``actor_rollout_ref.{actor,ref,model}``, relative
-    to ``actor_rollout_ref``, with its default."""
+def verl_keys(generated: str = "_generated_ppo_trainer.yaml") -> dict[str, object]:
+    """Every leaf of verl's generated ``ppo_trainer.yaml`` (or another generated trainer config) under
+    ``actor_rollout_ref.{actor,ref,model}``, relative to ``actor_rollout_ref``, with its default."""
     import verl
 
-    path = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    path = Path(verl.__file__).parent / "trainer" / "config" / generated
     tree = yaml.safe_load(path.read_text())["actor_rollout_ref"]
     out: dict[str, object] = {}
 
@@ -69,6 +69,51 @@ def test_every_key_of_verls_yaml_is_classified():
     assert not stale, f"recipe_keys.KEYS classifies keys verl's YAML does not have: {stale}"
     wild = [k for k in recipe_keys.KEYS if k.endswith(".*") and not any(p.startswith(k[:-1]) for p in keys)]
     assert not wild, wild
+
+
+def test_every_megatron_engine_key_is_classified():
+    """``model_engine=megatron``: every key of verl's Megatron engine config (actor and ref) in ``MEGATRON_KEYS``;
+    the rest of that YAML's actor, ref and model keys in ``KEYS``."""
+    keys = verl_keys("_generated_ppo_megatron_trainer.yaml")
+    engine = {k for k in keys if k.startswith(("actor.megatron.", "ref.megatron."))}
+    assert len(engine) > 80
+    missing = sorted(k for k in engine if recipe_keys.classify_megatron(k) is None)
+    assert not missing, f"Megatron engine keys MEGATRON_KEYS does not classify: {missing}"
+    stale = sorted(k for k in recipe_keys.MEGATRON_KEYS if not k.endswith(".*") and k not in keys)
+    stale = [k for k in stale if not k.endswith(".strategy")]  # set by the plugin, absent from verl's YAML
+    assert not stale, stale
+    assert not unclassified(set(keys) - engine)
+
+
+def test_refused_megatron_keys_are_refused_by_name():
+    """Every ``refused`` engine key of ``MEGATRON_KEYS`` that the engine config carries stops the prefix engine
+    naming it (with reuse on), and refuses nothing with reuse off."""
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.backend.megatron.config import refusal
+
+    away = {
+        "pipeline_model_parallel_size": 2,
+        "virtual_pipeline_model_parallel_size": 2,
+        "context_parallel_size": 2,
+        "dynamic_context_parallel": True,
+        "use_megatron_fsdp": True,
+    }
+    refused = {
+        k.split(".", 2)[2]
+        for k, e in recipe_keys.MEGATRON_KEYS.items()
+        if e.status == "refused" and k.startswith("actor.megatron.") and "." not in k.split(".", 2)[2]
+    }
+    assert refused == set(away), refused
+
+    class Config:
+        prefix_reuse = PrefixReuseConfig()
+
+    for knob, value in away.items():
+        config = Config()
+        setattr(config, knob, value)
+        assert f"actor_rollout_ref.actor.megatron.{knob}=" in (refusal(config) or ""), knob
+        config.prefix_reuse = PrefixReuseConfig(enable=False)
+        assert refusal(config) is None, knob
 
 
 def test_a_key_verl_adds_is_caught(monkeypatch):

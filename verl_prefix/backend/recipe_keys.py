@@ -248,13 +248,137 @@ KEYS: dict[str, KeyEffect] = {
 }
 
 
+# -- verl's Megatron engine config (``actor_rollout_ref.{actor,ref}.megatron``, ``model_engine=megatron``) ------------
+
+ME_ = "tests/backend/test_megatron_engine.py"
+_MEGA_EXACT = f"{ME_}::test_update_and_log_probs_match_verl_megatron_engine"
+_MEGA_REFUSED = f"{ME_}::test_refusals_name_the_knob"
+_MEGA_PP = "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_with_reuse_off_train_as_verls_engine"
+_MEGA_SELECT = "tests/backend/test_selection.py::test_one_line_builds_the_prefix_engine_for_actor_and_ref"
+_MEGA_MOE = "tests/backend/test_megatron_moe.py::test_aux_loss_update_matches_verl_megatron_engine"
+_MEGA_RECOMPUTE = "tests/backend/test_megatron_recompute.py::test_reuse_under_recompute_matches_verls_engine"
+_MEGA_OFFLOAD = "tests/backend/test_megatron_offload.py::test_prefix_engine_with_offload_matches_verls_engine"
+_MEGA_CKPT = f"{ME_}::test_weight_export_and_checkpoint_round_trip"
+_MEGA_DIST_CKPT = _fx("no_effect", "verl's checkpoint format and its load path, outside the update's maths")
+
+
+def _megatron_keys(role: str) -> dict[str, KeyEffect]:
+    """The ``megatron`` engine-config keys actor and ref share, as ``prefix_megatron`` treats them."""
+    m = f"{role}.megatron"
+    refused_pp = _fx(
+        "refused",
+        "pipeline stages under reuse are not built on megatron-core yet; reuse off trains as verl's engine",
+        _MEGA_PP,
+    )
+    return {
+        f"{m}._target_": _fx(
+            "selector", "the engine config class; the plugin swaps in PrefixMcoreEngineConfig", _MEGA_SELECT
+        ),
+        f"{m}.strategy": _fx("selector", "set from actor.strategy by the plugin in every worker", _MEGA_SELECT),
+        f"{m}.param_offload": _fx(
+            "served", "verl's offload between passes (real on CPU via the platform)", _MEGA_OFFLOAD
+        ),
+        f"{m}.optimizer_offload": _fx("served", "the distributed optimizer's state between passes", _MEGA_OFFLOAD),
+        f"{m}.tensor_model_parallel_size": _fx("served", "TP=2 on gloo; dK/dV stay with the heads' rank", _MEGA_EXACT),
+        f"{m}.expert_model_parallel_size": _fx(
+            "served", "EP=2; the aux loss and expert bias counted per row", _MEGA_MOE
+        ),
+        f"{m}.expert_tensor_parallel_size": _fx("served", "megatron-core's expert TP follows TP by default", _MEGA_MOE),
+        f"{m}.pipeline_model_parallel_size": refused_pp,
+        f"{m}.virtual_pipeline_model_parallel_size": refused_pp,
+        f"{m}.context_parallel_size": _fx(
+            "refused", "CP's ring exchange of the prefix K/V is not built", _MEGA_REFUSED
+        ),
+        f"{m}.dynamic_context_parallel": _fx("refused", "see context_parallel_size", _MEGA_REFUSED),
+        f"{m}.max_seqlen_per_dp_cp_rank": _fx("no_effect", "read by dynamic context parallelism only (refused)"),
+        f"{m}.sequence_parallel": _fx(
+            "served",
+            "each schedule call padded to a multiple of TP (the CPU reference pads to 4); bf16 SP: GPU check",
+            f"{ME_}::test_calls_padded_for_sequence_parallelism_are_exact",
+        ),
+        f"{m}.use_distributed_optimizer": _fx("served", "DP=2 with the distributed optimizer", _MEGA_EXACT),
+        f"{m}.use_dist_checkpointing": _MEGA_DIST_CKPT,
+        f"{m}.dist_checkpointing_path": _MEGA_DIST_CKPT,
+        f"{m}.dist_checkpointing_prefix": _MEGA_DIST_CKPT,
+        f"{m}.dist_ckpt_optim_fully_reshardable": _MEGA_DIST_CKPT,
+        f"{m}.distrib_optim_fully_reshardable_mem_efficient": _MEGA_DIST_CKPT,
+        f"{m}.entropy_from_logits_with_chunking": _fx(
+            "served", "verl's entropy function on the schedule's logits", _MEGA_EXACT
+        ),
+        f"{m}.entropy_from_logits_chunk_size": _fx(
+            "served", "verl's entropy function on the schedule's logits", _MEGA_EXACT
+        ),
+        f"{m}.seed": _fx("no_effect", "megatron-core's RNG seeds; dropout must be 0 under reuse (refused otherwise)"),
+        f"{m}.override_transformer_config.recompute_granularity": _fx(
+            "served",
+            "full and selective; phase A's checkpoints run straight, phase B's re-enter the call",
+            _MEGA_RECOMPUTE,
+        ),
+        f"{m}.override_transformer_config.recompute_modules": _fx(
+            "served", "selective recompute's modules", _MEGA_RECOMPUTE
+        ),
+        f"{m}.override_transformer_config.recompute_method": _fx("served", "uniform and block", _MEGA_RECOMPUTE),
+        f"{m}.override_transformer_config.recompute_num_layers": _fx(
+            "served", "layers per checkpoint", _MEGA_RECOMPUTE
+        ),
+        f"{m}.override_transformer_config.attention_backend": _fx(
+            "served",
+            "the schedule hooks every backend's core attention (local on CPU; flash/TE: GPU check)",
+            _MEGA_EXACT,
+        ),
+        f"{m}.override_transformer_config.*": _fx(
+            "refused",
+            "any other megatron-core setting is checked on the built model at initialisation (dropout, windows, "
+            "sinks, sparse attention, MoE routing that depends on a call's tokens): refused naming it",
+            f"{ME_}::test_built_model_refusals",
+        ),
+        f"{m}.use_mbridge": _fx("served", "Megatron-Bridge's loader (verl's default)", _MEGA_EXACT),
+        f"{m}.vanilla_mbridge": _fx(
+            "served", "verl's deprecated mbridge loader", f"{ME_}::test_selected_through_verl_config"
+        ),
+        f"{m}.use_remove_padding": _fx(
+            "served", "packed (THD) dense rows; the schedule's calls are [b, s]", _MEGA_EXACT
+        ),
+        f"{m}.pad_bshd_to_minibatch_max": _fx("no_effect", "verl's padded layout for its own dense rows"),
+        f"{m}.pad_to_length": _fx("no_effect", "verl's padding of its own dense rows"),
+        f"{m}.pad_to_length_bucket": _fx("no_effect", "verl's padding of its own dense rows"),
+        f"{m}.use_megatron_fsdp": _fx("refused", "megatron-core's FSDP is not run under reuse", _MEGA_REFUSED),
+        f"{m}.forward_only": _fx("no_effect", "verl sets it per role: the ref engine is forward-only"),
+        f"{m}.dtype": _fx("served", "fp32 on CPU (bf16 on GPU: GPU check)", _MEGA_EXACT),
+        f"{m}.router_replay.*": _fx(
+            "refused",
+            "router replay (R2/R3) replays routes per token of the stock layout",
+            "tests/backend/test_megatron_moe.py::test_router_refusals_name_the_knob",
+        ),  # fmt: skip
+        f"{m}.qat.*": _QAT,
+    }
+
+
+MEGATRON_KEYS: dict[str, KeyEffect] = {
+    **_megatron_keys("actor"),
+    **{k: v for k, v in _megatron_keys("ref").items() if ".override_transformer_config." not in k},
+    "ref.megatron.override_transformer_config": _fx(
+        "no_effect", "verl's ref config interpolates the actor's overrides: the actor's keys above decide"
+    ),
+}
+
+
+def classify_megatron(path: str) -> KeyEffect | None:
+    """``MEGATRON_KEYS``'s entry for ``path`` (relative to ``actor_rollout_ref``), as ``classify`` reads ``KEYS``."""
+    return _classified(MEGATRON_KEYS, path)
+
+
 def classify(path: str) -> KeyEffect | None:
     """The entry for ``path`` (relative to ``actor_rollout_ref``): exact, else the longest ``prefix.*`` above it."""
-    if path in KEYS:
-        return KEYS[path]
+    return _classified(KEYS, path)
+
+
+def _classified(table: dict[str, KeyEffect], path: str) -> KeyEffect | None:
+    if path in table:
+        return table[path]
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
-        hit = KEYS.get(".".join(parts[:cut]) + ".*")
+        hit = table.get(".".join(parts[:cut]) + ".*")
         if hit is not None:
             return hit
     return None
@@ -542,11 +666,31 @@ def render() -> str:
         "| key | effect | why | test |",
         "|---|---|---|---|",
     ]
-    for path, effect in KEYS.items():
+    out += _key_rows(KEYS)
+    out += [
+        "",
+        "## verl's Megatron engine config",
+        "",
+        "`model_engine=megatron`: every key of `_generated_ppo_megatron_trainer.yaml` under "
+        "`actor_rollout_ref.{actor,ref}.megatron`, as `prefix_megatron` treats it (`actor.strategy=prefix_megatron` "
+        "alone selects it; the other actor, ref and model keys are the table above's). Refusals are raised when the "
+        "engine is built, naming the key and `+actor_rollout_ref.actor.megatron.prefix_reuse.enable=false` for "
+        "verl's own engine.",
+        "",
+        "| key | effect | why | test |",
+        "|---|---|---|---|",
+        *_key_rows(MEGATRON_KEYS),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def _key_rows(table: dict[str, KeyEffect]) -> list[str]:
+    rows = []
+    for path, effect in table.items():
         status = _KEY_SHOWN[effect.status] + (f": `{effect.reason}`" if effect.reason else "")
         test = f"`{effect.test.split('::')[-1]}`" if effect.test else ""
-        out.append(f"| `{path}` | {status} | {effect.why} | {test} |")
-    return "\n".join(out) + "\n"
+        rows.append(f"| `{path}` | {status} | {effect.why} | {test} |")
+    return rows
 
 
 def readme_block() -> str:
