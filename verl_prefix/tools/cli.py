@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compat.add_argument("--write", type=Path, default=None, metavar="PAGE", help="write the page here")
     compat.add_argument("--readme", type=Path, default=None, metavar="README", help="rewrite this README's block")
+    compat.add_argument(
+        "--megatron",
+        type=Path,
+        default=None,
+        metavar="PAGE",
+        help="rewrite this page's table of verl's Megatron recipes",
+    )
     smoke = sub.add_parser(
         "smoke-data",
         help="write the tiny model and GSM8K-shaped (or geo3k-shaped image) parquet files the CPU recipe trains on",
@@ -606,6 +613,16 @@ def _compat(args: argparse.Namespace) -> int:
     from verl_prefix.backend import recipe_keys
 
     page = recipe_keys.render()
+    if args.megatron is not None:
+        from verl_prefix.backend.megatron import recipes
+
+        try:
+            args.megatron.write_text(recipes.with_table(args.megatron.read_text()))
+        except ValueError as exc:
+            return _fail(exc)
+        print(f"rewrote the Megatron recipe table of {args.megatron} ({len(recipes.RECIPES)} recipes)")
+        if args.write is None and args.readme is None:
+            return 0
     if args.write is None and args.readme is None:
         print(page, end="")
         return 0

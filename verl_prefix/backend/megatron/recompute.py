@@ -26,6 +26,8 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from verl_prefix.backend.megatron.config import MEGATRON_REUSE_OFF
+
 _MARK = "_verl_prefix_recompute"
 _ACTIVE = threading.local()  # the schedule call whose forward is running, if any
 
@@ -121,12 +123,12 @@ def recompute_refusal(tf_config: Any, moe_counted: bool) -> str | None:
     if getattr(tf_config, "fp8", None) or getattr(tf_config, "fp4", None):
         return (
             f"prefix_megatron: recompute_granularity={granularity!r} with fp8/fp4 recomputes through "
-            f"TransformerEngine's te_checkpoint, not run under reuse yet; set {override}"
+            f"TransformerEngine's te_checkpoint, not run under reuse yet; set {override}, or {MEGATRON_REUSE_OFF}"
         )
     if moe_counted:
         return (
             f"prefix_megatron: recompute_granularity={granularity!r} with the MoE router aux loss or expert bias: "
             "the schedule counts each call's routing once per forward and a recomputed layer routes twice; set "
-            f"{override}"
+            f"{override}, or {MEGATRON_REUSE_OFF}"
         )
     return None

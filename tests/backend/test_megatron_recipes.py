@@ -1,0 +1,63 @@
+"""verl 0.9.0's 16 Megatron GRPO recipes against ``prefix_megatron`` (``backend/megatron/recipes.py``): the table
+``docs/megatron.md`` shows is the render of what the engine's checks say of each recipe's settings, and the engine's
+constructor itself stops on each recipe's settings with the first of them, naming it (built from verl's own
+``McoreEngineConfig`` fields through ``PrefixMcoreEngineConfig``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from verl_prefix.backend.megatron import recipes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_docs_table_is_the_render():
+    page = (ROOT / "docs" / "megatron.md").read_text()
+    assert recipes.with_table(page) == page, "regenerate: verl-prefix compat --megatron docs/megatron.md"
+
+
+def test_sixteen_recipes_each_stopped_or_reusing_with_the_settings_named():
+    assert len(recipes.RECIPES) == len({r.name for r in recipes.RECIPES}) == 16
+    for recipe in recipes.RECIPES:
+        for reason in recipes.stops(recipe):
+            # each names the setting and a fix that runs: verl's own engine (reuse off) among them
+            assert reason.startswith("prefix_megatron: ") and "prefix_reuse.enable=false" in reason, reason
+    # what this release serves stops no recipe on its own: recompute (without MoE counting) and offload
+    plain = recipes.MegatronRecipe("x", "qwen3", "TP2", {}, {"recompute_granularity": "full"}, offload=True)
+    assert recipes.stops(plain) == []
+    assert recipes.stops(recipes.MegatronRecipe("x", "qwen3", "TP2", {"pipeline_model_parallel_size": 2}))
+
+
+def test_negative_control_a_setting_the_engine_refuses_is_reported():
+    """A recipe the table would call reusing if a check were skipped: context parallelism added to a plain one."""
+    plain = recipes.MegatronRecipe("x", "qwen3", "TP2")
+    assert recipes.stops(plain) == []
+    with_cp = recipes.MegatronRecipe("x", "qwen3", "TP2 CP2", {"context_parallel_size": 2})
+    assert [recipes.setting_of(r) for r in recipes.stops(with_cp)] == ["context_parallel_size=2"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="megatron-core is optional")
+@pytest.mark.parametrize("recipe", recipes.RECIPES, ids=lambda r: r.name)
+def test_the_engine_constructor_stops_each_recipe(recipe):
+    """The engine as verl's worker constructs it (its engine config from the recipe's knobs, the model's type):
+    where a constructor-time setting stands in the way it raises before building anything, naming the first."""
+    from verl.workers.config import EngineRouterReplayConfig
+
+    from verl_prefix.backend.megatron.config import PrefixMcoreEngineConfig
+    from verl_prefix.backend.megatron.engine import PrefixMegatronEngineWithLMHead
+
+    knobs = {k: v for k, v in recipe.engine.items() if k != "router_replay"}
+    replay = EngineRouterReplayConfig(mode=recipe.engine.get("router_replay", "disabled"))
+    config = PrefixMcoreEngineConfig(router_replay=replay, **knobs)
+    model = SimpleNamespace(hf_config=SimpleNamespace(model_type=recipe.model_type), lora=None)
+    constructor = [r for r in recipes.stops(recipe) if "recompute_granularity" not in r and "moe_" not in r]
+    if not constructor:
+        pytest.skip(f"{recipe.name}: nothing stops it at construction (initialisation's checks: the table)")
+    with pytest.raises(ValueError) as raised:
+        PrefixMegatronEngineWithLMHead(model, config)
+    assert recipes.setting_of(str(raised.value)) == recipes.setting_of(constructor[0])
