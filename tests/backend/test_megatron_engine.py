@@ -188,7 +188,6 @@ def test_refusals_name_the_knob():
 
     assert refusal(Config()) is None
     for knob, value in (
-        ("pipeline_model_parallel_size", 2),
         ("virtual_pipeline_model_parallel_size", 2),
         ("context_parallel_size", 2),
     ):

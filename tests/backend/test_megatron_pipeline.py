@@ -1,23 +1,166 @@
-"""``prefix_megatron`` at pipeline parallelism 2 (two stages on two gloo ranks, fp32) with reuse off trains and infers
-as verl's own Megatron engine does: the refusal of PP under reuse tells users to switch reuse off, and that advice
-must run. verl's Megatron engine returns ``{}`` on every stage but the last; the driver passes that through
-(it raised ``KeyError: 'metrics'`` on stage 0). Every parameter's gradient on each stage, the last stage's loss,
-grad norm and log-probs equal verl's engine's on the same batch; the first stage reports nothing, as verl's."""
+"""``prefix_megatron`` at pipeline parallelism 2 (two stages over gloo, fp32) against verl's own Megatron engine at
+the same layout (its own pipelined schedule), on the same batch and weights.
+
+Every stage runs the one schedule on its own layers; its model call receives the previous stage's hidden states and
+hands its own on (``distributed.stages``), dense rows and a peer's lockstep fillers run as pipeline micro-batches.
+Per stage, every parameter's gradient as megatron-core's DDP accumulates it (``main_grad`` after
+``finalize_model_grads``), the last stage's loss and grad norm, the forward-only log-probs; reuse asserted on every
+stage. Cases: one-level, the token trie, a chunked prefix, merged phase B, ``dormant_prefix=recompute``, and
+megatron-core's full recompute. Negative controls: phase C skipped on every stage, phase B's RoPE one position late.
+Layouts: PP=2 on two ranks here; on four ranks in the e2e tier PP=2 x DP=2 (data-parallel rank 1 with dense rows and
+lockstep fillers through the pipeline), PP=2 x TP=2 (``run_qwen3_8b_megatron.sh`` scaled down) and Qwen3-MoE at
+PP=2 x EP=2 with full recompute and offload (``run_qwen3_235b_a22b_megatron.sh`` scaled down; verl's loader turns
+its aux loss off). With reuse off the engine trains as verl's (the refusal of
+virtual stages tells users to do that, and that advice must run: verl's engine returns ``{}`` on every stage but the
+last, which the driver passes through).
+"""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
-from helpers.engine_batches import megatron_train_step, shared_system_batch
-from helpers.ranks import run_two_ranks
+from helpers.engine_batches import (
+    MEGATRON_CASES,
+    compare_steps,
+    inferred,
+    megatron_cases,
+    megatron_train_step,
+    phase_c_skipped,
+    shared_system_batch,
+    suffix_rope_late,
+)
+from helpers.ranks import run_ranks, run_two_ranks
+from helpers.reuse import assert_reuse_ran
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
 
+TOL = 1e-5  # fp32
+TWO = {k: MEGATRON_CASES[k] for k in ("one_level", "tree")}
+# run_qwen3_235b_a22b_megatron.sh scaled down: qwen3_moe at PP=2 x EP=2, megatron-core's full recompute, offload
+MOE_RECIPE = dict(
+    expert_model_parallel_size=2,
+    param_offload=True,
+    optimizer_offload=True,
+    override_transformer_config={
+        "attention_backend": "local",
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+)
+# name -> (ranks, layout, cases, tiny model family)
+LAYOUTS = {
+    "pp2": (2, dict(), MEGATRON_CASES, "qwen3"),
+    "pp2_dp2": (4, dict(), TWO, "qwen3"),
+    "pp2_tp2": (4, dict(tensor_parallel_size=2), TWO, "qwen3"),
+    "pp2_ep2_moe": (4, MOE_RECIPE, TWO, "qwen3_moe"),
+}
+CONTROLS = {"no_phase_c": phase_c_skipped, "rope_late": suffix_rope_late}
 
-def _body(rank: int, model_dir: str) -> dict:
+
+def _reuse_body(rank: int, model_dir: str, name: str) -> dict:
+    import dataclasses
+
+    from megatron.core import parallel_state as mpu
+
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness import verl_engine
+    from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
+
+    world, layout, cases, _ = LAYOUTS[name]
+    loss_fn, _ = ppo_loss(["use_kl_loss=true", "entropy_coeff=0.01", "ppo_micro_batch_size_per_gpu=4"])
+    base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
+    pp = dict(pipeline_model_parallel_size=2, **layout)
+    stock = build_megatron_engine(model_dir, lr=0.0, **pp)
+    prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **pp)
+    data_parallel = stock.get_data_parallel_size() > 1
+    dp_rank = stock.get_data_parallel_rank()
+    batch = shared_system_batch(dp_rank, data_parallel)
+    if layout.get("param_offload"):  # verl's worker context loads on entry and offloads on exit
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(batch, disable_auto_offload=False)
+    out: dict = {
+        "stage": mpu.get_pipeline_model_parallel_rank(),
+        "dp_rank": dp_rank,
+        "last": stock.is_mp_src_rank_with_outputs(),  # where verl's engine reports loss, grad norm, log-probs
+    }
+    out.update(megatron_cases(stock, prefix, loss_fn, batch, base, cases, CONTROLS))
+    if name == "pp2":  # megatron-core's full recompute under pipeline stages (phase B's re-entered in backward)
+        over = {"attention_backend": "local", "recompute_granularity": "full", "recompute_method": "uniform"}
+        recomputing = build_megatron_engine(
+            model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, pipeline_model_parallel_size=2,
+            override_transformer_config={**over, "recompute_num_layers": 1},
+        )  # fmt: skip
+        recomputing.reuse_config = dataclasses.replace(base)
+        want = megatron_train_step(stock, loss_fn, batch)
+        out["full_recompute"] = compare_steps(want, megatron_train_step(recomputing, loss_fn, batch))
+        out["full_recompute"]["infer"] = (
+            inferred(verl_engine.run_infer(stock, batch)),
+            inferred(verl_engine.run_infer(recomputing, batch)),
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp2(tiny_model) -> dict:
+    return run_two_ranks(_reuse_body, str(tiny_model("qwen3")), "pp2", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tiny_model) -> dict:
+    names = ("pp2_dp2", "pp2_tp2", "pp2_ep2_moe")
+    return {n: run_ranks(_reuse_body, str(tiny_model(LAYOUTS[n][3])), n, world=4, timeout=1500) for n in names}
+
+
+def _check(results: dict, name: str, case: str) -> None:
+    for rank, result in results.items():
+        r = result[case]
+        groups = 2 if not result["dp_rank"] else 1
+        assert r["grads"] > 3 and r["worst"] < TOL, (name, rank, case, r["name"], r["worst"])
+        assert_reuse_ran(r["metrics"], groups=groups)  # every stage reports the last stage's outputs
+        if result["last"]:
+            assert r["loss"][1] == pytest.approx(r["loss"][0], rel=TOL, abs=1e-7), (name, rank, case)
+            assert r["grad_norm"][1] == pytest.approx(r["grad_norm"][0], rel=TOL), (name, rank, case)
+            want, got = r["infer"]
+            for key in ("response_log_probs", "response_entropy"):
+                diff = (got[key].values() - want[key].values()).abs().max().item()
+                assert diff < TOL, (name, rank, case, key, diff)
+        if case in ("one_level", "tree"):
+            assert r["no_phase_c"] > 1e-2, (name, rank, case, "skipping phase C passed")
+            assert r["rope_late"] > 1e-3, (name, rank, case, "phase B's RoPE a position late passed")
+
+
+@pytest.mark.parametrize("case", list(MEGATRON_CASES))
+def test_pipeline_stages_reuse_exactly(pp2, case):
+    assert sorted(r["stage"] for r in pp2.values()) == [0, 1]
+    _check(pp2, "pp2", case)
+
+
+def test_pipeline_stages_with_megatron_full_recompute(pp2):
+    for rank, result in pp2.items():
+        r = result["full_recompute"]
+        assert r["worst"] < TOL, (rank, r["name"], r["worst"])
+        assert_reuse_ran(r["metrics"], groups=2)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2", "pp2_ep2_moe"])
+def test_pipeline_stages_with_data_or_tensor_parallelism(four_ranks, name):
+    results = four_ranks[name]
+    assert sorted(r["stage"] for r in results.values()) == [0, 0, 1, 1]
+    for case in LAYOUTS[name][2]:
+        _check(results, name, case)
+    if name != "pp2_tp2":  # data-parallel rank 1's singletons ran dense through the pipeline, its peer filled in
+        for result in results.values():
+            m = result["one_level"]["metrics"]
+            assert m.get("prefix/fallback_short_prefix", 0.0) == (4.0 if result["dp_rank"] else 0.0)
+
+
+def _off_body(rank: int, model_dir: str) -> dict:
     from verl_prefix import PrefixReuseConfig
     from verl_prefix.harness import verl_engine
     from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
@@ -37,7 +180,10 @@ def _body(rank: int, model_dir: str) -> dict:
         log_probs = (infer_got["log_probs"].values() - infer_want["log_probs"].values()).abs().max().item()
     refused = None
     try:
-        build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, pipeline_model_parallel_size=2)
+        build_megatron_engine(
+            model_dir, backend="prefix_megatron", lr=0.0, pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+        )  # fmt: skip
     except ValueError as error:
         refused = str(error)
     return {
@@ -51,13 +197,13 @@ def _body(rank: int, model_dir: str) -> dict:
 
 
 def test_pipeline_stages_with_reuse_off_train_as_verls_engine(tiny_model):
-    results = run_two_ranks(_body, str(tiny_model("qwen3")), timeout=600)
+    results = run_two_ranks(_off_body, str(tiny_model("qwen3")), timeout=600)
     assert [results[r]["last_stage"] for r in (0, 1)] == [False, True]
     for rank, result in results.items():
         count, same_names, worst = result["grads"]
         assert count > 0 and same_names and worst < 1e-6, (rank, result["grads"])
         refused = result["refused"]
-        assert "pipeline_model_parallel_size=2" in refused and "prefix_reuse.enable=false" in refused
+        assert "virtual_pipeline_model_parallel_size=2" in refused and "prefix_reuse.enable=false" in refused
     first, last = results[0], results[1]
     assert first["loss"] == (None, None) and first["log_probs"] is None  # verl's engine: nothing before the last
     assert last["loss"][0] == pytest.approx(last["loss"][1], rel=1e-6, abs=1e-9)

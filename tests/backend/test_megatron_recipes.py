@@ -30,7 +30,23 @@ def test_sixteen_recipes_each_stopped_or_reusing_with_the_settings_named():
     # what this release serves stops no recipe on its own: recompute (without MoE counting) and offload
     plain = recipes.MegatronRecipe("x", "qwen3", "TP2", {}, {"recompute_granularity": "full"}, offload=True)
     assert recipes.stops(plain) == []
-    assert recipes.stops(recipes.MegatronRecipe("x", "qwen3", "TP2", {"pipeline_model_parallel_size": 2}))
+    assert recipes.stops(recipes.MegatronRecipe("x", "qwen3", "TP2", {"virtual_pipeline_model_parallel_size": 2}))
+
+
+# the recipes the table says reuse, and the acceptance test that runs each one's settings, scaled down to four CPU
+# ranks with a tiny model of its family, exactly against verl's engine at the same layout
+ACCEPTED = {
+    "run_qwen3_8b_megatron.sh": "pp2_tp2",  # TP2 PP2, qwen3
+    "run_qwen3_235b_a22b_megatron.sh": "pp2_ep2_moe",  # TP4 PP8 EP4, full recompute, offload, qwen3_moe
+}
+
+
+def test_every_recipe_the_table_calls_reusing_has_its_acceptance_run():
+    from test_megatron_pipeline import LAYOUTS
+
+    reusing = {r.name for r in recipes.RECIPES if not recipes.stops(r)}
+    assert reusing == set(ACCEPTED), reusing
+    assert set(ACCEPTED.values()) <= set(LAYOUTS)
 
 
 def test_negative_control_a_setting_the_engine_refuses_is_reported():
@@ -56,8 +72,13 @@ def test_the_engine_constructor_stops_each_recipe(recipe):
     config = PrefixMcoreEngineConfig(router_replay=replay, **knobs)
     model = SimpleNamespace(hf_config=SimpleNamespace(model_type=recipe.model_type), lora=None)
     constructor = [r for r in recipes.stops(recipe) if "recompute_granularity" not in r and "moe_" not in r]
-    if not constructor:
-        pytest.skip(f"{recipe.name}: nothing stops it at construction (initialisation's checks: the table)")
+    if not constructor:  # what the constructor checks lets it through (initialisation's checks: the table's)
+        from verl_prefix.backend.megatron.config import model_refusal, refusal
+        from verl_prefix.backend.megatron.moe import replay_refusal
+
+        assert refusal(config) is None and replay_refusal(config) is None
+        assert model_refusal(model.hf_config, config) is None
+        return
     with pytest.raises(ValueError) as raised:
         PrefixMegatronEngineWithLMHead(model, config)
     assert recipes.setting_of(str(raised.value)) == recipes.setting_of(constructor[0])

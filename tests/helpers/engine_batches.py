@@ -63,7 +63,7 @@ def titan_phase_c_not_crossing() -> Iterator[None]:
     gradient the next stage sends back for a node's output received (the sends stay matched) and dropped."""
     import torch
 
-    from verl_prefix.backend.titan.pipeline import StageHandoff
+    from verl_prefix.backend.distributed.stages import StageHandoff
 
     roots = StageHandoff.roots
     StageHandoff.roots = lambda self: [(out, torch.zeros_like(grad)) for out, grad in roots(self)]

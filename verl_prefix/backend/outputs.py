@@ -154,7 +154,7 @@ class MiniBatchOutputs:
 
     def replace(self, recorded: tuple[list[dict], list[list[int]]]) -> None:
         """Take another rank's records (``(outputs, order)``): a pipeline stage that computed no loss returns the
-        last stage's (``titan.pipeline.StageLink.share``)."""
+        last stage's (``distributed.stages.StageLink.share``)."""
         self.outputs, self.order = recorded
 
     def finish(

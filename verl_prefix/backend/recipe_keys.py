@@ -253,7 +253,8 @@ KEYS: dict[str, KeyEffect] = {
 ME_ = "tests/backend/test_megatron_engine.py"
 _MEGA_EXACT = f"{ME_}::test_update_and_log_probs_match_verl_megatron_engine"
 _MEGA_REFUSED = f"{ME_}::test_refusals_name_the_knob"
-_MEGA_PP = "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_with_reuse_off_train_as_verls_engine"
+_MEGA_PP = "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_reuse_exactly"
+_MEGA_VPP = "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_with_reuse_off_train_as_verls_engine"
 _MEGA_SELECT = "tests/backend/test_selection.py::test_one_line_builds_the_prefix_engine_for_actor_and_ref"
 _MEGA_MOE = "tests/backend/test_megatron_moe.py::test_aux_loss_update_matches_verl_megatron_engine"
 _MEGA_RECOMPUTE = "tests/backend/test_megatron_recompute.py::test_reuse_under_recompute_matches_verls_engine"
@@ -265,11 +266,13 @@ _MEGA_DIST_CKPT = _fx("no_effect", "verl's checkpoint format and its load path, 
 def _megatron_keys(role: str) -> dict[str, KeyEffect]:
     """The ``megatron`` engine-config keys actor and ref share, as ``prefix_megatron`` treats them."""
     m = f"{role}.megatron"
-    refused_pp = _fx(
-        "refused",
-        "pipeline stages under reuse are not built on megatron-core yet; reuse off trains as verl's engine",
+    served_pp = _fx(
+        "served",
+        "every stage runs the schedule on its own layers, activations and gradients crossing by point-to-point "
+        "sends; MoE aux loss / expert bias under PP refused",
         _MEGA_PP,
     )
+    refused_vpp = _fx("refused", "virtual stages not run under reuse yet; reuse off trains as verl's", _MEGA_VPP)
     return {
         f"{m}._target_": _fx(
             "selector", "the engine config class; the plugin swaps in PrefixMcoreEngineConfig", _MEGA_SELECT
@@ -284,8 +287,8 @@ def _megatron_keys(role: str) -> dict[str, KeyEffect]:
             "served", "EP=2; the aux loss and expert bias counted per row", _MEGA_MOE
         ),
         f"{m}.expert_tensor_parallel_size": _fx("served", "megatron-core's expert TP follows TP by default", _MEGA_MOE),
-        f"{m}.pipeline_model_parallel_size": refused_pp,
-        f"{m}.virtual_pipeline_model_parallel_size": refused_pp,
+        f"{m}.pipeline_model_parallel_size": served_pp,
+        f"{m}.virtual_pipeline_model_parallel_size": refused_vpp,
         f"{m}.context_parallel_size": _fx(
             "refused", "CP's ring exchange of the prefix K/V is not built", _MEGA_REFUSED
         ),
@@ -600,10 +603,11 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             ),
             "prefix_megatron": Cell(
                 "reuses",
-                "TP, DP, EP; refused under PP",
+                "TP, DP, EP, PP",
                 (
                     f"{ME}::test_update_and_log_probs_match_verl_megatron_engine",
                     f"{MM}::test_aux_loss_update_matches_verl_megatron_engine",
+                    "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_reuse_exactly",
                 ),
             ),
         },

@@ -22,6 +22,11 @@ and the logits are cut back; the padding comes after every real token, so causal
 Under megatron-core's router aux loss (``routers``) every call runs with the routers' own aux off: the schedule adds
 it per logical micro-batch (``megatron.moe``).
 
+Under pipeline parallelism the chunk is this rank's stage (``distributed.stages``): a stage after the first takes the
+previous stage's hidden states (``set_input_tensor``) in place of the embedded ids, a stage before the last hands its
+hidden states on instead of returning logits (``scores`` False: the schedule runs no loss there and phase A does not
+exit early); the schedule captures and serves the stage's own layers.
+
 Under megatron-core's activation recompute each call is a ``recompute.schedule_call``: phase A's calls (a capture
 context) keep their graph, phase B's recompute in backward re-enters the call's attention hook, RoPE offset and
 unfused forward (``megatron.recompute``).
@@ -135,22 +140,27 @@ def unfused(model: nn.Module) -> Iterator[None]:
 
 
 class MegatronCausalLM(CausalLMStandIn):
-    """verl's (one-stage) Megatron model chunk behind the HF causal-LM call the schedule makes."""
+    """verl's Megatron model chunk (this rank's pipeline stage of it, with ``link``) behind the HF causal-LM call the
+    schedule makes."""
 
     engine = "prefix_megatron"
 
-    def __init__(self, chunk: nn.Module, hf_config: Any, sequence_multiple: int = 1) -> None:
+    def __init__(self, chunk: nn.Module, hf_config: Any, sequence_multiple: int = 1, link: Any = None) -> None:
         super().__init__(hf_config)
         self.chunk = chunk
         self.sequence_multiple = sequence_multiple
         gpt = unwrapped(chunk)
         self.gpt = gpt
         self.hooks = CoreAttentionHooks(gpt)
+        self.link = link  # distributed.stages.StageLink under pipeline parallelism, else None
+        self.scores = link is None or link.is_last
+        if link is not None:  # the layers the schedule captures and serves are this stage's own
+            self.config.get_text_config().num_hidden_layers = self.hooks.num_layers
         self.rotary = RotaryOffset(gpt)
         self.routers: McoreRouters | None = None  # the MoE routers under the aux loss (``megatron.moe``)
         self.counts: ExpertCounts | None = None  # expert-biased routers' load counts (``megatron.moe``)
 
-    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> Any:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         length = input_ids.shape[1]
@@ -175,6 +185,11 @@ class MegatronCausalLM(CausalLMStandIn):
             return stack
 
         keep_graph = isinstance(prefix_ctx, CaptureContext)  # phase A: its K/V's graph is phase C's
+        link = self.link
+        if link is not None and not link.is_first:  # the previous stage's output, its gradient sent back
+            self.gpt.set_input_tensor(link.receive(torch.is_grad_enabled()))
         with call_state(), schedule_call(keep_graph, call_state), own_aux, counts:
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
+        if not self.scores:  # a stage before the last: its hidden states go on, the next stage scores the rows
+            return link.hand_off(logits)
         return gather_from_tensor_model_parallel_region(logits[:, :length] if padded else logits)

@@ -52,12 +52,11 @@ def reuse_of(config: Any) -> PrefixReuseConfig:
 
 # knob -> (value the schedule is built for, why anything else is refused)
 _SERVED_VALUES: dict[str, tuple[Any, str]] = {
-    "pipeline_model_parallel_size": (
-        1,
-        "phases A/B/C would cross pipeline stages (each stage's prefix graph waiting for the next stage's phase C); "
-        "not built on megatron-core's schedules yet",
+    "virtual_pipeline_model_parallel_size": (
+        None,
+        "virtual pipeline stages (several model chunks per rank, interleaved) are not run under reuse yet; pipeline "
+        "stages without them are",
     ),
-    "virtual_pipeline_model_parallel_size": (None, "virtual pipeline stages: see pipeline_model_parallel_size"),
     "context_parallel_size": (
         1,
         "context parallelism shards every sequence over ranks; phase B's prefix leaves would need its ring "

@@ -13,8 +13,12 @@ its own loop: every backward is plain ``backward`` on the micro-batch's loss (me
 as its ``backward_step`` applies it) inside the model's ``no_sync``, and ``finalize_model_grads`` runs once at the
 end of the mini-batch (``before_finish``). verl's loss sees the same normalisation as in its own engine; rows that
 cannot reuse run through verl's ``forward_step`` one chunk at a time (``run_dense``), counted under
-``prefix/fallback_<reason>``. What the schedule is not built for (pipeline and context parallelism, MoE, other
-attention) is refused when the engine is built (``megatron.config``).
+``prefix/fallback_<reason>``. Under pipeline parallelism every stage runs the schedule on its own layers and the
+stage's model call crosses the stages (``distributed.stages``); its dense rows and fillers run as pipeline
+micro-batches. Under megatron-core's activation recompute phase A keeps its graph and phase B's recompute re-enters
+the call (``megatron.recompute``). What the schedule is not built for (virtual pipeline stages, context parallelism,
+MoE routing that depends on a call's tokens, other attention) is refused when the engine is built (``megatron.config``)
+or initialised.
 """
 
 from __future__ import annotations
@@ -30,9 +34,17 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
+from verl_prefix.backend.distributed.stages import StageLink, StageStep, batch_fingerprint, run_micro_batches
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
-from verl_prefix.backend.megatron.config import built_model_refusal, lora_refusal, model_refusal, refusal, reuse_of
+from verl_prefix.backend.megatron.config import (
+    MEGATRON_REUSE_OFF,
+    built_model_refusal,
+    lora_refusal,
+    model_refusal,
+    refusal,
+    reuse_of,
+)
 from verl_prefix.backend.megatron.moe import (
     ExpertCounts,
     McoreRouters,
@@ -73,6 +85,7 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         self.routers: McoreRouters | None = None  # megatron-core's MoE routers, under the aux loss
         self.expert_counts: ExpertCounts | None = None  # expert-biased routers' load counts
         self.aux_micro_batches = 1  # the mini-batch's logical micro-batches on this rank (the aux's 1/N)
+        self.link: StageLink | None = None  # pipeline stages under reuse (``distributed.stages``)
         super().__init__(model_config, engine_config, *args, **kwargs)
         if self.reuse_config.enable and self.dormant_prefix == "offload":
             refuse_offload_on(self.device())
@@ -91,7 +104,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             install_recompute()  # megatron-core's recompute under the schedule's calls (``megatron.recompute``)
         # sequence parallelism splits every sequence over the TP ranks: the schedule's calls pad to a multiple
         multiple = self.engine_config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
-        self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple)
+        link = self._stage_link()
+        self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple, link)
         if self.engine_config.use_fused_kernels:  # still on after verl's own checks (remove padding, no MTP)
             logger.warning(
                 "prefix_megatron with use_fused_kernels=true: reused rows take their log-probs from the logits "
@@ -107,6 +121,21 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         reason = recompute_refusal(config, moe_counted=self.routers is not None or self.expert_counts is not None)
         if reason is not None:
             raise ValueError(reason)
+        if link is not None and (self.routers is not None or self.expert_counts is not None):
+            raise ValueError(
+                "prefix_megatron: the MoE router aux loss or expert bias under pipeline stages is not run under reuse "
+                "yet (each stage would count its own layers' routing); set actor_rollout_ref.actor.megatron."
+                f"pipeline_model_parallel_size=1, turn the aux loss / expert bias off, or {MEGATRON_REUSE_OFF}"
+            )
+
+    def _stage_link(self) -> StageLink | None:
+        """This rank's link to its neighbouring pipeline stages (megatron-core's pipeline group), or None."""
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_pipeline_model_parallel_world_size() == 1:
+            return None
+        self.link = StageLink.of_group(mpu.get_pipeline_model_parallel_group(), self.device())
+        return self.link
 
     # -- the driver's hooks ---------------------------------------------------------------------------
 
@@ -176,7 +205,43 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
     def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
         if not run.forward_only:
             self._finalize_grads()
+        if self.link is not None:  # the last stage scored the rows: every stage returns its outputs
+            run.outputs.replace(self.link.share((run.outputs.outputs, run.outputs.order)))
         super().before_finish(run, metrics)
+
+    # -- pipeline stages: each runs the schedule on its own layers, the sends matched (``distributed.stages``) --
+
+    def before_mini_batch(self, data: Any) -> None:
+        super().before_mini_batch(data)
+        if self.link is not None:
+            self.link.check_same(batch_fingerprint(data), "rows (token ids hashed)")
+
+    def run_group(self, run: MiniBatchRun, slot: int, group: Any) -> None:
+        super().run_group(run, slot, group)
+        self._flush()
+
+    def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
+        super().run_filler_group(run, slot)
+        self._flush()
+
+    def run_tree(self, run: MiniBatchRun) -> None:
+        super().run_tree(run)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.link is not None:
+            self.link.flush()
+
+    def _stage_forward(self, call: Any) -> Any:
+        """A pipeline micro-batch's forward on this stage: ``call()`` on the previous stage's output (set as the
+        chunk's input tensor on a stage after the first)."""
+
+        def forward(inputs: torch.Tensor | None) -> torch.Tensor:
+            if self.link is not None and not self.link.is_first:
+                self.causal_lm.gpt.set_input_tensor(inputs)
+            return call()
+
+        return forward
 
     def _finalize_grads(self) -> None:
         """The data-parallel gradient reduction megatron-core's schedule runs after its last micro-batch."""
@@ -190,7 +255,11 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
 
     def run_dense(self, run: MiniBatchRun, rows: list[int]) -> None:
         """One chunk of dense rows through verl's ``forward_step`` and its postprocessing (the loss unscaled:
-        a chunk is one micro-batch here), backpropagated at once, recorded."""
+        a chunk is one micro-batch here), backpropagated at once, recorded; under pipeline stages as one pipeline
+        micro-batch (``_pipelined_dense``)."""
+        if self.link is not None:
+            self._pipelined_dense(run, rows)
+            return
         micro = tu.index_select_tensor_dict(run.data, rows)
         tu.assign_non_tensor(micro, num_micro_batch=1)
         post = functools.partial(
@@ -211,6 +280,44 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             value = torch.tensor((aux_tracked() - before) / self.aux_micro_batches)
             metrics["moe_aux_loss"] = Metric(value=value, aggregation=AggregationType.SUM)
         run.record(rows, meta.get("model_output", {}), meta["loss"], metrics)
+
+    def _pipelined_dense(self, run: MiniBatchRun, rows: list[int]) -> None:
+        """A chunk of dense rows as one pipeline micro-batch: verl's ``forward_step`` on every stage (its packed
+        inputs on the first, the previous stage's hidden states after it), its loss on the last."""
+        micro = tu.index_select_tensor_dict(run.data, rows)
+        tu.assign_non_tensor(micro, num_micro_batch=1)
+        post = functools.partial(
+            self.postprocess_micro_batch_func, forward_only=run.forward_only, loss_function=run.loss_function
+        )
+        held: dict = {}
+
+        def call() -> torch.Tensor:
+            output, held["loss_func"] = self.forward_step(
+                iter([micro]), model=self.module[0], logits_processor_func=run.loss_function,
+                postprocess_micro_batch_func=post,
+            )  # fmt: skip
+            return output
+
+        def score(output: Any) -> torch.Tensor | None:
+            loss, meta = held["loss_func"](output)
+            run.record(rows, meta.get("model_output", {}), meta["loss"], dict(meta["metrics"]))
+            return None if run.forward_only else self._loss_scale(loss)
+
+        step = StageStep(torch.empty(0), self._stage_forward(call), score)
+        run_micro_batches(self.link, [step], backward=not run.forward_only)
+
+    def run_dense_filler(self, run: MiniBatchRun) -> None:
+        """Under pipeline stages a peer's dense chunk is matched by a zero-loss pipeline micro-batch."""
+        if self.link is None:
+            super().run_dense_filler(run)
+            return
+        step = StageStep(
+            torch.empty(0),
+            self._stage_forward(lambda: self.filler_logits(run)),
+            lambda output: None if run.forward_only else output.sum() * 0.0,
+        )
+        with torch.no_grad() if run.forward_only else nullcontext():
+            run_micro_batches(self.link, [step], backward=not run.forward_only)
 
     def filler_logits(self, run: MiniBatchRun) -> torch.Tensor:
         """The routers' own aux off and expert loads uncounted: a filler routes nothing that counts."""

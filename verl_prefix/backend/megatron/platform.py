@@ -88,7 +88,9 @@ PATCHES: dict[str, str] = {
     "the flag is what was passed.",
     "local_attention": "without TransformerEngine the layers use megatron-core's local DotProductAttention, which "
     "refuses THD (packed_seq_params) and wants a [b, 1, sq, sk] True=masked mask; verl passes THD cu_seqlens "
-    "(use_remove_padding) or a [b, s] True=valid mask: both become a dense causal-per-sequence mask. MLA builds it "
+    "(use_remove_padding) or a [b, s] True=valid mask: both become a dense causal-per-sequence mask; no mask becomes "
+    "megatron-core's default causal one built on the query's device (megatron-core builds it on 'cuda', which a "
+    "recompute in backward, outside the device mode, cannot). MLA builds it "
     "with k_channels / v_channels (TE's signature), which the local one lacks: accepted, its keys and values one "
     "per head, as MLA expands them, and its context as wide as the values it is given (MLA's v_head_dim, or the "
     "query's where verl's MLA patch pads them); its matmuls already follow the tensors' widths and MLA passes its own "
@@ -457,6 +459,9 @@ def patch_local_attention() -> None:
             return out.squeeze(1)
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = padded_causal_mask(attention_mask)
+        if attention_mask is None and query.size(0) > 1:  # megatron-core's default causal mask, on this device
+            sq, sk = query.size(0), key.size(0)
+            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1).view(1, 1, sq, sk)
         return stock(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
     stock_init = DotProductAttention.__init__

@@ -14,7 +14,7 @@ MoE flavors: torchtitan's expert-load counts take the schedule's routing weights
 every sequence is padded at the end to a multiple of TP (``titan.sequence``): the schedule's attention sees the
 real positions only, the padding's counts weigh zero, its logits are cut off.
 
-Under pipeline parallelism the model is this rank's stage (``titan.pipeline``): a stage after the first takes
+Under pipeline parallelism the model is this rank's stage (``distributed.stages``): a stage after the first takes
 the previous stage's output in place of the token ids, a stage before the last hands its output on instead of
 returning logits (``scores`` False; the config's ``num_hidden_layers`` is the stage's, the layers the schedule
 captures and serves).
@@ -57,7 +57,7 @@ class TitanCausalLM(CausalLMStandIn):
         self.hooks = hooks
         self.counts = counts if counts else None
         self.sequence_multiple = sequence_multiple
-        self.link = link  # titan.pipeline.StageLink: None or one stage, the whole model
+        self.link = link  # distributed.stages.StageLink: None or one stage, the whole model
         self.scores = link is None or link.is_last
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, prefix_ctx: Any) -> Any:

@@ -148,7 +148,7 @@ def refusal(config: Any) -> str | None:
 
     ``spmd_backend: default`` is torchtitan 0.3.0's ``partial_dtensor`` (``titan.platform``). Reuse switched off refuses
     nothing but pipeline combinations (``pipeline_refusal``): the engine is then verl's own TorchTitan engine, with
-    its passes pipelined by ``titan.pipeline`` under PP.
+    its passes pipelined by ``distributed.stages`` under PP.
     """
     reuse = getattr(config, "prefix_reuse", None)
     if isinstance(reuse, Mapping):  # from YAML without a _target_

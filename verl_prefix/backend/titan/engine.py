@@ -23,7 +23,7 @@ so the tree, a chunked prefix, merged phase-B attention and the dormant policies
 included (torchtitan's expert-load counts take the schedule's routing weights, ``ScheduleOptions.count_routing``:
 the prefix once per row below it, each row's last token routed). Under pipeline parallelism each rank holds one
 stage of the model and runs the same schedule on it; its model call crosses the stages by point-to-point sends
-(``titan.pipeline``), and dense rows run as pipeline micro-batches (verl's own engine has no pipelined step).
+(``distributed.stages``), and dense rows run as pipeline micro-batches (verl's own engine has no pipelined step).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from verl.workers.engine.utils import prepare_micro_batches
 
 from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.distributed.collectives import is_distributed
+from verl_prefix.backend.distributed.stages import StageLink, StageStep, batch_fingerprint, run_micro_batches
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.outputs import MiniBatchOutputs
 from verl_prefix.backend.titan import platform as titan_platform
@@ -52,7 +53,6 @@ from verl_prefix.backend.titan.causal_lm import TitanCausalLM
 from verl_prefix.backend.titan.config import model_refusal, refusal
 from verl_prefix.backend.titan.flavor import check_flavor
 from verl_prefix.backend.titan.moe import ExpertCounts
-from verl_prefix.backend.titan.pipeline import StageLink, StageStep, batch_fingerprint, run_micro_batches
 from verl_prefix.backend.titan.sequence import padded_length, sequence_multiple
 from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.grouping import GroupPlan
@@ -169,7 +169,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         """MoE flavors route every row's last response token, as dense does (the expert-load counts)."""
         return bool(self.expert_counts)
 
-    # -- pipeline stages: each runs the schedule on its own part, the sends matched (``titan.pipeline``) -------
+    # -- pipeline stages: each runs the schedule on its own part, the sends matched (``distributed.stages``) -------
 
     def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
         super().run_group(run, slot, group)

@@ -1,12 +1,12 @@
-"""torchtitan's pipeline stages under the one schedule: one rank holds one stage (a model part torchtitan split
-off: ``tok_embeddings`` and the first layers, then more layers, the last one ending with ``norm`` and
-``lm_head``), and activations and their gradients cross stages by point-to-point sends over the ``pp`` mesh.
+"""Pipeline stages under the one schedule, for every engine that splits its model into stages (``prefix_torchtitan``,
+``prefix_megatron``): one rank holds one stage (the embeddings and the first layers, then more layers, the last one
+ending with the norm and the LM head), and activations and their gradients cross stages by point-to-point sends over
+the engine's pipeline process group.
 
-verl 0.9.1's TorchTitan engine has no pipelined forward step, and torchtitan's pipeline schedules run whole
-micro-batches forward and backward with a loss of their own; neither knows phase A's prefix, which is one
-forward with no backward of its own, or phase C's backward, which starts inside every stage at once. So every
-stage runs the one schedule (``schedule.executor`` / ``schedule.tree.schedule``) on its own model part, and the
-stage's model call (``titan.causal_lm``) does the crossing (``docs/design.md``, "Pipeline parallelism"):
+Neither engine's pipelined schedule knows phase A's prefix, which is one forward with no backward of its own, or
+phase C's backward, which starts inside every stage at once. So every stage runs the one schedule
+(``schedule.executor`` / ``schedule.tree.schedule``) on its own model part, and the stage's model call (the engine's
+``causal_lm``) does the crossing (``docs/design.md``, "Pipeline parallelism"):
 
 - a call's input on a stage after the first is the previous stage's output (``StageLink.receive``), a leaf whose
   gradient goes back to that stage as soon as a backward computes it;
@@ -16,8 +16,9 @@ stage's model call (``titan.causal_lm``) does the crossing (``docs/design.md``, 
   seeded backward of a node takes its phase-A output with the next stage's gradient as one more root. Every
   stage runs the same steps in the same order (``check_same``), so each receive matches a send.
 
-Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer that waits on it. Dense rows run
-as pipeline micro-batches (``run_micro_batches``: verl's own inputs and loss on the last stage).
+Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer that waits on it. Dense rows, and a
+data-parallel peer's lockstep fillers, run as pipeline micro-batches (``run_micro_batches``: the engine's own inputs
+and loss on the last stage).
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ class StageLink:
         group = mesh.get_group()
         return cls(mesh.get_local_rank(), mesh.size(), group, dist.get_process_group_ranks(group), device)
 
+    @classmethod
+    def of_group(cls, group: Any, device: torch.device) -> StageLink:
+        """The link over a pipeline process group (megatron-core's; None or one rank: one stage, no pipeline)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return cls(device=device)
+        ranks = dist.get_process_group_ranks(group)
+        return cls(ranks.index(dist.get_rank()), len(ranks), group, ranks, device)
+
     @property
     def is_first(self) -> bool:
         return self.stage == 0
@@ -87,9 +96,7 @@ class StageLink:
     def send_activation(self, tensor: torch.Tensor) -> None:
         """To the next stage, behind a header with its shape and dtype (the receiver allocates from it)."""
         if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-            raise ValueError(
-                f"prefix_torchtitan: cannot send a {tensor.dtype} activation of shape {tuple(tensor.shape)}"
-            )
+            raise ValueError(f"pipeline stages: cannot send a {tensor.dtype} activation of shape {tuple(tensor.shape)}")
         header = torch.zeros(_HEADER, dtype=torch.long, device=self.device)
         header[0] = tensor.dim()
         header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
@@ -187,7 +194,7 @@ class StageLink:
         values: list = [None] * self.num_stages
         dist.all_gather_object(values, value, group=self.group)
         if any(v != values[0] for v in values):
-            raise ValueError(f"prefix_torchtitan: the pipeline stages hold different {what}: {values}")
+            raise ValueError(f"the pipeline stages hold different {what}: {values}")
 
     def share(self, payload: Any) -> Any:
         """The last stage's ``payload`` on every stage (verl reads outputs from the last stage; tests and the
