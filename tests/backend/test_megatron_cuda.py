@@ -7,7 +7,8 @@ negative control (phase C skipped) required to be far off it. ``bench/gpu_check.
 reference of the same computation (the padding sequence parallelism needs, at fp32) is
 ``test_megatron_engine.py::test_calls_padded_for_sequence_parallelism_are_exact``.
 
-Also on two GPUs: a tiny Qwen3-MoE at EP=2 with megatron-core's aux loss and expert bias (sigmoid scores),
+Also on two GPUs: pipeline stages (PP=2) with megatron-core's full recompute and verl's offload, selective recompute
+under sequence parallelism, a tiny Qwen3-MoE at EP=2 with megatron-core's aux loss and expert bias (sigmoid scores),
 TransformerEngine's grouped experts where installed (CPU reference: ``test_megatron_moe.py``), the same MoE at TP=2
 with sequence parallelism and verl's default routing (no load-balancing loss), DeepSeek-V3's MLA at TP=2 with
 sequence parallelism (CPU reference: ``test_megatron_mla.py``), and verl's fused kernels on (its Triton linear
@@ -48,6 +49,15 @@ LAYOUTS = {
         "deepseek_v3", SP, {"moe_router_enable_expert_bias": False},
         {"first_k_dense_replace": 2, "q_lora_rank": 16},
     ),
+    # pipeline stages with megatron-core's full recompute and verl's offload (CPU reference: test_megatron_pipeline.py,
+    # test_megatron_recompute.py, test_megatron_offload.py), and selective recompute under sequence parallelism
+    "pp2_recompute_offload": (
+        "qwen3", dict(pipeline_model_parallel_size=2, param_offload=True, optimizer_offload=True),
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, None,
+    ),
+    "tp2_sp_selective_recompute": (
+        "qwen3", SP, {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}, None,
+    ),
 }  # fmt: skip
 
 
@@ -65,7 +75,11 @@ def _body(rank: int, model_dir: str, name: str) -> dict:
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=reuse, **gpu)
     if settings.get("sequence_parallel"):
         assert prefix.causal_lm.sequence_multiple == 2  # sequence parallelism: the schedule pads its calls
-    batch = shared_system_batch(stock.get_data_parallel_rank(), data_parallel="tensor_parallel_size" not in settings)
+    batch = shared_system_batch(stock.get_data_parallel_rank(), data_parallel=stock.get_data_parallel_size() > 1)
+    if settings.get("param_offload"):  # verl's worker context loads on entry and offloads on exit
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(batch, disable_auto_offload=False)
     want = megatron_train_step(stock, loss_fn, batch)
     out = {"reuse": compare_steps(want, megatron_train_step(prefix, loss_fn, batch))}
     with phase_c_skipped():
@@ -84,5 +98,9 @@ def test_bf16_on_two_gpus_matches_verl_megatron_engine(tmp_path, name):
         r = result["reuse"]
         assert r["worst"] < BF16_TOL, (rank, r["name"], r["worst"])
         assert result["no_phase_c"] > 2 * r["worst"], (rank, result["no_phase_c"], r["worst"])
-        groups = 2 if "tensor_parallel_size" in settings or rank == 0 else 1
+        groups = (
+            1
+            if "tensor_parallel_size" not in settings and "pipeline_model_parallel_size" not in settings and rank
+            else 2
+        )
         assert_reuse_ran(r["metrics"], groups=groups)
