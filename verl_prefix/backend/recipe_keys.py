@@ -711,7 +711,13 @@ README_BEGIN, README_END = "<!-- compatibility:begin -->", "<!-- compatibility:e
 
 def with_readme_block(readme: str) -> str:
     """``readme`` with ``readme_block()`` between its compatibility markers; ValueError without them."""
-    start, end = readme.find(README_BEGIN), readme.find(README_END)
-    if start < 0 or end < start:
-        raise ValueError(f"the README has no {README_BEGIN} ... {README_END} block")
-    return readme[: start + len(README_BEGIN)] + "\n" + readme_block() + "\n" + readme[end:]
+    return between_markers(readme, README_BEGIN, README_END, readme_block(), "the README")
+
+
+def between_markers(page: str, begin: str, end: str, block: str, what: str = "the page") -> str:
+    """``page`` with ``block`` between its ``begin`` and ``end`` markers (a generated table); ValueError without
+    them."""
+    start, stop = page.find(begin), page.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"{what} has no {begin} ... {end} block")
+    return page[: start + len(begin)] + "\n" + block + "\n" + page[stop:]

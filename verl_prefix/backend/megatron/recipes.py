@@ -22,6 +22,7 @@ from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.megatron.config import model_refusal, refusal
 from verl_prefix.backend.megatron.moe import replay_refusal, router_refusal
 from verl_prefix.backend.megatron.recompute import recompute_refusal
+from verl_prefix.backend.recipe_keys import between_markers
 
 # the engine-config knobs ``config.refusal`` reads, each checked on its own
 _ENGINE_KNOBS = (
@@ -170,10 +171,7 @@ BEGIN, END = "<!-- megatron-recipes:begin -->", "<!-- megatron-recipes:end -->"
 
 def with_table(page: str) -> str:
     """``page`` with ``render()`` between its recipe markers; ValueError without them."""
-    start, end = page.find(BEGIN), page.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the page has no {BEGIN} ... {END} block")
-    return page[: start + len(BEGIN)] + "\n" + render() + "\n" + page[end:]
+    return between_markers(page, BEGIN, END, render())
 
 
 def render() -> str:
