@@ -104,17 +104,30 @@ def test_phase_a_stops_before_the_shared_layers(models):
     assert kv.interrupted is model.model.layers[1].self_attn
 
 
+def _fp64(grads: dict) -> dict:
+    return {name: grad.double() for name, grad in grads.items()}
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_gemma4_matches_dense(models, dtype):
+    """In fp64 against the dense path; in fp32 against the fp64 dense reference (the same weights), within the fp32
+    dense path's own error against it (x3) or the fp32 tolerance, whichever is larger: gemma-4's per-layer inputs and
+    norms leave the fp32 dense path itself about 1e-5 off fp64 (measured 9.6e-6), so reuse vs dense in fp32 compares
+    two roundings of that size."""
     model = models(dtype)
     layout = make_layout(GROUPS)
     weights = token_weights(layout, dtype)
     with promote_fp32_upcasts():
         want = dense_grads(model, layout, weights)
+        bound = TOLERANCE[dtype]
+        if dtype == torch.float32:
+            reference = dense_grads(models(torch.float64), layout, token_weights(layout, torch.float64))
+            bound = max(bound, 3 * worst_relative(_fp64(want), reference))
+            want = reference
         for attention in ("auto", "merged", "concat"):
             meter = PhaseMeter(CPU)
             got = run(model, layout, weights, rows=3, attention=attention, meter=meter)
-            assert worst_relative(got, want) < TOLERANCE[dtype], attention
+            assert worst_relative(_fp64(got), want) < bound, attention
             ran = "concat" if attention == "concat" else "merged"
             assert meter.counts[f"prefix/phase_b_attention/{ran}"] == 3, (attention, meter.counts)
 

@@ -313,8 +313,8 @@ def test_gpu_megatron_recipe(tmp_path, tiny_qwen3_dir):
         overrides = SimpleNamespace(**engine.override_transformer_config)  # what the recipe sets of the built config
         assert built_model_refusal(overrides, model) is None, role
     # the control: an override the engine refuses is seen by the same check
-    offload = _compose([*launch, "actor_rollout_ref.actor.megatron.param_offload=true"])
-    assert "param_offload=True is refused" in refusal(omega_conf_to_dataclass(offload.actor_rollout_ref.actor.megatron))
+    cp = _compose([*launch, "actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+    assert "context_parallel_size=2 is refused" in refusal(omega_conf_to_dataclass(cp.actor_rollout_ref.actor.megatron))
     qwen3_8b = Qwen3Config(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8)
     assert model_refusal(qwen3_8b, actor.engine) is None
     assert qwen3_8b.num_key_value_heads % actor.engine.tensor_model_parallel_size == 0  # megatron-core's TP split
