@@ -7,7 +7,8 @@ Per stage, every parameter's gradient as megatron-core's DDP accumulates it (``m
 ``finalize_model_grads``), the last stage's loss and grad norm, the forward-only log-probs; reuse asserted on every
 stage. Cases: one-level, the token trie, a chunked prefix, merged phase B, ``dormant_prefix=recompute``, and
 megatron-core's full recompute. Negative controls: phase C skipped on every stage, phase B's RoPE one position late.
-Layouts: PP=2 on two ranks here; on four ranks in the e2e tier PP=2 x DP=2 (data-parallel rank 1 with dense rows and
+Layouts: PP=2 on two ranks; on four ranks (about a minute each, kept out of the e2e tier, whose ``main_ppo`` launches
+would share the host's memory with them) PP=2 x DP=2 (data-parallel rank 1 with dense rows and
 lockstep fillers through the pipeline), PP=2 x TP=2 (``run_qwen3_8b_megatron.sh`` scaled down) and Qwen3-MoE at
 PP=2 x EP=2 with full recompute and offload (``run_qwen3_235b_a22b_megatron.sh`` scaled down; verl's loader turns
 its aux loss off). With reuse off the engine trains as verl's (the refusal of
@@ -147,7 +148,6 @@ def test_pipeline_stages_with_megatron_full_recompute(pp2):
         assert_reuse_ran(r["metrics"], groups=2)
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2", "pp2_ep2_moe"])
 def test_pipeline_stages_with_data_or_tensor_parallelism(four_ranks, name):
     results = four_ranks[name]
