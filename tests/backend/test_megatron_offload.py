@@ -64,8 +64,19 @@ def _body(rank: int, model_dir: str) -> dict:
         ),
     }
     released_at_init = {name: offloaded(engine) for name, engine in runs.items()}
+    # a forward-only engine (the reference policy's) with offload on: its chunks hold their own parameters, which
+    # the host keeps in place; its log-probs stay the stock engine's over passes
+    reference = build_megatron_engine(
+        model_dir, backend="prefix_megatron", prefix_reuse=reuse, forward_only=True, **layout, **OFFLOAD
+    )
+    from verl_prefix.harness import verl_engine
+
+    ref_passes = [verl_engine.run_infer(reference, batch)["response_log_probs"] for _ in range(2)]
+    plain = build_megatron_engine(model_dir, forward_only=True, **layout)  # verl's, no offload
+    want_ref = verl_engine.run_infer(plain, batch)["response_log_probs"]
     steps = {name: _steps(engine, loss_fn, batch) for name, engine in runs.items()}
     out: dict = {"released_at_init": released_at_init}
+    out["reference"] = max((got.values() - want_ref.values()).abs().max().item() for got in ref_passes)
     for name in ("stock_offload", "prefix_offload"):
         out[name] = []
         for want, got in zip(steps["stock"], steps[name]):
@@ -87,6 +98,11 @@ def test_offload_releases_the_buffers_between_passes(ranks):
         assert result["released_at_init"] == {"stock": False, "stock_offload": True, "prefix_offload": True}, rank
         for name in ("stock_offload", "prefix_offload"):
             assert all(step["released"] for step in result[name]), (rank, name)
+
+
+def test_forward_only_engine_with_offload_keeps_its_parameters(ranks):
+    for rank, result in ranks.items():
+        assert result["reference"] < TOL, rank
 
 
 def test_verls_engine_with_offload_is_itself_on_cpu(ranks):

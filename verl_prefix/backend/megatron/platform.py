@@ -68,7 +68,9 @@ PATCHES: dict[str, str] = {
     "verl's own load_megatron_model_to_gpu / offload_megatron_model_to_cpu and optimizer functions a GPU run makes, "
     "so the parameter and gradient buffers really are released to zero storage between passes and restored from "
     "their host copies); a call outside it offloads loaded parameters and loads offloaded ones. Their pinned host "
-    "copies are plain ones (the cuda_as_cpu_mode drops pin_memory).",
+    "copies are plain ones (the cuda_as_cpu_mode drops pin_memory). Only the trained chunks (megatron-core's DDP, "
+    "with buffers) move: a forward-only engine's chunks (the reference policy) hold their parameters themselves, and "
+    "verl's offload of such a chunk on the host would free the very storage its copy shares.",
     "cuda_synchronize": "megatron-core's distributed checkpointing (verl's save_checkpoint) calls "
     "torch.cuda.synchronize() before it writes, which raises without CUDA: a no-op (CPU work is synchronous).",
     "cuda_as_cpu_mode": "megatron-core writes device='cuda' literally (optimizer, clip_grads, DDP buffers, schedules) "
@@ -776,12 +778,20 @@ def run_methods_in_mode(cls: type) -> type:
 _DIRECTION = threading.local()  # "load" / "offload" while verl's engine context enters / leaves
 
 
+def ddp_chunks(engine: Any) -> list[Any]:
+    """The engine's model chunks under megatron-core's DDP (the trained ones, with parameter and gradient buffers);
+    a forward-only engine's chunks (the reference policy) have none."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return [chunk for chunk in engine.module if isinstance(chunk, DistributedDataParallel)]
+
+
 def offloaded(engine: Any) -> bool:
     """Whether the engine's parameter buffers are released (verl's offload resizes their storage to zero)."""
     return any(
         buffer.param_data.storage().size() == 0
-        for chunk in engine.module
-        for buffers in (getattr(chunk, "buffers", ()), getattr(chunk, "expert_parallel_buffers", ()))
+        for chunk in ddp_chunks(engine)
+        for buffers in (chunk.buffers, chunk.expert_parallel_buffers)
         for buffer in buffers
     )
 
@@ -811,17 +821,23 @@ def patch_offload(impl: types.ModuleType) -> None:
     def to(self: Any, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         BaseEngine.to(self, device=device, model=model, optimizer=optimizer, grad=grad)
         assert device == "cpu", f"prefix_megatron's CPU platform: device {device!r} on a host without CUDA"
+        optimizer = optimizer and self.optimizer is not None
+        # a forward-only engine's chunks hold their parameters themselves: on the host there is nowhere to move them
+        # (verl's offload of such a chunk would free the storage its "host copy" shares)
+        chunks = ddp_chunks(self) if model else []
+        if not chunks and not optimizer:
+            return
         direction = getattr(_DIRECTION, "value", None) or ("load" if offloaded(self) else "offload")
         with cuda_as_cpu():
             if direction == "load":
-                if model:
-                    impl.load_megatron_model_to_gpu(self.module, load_grad=grad)
-                if optimizer and self.optimizer is not None:
+                if chunks:
+                    impl.load_megatron_model_to_gpu(chunks, load_grad=grad)
+                if optimizer:
                     impl.load_megatron_optimizer(self.optimizer)
             else:
-                if model:
-                    impl.offload_megatron_model_to_cpu(self.module)
-                if optimizer and self.optimizer is not None:
+                if chunks:
+                    impl.offload_megatron_model_to_cpu(chunks)
+                if optimizer:
                     impl.offload_megatron_optimizer(self.optimizer)
 
     setattr(to, _MARK + "_offload", True)
