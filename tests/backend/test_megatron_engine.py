@@ -12,7 +12,6 @@ One prefix engine per layout, its knobs switched between steps (lr 0: every step
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -26,12 +25,11 @@ from helpers.engine_batches import (
     shared_system_batch,
     suffix_rope_late,
 )
+from helpers.megatron_stack import require_megatron_stack
 from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
-pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
-if importlib.util.find_spec("megatron.bridge") is None:
-    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+require_megatron_stack()
 
 TOL = 1e-5  # fp32
 BUDGET = 40  # verl's max_token_len_per_gpu under dynamic batch size: two suffix rows of a 12-token prompt

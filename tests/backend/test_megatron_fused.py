@@ -9,16 +9,13 @@ verl's fused forward is refused loudly (it returns no logits), not trained on.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from helpers.engine_batches import MEGATRON_CASES, megatron_cases, phase_c_skipped, shared_system_batch
+from helpers.megatron_stack import require_megatron_stack
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
-pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
-if importlib.util.find_spec("megatron.bridge") is None:
-    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+require_megatron_stack()
 
 TOL = 1e-5  # fp32
 CASES = {name: MEGATRON_CASES[name] for name in ("one_level", "tree")}

@@ -11,8 +11,6 @@ controls: phase C skipped, phase B's RoPE one position late.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from helpers.engine_batches import (
     MEGATRON_CASES,
@@ -21,12 +19,11 @@ from helpers.engine_batches import (
     shared_system_batch,
     suffix_rope_late,
 )
+from helpers.megatron_stack import require_megatron_stack
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_infer_matches, assert_reuse_ran
 
-pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
-if importlib.util.find_spec("megatron.bridge") is None:
-    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+require_megatron_stack()
 
 TOL = 1e-5  # fp32
 CASES = {name: MEGATRON_CASES[name] for name in ("one_level", "tree", "chunked", "merged")}

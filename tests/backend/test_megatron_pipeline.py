@@ -18,8 +18,6 @@ last, which the driver passes through).
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from helpers.engine_batches import (
     MEGATRON_CASES,
@@ -31,12 +29,11 @@ from helpers.engine_batches import (
     shared_system_batch,
     suffix_rope_late,
 )
+from helpers.megatron_stack import require_megatron_stack
 from helpers.ranks import run_ranks, run_two_ranks
 from helpers.reuse import assert_reuse_ran
 
-pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
-if importlib.util.find_spec("megatron.bridge") is None:
-    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+require_megatron_stack()
 
 TOL = 1e-5  # fp32
 TWO = {k: MEGATRON_CASES[k] for k in ("one_level", "tree")}

@@ -12,17 +12,14 @@ phase A through megatron-core's checkpoint (its K/V captured without a graph) st
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from helpers.engine_batches import MEGATRON_CASES, compare_steps, megatron_cases, megatron_train_step
 from helpers.engine_batches import shared_system_batch as batch_of
+from helpers.megatron_stack import require_megatron_stack
 from helpers.ranks import run_two_ranks
 from helpers.reuse import assert_reuse_ran
 
-pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
-if importlib.util.find_spec("megatron.bridge") is None:
-    pytest.skip("megatron-bridge 0.3.1 is an optional dependency (scripts/setup.sh)", allow_module_level=True)
+require_megatron_stack()
 
 TOL = 1e-5  # fp32
 SETTINGS = {
