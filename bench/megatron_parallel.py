@@ -111,17 +111,15 @@ def measure(layout: str, model_dir: str, reps: int) -> dict:
     }
 
 
-def predicted() -> float:
+def predicted(model_dir: str) -> float:
     from transformers import AutoConfig
 
     from verl_prefix.schedule.flop_model import ModelShape
     from verl_prefix.tools.bench.presets import cell_batch
     from verl_prefix.tools.flops import predicted_speedup
 
-    cell = _cell()
-    batch = cell_batch(cell)
-    with tempfile.TemporaryDirectory() as tmp:
-        shape = ModelShape.from_config(AutoConfig.from_pretrained(cell.model.write(Path(tmp) / "model")))
+    batch = cell_batch(_cell())
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
     prompts = [int(p.numel()) for p in batch["prompts"].unbind()]
     responses = [int(r.numel()) for r in batch["responses"].unbind()]
     return predicted_speedup(shape, [(prompts[0], responses)])
@@ -154,7 +152,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="verl_prefix_bench_") as tmp:
         model_dir = str(_cell().model.write(Path(tmp) / "model"))
         rows = [measure(layout, model_dir, args.reps) for layout in LAYOUTS]
-    result = {"cell": _cell().name, "rows": rows, "predicted_speedup": predicted(), "command": " ".join(sys.argv)}
+        model = predicted(model_dir)
+    result = {"cell": _cell().name, "rows": rows, "predicted_speedup": model, "command": " ".join(sys.argv)}
     print(table(result))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
