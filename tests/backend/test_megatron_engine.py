@@ -203,10 +203,10 @@ def test_refusals_name_the_knob():
     from verl_prefix.backend.megatron.recompute import recompute_refusal
 
     full = dict(recompute_granularity="full", fp8=None, fp4=None)
-    assert recompute_refusal(SimpleNamespace(**full), moe_counted=False) is None
-    assert recompute_refusal(SimpleNamespace(**{**full, "recompute_granularity": None}), moe_counted=True) is None
+    assert recompute_refusal(SimpleNamespace(**full), aux_counted=False) is None
+    assert recompute_refusal(SimpleNamespace(**{**full, "recompute_granularity": None}), aux_counted=True) is None
     for built, counted, named in ((dict(fp8="hybrid"), False, "te_checkpoint"), (dict(), True, "aux loss")):
-        reason = recompute_refusal(SimpleNamespace(**{**full, **built}), moe_counted=counted)
+        reason = recompute_refusal(SimpleNamespace(**{**full, **built}), aux_counted=counted)
         assert named in reason and "recompute_granularity=null" in reason, reason
     for model_type in SERVED_MODEL_TYPES:
         assert model_refusal(CONFIG_MAPPING[model_type](), Config()) is None

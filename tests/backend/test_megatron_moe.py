@@ -11,15 +11,17 @@ Negative controls: phase C skipped, and the prefix's router statistics counted o
 With verl's default (no load-balancing loss) the update is exact too. Expert bias (DeepSeek-V3's aux-loss-free
 balancing: sigmoid scores, ``moe_router_enable_expert_bias``, here beside the aux loss): the per-expert token counts
 ``finalize_model_grads`` moves the bias by, all-reduced, equal the stock engine's exactly, and so do the biases and
-the update; counting the prefix once per group fails. And what the engine refuses in MoE routing, with the knob.
+the update; counting the prefix once per group fails. Under sequence parallelism (TP=2 x EP=2 on two ranks, verl's
+setting at TP > 1) the aux is exact too, on rows whose lengths need no alignment padding (verl's engine pads each
+row to a multiple of the TP size and its routers count that padding; reuse counts real tokens only); the aux
+counted once per TP rank fails (expert bias under sequence parallelism, pipeline stages and recompute:
+``test_megatron_pipeline.py``). And what the engine refuses in MoE routing, with the knob.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +31,7 @@ from helpers.engine_batches import (
     compare_steps,
     inferred,
     megatron_cases,
+    megatron_counted_step,
     megatron_train_step,
     phase_c_skipped,
     shared_system_batch,
@@ -73,31 +76,6 @@ def _counts_prefix_once():
         ExpertCounts.weighted = saved
 
 
-def _counted_step(engine, loss_fn, batch) -> dict:
-    """A train step from zero expert counts and biases (a step moves the bias, lr or not); the counts
-    ``finalize_model_grads`` all-reduced and the biases after."""
-    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
-
-    routers = [m for m in engine.module[0].modules() if getattr(m, "enable_expert_bias", False)]
-    for router in routers:  # every step from the same state: no counts yet, the checkpoint's bias (zeros)
-        router.local_tokens_per_expert.zero_()
-        router.expert_bias.zero_()
-    recorded: list = []
-    stock = finalize.get_updated_expert_bias
-
-    def record(tokens_per_expert, expert_bias, rate):
-        updated = stock(tokens_per_expert, expert_bias, rate)  # all-reduces the counts in place
-        recorded.append(tokens_per_expert.clone())
-        return updated
-
-    finalize.get_updated_expert_bias = record
-    try:
-        step = megatron_train_step(engine, loss_fn, batch)
-    finally:
-        finalize.get_updated_expert_bias = stock
-    return {**step, "counts": recorded, "bias": [r.expert_bias.clone() for r in routers]}
-
-
 def _pair(model_dir: str, routing: dict, base):
     from verl_prefix.harness.megatron import build_megatron_engine
 
@@ -131,18 +109,18 @@ def _body(rank: int, model_dir: str) -> dict:
     # expert bias beside the aux loss
     bias_stock, bias_prefix = _pair(model_dir, BIAS, base)
     assert bias_prefix.expert_counts is not None and len(bias_prefix.expert_counts.routers) == 2
-    want = _counted_step(bias_stock, loss_fn, batch)
+    want = megatron_counted_step(bias_stock, loss_fn, batch)
     assert len(want["counts"]) == 1 and want["counts"][0].sum() > 0
     for case in BIAS_CASES:
         bias_prefix.reuse_config = dataclasses.replace(base, **CASES[case][0])
-        got = _counted_step(bias_prefix, loss_fn, batch)
+        got = megatron_counted_step(bias_prefix, loss_fn, batch)
         out[f"bias_{case}"] = {
             **compare_steps(want, got),
             "counts": (want["counts"][0], got["counts"][0]),
             "bias": (want["bias"], got["bias"]),
         }
         with _counts_prefix_once():
-            once = _counted_step(bias_prefix, loss_fn, batch)
+            once = megatron_counted_step(bias_prefix, loss_fn, batch)
         out[f"bias_{case}"]["once"] = (want["counts"][0] - once["counts"][0]).abs().sum().item()
     return out
 
@@ -223,9 +201,7 @@ def _tf(**changes):
         dict(moe_z_loss_coeff=0.001),
         dict(moe_input_jitter_eps=0.01),
         dict(moe_expert_capacity_factor=1.0),
-        dict(moe_router_enable_expert_bias=True, sequence_parallel=True, moe_router_load_balancing_type="none"),
         dict(moe_router_force_load_balancing=True),
-        dict(sequence_parallel=True),
     ],
 )
 def test_router_refusals_name_the_knob(change):
@@ -241,8 +217,10 @@ def test_router_settings_served():
     from verl_prefix.backend.megatron.moe import aux_coefficient, replay_refusal, router_refusal
 
     assert router_refusal(_tf()) is None
-    assert router_refusal(_tf(moe_router_enable_expert_bias=True)) is None  # counted per row at TP=1
-    assert router_refusal(_tf(moe_router_load_balancing_type="none", sequence_parallel=True)) is None  # no aux
+    assert router_refusal(_tf(moe_router_enable_expert_bias=True)) is None  # counted per row
+    assert router_refusal(_tf(sequence_parallel=True)) is None  # the aux over the gathered slices
+    bias_sp = _tf(moe_router_enable_expert_bias=True, sequence_parallel=True, moe_router_load_balancing_type="none")
+    assert router_refusal(bias_sp) is None  # each TP rank counts its own slice
     assert router_refusal(SimpleNamespace(num_moe_experts=None)) is None  # a dense model
     assert aux_coefficient(_tf()) == 0.01
     assert aux_coefficient(_tf(moe_router_load_balancing_type="none")) == 0.0
@@ -251,3 +229,65 @@ def test_router_settings_served():
     assert replay_refusal(off) is None  # reuse off: verl's own engine
     reason = replay_refusal(SimpleNamespace(router_replay=SimpleNamespace(mode="R3")))
     assert "router_replay.mode=disabled" in reason, reason
+
+
+# -- sequence parallelism: TP=2 with megatron-core's sequence split (verl turns it on at TP > 1; MoE at TP > 1
+# requires it), EP=2 over the same two ranks (expert TP 1) --
+
+SP_LAYOUT = dict(
+    tensor_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+)
+SP_CASES = {k: CASES[k] for k in ("one_level", "tree", "chunked")}
+
+
+@contextlib.contextmanager
+def _every_rank_grads_every_slice():
+    """Negative control: the gathered logits send each slice every TP rank's gradient of its copy of the aux (the
+    gather's default backward, a reduce-scatter), so the aux counts TP times."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    from verl_prefix.backend.megatron import moe
+
+    saved = moe.whole_sequence
+    moe.whole_sequence = lambda logits, config: gather_from_sequence_parallel_region(logits)
+    try:
+        yield
+    finally:
+        moe.whole_sequence = saved
+
+
+def _sp_body(rank: int, model_dir: str) -> dict:
+    from verl_prefix import PrefixReuseConfig
+    from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
+
+    loss_fn, _ = ppo_loss(["use_kl_loss=true", "ppo_micro_batch_size_per_gpu=4"])
+    base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=4)
+    layout = dict(SP_LAYOUT, override_transformer_config={"attention_backend": "local", **AUX})
+    stock = build_megatron_engine(model_dir, lr=0.0, **layout)
+    prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **layout)
+    assert stock.tf_config.sequence_parallel and prefix.tf_config.sequence_parallel
+    # verl pads every row to a multiple of the TP size under sequence parallelism and its routers count that
+    # padding; rows already aligned leave it none, so the stock engine's aux is the logical one
+    batch = shared_system_batch(0, False, aligned=2)
+    controls = {"summed": _every_rank_grads_every_slice}
+    return megatron_cases(stock, prefix, loss_fn, batch, base, SP_CASES, controls, controlled=("one_level",))
+
+
+@pytest.fixture(scope="module")
+def sp_ranks(tiny_model) -> dict:
+    return run_two_ranks(_sp_body, str(tiny_model("qwen3_moe")), timeout=900)
+
+
+@pytest.mark.parametrize("case", list(SP_CASES))
+def test_aux_loss_under_sequence_parallelism_matches_verl_megatron_engine(sp_ranks, case):
+    """The aux of a call whose positions are split over the TP ranks: its router logits gathered, each rank the
+    whole aux, each slice its own gradient; exact against verl's engine at TP=2 (sequence parallel) x EP=2.
+    Negative control: each slice given every rank's gradient of the aux (the aux counted TP times) fails."""
+    for rank, result in sp_ranks.items():
+        r = result[case]
+        assert r["grads"] > 10 and r["worst"] < TOL, f"rank {rank} {case}: {r['name']} off by {r['worst']:.2e}"
+        assert_reuse_ran(r["metrics"], groups=2)
+        assert r["metrics"]["moe_aux_loss"] > 0
+        assert_infer_matches(*r["infer"], TOL, groups=2)
+        if case == "one_level":
+            assert r["summed"] > 100 * TOL, f"rank {rank}: the aux counted TP times passed"

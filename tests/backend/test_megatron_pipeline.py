@@ -9,9 +9,12 @@ stage. Cases: one-level, the token trie, a chunked prefix, merged phase B, ``dor
 megatron-core's full recompute. Negative controls: phase C skipped on every stage, phase B's RoPE one position late.
 Layouts: PP=2 on two ranks; on four ranks (about a minute each, kept out of the e2e tier, whose ``main_ppo`` launches
 would share the host's memory with them) PP=2 x DP=2 (data-parallel rank 1 with dense rows and
-lockstep fillers through the pipeline), PP=2 x TP=2 (``run_qwen3_8b_megatron.sh`` scaled down) and Qwen3-MoE at
-PP=2 x EP=2 with full recompute and offload (``run_qwen3_235b_a22b_megatron.sh`` scaled down; verl's loader turns
-its aux loss off). With reuse off the engine trains as verl's (the refusal of
+lockstep fillers through the pipeline), PP=2 x TP=2 with sequence parallelism (``run_qwen3_8b_megatron.sh`` scaled
+down) and a tiny Qwen3-MoE at PP=2 x TP=2 (sequence parallel) x EP=2 with DeepSeek-V3's expert bias, full recompute
+and offload (the DeepSeek-V3 671B, Moonlight and Qwen3-235B recipes scaled down; verl's loader turns the aux loss
+off), where every stage's expert load counts and the biases they move equal verl's engine's exactly. Rows are
+aligned to the TP size (verl's engine pads each row to it under sequence parallelism, and its routers count that
+padding; reuse counts real tokens only). With reuse off the engine trains as verl's (the refusal of
 virtual stages tells users to do that, and that advice must run: verl's engine returns ``{}`` on every stage but the
 last, which the driver passes through).
 """
@@ -19,11 +22,13 @@ last, which the driver passes through).
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.engine_batches import (
     MEGATRON_CASES,
     compare_steps,
     inferred,
     megatron_cases,
+    megatron_counted_step,
     megatron_train_step,
     phase_c_skipped,
     shared_system_batch,
@@ -37,13 +42,22 @@ require_megatron_stack()
 
 TOL = 1e-5  # fp32
 TWO = {k: MEGATRON_CASES[k] for k in ("one_level", "tree")}
-# run_qwen3_235b_a22b_megatron.sh scaled down: qwen3_moe at PP=2 x EP=2, megatron-core's full recompute, offload
+# the large MoE recipes scaled down (run_deepseek_v3_671b / run_moonlight_16b_a3b / run_qwen3_235b_a22b_megatron.sh):
+# PP=2 x TP=2 (sequence parallel, as verl sets it at TP > 1) x EP=2 (expert TP 1), DeepSeek-V3's expert bias
+# (sigmoid scores; Qwen3-235B's softmax routing without it is the same path less the counts), megatron-core's full
+# recompute, offload; verl's loader turns the aux loss off
 MOE_RECIPE = dict(
+    tensor_parallel_size=2,
+    sequence_parallel=True,
     expert_model_parallel_size=2,
+    expert_tensor_parallel_size=1,
     param_offload=True,
     optimizer_offload=True,
     override_transformer_config={
         "attention_backend": "local",
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0.0,  # counted, not moved: each engine's later log-probs route alike
         "recompute_granularity": "full",
         "recompute_method": "uniform",
         "recompute_num_layers": 1,
@@ -53,8 +67,8 @@ MOE_RECIPE = dict(
 LAYOUTS = {
     "pp2": (2, dict(), MEGATRON_CASES, "qwen3"),
     "pp2_dp2": (4, dict(), TWO, "qwen3"),
-    "pp2_tp2": (4, dict(tensor_parallel_size=2), TWO, "qwen3"),
-    "pp2_ep2_moe": (4, MOE_RECIPE, TWO, "qwen3_moe"),
+    "pp2_tp2": (4, dict(tensor_parallel_size=2, sequence_parallel=True), TWO, "qwen3"),
+    "pp2_tp2_ep2_moe": (4, MOE_RECIPE, TWO, "qwen3_moe"),
 }
 CONTROLS = {"no_phase_c": phase_c_skipped, "rope_late": suffix_rope_late}
 
@@ -76,7 +90,9 @@ def _reuse_body(rank: int, model_dir: str, name: str) -> dict:
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **pp)
     data_parallel = stock.get_data_parallel_size() > 1
     dp_rank = stock.get_data_parallel_rank()
-    batch = shared_system_batch(dp_rank, data_parallel)
+    # verl pads each row to a multiple of the TP size under sequence parallelism and its routers count that padding:
+    # aligned rows leave none (reuse counts real tokens only)
+    batch = shared_system_batch(dp_rank, data_parallel, aligned=layout.get("tensor_parallel_size", 1))
     if layout.get("param_offload"):  # verl's worker context loads on entry and offloads on exit
         from verl.utils import tensordict_utils as tu
 
@@ -87,6 +103,12 @@ def _reuse_body(rank: int, model_dir: str, name: str) -> dict:
         "last": stock.is_mp_src_rank_with_outputs(),  # where verl's engine reports loss, grad norm, log-probs
     }
     out.update(megatron_cases(stock, prefix, loss_fn, batch, base, cases, CONTROLS))
+    if prefix.expert_counts is not None:  # the load counts finalize_model_grads moves the expert bias by
+        want = megatron_counted_step(stock, loss_fn, batch)
+        for case in cases:
+            prefix.reuse_config = dataclasses.replace(base, **cases[case][0])
+            got = megatron_counted_step(prefix, loss_fn, batch)
+            out[case]["counts"] = (want["counts"], got["counts"])
     if name == "pp2":  # megatron-core's full recompute under pipeline stages (phase B's re-entered in backward)
         over = {"attention_backend": "local", "recompute_granularity": "full", "recompute_method": "uniform"}
         recomputing = build_megatron_engine(
@@ -110,7 +132,7 @@ def pp2(tiny_model) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks(tiny_model) -> dict:
-    names = ("pp2_dp2", "pp2_tp2", "pp2_ep2_moe")
+    names = ("pp2_dp2", "pp2_tp2", "pp2_tp2_ep2_moe")
     return {n: run_ranks(_reuse_body, str(tiny_model(LAYOUTS[n][3])), n, world=4, timeout=1500) for n in names}
 
 
@@ -127,6 +149,10 @@ def _check(results: dict, name: str, case: str) -> None:
             for key in ("response_log_probs", "response_entropy"):
                 diff = (got[key].values() - want[key].values()).abs().max().item()
                 assert diff < TOL, (name, rank, case, key, diff)
+        if "counts" in r:  # expert bias: every stage's routers counted as verl's engine counts them
+            want, got = r["counts"]
+            assert len(want) == len(got) > 0 and all(w.sum() > 0 for w in want), (name, rank, case)
+            assert all(torch.equal(g, w) for w, g in zip(want, got)), (name, rank, case, want, got)
         if case in ("one_level", "tree"):
             assert r["no_phase_c"] > 1e-2, (name, rank, case, "skipping phase C passed")
             assert r["rope_late"] > 1e-3, (name, rank, case, "phase B's RoPE a position late passed")
@@ -145,13 +171,13 @@ def test_pipeline_stages_with_megatron_full_recompute(pp2):
         assert_reuse_ran(r["metrics"], groups=2)
 
 
-@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2", "pp2_ep2_moe"])
+@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2", "pp2_tp2_ep2_moe"])
 def test_pipeline_stages_with_data_or_tensor_parallelism(four_ranks, name):
     results = four_ranks[name]
     assert sorted(r["stage"] for r in results.values()) == [0, 0, 1, 1]
     for case in LAYOUTS[name][2]:
         _check(results, name, case)
-    if name != "pp2_tp2":  # data-parallel rank 1's singletons ran dense through the pipeline, its peer filled in
+    if name == "pp2_dp2":  # data-parallel rank 1's singletons ran dense through the pipeline, its peer filled in
         for result in results.values():
             m = result["one_level"]["metrics"]
             assert m.get("prefix/fallback_short_prefix", 0.0) == (4.0 if result["dp_rank"] else 0.0)

@@ -165,6 +165,16 @@ def _tp2(rank: int, model_dir: str) -> dict:
     out["tp2"] = _engine_facts(engine, batch, loss_fn, export=True)
     mbridge = build_megatron_engine(model_dir, tensor_parallel_size=2, lr=0.0, vanilla_mbridge=True)
     out["tp2_mbridge"] = _engine_facts(mbridge, batch, loss_fn, export=False)
+    # sequence parallelism (verl's setting at TP > 1): megatron-core's torch norms built under it, their parameters
+    # marked so finalize_model_grads sums their gradients over the TP ranks (``sequence_parallel_norm``)
+    sequence_parallel = build_megatron_engine(model_dir, tensor_parallel_size=2, lr=0.0, sequence_parallel=True)
+    out["tp2_sp_on"] = bool(sequence_parallel.tf_config.sequence_parallel)
+    out["tp2_sp"] = _engine_facts(sequence_parallel, batch, loss_fn, export=False)
+    unmarked = build_megatron_engine(model_dir, tensor_parallel_size=2, lr=0.0, sequence_parallel=True)
+    for param in unmarked.module[0].parameters():  # the negative control: each rank's norm gradient of its slice
+        if getattr(param, "sequence_parallel", False):
+            param.sequence_parallel = False
+    out["tp2_sp_unmarked"] = _engine_facts(unmarked, batch, loss_fn, export=False)
     return out
 
 
@@ -213,6 +223,11 @@ def test_tp2_matches_hf_and_the_gloo_scatter_trap(tiny_qwen3_dir):
         _assert_export_is_checkpoint(out["tp2"]["export"], str(tiny_qwen3_dir))
         # without contiguous pieces the row-parallel shards load scrambled: log-probs off by far more than rounding
         assert _max_diff(out["unfixed_log_probs"], out["hf"]["log_probs"]) > 0.1, "the scatter trap did not show"
+        assert out["tp2_sp_on"], "sequence parallelism was turned off"
+        _assert_matches(out["tp2_sp"], out["hf"], f"TP=2 with sequence parallelism rank {rank}")
+        if out["tp2_sp_unmarked"]["source"]:  # the norms' gradients not summed over the TP ranks: off
+            got, want = out["tp2_sp_unmarked"]["grad_norm"], out["hf"]["grad_norm"]
+            assert abs(float(got) - want) > 10 * TOL * want, "unsummed norm gradients passed"
 
 
 def test_dp2_distributed_optimizer_matches_fsdp2(tiny_qwen3_dir):

@@ -27,9 +27,22 @@ def test_sixteen_recipes_each_stopped_or_reusing_with_the_settings_named():
         for reason in recipes.stops(recipe):
             # each names the setting and a fix that runs: verl's own engine (reuse off) among them
             assert reason.startswith("prefix_megatron: ") and "prefix_reuse.enable=false" in reason, reason
-    # what this release serves stops no recipe on its own: recompute (without MoE counting) and offload
+    # what this release serves stops no recipe on its own: recompute and offload, expert bias under pipeline
+    # stages, sequence parallelism and recompute
     plain = recipes.MegatronRecipe("x", "qwen3", "TP2", {}, {"recompute_granularity": "full"}, offload=True)
     assert recipes.stops(plain) == []
+    bias = {"num_moe_experts": 4, "moe_router_enable_expert_bias": True, "sequence_parallel": True}
+    biased = recipes.MegatronRecipe(
+        "x", "qwen3_moe", "TP2 PP2 EP2", {"pipeline_model_parallel_size": 2}, {**bias, "recompute_granularity": "full"}
+    )
+    assert recipes.stops(biased) == []
+    # the aux loss is served without recompute or pipeline stages, refused with either
+    aux = {"num_moe_experts": 4, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
+    assert recipes.stops(recipes.MegatronRecipe("x", "qwen3_moe", "TP2 EP2", {}, aux)) == []
+    staged = recipes.MegatronRecipe("x", "qwen3_moe", "PP2", {"pipeline_model_parallel_size": 2}, aux)
+    assert [recipes.setting_of(r) for r in recipes.stops(staged)] == ["moe_aux_loss_coeff=0.01"]
+    recomputed = recipes.MegatronRecipe("x", "qwen3_moe", "EP2", {}, {**aux, "recompute_granularity": "full"})
+    assert [recipes.setting_of(r) for r in recipes.stops(recomputed)] == ["recompute_granularity='full'"]
     assert recipes.stops(recipes.MegatronRecipe("x", "qwen3", "TP2", {"virtual_pipeline_model_parallel_size": 2}))
 
 
@@ -37,7 +50,9 @@ def test_sixteen_recipes_each_stopped_or_reusing_with_the_settings_named():
 # ranks with a tiny model of its family, exactly against verl's engine at the same layout
 ACCEPTED = {
     "run_qwen3_8b_megatron.sh": "pp2_tp2",  # TP2 PP2, qwen3
-    "run_qwen3_235b_a22b_megatron.sh": "pp2_ep2_moe",  # TP4 PP8 EP4, full recompute, offload, qwen3_moe
+    "run_qwen3_235b_a22b_megatron.sh": "pp2_tp2_ep2_moe",  # TP4 PP8 EP4, full recompute, offload, qwen3_moe
+    "run_deepseek_v3_671b_megatron.sh": "pp2_tp2_ep2_moe",  # TP8 PP12 EP8, expert bias, full recompute, offload
+    "run_moonlight_16b_a3b_megatron.sh": "pp2_tp2_ep2_moe",  # TP4 PP3 EP4, expert bias
 }
 
 

@@ -13,16 +13,21 @@ from helpers.reuse import reduced
 VOCAB = 128
 
 
-def shared_system_batch(dp_rank: int, data_parallel: bool, even: bool = False):
+def shared_system_batch(dp_rank: int, data_parallel: bool, even: bool = False, aligned: int = 1):
     """Two groups of four sharing an 8-token system block, responses branching after a 2-token stem (what the
     tree computes once); under data parallelism rank 1 holds one group and four singletons (lockstep fillers,
     dense rows). ``even``: every four-row micro-batch of a rank's rows packs to an even length (what verl's engine
-    needs under torchtitan's TP x EP, which splits a packed sequence over two TP ranks)."""
+    needs under torchtitan's TP x EP, which splits a packed sequence over two TP ranks). ``aligned``: every row's
+    length a multiple of it (verl's Megatron engine under sequence parallelism then pads no row, whose padding its
+    MoE routers would count)."""
     from verl.utils import tensordict_utils as tu
 
     from verl_prefix.harness import grpo_batches
 
-    shape = dict(response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,))
+    shape = dict(
+        response_len_range=(3, 7), vocab_size=VOCAB, use_kl=True, shared_system=8, response_stems=(2,),
+        length_multiple=aligned,
+    )  # fmt: skip
     if not data_parallel:
         for seed in range(7, 107):
             batch = grpo_batches.make_grpo_batch(num_groups=2, group_size=4, prompt_lens=[4, 2], seed=seed, **shape)
@@ -39,7 +44,7 @@ def shared_system_batch(dp_rank: int, data_parallel: bool, even: bool = False):
     )
     singles = grpo_batches.make_grpo_batch(
         num_groups=4, group_size=1, prompt_lens=2, response_len_range=(2, 4), vocab_size=VOCAB, seed=10, use_kl=True,
-        global_batch_size=16,
+        global_batch_size=16, length_multiple=aligned,
     )  # fmt: skip
     return tu.concat_tensordict([group, singles])
 
@@ -86,6 +91,33 @@ def megatron_train_step(engine, loss_fn, batch) -> dict:
     finally:
         engine.__dict__.pop("optimizer_step", None)
     return {**out, "grads": grads}
+
+
+def megatron_counted_step(engine, loss_fn, batch) -> dict:
+    """A train step from zero expert counts and biases (a step moves the bias, lr or not): ``counts``, what
+    ``finalize_model_grads`` moved each expert-biased router's bias by (all-reduced), and ``bias`` after."""
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
+
+    routers = [m for m in engine.module[0].modules() if getattr(m, "enable_expert_bias", False)]
+    for router in routers:  # every step from the same state: no counts yet, the checkpoint's bias (zeros)
+        router.local_tokens_per_expert.zero_()
+        router.expert_bias.zero_()
+    recorded: list = []
+    stock = finalize.get_updated_expert_bias
+
+    def record(tokens_per_expert, expert_bias, rate):
+        updated = stock(tokens_per_expert, expert_bias, rate)  # all-reduces the counts in place
+        recorded.append(tokens_per_expert.clone())
+        return updated
+
+    finalize.get_updated_expert_bias = record
+    try:
+        step = megatron_train_step(engine, loss_fn, batch)
+    finally:
+        finalize.get_updated_expert_bias = stock
+    return {**step, "counts": recorded, "bias": [r.expert_bias.clone() for r in routers]}
 
 
 def compare_steps(want: dict, got: dict) -> dict:

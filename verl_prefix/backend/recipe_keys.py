@@ -269,7 +269,7 @@ def _megatron_keys(role: str) -> dict[str, KeyEffect]:
     served_pp = _fx(
         "served",
         "every stage runs the schedule on its own layers, activations and gradients crossing by point-to-point "
-        "sends; MoE aux loss / expert bias under PP refused",
+        "sends; expert bias served, the MoE aux loss under PP refused",
         _MEGA_PP,
     )
     refused_vpp = _fx("refused", "virtual stages not run under reuse yet; reuse off trains as verl's", _MEGA_VPP)
@@ -286,7 +286,11 @@ def _megatron_keys(role: str) -> dict[str, KeyEffect]:
         f"{m}.expert_model_parallel_size": _fx(
             "served", "EP=2; the aux loss and expert bias counted per row", _MEGA_MOE
         ),
-        f"{m}.expert_tensor_parallel_size": _fx("served", "megatron-core's expert TP follows TP by default", _MEGA_MOE),
+        f"{m}.expert_tensor_parallel_size": _fx(
+            "served",
+            "megatron-core's expert TP (follows TP by default; 1 beside TP=2 tested)",
+            "tests/backend/test_megatron_moe.py::test_aux_loss_under_sequence_parallelism_matches_verl_megatron_engine",
+        ),
         f"{m}.pipeline_model_parallel_size": served_pp,
         f"{m}.virtual_pipeline_model_parallel_size": refused_vpp,
         f"{m}.context_parallel_size": _fx(
@@ -296,8 +300,9 @@ def _megatron_keys(role: str) -> dict[str, KeyEffect]:
         f"{m}.max_seqlen_per_dp_cp_rank": _fx("no_effect", "read by dynamic context parallelism only (refused)"),
         f"{m}.sequence_parallel": _fx(
             "served",
-            "each schedule call padded to a multiple of TP (the CPU reference pads to 4); bf16 SP: GPU check",
-            f"{ME_}::test_calls_padded_for_sequence_parallelism_are_exact",
+            "each schedule call padded to a multiple of TP; on CPU too (the platform's sequence_parallel_norm), MoE "
+            "aux and expert counts per slice; bf16 SP: GPU check",
+            "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_with_data_or_tensor_parallelism",
         ),
         f"{m}.use_distributed_optimizer": _fx("served", "DP=2 with the distributed optimizer", _MEGA_EXACT),
         f"{m}.use_dist_checkpointing": _MEGA_DIST_CKPT,
@@ -503,8 +508,8 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             "prefix_torchtitan": Cell("refused", "`activation_checkpoint` other than `none`", (_TITAN_REFUSALS,)),
             "prefix_megatron": Cell(
                 "reuses",
-                "`recompute_granularity` full (uniform, block) or selective; with the MoE aux loss / expert bias or "
-                "fp8: refused",
+                "`recompute_granularity` full (uniform, block) or selective, expert bias too; with the MoE aux loss "
+                "or fp8: refused",
                 ("tests/backend/test_megatron_recompute.py::test_reuse_under_recompute_matches_verls_engine",),
             ),
         },
@@ -577,10 +582,12 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             ),
             "prefix_megatron": Cell(
                 "reuses",
-                "EP; megatron-core's aux loss and expert-bias counts per row (TP=1); z-loss, token dropping refused",
+                "EP, TP x EP with sequence parallelism; megatron-core's aux loss and expert-bias counts per row; "
+                "z-loss, token dropping refused",
                 (
                     f"{MM}::test_aux_loss_update_matches_verl_megatron_engine",
                     f"{MM}::test_expert_bias_counts_match_verl_megatron_engine",
+                    f"{MM}::test_aux_loss_under_sequence_parallelism_matches_verl_megatron_engine",
                     f"{MM}::test_router_refusals_name_the_knob",
                 ),
             ),

@@ -42,6 +42,7 @@ def make_grpo_batch(
     worker_settings: dict[str, Any] | None = None,
     shared_system: int = 0,
     response_stems: tuple[int, ...] = (),
+    length_multiple: int = 1,
 ) -> TensorDict:
     """A per-rank GRPO actor-update mini-batch, as ``TrainingWorker.train_batch`` receives it.
 
@@ -56,7 +57,10 @@ def make_grpo_batch(
     ``prompt_lens`` tokens. ``response_stems``: tree rollouts, each group's responses branching inside the
     response (what ``prefix_reuse.tree`` computes once, loss included): level ``k`` has ``2**k`` stems of
     ``response_stems[k]`` tokens (level 0 one stem for the whole group), row ``i`` taking stem
-    ``i * 2**k // group_size`` of each level, then its own ``response_len_range`` tokens.
+    ``i * 2**k // group_size`` of each level, then its own ``response_len_range`` tokens. ``length_multiple``:
+    each response is lengthened (past ``response_len_range`` if need be) until its row's length is a multiple of
+    it, so that verl's Megatron engine adds no alignment padding under sequence parallelism (it pads every row to a
+    multiple of the TP size, and its routers count those padding tokens).
     """
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
     from verl.utils import tensordict_utils as tu
@@ -83,6 +87,7 @@ def make_grpo_batch(
             r_len = int(torch.randint(lo, hi + 1, (1,), generator=g))
             prompts.append(prompt.clone())
             stem = [level[row * len(level) // group_size] for level in stems]
+            r_len += -(len(prompt) + sum(len(s) for s in stem) + r_len) % length_multiple
             responses.append(torch.cat([*stem, rand_tokens(r_len)]))
             uids.append(f"uid-{seed}-{gi}")
     bsz = len(prompts)

@@ -40,7 +40,7 @@ maths up to rounding, and verl's dense rows keep its fused path.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -169,26 +169,32 @@ class MegatronCausalLM(CausalLMStandIn):
         padded = input_ids.shape[1] > length
         zero = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         real = length if padded else None
-        own_aux = self.routers.own_aux_off(real) if self.routers is not None else nullcontext()
-        counts = self.counts.call(*input_ids.shape, length) if self.counts is not None else nullcontext()
-        if self.counts is not None and self.counts.weights is None and torch.is_grad_enabled() and self.chunk.training:
+        counts, weights = self.counts, self.counts.weights if self.counts is not None else None
+        if counts is not None and weights is None and torch.is_grad_enabled() and self.chunk.training:
             raise RuntimeError(
                 "prefix_megatron: a schedule call without routing weights (ScheduleOptions.count_routing) would "
                 "count the experts' load physically"
             )
+        shape = input_ids.shape
 
         def call_state() -> ExitStack:
-            """What the call's forward runs inside, and a recompute of it in backward re-enters."""
+            """What the call's forward runs inside, and a recompute of it in backward re-enters (the expert counts'
+            weights too: a recomputed layer routes, and counts, there instead of in the no-grad forward)."""
             stack = ExitStack()
             for manager in (self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), unfused(self.gpt)):
                 stack.enter_context(manager)
+            if self.routers is not None:
+                stack.enter_context(self.routers.own_aux_off(real))
+            if counts is not None and weights is not None:
+                stack.enter_context(counts.weighted(weights))
+                stack.enter_context(counts.call(*shape, length))
             return stack
 
         keep_graph = isinstance(prefix_ctx, CaptureContext)  # phase A: its K/V's graph is phase C's
         link = self.link
         if link is not None and not link.is_first:  # the previous stage's output, its gradient sent back
             self.gpt.set_input_tensor(link.receive(torch.is_grad_enabled()))
-        with call_state(), schedule_call(keep_graph, call_state), own_aux, counts:
+        with call_state(), schedule_call(keep_graph, call_state):
             logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
         if not self.scores:  # a stage before the last: its hidden states go on, the next stage scores the rows
             return link.hand_off(logits)

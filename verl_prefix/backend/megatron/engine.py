@@ -38,7 +38,6 @@ from verl_prefix.backend.distributed.stages import StageLink, StageStep, batch_f
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
 from verl_prefix.backend.megatron.config import (
-    MEGATRON_REUSE_OFF,
     built_model_refusal,
     lora_refusal,
     model_refusal,
@@ -50,6 +49,7 @@ from verl_prefix.backend.megatron.moe import (
     McoreRouters,
     aux_coefficient,
     aux_tracked,
+    pipeline_refusal,
     replay_refusal,
     router_refusal,
     set_aux_scale,
@@ -118,15 +118,12 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         counts = ExpertCounts(self.module[0])
         if counts:
             self.expert_counts = self.causal_lm.counts = counts
-        reason = recompute_refusal(config, moe_counted=self.routers is not None or self.expert_counts is not None)
+        reason = recompute_refusal(config, aux_counted=self.routers is not None)
         if reason is not None:
             raise ValueError(reason)
-        if link is not None and (self.routers is not None or self.expert_counts is not None):
-            raise ValueError(
-                "prefix_megatron: the MoE router aux loss or expert bias under pipeline stages is not run under reuse "
-                "yet (each stage would count its own layers' routing); set actor_rollout_ref.actor.megatron."
-                f"pipeline_model_parallel_size=1, turn the aux loss / expert bias off, or {MEGATRON_REUSE_OFF}"
-            )
+        reason = pipeline_refusal(config, link.num_stages if link is not None else 1)
+        if reason is not None:
+            raise ValueError(reason)
 
     def _stage_link(self) -> StageLink | None:
         """This rank's link to its neighbouring pipeline stages (megatron-core's pipeline group), or None."""

@@ -15,13 +15,18 @@ logits of a call (``capture``) and their statistics as sums (``stats``: ``[layer
 from megatron-core's own ``compute_routing_scores_for_aux_loss``), so that every suffix micro-batch sees its rows'
 prefix once per row (``moe.logical_stats``), and the aux of a micro-batch is megatron-core's formula on those sums
 (``aux_loss``). The router's own aux is switched off inside schedule calls (``own_aux``) and stays on for dense
-rows through verl's ``forward_step``, whose gradient scale the engine sets (``set_aux_scale``).
+rows through verl's ``forward_step``, whose gradient scale the engine sets (``set_aux_scale``). Under sequence
+parallelism each TP rank routes its slice of a call's positions: the captured logits are gathered over the TP ranks
+first, so every rank computes the whole call's aux and sends each slice only its own gradient.
 
 Expert bias (DeepSeek-V3's aux-loss-free balancing, ``moe_router_enable_expert_bias``): every training forward adds
 the tokens each expert was routed to ``local_tokens_per_expert``, by which ``finalize_model_grads`` moves the bias.
 ``ExpertCounts`` makes that count logical through the schedule's ``count_routing`` seam (as ``prefix_torchtitan``'s
 counts): a prefix's tokens once per row below it, suffix rows' real tokens (their last response token included)
 once, padding, lockstep fillers and phase C's recomputed forwards not at all; verl's dense rows count for themselves.
+Under sequence parallelism each TP rank weighs its own slice of the positions (the counts are summed over the TP
+ranks by ``finalize_model_grads``); under megatron-core's recompute the weights go with the call's state into the
+recomputed forward, which is where a recomputed layer routes with a graph (and counts).
 """
 
 from __future__ import annotations
@@ -52,12 +57,12 @@ def router_refusal(tf_config: Any) -> str | None:
     """Why reuse cannot run the MoE routing of the model verl built, or None (a dense model: None).
 
     Served: top-k routing with no load-balancing loss, megatron-core's per-micro-batch ``aux_loss`` and expert bias
-    (both counted per row). What depends on which tokens share a call other than through those is refused."""
+    (both counted per row, under sequence parallelism too). What depends on which tokens share a call other than
+    through those is refused."""
     if not getattr(tf_config, "num_moe_experts", None):
         return None
     kind = tf_config.moe_router_load_balancing_type
     kinds = list(kind) if isinstance(kind, (list, tuple)) else [kind]
-    sequence_parallel = bool(getattr(tf_config, "sequence_parallel", False))
     checks: list[tuple[str, Any, str]] = [
         (
             "moe_router_load_balancing_type",
@@ -71,23 +76,8 @@ def router_refusal(tf_config: Any) -> str | None:
             tf_config.moe_expert_capacity_factor,
             "token dropping decides by each call's tokens which ones an expert drops",
         ),
-        (
-            "moe_router_enable_expert_bias",
-            tf_config.moe_router_enable_expert_bias and sequence_parallel,
-            "the expert-bias counts of a sequence split over the TP ranks are not weighted per slice yet (serve it "
-            "at TP=1 with EP)",
-        ),
         ("moe_router_force_load_balancing", tf_config.moe_router_force_load_balancing, "random routing logits"),
     ]
-    if aux_coefficient(tf_config) and sequence_parallel:
-        checks.append(
-            (
-                "sequence_parallel",
-                True,
-                "the aux loss's statistics of a sequence split over the TP ranks are not summed under reuse yet "
-                "(MoE at TP > 1 needs sequence parallelism; serve the aux at TP=1 with EP)",
-            )
-        )
     for key, value, why in checks:
         if value:
             return (
@@ -95,6 +85,20 @@ def router_refusal(tf_config: Any) -> str | None:
                 f"{MEGATRON_REUSE_OFF} for verl's Megatron engine"
             )
     return None
+
+
+def pipeline_refusal(tf_config: Any, pipeline_stages: int) -> str | None:
+    """The router aux loss under pipeline stages, or None: a stage before the last would have to add its own layers'
+    aux to a loss only the last stage holds (expert bias is served: its counts are each stage's own)."""
+    if pipeline_stages <= 1 or not getattr(tf_config, "num_moe_experts", None) or not aux_coefficient(tf_config):
+        return None
+    return (
+        f"prefix_megatron: moe_aux_loss_coeff={aux_coefficient(tf_config)} with pipeline_model_parallel_size="
+        f"{pipeline_stages} is refused with reuse on (a stage before the last would add its layers' aux to a loss "
+        "only the last stage holds); "
+        f"set {OVERRIDE}.moe_router_load_balancing_type=none (verl's Megatron-Bridge loader sets it), "
+        f"pipeline_model_parallel_size=1, or {MEGATRON_REUSE_OFF}"
+    )
 
 
 def replay_refusal(engine_config: Any) -> str | None:
@@ -162,9 +166,10 @@ class McoreRouters:
             stock = type(router).gating.__get__(router)
 
             def gating(input: torch.Tensor) -> torch.Tensor:
-                logits = stock(input)  # [L, B, E]
+                logits = stock(input)  # [L, B, E]; under sequence parallelism this TP rank's slice of L
                 if captured[i] is None:
-                    real = logits if self.real_length is None else logits[: self.real_length]
+                    real = whole_sequence(logits, router.config)
+                    real = real if self.real_length is None else real[: self.real_length]
                     captured[i] = real.transpose(0, 1).reshape(-1, self.num_experts)
                     if on_complete is not None and all(c is not None for c in captured):
                         on_complete(router)
@@ -214,6 +219,28 @@ def aux_tracked() -> float:
     return float(entry["values"].sum()) if entry is not None else 0.0
 
 
+def whole_sequence(logits: torch.Tensor, config: Any) -> torch.Tensor:
+    """A call's router logits over its whole sequence: under sequence parallelism gathered from the TP ranks,
+    each of which then computes the same aux; the gradient of each rank's copy goes back to its own slice only
+    (``tensor_parallel_output_grad=False``), so the slices' gradients add up to the aux's once."""
+    if not getattr(config, "sequence_parallel", False):
+        return logits
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+
+
+def _sequence_slice(per_position: torch.Tensor, config: Any) -> torch.Tensor:
+    """This TP rank's positions of a ``[s, ...]`` tensor under sequence parallelism (megatron-core scatters every
+    sequence over the TP ranks in equal contiguous slices before the layers: each rank's router sees its own)."""
+    if not getattr(config, "sequence_parallel", False):
+        return per_position
+    from megatron.core import parallel_state as mpu
+
+    size, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    return per_position.chunk(size, dim=0)[rank]
+
+
 class ExpertCounts:
     """Every expert-biased router's load count with per-token weights while ``weighted`` is active."""
 
@@ -256,8 +283,8 @@ class ExpertCounts:
         weights = self.weights.to(routing_map.device)
         if self.shape is not None:  # a schedule call: [B, real] weights, zero past the real positions
             rows, length, real = self.shape
-            weights = torch.nn.functional.pad(weights.expand(rows, real), (0, length - real))
-            weights = weights.t().reshape(-1)  # megatron-core's [s, b] order
+            weights = torch.nn.functional.pad(weights.expand(rows, real), (0, length - real)).t()  # [s, b]
+            weights = _sequence_slice(weights, router.config).reshape(-1)
         elif weights.dim() != 0:
             raise RuntimeError("prefix_megatron: per-token expert-count weights outside a schedule call")
         else:  # one weight for every token of a call of the engine's own (a zero-loss filler)

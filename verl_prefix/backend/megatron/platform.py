@@ -12,6 +12,7 @@ contiguous ones). The pinned versions are in ``VERSIONS``; ``check_versions`` re
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -114,13 +115,17 @@ PATCHES: dict[str, str] = {
     "mbridge_local_spec": "mbridge (verl's deprecated vanilla_mbridge) builds TransformerEngine's layer spec: the "
     "local spec, with the local spec's separate norm names mapped onto the TE-fused HF names mbridge's tables use.",
     "engine_config": "verl's McoreEngineConfig asserts dtype in (bfloat16, float16): float32 is accepted (CPU has no "
-    "fast bf16; the exactness tests run fp32); sequence parallel is off (the local spec's norms refuse it).",
+    "fast bf16; the exactness tests run fp32).",
+    "sequence_parallel_norm": "megatron-core's torch norms (the local spec's, without TransformerEngine) assert "
+    "sequence_parallel off, which verl turns on whenever TP > 1: a norm is built as it would be without it and its "
+    "parameters marked ``sequence_parallel``, as TransformerEngine's norms mark theirs, so finalize_model_grads "
+    "sums their gradients over the TP ranks that each saw a slice of the sequence.",
     "transformer_overrides": "verl sets attention_backend=flash (Megatron-Bridge) and mbridge sets sequence_parallel "
-    "whenever TP > 1: attention_backend defaults to local and sequence_parallel is off. Megatron-Bridge's MoE "
-    "providers turn on TransformerEngine's fused permutation and router kernels and grouped GEMM experts (the "
-    "grouped_gemm CUDA package): off, so the experts run megatron-core's SequentialMLP; so is apex's persistent "
-    "layer norm and apex's gradient-accumulation fusion (the DeepSeek providers set them; torch's norms and "
-    "megatron-core's linear layers refuse them without apex).",
+    "whenever TP > 1: attention_backend defaults to local (sequence_parallel stays as verl sets it). "
+    "Megatron-Bridge's MoE providers turn on TransformerEngine's fused permutation and router kernels and grouped "
+    "GEMM experts (the grouped_gemm CUDA package): off, so the experts run megatron-core's SequentialMLP; so is "
+    "apex's persistent layer norm and apex's gradient-accumulation fusion (the DeepSeek providers set them; "
+    "torch's norms and megatron-core's linear layers refuse them without apex).",
     "engine_registry": "verl registers its Megatron engine for cuda/npu only: it is registered for cpu too.",
 }
 
@@ -529,6 +534,32 @@ def import_megatron_bridge() -> types.ModuleType:
     return bridge
 
 
+def patch_sequence_parallel_norm() -> None:
+    """megatron-core's torch norms under sequence parallelism (``PATCHES['sequence_parallel_norm']``)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if getattr(WrappedTorchNorm.__new__, _MARK, False):
+        return
+    stock = WrappedTorchNorm.__new__
+
+    def __new__(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(config, "sequence_parallel", False):
+            return stock(cls, config, *args, **kwargs)
+        norm = stock(cls, _without_sequence_parallel(config), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True  # summed over the TP ranks by finalize_model_grads
+        return norm
+
+    def _without_sequence_parallel(config: Any) -> Any:
+        plain = copy.copy(config)  # a shallow copy: __post_init__'s checks already ran on the original
+        object.__setattr__(plain, "sequence_parallel", False)
+        return plain
+
+    setattr(__new__, _MARK, True)
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+    _note("sequence_parallel_norm")
+
+
 def patch_te_flags() -> None:
     """``HAVE_TE`` reads False in every megatron module that set it without TransformerEngine (``PATCHES``)."""
     if importlib.util.find_spec("transformer_engine") is not None:
@@ -649,7 +680,7 @@ def patch_mbridge_local_spec() -> None:
 
 
 def patch_engine_config() -> None:
-    """verl's ``McoreEngineConfig`` takes float32 and keeps sequence parallel off (``PATCHES['engine_config']``)."""
+    """verl's ``McoreEngineConfig`` takes float32 (``PATCHES['engine_config']``)."""
     from verl.workers.config import McoreEngineConfig
 
     if getattr(McoreEngineConfig.__post_init__, _MARK, False):
@@ -665,7 +696,6 @@ def patch_engine_config() -> None:
         finally:
             if fp32:
                 object.__setattr__(self, "dtype", "float32")
-        self.sequence_parallel = False
 
     setattr(__post_init__, _MARK, True)
     McoreEngineConfig.__post_init__ = __post_init__
@@ -740,7 +770,7 @@ _TE_APEX_KERNELS = (
 
 
 def patch_transformer_overrides() -> None:
-    """verl's transformer-config overrides on CPU: local attention by default, sequence parallel off."""
+    """verl's transformer-config overrides on CPU: local attention by default, no TE/apex kernels."""
     import verl.utils.megatron_utils as megatron_utils
 
     if getattr(megatron_utils.mapping_string_to_attn_backend, _MARK, False):
@@ -750,7 +780,6 @@ def patch_transformer_overrides() -> None:
     def mapping_string_to_attn_backend(args: dict) -> dict:
         args = dict(args)
         args.setdefault("attention_backend", "local")
-        args["sequence_parallel"] = False
         for kernel in _TE_APEX_KERNELS:
             args[kernel] = False
         return stock(args)
@@ -881,6 +910,7 @@ def ensure_megatron_platform(device: str | None = None) -> tuple[str, ...]:
     patch_rng_tracker()
     patch_recompute_rng()
     patch_local_attention()
+    patch_sequence_parallel_norm()
     import_megatron_bridge()
     patch_te_flags()
     patch_bridge_local_spec()

@@ -8,8 +8,8 @@ model's checkpoint where that decides (Megatron-Bridge 0.3.1's providers: DeepSe
 ``moe_router_load_balancing_type=none`` on that path unless a recipe sets it; sequence parallelism on at TP > 1).
 ``stops`` runs the engine's own checks on them, each setting on its own, so a recipe lists everything that stands
 in its way, not only the first: the engine constructor's (``config.refusal``, ``model_refusal``, router replay)
-and initialisation's (``moe.router_refusal``, ``recompute.recompute_refusal``). ``render`` writes the table
-``docs/megatron.md`` shows (``verl-prefix compat --megatron docs/megatron.md``).
+and initialisation's (``moe.router_refusal``, ``moe.pipeline_refusal``, ``recompute.recompute_refusal``).
+``render`` writes the table ``docs/megatron.md`` shows (``verl-prefix compat --megatron docs/megatron.md``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.megatron.config import model_refusal, refusal
-from verl_prefix.backend.megatron.moe import replay_refusal, router_refusal
+from verl_prefix.backend.megatron.moe import aux_coefficient, pipeline_refusal, replay_refusal, router_refusal
 from verl_prefix.backend.megatron.recompute import recompute_refusal
 from verl_prefix.backend.recipe_keys import between_markers
 
@@ -155,8 +155,8 @@ def stops(recipe: MegatronRecipe) -> list[str]:
     found.append(replay_refusal(engine_config(recipe)))
     tf = built_config(recipe)
     found.append(router_refusal(tf))
-    moe_counted = bool(tf.num_moe_experts) and (bool(tf.moe_aux_loss_coeff) or bool(tf.moe_router_enable_expert_bias))
-    found.append(recompute_refusal(tf, moe_counted=moe_counted))
+    found.append(pipeline_refusal(tf, recipe.engine.get("pipeline_model_parallel_size", 1)))
+    found.append(recompute_refusal(tf, aux_counted=bool(tf.num_moe_experts) and aux_coefficient(tf) > 0))
     return [reason for reason in found if reason]
 
 

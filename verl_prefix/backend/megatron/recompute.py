@@ -114,7 +114,7 @@ def install() -> None:
     without_output.discard_output_and_register_recompute = discard
 
 
-def recompute_refusal(tf_config: Any, moe_counted: bool) -> str | None:
+def recompute_refusal(tf_config: Any, aux_counted: bool) -> str | None:
     """Why reuse cannot run megatron-core's recompute on this model, or None (no recompute, or served)."""
     granularity = getattr(tf_config, "recompute_granularity", None)
     if granularity is None:
@@ -125,10 +125,11 @@ def recompute_refusal(tf_config: Any, moe_counted: bool) -> str | None:
             f"prefix_megatron: recompute_granularity={granularity!r} with fp8/fp4 recomputes through "
             f"TransformerEngine's te_checkpoint, not run under reuse yet; set {override}, or {MEGATRON_REUSE_OFF}"
         )
-    if moe_counted:
+    if aux_counted:
         return (
-            f"prefix_megatron: recompute_granularity={granularity!r} with the MoE router aux loss or expert bias: "
-            "the schedule counts each call's routing once per forward and a recomputed layer routes twice; set "
-            f"{override}, or {MEGATRON_REUSE_OFF}"
+            f"prefix_megatron: recompute_granularity={granularity!r} with the MoE router aux loss: the schedule "
+            "takes a suffix call's aux from its router logits in the forward, which recompute runs without a graph; "
+            f"set {override}, the aux loss off (moe_router_load_balancing_type=none, as verl's Megatron-Bridge "
+            f"loader sets it), or {MEGATRON_REUSE_OFF}"
         )
     return None
