@@ -79,7 +79,7 @@ case "$ENGINE/$MODE" in
         '++ray_kwargs.ray_init.runtime_env.env_vars.VERL_PREFIX_STOCK_TORCHTITAN="1"')  # a string: Ray's env_vars
     fi ;;
   # verl's Megatron engine (megatron-core, Megatron-Bridge's loader) through the CPU platform layer: fp32, the
-  # local attention spec, sequence parallel off, the distributed optimizer (the rollout's weight sync,
+  # local attention spec, sequence parallelism on at TP > 1 (verl's default), the distributed optimizer (the rollout's weight sync,
   # get_per_tensor_param, needs it); packed (THD) rows, verl's Megatron default; the smoke overlay's FSDP block
   # is not its config
   megatron/prefix | megatron/dense)
@@ -99,7 +99,6 @@ case "$ENGINE/$MODE" in
       "$mcore.tensor_model_parallel_size=$TP" "$mcore.use_distributed_optimizer=true"
       "$mcore.override_transformer_config.attention_backend=local"
       "$mcore.dtype=float32" actor_rollout_ref.ref.megatron.dtype=float32
-      "$mcore.sequence_parallel=false" actor_rollout_ref.ref.megatron.sequence_parallel=false
       '~actor_rollout_ref.actor.fsdp_config' '~actor_rollout_ref.ref.fsdp_config')
     if [[ "$MODE" == dense ]]; then  # verl's own Megatron engine and synchronous trainer
       twin+=(trainer.v1.trainer_mode=sync actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.ref.strategy=megatron

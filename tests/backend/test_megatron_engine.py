@@ -185,9 +185,12 @@ def test_refusals_name_the_knob():
         prefix_reuse = PrefixReuseConfig()
 
     assert refusal(Config()) is None
+    virtual = Config()
+    virtual.virtual_pipeline_model_parallel_size = 2
+    assert refusal(virtual) is None  # served (test_megatron_pipeline.py)
     for knob, value in (
-        ("virtual_pipeline_model_parallel_size", 2),
         ("context_parallel_size", 2),
+        ("use_megatron_fsdp", True),
     ):
         config = Config()
         setattr(config, knob, value)

@@ -8,13 +8,14 @@ the four dense singletons each). One-level reuse, the tree, a chunked prefix, me
 ``dormant_prefix=recompute``: every parameter's ``main_grad`` (router and local experts included), grad norm, the
 loss verl reports (the aux outside it, as verl's engine reports it), forward-only log-probs; reuse asserted.
 Negative controls: phase C skipped, and the prefix's router statistics counted once per micro-batch, both fail.
-With verl's default (no load-balancing loss) the update is exact too. Expert bias (DeepSeek-V3's aux-loss-free
+With verl's default (no load-balancing loss) the update is exact too, and so it is with megatron-core's router z-loss
+alone (counting the prefix once fails). Expert bias (DeepSeek-V3's aux-loss-free
 balancing: sigmoid scores, ``moe_router_enable_expert_bias``, here beside the aux loss): the per-expert token counts
 ``finalize_model_grads`` moves the bias by, all-reduced, equal the stock engine's exactly, and so do the biases and
 the update; counting the prefix once per group fails. Under sequence parallelism (TP=2 x EP=2 on two ranks, verl's
-setting at TP > 1) the aux is exact too, on rows whose lengths need no alignment padding (verl's engine pads each
-row to a multiple of the TP size and its routers count that padding; reuse counts real tokens only); the aux
-counted once per TP rank fails (expert bias under sequence parallelism, pipeline stages and recompute:
+setting at TP > 1) the aux and z-loss are exact too, on rows whose lengths need no alignment padding (verl's engine
+pads each row to a multiple of the TP size and its routers count that padding; reuse counts real tokens only); the
+terms counted once per TP rank fail (expert bias under sequence parallelism, pipeline stages and recompute:
 ``test_megatron_pipeline.py``). And what the engine refuses in MoE routing, with the knob.
 """
 
@@ -46,6 +47,8 @@ TOL = 1e-5  # fp32
 COEFF = 0.1  # large enough that the aux moves the router's gradient well past the tolerance
 AUX = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": COEFF}
 BIAS = {**AUX, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
+Z = {"moe_router_load_balancing_type": "none", "moe_z_loss_coeff": COEFF}  # the router z-loss alone
+Z_CASES = ("one_level", "tree", "chunked")
 BIAS_CASES = ("one_level", "tree", "chunked")
 CASES = MEGATRON_CASES
 
@@ -106,6 +109,13 @@ def _body(rank: int, model_dir: str) -> dict:
     plain_got = megatron_train_step(plain_prefix, loss_fn, batch)
     infer = (inferred(verl_engine.run_infer(plain_stock, batch)), inferred(verl_engine.run_infer(plain_prefix, batch)))
     out["no_aux"] = {**compare_steps(plain, plain_got), "infer": infer}
+    # the router z-loss (megatron-core's mean of logsumexp^2 per call), without the aux loss
+    z_stock, z_prefix = _pair(model_dir, Z, base)
+    assert z_prefix.routers is not None and z_prefix.routers.coeff == 0.0 and z_prefix.routers.z_coeff == COEFF
+    z_controls = {"counted_once": _prefix_counted_once}
+    z_cases = {f"z_{case}": CASES[case] for case in Z_CASES}
+    out.update(megatron_cases(z_stock, z_prefix, loss_fn, batch, base, z_cases, z_controls, controlled=z_cases))
+    out["z_effect"] = compare_steps(plain, megatron_train_step(z_stock, loss_fn, batch))["worst"]
     # expert bias beside the aux loss
     bias_stock, bias_prefix = _pair(model_dir, BIAS, base)
     assert bias_prefix.expert_counts is not None and len(bias_prefix.expert_counts.routers) == 2
@@ -169,6 +179,23 @@ def test_without_aux_loss_update_matches(ranks):
         assert_infer_matches(*r["infer"], TOL, groups=_groups(rank))
 
 
+@pytest.mark.parametrize("case", Z_CASES)
+def test_router_z_loss_matches_verl_megatron_engine(ranks, case):
+    """megatron-core's router z-loss (each layer's mean of logsumexp(logits)^2 over a call's tokens) per logical
+    micro-batch: the prefix's sums counted once per row. Exact against verl's engine; the z-loss moves gradients
+    well past the tolerance; counting the prefix once per micro-batch fails."""
+    for rank, result in ranks.items():
+        r = result[f"z_{case}"]
+        assert r["grads"] > 10 and r["worst"] < TOL, f"rank {rank} {case}: {r['name']} off by {r['worst']:.2e}"
+        if result["source"]:
+            assert r["loss"][1] == pytest.approx(r["loss"][0], rel=TOL, abs=1e-7)  # reported without the z term
+        assert_reuse_ran(r["metrics"], groups=_groups(rank))
+        assert r["metrics"]["moe_z_loss"] > 0 and "moe_aux_loss" not in r["metrics"]
+        assert_infer_matches(*r["infer"], TOL, groups=_groups(rank))
+        assert r["counted_once"] > 100 * TOL, f"rank {rank} {case}: counting the prefix once passed"
+        assert result["z_effect"] > 100 * TOL, f"rank {rank}: the z-loss changed no gradient"
+
+
 @pytest.mark.parametrize("case", BIAS_CASES)
 def test_expert_bias_counts_match_verl_megatron_engine(ranks, case):
     import torch
@@ -198,7 +225,6 @@ def _tf(**changes):
     [
         dict(moe_router_load_balancing_type="seq_aux_loss"),
         dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"], moe_aux_loss_coeff=[0.01, 0.01]),
-        dict(moe_z_loss_coeff=0.001),
         dict(moe_input_jitter_eps=0.01),
         dict(moe_expert_capacity_factor=1.0),
         dict(moe_router_force_load_balancing=True),
@@ -262,7 +288,9 @@ def _sp_body(rank: int, model_dir: str) -> dict:
 
     loss_fn, _ = ppo_loss(["use_kl_loss=true", "ppo_micro_batch_size_per_gpu=4"])
     base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=4)
-    layout = dict(SP_LAYOUT, override_transformer_config={"attention_backend": "local", **AUX})
+    layout = dict(
+        SP_LAYOUT, override_transformer_config={"attention_backend": "local", **AUX, "moe_z_loss_coeff": COEFF}
+    )
     stock = build_megatron_engine(model_dir, lr=0.0, **layout)
     prefix = build_megatron_engine(model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **layout)
     assert stock.tf_config.sequence_parallel and prefix.tf_config.sequence_parallel
@@ -280,14 +308,14 @@ def sp_ranks(tiny_model) -> dict:
 
 @pytest.mark.parametrize("case", list(SP_CASES))
 def test_aux_loss_under_sequence_parallelism_matches_verl_megatron_engine(sp_ranks, case):
-    """The aux of a call whose positions are split over the TP ranks: its router logits gathered, each rank the
-    whole aux, each slice its own gradient; exact against verl's engine at TP=2 (sequence parallel) x EP=2.
+    """The aux and z-loss of a call whose positions are split over the TP ranks: its router logits gathered, each
+    rank the whole terms, each slice its own gradient; exact against verl's engine at TP=2 (sequence parallel) x EP=2.
     Negative control: each slice given every rank's gradient of the aux (the aux counted TP times) fails."""
     for rank, result in sp_ranks.items():
         r = result[case]
         assert r["grads"] > 10 and r["worst"] < TOL, f"rank {rank} {case}: {r['name']} off by {r['worst']:.2e}"
         assert_reuse_ran(r["metrics"], groups=2)
-        assert r["metrics"]["moe_aux_loss"] > 0
+        assert r["metrics"]["moe_aux_loss"] > 0 and r["metrics"]["moe_z_loss"] > 0
         assert_infer_matches(*r["infer"], TOL, groups=2)
         if case == "one_level":
             assert r["summed"] > 100 * TOL, f"rank {rank}: the aux counted TP times passed"

@@ -7,16 +7,19 @@ Per stage, every parameter's gradient as megatron-core's DDP accumulates it (``m
 ``finalize_model_grads``), the last stage's loss and grad norm, the forward-only log-probs; reuse asserted on every
 stage. Cases: one-level, the token trie, a chunked prefix, merged phase B, ``dormant_prefix=recompute``, and
 megatron-core's full recompute. Negative controls: phase C skipped on every stage, phase B's RoPE one position late.
-Layouts: PP=2 on two ranks; on four ranks (about a minute each, kept out of the e2e tier, whose ``main_ppo`` launches
-would share the host's memory with them) PP=2 x DP=2 (data-parallel rank 1 with dense rows and
-lockstep fillers through the pipeline), PP=2 x TP=2 with sequence parallelism (``run_qwen3_8b_megatron.sh`` scaled
-down) and a tiny Qwen3-MoE at PP=2 x TP=2 (sequence parallel) x EP=2 with DeepSeek-V3's expert bias, full recompute
-and offload (the DeepSeek-V3 671B, Moonlight and Qwen3-235B recipes scaled down; verl's loader turns the aux loss
-off), where every stage's expert load counts and the biases they move equal verl's engine's exactly. Rows are
-aligned to the TP size (verl's engine pads each row to it under sequence parallelism, and its routers count that
-padding; reuse counts real tokens only). With reuse off the engine trains as verl's (the refusal of
-virtual stages tells users to do that, and that advice must run: verl's engine returns ``{}`` on every stage but the
-last, which the driver passes through).
+Layouts on two ranks: PP=2, and PP=2 with virtual stages (``virtual_pipeline_model_parallel_size=2``: two model
+chunks per rank of a 4-layer model, a sequence going around the ring of ranks twice; verl's engine runs megatron-core's
+interleaved schedule). On four ranks (about a minute each, kept out of the e2e tier, whose ``main_ppo`` launches
+would share the host's memory with them): PP=2 x DP=2, with and without virtual stages (data-parallel rank 1 with
+dense rows and lockstep fillers through the pipeline), PP=2 x TP=2 with sequence parallelism
+(``run_qwen3_8b_megatron.sh`` scaled down), a tiny
+Qwen3-MoE at PP=2 x TP=2 (sequence parallel) x EP=2 with DeepSeek-V3's expert bias, full recompute and offload (the
+DeepSeek-V3 671B, Moonlight and Qwen3-235B recipes scaled down; verl's loader turns the aux loss off), where every
+stage's expert load counts equal verl's engine's exactly, and the same with virtual stages and softmax routing
+(``run_qwen3_30b_a3b_megatron.sh`` scaled down). Rows are aligned to the TP size (verl's engine pads each row to it
+under sequence parallelism, and its routers count that padding; reuse counts real tokens only). With reuse off the
+engine trains as verl's (every refusal tells users to do that, and that advice must run: verl's engine returns
+``{}`` on every stage but the last, which the driver passes through).
 """
 
 from __future__ import annotations
@@ -63,12 +66,25 @@ MOE_RECIPE = dict(
         "recompute_num_layers": 1,
     },
 )
-# name -> (ranks, layout, cases, tiny model family)
+# run_qwen3_30b_a3b_megatron.sh scaled down: virtual stages (two model chunks per rank, a 4-layer model) at PP=2 x TP=2
+# (sequence parallel) x EP=2, softmax routing (the aux loss off, as verl's loader sets it), full recompute, offload
+VPP_MOE_RECIPE = dict(
+    MOE_RECIPE,
+    virtual_pipeline_model_parallel_size=2,
+    override_transformer_config={
+        k: v for k, v in MOE_RECIPE["override_transformer_config"].items() if "router" not in k
+    },
+)
+FOUR_LAYERS = dict(num_layers=4)  # two virtual stages of one layer on each of two ranks
+# name -> (ranks, layout, cases, tiny model family, its size)
 LAYOUTS = {
-    "pp2": (2, dict(), MEGATRON_CASES, "qwen3"),
-    "pp2_dp2": (4, dict(), TWO, "qwen3"),
-    "pp2_tp2": (4, dict(tensor_parallel_size=2, sequence_parallel=True), TWO, "qwen3"),
-    "pp2_tp2_ep2_moe": (4, MOE_RECIPE, TWO, "qwen3_moe"),
+    "pp2": (2, dict(), MEGATRON_CASES, "qwen3", {}),
+    "pp2_vpp2": (2, dict(virtual_pipeline_model_parallel_size=2), MEGATRON_CASES, "qwen3", FOUR_LAYERS),
+    "pp2_dp2": (4, dict(), TWO, "qwen3", {}),
+    "pp2_vpp2_dp2": (4, dict(virtual_pipeline_model_parallel_size=2), TWO, "qwen3", FOUR_LAYERS),
+    "pp2_tp2": (4, dict(tensor_parallel_size=2, sequence_parallel=True), TWO, "qwen3", {}),
+    "pp2_tp2_ep2_moe": (4, MOE_RECIPE, TWO, "qwen3_moe", {}),
+    "pp2_vpp2_tp2_ep2_moe": (4, VPP_MOE_RECIPE, TWO, "qwen3_moe", FOUR_LAYERS),
 }
 CONTROLS = {"no_phase_c": phase_c_skipped, "rope_late": suffix_rope_late}
 
@@ -82,7 +98,7 @@ def _reuse_body(rank: int, model_dir: str, name: str) -> dict:
     from verl_prefix.harness import verl_engine
     from verl_prefix.harness.megatron import build_megatron_engine, ppo_loss
 
-    world, layout, cases, _ = LAYOUTS[name]
+    world, layout, cases, _, _ = LAYOUTS[name]
     loss_fn, _ = ppo_loss(["use_kl_loss=true", "entropy_coeff=0.01", "ppo_micro_batch_size_per_gpu=4"])
     base = PrefixReuseConfig(min_prefix_len=4, suffix_micro_batch_size=2)
     pp = dict(pipeline_model_parallel_size=2, **layout)
@@ -125,15 +141,20 @@ def _reuse_body(rank: int, model_dir: str, name: str) -> dict:
     return out
 
 
+def _model(tiny_model, name: str) -> str:
+    _, _, _, family, size = LAYOUTS[name]
+    return str(tiny_model(family, **size))
+
+
 @pytest.fixture(scope="module")
-def pp2(tiny_model) -> dict:
-    return run_two_ranks(_reuse_body, str(tiny_model("qwen3")), "pp2", timeout=900)
+def two_ranks(tiny_model) -> dict:
+    return {n: run_two_ranks(_reuse_body, _model(tiny_model, n), n, timeout=900) for n in ("pp2", "pp2_vpp2")}
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tiny_model) -> dict:
-    names = ("pp2_dp2", "pp2_tp2", "pp2_tp2_ep2_moe")
-    return {n: run_ranks(_reuse_body, str(tiny_model(LAYOUTS[n][3])), n, world=4, timeout=1500) for n in names}
+    names = [n for n, spec in LAYOUTS.items() if spec[0] == 4]
+    return {n: run_ranks(_reuse_body, _model(tiny_model, n), n, world=4, timeout=1500) for n in names}
 
 
 def _check(results: dict, name: str, case: str) -> None:
@@ -159,25 +180,26 @@ def _check(results: dict, name: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(MEGATRON_CASES))
-def test_pipeline_stages_reuse_exactly(pp2, case):
-    assert sorted(r["stage"] for r in pp2.values()) == [0, 1]
-    _check(pp2, "pp2", case)
+@pytest.mark.parametrize("name", ["pp2", "pp2_vpp2"])
+def test_pipeline_stages_reuse_exactly(two_ranks, name, case):
+    assert sorted(r["stage"] for r in two_ranks[name].values()) == [0, 1]
+    _check(two_ranks[name], name, case)
 
 
-def test_pipeline_stages_with_megatron_full_recompute(pp2):
-    for rank, result in pp2.items():
+def test_pipeline_stages_with_megatron_full_recompute(two_ranks):
+    for rank, result in two_ranks["pp2"].items():
         r = result["full_recompute"]
         assert r["worst"] < TOL, (rank, r["name"], r["worst"])
         assert_reuse_ran(r["metrics"], groups=2)
 
 
-@pytest.mark.parametrize("name", ["pp2_dp2", "pp2_tp2", "pp2_tp2_ep2_moe"])
+@pytest.mark.parametrize("name", [n for n, spec in LAYOUTS.items() if spec[0] == 4])
 def test_pipeline_stages_with_data_or_tensor_parallelism(four_ranks, name):
     results = four_ranks[name]
     assert sorted(r["stage"] for r in results.values()) == [0, 0, 1, 1]
     for case in LAYOUTS[name][2]:
         _check(results, name, case)
-    if name == "pp2_dp2":  # data-parallel rank 1's singletons ran dense through the pipeline, its peer filled in
+    if "dp2" in name:  # data-parallel rank 1's singletons ran dense through the pipeline, its peer filled in
         for result in results.values():
             m = result["one_level"]["metrics"]
             assert m.get("prefix/fallback_short_prefix", 0.0) == (4.0 if result["dp_rank"] else 0.0)
@@ -202,11 +224,10 @@ def _off_body(rank: int, model_dir: str) -> dict:
     if infer_want["log_probs"] is not None:
         log_probs = (infer_got["log_probs"].values() - infer_want["log_probs"].values()).abs().max().item()
     refused = None
-    try:
+    try:  # a refusal's advice (reuse off) must run: context parallelism is still refused
         build_megatron_engine(
-            model_dir, backend="prefix_megatron", lr=0.0, pipeline_model_parallel_size=2,
-            virtual_pipeline_model_parallel_size=2,
-        )  # fmt: skip
+            model_dir, backend="prefix_megatron", lr=0.0, pipeline_model_parallel_size=2, context_parallel_size=2
+        )
     except ValueError as error:
         refused = str(error)
     return {
@@ -226,7 +247,7 @@ def test_pipeline_stages_with_reuse_off_train_as_verls_engine(tiny_model):
         count, same_names, worst = result["grads"]
         assert count > 0 and same_names and worst < 1e-6, (rank, result["grads"])
         refused = result["refused"]
-        assert "virtual_pipeline_model_parallel_size=2" in refused and "prefix_reuse.enable=false" in refused
+        assert "context_parallel_size=2" in refused and "prefix_reuse.enable=false" in refused
     first, last = results[0], results[1]
     assert first["loss"] == (None, None) and first["log_probs"] is None  # verl's engine: nothing before the last
     assert last["loss"][0] == pytest.approx(last["loss"][1], rel=1e-6, abs=1e-9)

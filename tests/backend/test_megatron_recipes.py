@@ -43,7 +43,8 @@ def test_sixteen_recipes_each_stopped_or_reusing_with_the_settings_named():
     assert [recipes.setting_of(r) for r in recipes.stops(staged)] == ["moe_aux_loss_coeff=0.01"]
     recomputed = recipes.MegatronRecipe("x", "qwen3_moe", "EP2", {}, {**aux, "recompute_granularity": "full"})
     assert [recipes.setting_of(r) for r in recipes.stops(recomputed)] == ["recompute_granularity='full'"]
-    assert recipes.stops(recipes.MegatronRecipe("x", "qwen3", "TP2", {"virtual_pipeline_model_parallel_size": 2}))
+    virtual = recipes.MegatronRecipe("x", "qwen3", "PP2 VPP2", {"virtual_pipeline_model_parallel_size": 2})
+    assert recipes.stops(virtual) == []
 
 
 # the recipes the table says reuse, and the acceptance test that runs each one's settings, scaled down to four CPU
@@ -53,6 +54,7 @@ ACCEPTED = {
     "run_qwen3_235b_a22b_megatron.sh": "pp2_tp2_ep2_moe",  # TP4 PP8 EP4, full recompute, offload, qwen3_moe
     "run_deepseek_v3_671b_megatron.sh": "pp2_tp2_ep2_moe",  # TP8 PP12 EP8, expert bias, full recompute, offload
     "run_moonlight_16b_a3b_megatron.sh": "pp2_tp2_ep2_moe",  # TP4 PP3 EP4, expert bias
+    "run_qwen3_30b_a3b_megatron.sh": "pp2_vpp2_tp2_ep2_moe",  # TP4 PP2 VPP2 EP2, full recompute, offload
 }
 
 

@@ -92,7 +92,6 @@ def test_refused_megatron_keys_are_refused_by_name():
     from verl_prefix.backend.megatron.config import refusal
 
     away = {
-        "virtual_pipeline_model_parallel_size": 2,
         "context_parallel_size": 2,
         "dynamic_context_parallel": True,
         "use_megatron_fsdp": True,

@@ -2,18 +2,16 @@
 ``recipes/grpo_cpu_smoke.sh``), against verl's own Megatron engine on identical rollouts.
 
 The tiny Qwen3 of ``verl-prefix smoke-data --family qwen3``, GSM8K-shaped prompts; megatron-core through the CPU
-platform layer (fp32, the local attention spec, sequence parallel off, gloo), Megatron-Bridge's loader, the
-distributed optimizer, packed (THD) rows; the ``hf`` rollout fed by the Megatron engine's weight sync
-(``get_per_tensor_param``: TP shards gathered, HF names, fp32). Two launches side by side, each in its own local Ray
-cluster with two actor ranks sharing one model over TP=2: verl's engine (``sync`` + ``megatron``, registered for
-cpu by the plugin's ``VERL_PREFIX_MEGATRON_CPU`` opt-in) and the prefix run: that same stock launch plus exactly
-one line, ``actor_rollout_ref.actor.strategy=prefix_megatron`` (verl's Megatron actor and reference configs keep
-``strategy: megatron`` on their engine configs; the plugin's selection swaps in ``prefix_megatron`` for both, and
-the metrics show reuse in the update and in the reference pass), two steps each, 2 prompts x 4 samples in one
-mini-batch. The hf
-rollout seeds each request from its prompt and count, so both runs draw the same samples at step 1; step 2's come
-from weights that agree to AdamW's rounding, and draw the same too (asserted: same rewards and lengths).
-"""
+platform layer (fp32, the local attention spec, sequence parallelism on at TP=2 as verl sets it, gloo),
+Megatron-Bridge's loader, the distributed optimizer, packed (THD) rows; the ``hf`` rollout fed by the Megatron engine's
+weight sync (``get_per_tensor_param``: TP shards gathered, HF names, fp32). Two launches side by side, each in its own
+local Ray cluster with two actor ranks sharing one model over TP=2: verl's engine (``sync`` + ``megatron``, registered
+for cpu by the plugin's ``VERL_PREFIX_MEGATRON_CPU`` opt-in) and the prefix run: that same stock launch plus exactly one
+line, ``actor_rollout_ref.actor.strategy=prefix_megatron`` (verl's Megatron actor and reference configs keep ``strategy:
+megatron`` on their engine configs; the plugin's selection swaps in ``prefix_megatron`` for both, and the metrics show
+reuse in the update and in the reference pass), two steps each, 2 prompts x 4 samples in one mini-batch. The hf rollout
+seeds each request from its prompt and count, so both runs draw the same samples at step 1; step 2's come from weights
+that agree to AdamW's rounding, and draw the same too (asserted: same rewards and lengths)."""
 
 from __future__ import annotations
 

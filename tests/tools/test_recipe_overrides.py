@@ -247,11 +247,12 @@ def _compose_megatron(launch: list[str]) -> dict:
 
 def test_cpu_recipe_megatron_variant(tmp_path):
     """``ENGINE=megatron``: ``configs/prefix_grpo_megatron.yaml`` under the smoke overlay (its FSDP blocks removed),
-    TP=2 on the two ranks, fp32, sequence parallel off, local attention, the distributed optimizer, the actor and
-    the reference policy on ``prefix_megatron``; ``MODE=dense`` is verl's own Megatron engine and synchronous
-    trainer. Both pass verl's validation with the opt-in the recipe sets, which both carry to their Ray workers."""
+    TP=2 on the two ranks, fp32, sequence parallelism on (verl's default at TP > 1), local attention, the distributed
+    optimizer, the actor and the reference policy on ``prefix_megatron``; ``MODE=dense`` is verl's own Megatron engine
+    and synchronous trainer. Both pass verl's validation with the opt-in the recipe sets, which both carry to their Ray
+    workers."""
     pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is an optional dependency (scripts/setup.sh)")
-    served = ["prefix_megatron", 2, "float32", False, True, "local"]
+    served = ["prefix_megatron", 2, "float32", True, True, "local"]
     env = {"ENGINE": "megatron", "OUT": str(tmp_path / "out"), "STEPS": "2", "SAVE_AT": "2", "MODE": "prefix"}
     (launch,) = _recorded_launches(tmp_path, "grpo_cpu_smoke.sh", env)
     prefix = _compose_megatron(launch)

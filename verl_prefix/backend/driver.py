@@ -212,7 +212,8 @@ class ReuseDriver:
         return None
 
     def moe_aux_term(self, stats: moe.RouterStats, data: TensorDict) -> tuple[torch.Tensor, Any]:
-        """The router aux loss term of a micro-batch and its metric (engines with ``moe_aux_on``)."""
+        """The router aux loss term of a micro-batch and its metric, logged as ``moe_aux_loss`` (or a dict of
+        metrics by name, for an engine that adds more than one router term) (engines with ``moe_aux_on``)."""
         raise NotImplementedError
 
     def reported_loss(self, loss: torch.Tensor, metrics: dict) -> float:
@@ -331,7 +332,7 @@ class ReuseDriver:
 
         def aux_fn(rows: list[int], stats: moe.RouterStats) -> torch.Tensor:
             term, metric = self.moe_aux_term(stats, run.data)
-            pending[-1][2]["moe_aux_loss"] = metric
+            pending[-1][2].update(metric if isinstance(metric, dict) else {"moe_aux_loss": metric})
             return term
 
         return loss_fn, aux_fn

@@ -254,7 +254,6 @@ ME_ = "tests/backend/test_megatron_engine.py"
 _MEGA_EXACT = f"{ME_}::test_update_and_log_probs_match_verl_megatron_engine"
 _MEGA_REFUSED = f"{ME_}::test_refusals_name_the_knob"
 _MEGA_PP = "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_reuse_exactly"
-_MEGA_VPP = "tests/backend/test_megatron_pipeline.py::test_pipeline_stages_with_reuse_off_train_as_verls_engine"
 _MEGA_SELECT = "tests/backend/test_selection.py::test_one_line_builds_the_prefix_engine_for_actor_and_ref"
 _MEGA_MOE = "tests/backend/test_megatron_moe.py::test_aux_loss_update_matches_verl_megatron_engine"
 _MEGA_RECOMPUTE = "tests/backend/test_megatron_recompute.py::test_reuse_under_recompute_matches_verls_engine"
@@ -272,7 +271,12 @@ def _megatron_keys(role: str) -> dict[str, KeyEffect]:
         "sends; expert bias served, the MoE aux loss under PP refused",
         _MEGA_PP,
     )
-    refused_vpp = _fx("refused", "virtual stages not run under reuse yet; reuse off trains as verl's", _MEGA_VPP)
+    served_vpp = _fx(
+        "served",
+        "several model chunks per rank: a call runs them in order, relayed around the ring of ranks; every "
+        "micro-batch backpropagated right after its forward",
+        _MEGA_PP,
+    )
     return {
         f"{m}._target_": _fx(
             "selector", "the engine config class; the plugin swaps in PrefixMcoreEngineConfig", _MEGA_SELECT
@@ -292,7 +296,7 @@ def _megatron_keys(role: str) -> dict[str, KeyEffect]:
             "tests/backend/test_megatron_moe.py::test_aux_loss_under_sequence_parallelism_matches_verl_megatron_engine",
         ),
         f"{m}.pipeline_model_parallel_size": served_pp,
-        f"{m}.virtual_pipeline_model_parallel_size": refused_vpp,
+        f"{m}.virtual_pipeline_model_parallel_size": served_vpp,
         f"{m}.context_parallel_size": _fx(
             "refused", "CP's ring exchange of the prefix K/V is not built", _MEGA_REFUSED
         ),
@@ -582,12 +586,13 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
             ),
             "prefix_megatron": Cell(
                 "reuses",
-                "EP, TP x EP with sequence parallelism; megatron-core's aux loss and expert-bias counts per row; "
-                "z-loss, token dropping refused",
+                "EP, TP x EP with sequence parallelism; megatron-core's aux loss, z-loss and expert-bias counts "
+                "per row; token dropping refused",
                 (
                     f"{MM}::test_aux_loss_update_matches_verl_megatron_engine",
                     f"{MM}::test_expert_bias_counts_match_verl_megatron_engine",
                     f"{MM}::test_aux_loss_under_sequence_parallelism_matches_verl_megatron_engine",
+                    f"{MM}::test_router_z_loss_matches_verl_megatron_engine",
                     f"{MM}::test_router_refusals_name_the_knob",
                 ),
             ),

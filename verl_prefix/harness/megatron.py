@@ -95,10 +95,11 @@ def exported_weights(engine: Any) -> dict[str, torch.Tensor]:
 def main_grads(engine: Any) -> dict[str, torch.Tensor]:
     """Every parameter's accumulated gradient as megatron-core's DDP keeps it (``main_grad``: this rank's TP shard,
     after the data-parallel reduction once ``finalize_model_grads`` ran), by parameter name; for comparing two
-    engines of the same layout rank by rank."""
+    engines of the same layout rank by rank (under virtual pipeline stages each name behind its chunk's index)."""
+    several = len(engine.module) > 1  # virtual pipeline stages: the chunks' names repeat, so each is prefixed
     return {
-        name: param.main_grad.detach().clone()
-        for chunk in engine.module
+        f"chunk{index}.{name}" if several else name: param.main_grad.detach().clone()
+        for index, chunk in enumerate(engine.module)
         for name, param in chunk.named_parameters()
         if getattr(param, "main_grad", None) is not None
     }

@@ -15,7 +15,7 @@ With ``recompute`` phase A keeps no graph and phase C rebuilds chunk ``k``'s gra
 own backward, so only one chunk's activations exist at a time: memory then grows with the K/V
 (``2 x layers x kv width`` per token) rather than with the activations. ``keep`` and ``offload`` keep
 (or offload) every chunk's graph from A to C. Router statistics (MoE aux loss) of the chunks sum;
-every chunk's probability-sum root is seeded with the one router leaf's gradient.
+every chunk's probability-sum root (and z-sum root) is seeded with the one router leaf's gradient.
 
 A recurrent layer (``schedule.models.recurrent``) has no K/V to slice: chunk ``i`` ends in its own state (conv
 context and recurrent state), kept as leaves of their own (``states[i]``); chunk ``i+1`` continues from
@@ -91,11 +91,13 @@ def with_states(view: PrefixKV, states: list[RecurrentState | None], detach: boo
 
 
 def _sum_stats(parts: list[RouterStats]) -> RouterStats:
+    z_sums = [p.z_sum for p in parts]
     return RouterStats(
         counts=sum(p.counts for p in parts[1:]) + parts[0].counts,
         prob_sum=torch.stack([p.prob_sum.detach() for p in parts]).sum(0),
         tokens=sum(p.tokens for p in parts),
         layers=parts[0].layers,
+        z_sum=None if z_sums[0] is None else torch.stack([z.detach() for z in z_sums]).sum(0),
     )
 
 
@@ -209,7 +211,7 @@ class ChunkedPrefix:
         ``recompute``) seeded with the leaf gradient of its tokens; fillers with zeros.
         ``on_chunk_done`` runs after each chunk's backward (the meter's ``SavedBytes.segment``)."""
         leaves = self.leaves
-        router_seed = leaves.router_stats.prob_sum.grad if leaves.router_stats is not None else None
+        router_seeds = [t.grad for t in leaves.router_stats.boundary()] if leaves.router_stats is not None else []
         for index in reversed(range(len(self.chunks))):
             chunk = self.chunks[index]
             self.chunks[index] = None  # phase A's graph of this chunk goes with its backward
@@ -234,7 +236,7 @@ class ChunkedPrefix:
                         grad = leaf.grad
                         seeds.append(grad[:, :, chunk.start : chunk.end].clone() if grad is not None else None)
                 if roots.router_stats is not None:
-                    seeds.append(router_seed)
+                    seeds.extend(router_seeds)
             seeded_backward(roots, seeds, model)
             del roots
             if on_chunk_done is not None:

@@ -555,6 +555,18 @@ def filler_step(
     return None
 
 
+def handed_off(
+    step: torch.Tensor | Handoff | None, options: ScheduleOptions, phase: str = "B"
+) -> torch.Tensor | Handoff | None:
+    """A training micro-batch's result; an ``eager`` handoff (virtual pipeline stages: a backward crosses the ring of
+    ranks inside autograd, so every stage backpropagates a micro-batch before the next goes forward) backpropagated
+    now, None in its place."""
+    if getattr(step, "eager", False):
+        handoffs_backward([step], options, phase)
+        return None
+    return step
+
+
 def handoffs_backward(handoffs: list[Handoff | None], options: ScheduleOptions, phase: str = "B") -> None:
     """A pipeline stage before the last: the backward of a node's micro-batches, in the order they went forward
     (GPipe: the next stages scored each meanwhile and send its gradient back), metered as ``phase``."""
@@ -595,15 +607,12 @@ def train_suffixes(
     steps: list[torch.Tensor | Handoff | None] = []
     for rows in group.micro_batches:
         batch = build_suffix_batch(layout, rows, group.prompt_len, options, include_last=options.routes_last)
-        steps.append(suffix_step(model, above, batch, loss_fn, options))
+        steps.append(handed_off(suffix_step(model, above, batch, loss_fn, options), options))
     if group.filler_micro_batches:
         prefix = join_path(above.path)
         for _ in range(group.filler_micro_batches):
-            steps.append(
-                filler_step(
-                    model, prefix, build_suffix_batch(layout, group.rows[:1], group.prompt_len, options), options, True
-                )
-            )
+            filler = build_suffix_batch(layout, group.rows[:1], group.prompt_len, options)
+            steps.append(handed_off(filler_step(model, prefix, filler, options, True), options))
     if scores(model):
         return [loss for loss in steps if isinstance(loss, torch.Tensor)]
     handoffs_backward([step for step in steps if not isinstance(step, torch.Tensor)], options)

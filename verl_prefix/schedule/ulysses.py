@@ -122,7 +122,8 @@ class Ulysses:
         tokens = torch.tensor(stats.tokens, device=counts.device)
         dist.all_reduce(tokens, group=self.group)
         prob_sum = dist_nn.all_reduce(stats.prob_sum, group=self.group)
-        return RouterStats(counts=counts, prob_sum=prob_sum, tokens=int(tokens), layers=stats.layers)
+        z_sum = None if stats.z_sum is None else dist_nn.all_reduce(stats.z_sum, group=self.group)
+        return RouterStats(counts=counts, prob_sum=prob_sum, tokens=int(tokens), layers=stats.layers, z_sum=z_sum)
 
 
 class ShardedAttentionModule:

@@ -19,6 +19,15 @@ phase C's backward, which starts inside every stage at once. So every stage runs
 Sends are non-blocking (waited at ``flush``) so that no stage waits on a peer that waits on it. Dense rows, and a
 data-parallel peer's lockstep fillers, run as pipeline micro-batches (``run_micro_batches``: the engine's own inputs
 and loss on the last stage).
+
+Virtual stages (megatron-core's interleaved pipeline: ``chunks`` model chunks per rank, the model cut into
+``ranks x chunks`` pieces taken round-robin, so a sequence goes around the ring of ranks ``chunks`` times): a rank's
+call runs its chunks in order, and between two of them its output goes on to the next rank while the next chunk's
+input comes from the previous rank around the ring (``relay``: an autograd function, so its backward sends the
+input's gradient back and waits for the output's). A backward then crosses the ring inside autograd, and a rank may
+wait in it for a peer's backward of the same micro-batch: every stage backpropagates each micro-batch right after
+its forward (``interleaved``: the handoffs are ``eager``) instead of after the node's last forward, and phase C's one
+seeded backward on each rank reaches its earlier chunks through the relays in autograd's dependency order.
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ class StageLink:
     ranks: Sequence[int] = ()
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     pending: list = field(default_factory=list)
+    chunks: int = 1  # model chunks per rank (virtual stages), each sequence crossing the ring ``chunks`` times
 
     @classmethod
     def of_mesh(cls, mesh: Any, device: torch.device) -> StageLink:
@@ -72,12 +82,19 @@ class StageLink:
         return cls(mesh.get_local_rank(), mesh.size(), group, dist.get_process_group_ranks(group), device)
 
     @classmethod
-    def of_group(cls, group: Any, device: torch.device) -> StageLink:
-        """The link over a pipeline process group (megatron-core's; None or one rank: one stage, no pipeline)."""
+    def of_group(cls, group: Any, device: torch.device, chunks: int = 1) -> StageLink:
+        """The link over a pipeline process group (megatron-core's; None or one rank: one stage, no pipeline), with
+        ``chunks`` model chunks per rank (virtual stages)."""
         if group is None or dist.get_world_size(group) == 1:
             return cls(device=device)
         ranks = dist.get_process_group_ranks(group)
-        return cls(ranks.index(dist.get_rank()), len(ranks), group, ranks, device)
+        return cls(ranks.index(dist.get_rank()), len(ranks), group, ranks, device, chunks=chunks)
+
+    @property
+    def interleaved(self) -> bool:
+        """Virtual stages: a backward crosses the ring inside autograd, so each micro-batch is backpropagated
+        right after its forward on every stage."""
+        return self.chunks > 1
 
     @property
     def is_first(self) -> bool:
@@ -91,10 +108,11 @@ class StageLink:
 
     def _isend(self, tensor: torch.Tensor, stage: int) -> None:
         tensor = tensor.detach().contiguous()
-        self.pending.append((dist.isend(tensor, dst=self.ranks[stage], group=self.group), tensor))
+        self.pending.append((dist.isend(tensor, dst=self.ranks[stage % self.num_stages], group=self.group), tensor))
 
     def send_activation(self, tensor: torch.Tensor) -> None:
-        """To the next stage, behind a header with its shape and dtype (the receiver allocates from it)."""
+        """To the next stage (around the ring: the last stage's next is the first), behind a header with its shape
+        and dtype (the receiver allocates from it)."""
         if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
             raise ValueError(f"pipeline stages: cannot send a {tensor.dtype} activation of shape {tuple(tensor.shape)}")
         header = torch.zeros(_HEADER, dtype=torch.long, device=self.device)
@@ -105,8 +123,9 @@ class StageLink:
         self._isend(tensor, self.stage + 1)
 
     def recv_activation(self, requires_grad: bool) -> torch.Tensor:
-        """From the previous stage: a leaf that collects this stage's gradient w.r.t. its input."""
-        src = self.ranks[self.stage - 1]
+        """From the previous stage (around the ring): a leaf that collects this stage's gradient w.r.t. its
+        input."""
+        src = self.ranks[(self.stage - 1) % self.num_stages]
         header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
         dist.recv(header, src=src, group=self.group)
         shape = header[1 : 1 + int(header[0])].tolist()
@@ -121,8 +140,13 @@ class StageLink:
     def recv_grad(self, output: torch.Tensor) -> torch.Tensor:
         """The gradient of ``output`` (sent on to the next stage) that the next stage computed."""
         grad = torch.empty_like(output, memory_format=torch.contiguous_format)
-        dist.recv(grad, src=self.ranks[self.stage + 1], group=self.group)
+        dist.recv(grad, src=self.ranks[(self.stage + 1) % self.num_stages], group=self.group)
         return grad
+
+    def relay(self, output: torch.Tensor) -> torch.Tensor:
+        """Between two of this rank's model chunks: ``output`` on to the next rank, the next chunk's input from the
+        previous rank (around the ring); differentiable (``_Relay``)."""
+        return _Relay.apply(output, self)
 
     def receive(self, requires_grad: bool) -> torch.Tensor:
         """A schedule call's input on a stage after the first: the previous stage's output, whose gradient goes
@@ -138,7 +162,7 @@ class StageLink:
     def hand_off(self, output: torch.Tensor) -> StageHandoff:
         """A schedule call's output on a stage before the last: sent on; the next stage scores it."""
         self.send_activation(output)
-        return StageHandoff(self, output)
+        return StageHandoff(self, output, eager=self.interleaved)
 
     def flush(self) -> None:
         """Wait for every send in flight (their tensors stay alive until then)."""
@@ -206,12 +230,33 @@ class StageLink:
         return box[0]
 
 
+class _Relay(torch.autograd.Function):
+    """``StageLink.relay``: forward sends the chunk's output on and receives the next chunk's input; backward sends
+    that input's gradient back and receives the output's (from the rank the output went to)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, link: StageLink) -> torch.Tensor:
+        ctx.link, ctx.shape, ctx.dtype = link, output.shape, output.dtype
+        link.send_activation(output)
+        return link.recv_activation(False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        link = ctx.link
+        link._isend(grad, link.stage - 1)
+        received = torch.empty(ctx.shape, dtype=ctx.dtype, device=link.device)
+        dist.recv(received, src=link.ranks[(link.stage + 1) % link.num_stages], group=link.group)
+        return received, None
+
+
 @dataclass
 class StageHandoff:
-    """``schedule.kv.shim.Handoff`` on a stage before the last: ``output`` went to the next stage."""
+    """``schedule.kv.shim.Handoff`` on a stage before the last: ``output`` went to the next stage. ``eager``: its
+    backward runs right after the forward (virtual stages, ``StageLink.interleaved``)."""
 
     link: StageLink
     output: torch.Tensor
+    eager: bool = False
 
     def backward(self) -> None:
         """Phase B: this stage's part of the micro-batch's backward, seeded with the next stage's gradient."""
@@ -235,7 +280,8 @@ def batch_fingerprint(data: Any) -> str:
 
 def run_micro_batches(link: StageLink, steps: Sequence[StageStep], backward: bool) -> None:
     """Pipeline micro-batches in GPipe order: every forward, then (``backward``) every backward in the same
-    order. The last stage backpropagates each micro-batch's loss as soon as it has it."""
+    order (under virtual stages each right after its forward). The last stage backpropagates each micro-batch's loss
+    as soon as it has it."""
     kept = []
     for step in steps:
         inputs, output = link.forward(step.forward, step.first_input, backward)
@@ -247,8 +293,16 @@ def run_micro_batches(link: StageLink, steps: Sequence[StageStep], backward: boo
                     link.send_grad(inputs)
         elif backward:
             kept.append((inputs, output))
+        if link.interleaved:
+            _backward_kept(link, kept)
+    _backward_kept(link, kept)
+    link.flush()
+
+
+def _backward_kept(link: StageLink, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The kept micro-batches' backward on a stage before the last, seeded with the next stage's gradients."""
     for inputs, output in kept:
         torch.autograd.backward(output, link.recv_grad(output))
         if not link.is_first:
             link.send_grad(inputs)
-    link.flush()
+    kept.clear()

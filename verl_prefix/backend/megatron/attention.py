@@ -35,10 +35,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class CoreAttentionHooks:
-    """Wraps every layer's ``core_attention``: pass-through, or the schedule's context (``scheduling``)."""
+    """Wraps every layer's ``core_attention``: pass-through, or the schedule's context (``scheduling``). ``models``:
+    this rank's model chunks in order (several under virtual pipeline stages), their layers numbered in turn."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.layers = decoder_layers(model)
+    def __init__(self, models: list[nn.Module]) -> None:
+        self.layers = [layer for model in models for layer in decoder_layers(model)]
         self.ctx: Any = None
         self.real_length: int | None = None  # a call padded past it (sequence parallelism, ``causal_lm``)
         for index, layer in enumerate(self.layers):

@@ -25,7 +25,9 @@ it per logical micro-batch (``megatron.moe``).
 Under pipeline parallelism the chunk is this rank's stage (``distributed.stages``): a stage after the first takes the
 previous stage's hidden states (``set_input_tensor``) in place of the embedded ids, a stage before the last hands its
 hidden states on instead of returning logits (``scores`` False: the schedule runs no loss there and phase A does not
-exit early); the schedule captures and serves the stage's own layers.
+exit early); the schedule captures and serves the stage's own layers. Under virtual stages the rank holds several
+chunks, run in order within the call with the ring's relay between them (``through_chunks``); their layers are the
+schedule's, numbered in the order a sequence meets them on this rank.
 
 Under megatron-core's activation recompute each call is a ``recompute.schedule_call``: phase A's calls (a capture
 context) keep their graph, phase B's recompute in backward re-enters the call's attention hook, RoPE offset and
@@ -39,7 +41,7 @@ maths up to rounding, and verl's dense rows keep its fused path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -145,18 +147,20 @@ class MegatronCausalLM(CausalLMStandIn):
 
     engine = "prefix_megatron"
 
-    def __init__(self, chunk: nn.Module, hf_config: Any, sequence_multiple: int = 1, link: Any = None) -> None:
+    def __init__(self, chunks: list[nn.Module], hf_config: Any, sequence_multiple: int = 1, link: Any = None) -> None:
         super().__init__(hf_config)
-        self.chunk = chunk
+        if len(chunks) > 1 and (link is None or link.chunks != len(chunks)):
+            raise ValueError(f"prefix_megatron: {len(chunks)} model chunks on this rank without virtual stages")
+        self.chunks = nn.ModuleList(chunks)
         self.sequence_multiple = sequence_multiple
-        gpt = unwrapped(chunk)
-        self.gpt = gpt
-        self.hooks = CoreAttentionHooks(gpt)
+        self.gpts = [unwrapped(chunk) for chunk in chunks]
+        self.gpt = self.gpts[0]  # the chunk a stage's input goes into
+        self.hooks = CoreAttentionHooks(self.gpts)
         self.link = link  # distributed.stages.StageLink under pipeline parallelism, else None
         self.scores = link is None or link.is_last
         if link is not None:  # the layers the schedule captures and serves are this stage's own
             self.config.get_text_config().num_hidden_layers = self.hooks.num_layers
-        self.rotary = RotaryOffset(gpt)
+        self.rotaries = [RotaryOffset(gpt) for gpt in self.gpts]
         self.routers: McoreRouters | None = None  # the MoE routers under the aux loss (``megatron.moe``)
         self.counts: ExpertCounts | None = None  # expert-biased routers' load counts (``megatron.moe``)
 
@@ -170,7 +174,7 @@ class MegatronCausalLM(CausalLMStandIn):
         zero = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         real = length if padded else None
         counts, weights = self.counts, self.counts.weights if self.counts is not None else None
-        if counts is not None and weights is None and torch.is_grad_enabled() and self.chunk.training:
+        if counts is not None and weights is None and torch.is_grad_enabled() and self.chunks[0].training:
             raise RuntimeError(
                 "prefix_megatron: a schedule call without routing weights (ScheduleOptions.count_routing) would "
                 "count the experts' load physically"
@@ -181,8 +185,10 @@ class MegatronCausalLM(CausalLMStandIn):
             """What the call's forward runs inside, and a recompute of it in backward re-enters (the expert counts'
             weights too: a recomputed layer routes, and counts, there instead of in the no-grad forward)."""
             stack = ExitStack()
-            for manager in (self.hooks.scheduling(prefix_ctx, real), self.rotary.at(offset), unfused(self.gpt)):
-                stack.enter_context(manager)
+            stack.enter_context(self.hooks.scheduling(prefix_ctx, real))
+            for rotary, gpt in zip(self.rotaries, self.gpts):
+                stack.enter_context(rotary.at(offset))
+                stack.enter_context(unfused(gpt))
             if self.routers is not None:
                 stack.enter_context(self.routers.own_aux_off(real))
             if counts is not None and weights is not None:
@@ -195,7 +201,18 @@ class MegatronCausalLM(CausalLMStandIn):
         if link is not None and not link.is_first:  # the previous stage's output, its gradient sent back
             self.gpt.set_input_tensor(link.receive(torch.is_grad_enabled()))
         with call_state(), schedule_call(keep_graph, call_state):
-            logits = self.chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
+            logits = self.through_chunks(
+                lambda chunk: chunk(input_ids=input_ids, position_ids=zero, attention_mask=None)
+            )
         if not self.scores:  # a stage before the last: its hidden states go on, the next stage scores the rows
             return link.hand_off(logits)
         return gather_from_tensor_model_parallel_region(logits[:, :length] if padded else logits)
+
+    def through_chunks(self, call: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
+        """``call(chunk)`` on each of this rank's model chunks in order (the first's input set by the caller); under
+        virtual stages each later chunk's input is what came around the ring for it (``StageLink.relay``)."""
+        output = call(self.chunks[0])
+        for gpt, chunk in zip(self.gpts[1:], self.chunks[1:]):
+            gpt.set_input_tensor(self.link.relay(output))
+            output = call(chunk)
+        return output

@@ -52,18 +52,18 @@ def reuse_of(config: Any) -> PrefixReuseConfig:
 
 # knob -> (value the schedule is built for, why anything else is refused)
 _SERVED_VALUES: dict[str, tuple[Any, str]] = {
-    "virtual_pipeline_model_parallel_size": (
-        None,
-        "virtual pipeline stages (several model chunks per rank, interleaved) are not run under reuse yet; pipeline "
-        "stages without them are",
-    ),
     "context_parallel_size": (
         1,
         "context parallelism shards every sequence over ranks; phase B's prefix leaves would need its ring "
         "attention's all-gathers, not built",
     ),
     "dynamic_context_parallel": (False, "dynamic context parallelism: see context_parallel_size"),
-    "use_megatron_fsdp": (False, "megatron-core's FSDP is not tested under reuse"),
+    "use_megatron_fsdp": (
+        False,
+        "megatron-core's FSDP reshards each layer's parameters after its forward, which phase C's backward through "
+        "phase A's graph would need gathered again; not built, and its CUDA-only buffers keep verl's own engine with "
+        "it off CPU, so nothing could test it here",
+    ),
 }
 
 

@@ -15,10 +15,11 @@ end of the mini-batch (``before_finish``). verl's loss sees the same normalisati
 cannot reuse run through verl's ``forward_step`` one chunk at a time (``run_dense``), counted under
 ``prefix/fallback_<reason>``. Under pipeline parallelism every stage runs the schedule on its own layers and the
 stage's model call crosses the stages (``distributed.stages``); its dense rows and fillers run as pipeline
-micro-batches. Under megatron-core's activation recompute phase A keeps its graph and phase B's recompute re-enters
-the call (``megatron.recompute``). What the schedule is not built for (virtual pipeline stages, context parallelism,
-MoE routing that depends on a call's tokens, other attention) is refused when the engine is built (``megatron.config``)
-or initialised.
+micro-batches; under virtual stages a call runs the rank's model chunks in order, relayed around the ring of ranks.
+Under megatron-core's activation recompute phase A keeps its graph and phase B's recompute re-enters the call
+(``megatron.recompute``). What the schedule is not built for (context parallelism, megatron FSDP, MoE routing that
+depends on a call's tokens, other attention) is refused when the engine is built (``megatron.config``) or
+initialised.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from verl_prefix.backend.megatron.config import (
 from verl_prefix.backend.megatron.moe import (
     ExpertCounts,
     McoreRouters,
-    aux_coefficient,
     aux_tracked,
+    counted_coefficients,
     pipeline_refusal,
     replay_refusal,
     router_refusal,
@@ -94,8 +95,6 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         super().initialize()
         if not self.reuse_config.enable:
             return
-        if len(self.module) != 1:
-            raise ValueError("prefix_megatron: one model chunk per rank expected (virtual pipeline stages are refused)")
         config = self.tf_config
         reason = built_model_refusal(config, self.model_config) or router_refusal(config)
         if reason is not None:
@@ -105,17 +104,17 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         # sequence parallelism splits every sequence over the TP ranks: the schedule's calls pad to a multiple
         multiple = self.engine_config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
         link = self._stage_link()
-        self.causal_lm = MegatronCausalLM(self.module[0], self.model_config.hf_config, multiple, link)
+        self.causal_lm = MegatronCausalLM(list(self.module), self.model_config.hf_config, multiple, link)
         if self.engine_config.use_fused_kernels:  # still on after verl's own checks (remove padding, no MTP)
             logger.warning(
                 "prefix_megatron with use_fused_kernels=true: reused rows take their log-probs from the logits "
                 "(megatron-core's own forward, the same maths up to rounding; a suffix micro-batch holds its logits), "
                 "dense rows run verl's fused kernels (docs/megatron.md)"
             )
-        coeff = aux_coefficient(config) if getattr(config, "num_moe_experts", None) else 0.0
-        if coeff > 0:
-            self.routers = self.causal_lm.routers = McoreRouters(self.module[0], coeff)
-        counts = ExpertCounts(self.module[0])
+        coeff, z_coeff = counted_coefficients(config)
+        if coeff > 0 or z_coeff > 0:
+            self.routers = self.causal_lm.routers = McoreRouters(self.causal_lm.chunks, coeff, z_coeff)
+        counts = ExpertCounts(self.causal_lm.chunks)
         if counts:
             self.expert_counts = self.causal_lm.counts = counts
         reason = recompute_refusal(config, aux_counted=self.routers is not None)
@@ -131,7 +130,7 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
 
         if mpu.get_pipeline_model_parallel_world_size() == 1:
             return None
-        self.link = StageLink.of_group(mpu.get_pipeline_model_parallel_group(), self.device())
+        self.link = StageLink.of_group(mpu.get_pipeline_model_parallel_group(), self.device(), len(self.module))
         return self.link
 
     # -- the driver's hooks ---------------------------------------------------------------------------
@@ -168,18 +167,30 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             set_aux_scale(self._loss_scale(torch.ones(1, device=run.meter.device)) / self.aux_micro_batches)
         return super().start_mini_batch(run)
 
-    def moe_aux_term(self, stats: RouterStats, data: Any) -> tuple[torch.Tensor, Metric]:
-        """megatron-core's aux of one logical micro-batch (its rows' prefixes counted once per row), over ``N``;
-        logged without the coefficient, summed over the micro-batches (megatron-core's ``load_balancing_loss``)."""
-        assert self.routers is not None
-        aux = self.routers.loss(stats) / self.aux_micro_batches
-        return aux, Metric(value=aux.detach() / self.routers.coeff, aggregation=AggregationType.SUM)
+    def moe_aux_term(self, stats: RouterStats, data: Any) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """megatron-core's aux and z-loss of one logical micro-batch (its rows' prefixes counted once per row), over
+        ``N``; each logged without its coefficient, summed over the micro-batches (megatron-core's
+        ``load_balancing_loss`` and ``z_loss``)."""
+        routers = self.routers
+        assert routers is not None
+        term = routers.loss(stats) / self.aux_micro_batches
+        metrics = {}
+        if routers.coeff:
+            metrics["moe_aux_loss"] = Metric(value=term.detach() / routers.coeff, aggregation=AggregationType.SUM)
+        z = routers.z_loss(stats)
+        if z is not None:
+            z = z / self.aux_micro_batches
+            metrics["moe_z_loss"] = Metric(value=z.detach() / routers.z_coeff, aggregation=AggregationType.SUM)
+            term = term + z
+        return term, metrics
 
     def reported_loss(self, loss: torch.Tensor, metrics: dict) -> float:
-        """verl's loss without the aux term, as verl's Megatron engine reports it (the routers' aux rides on the
-        activations there, outside the loss)."""
-        aux = metrics.get("moe_aux_loss") if self.routers is not None else None
-        return loss.item() - (aux.aggregate() * self.routers.coeff if aux is not None else 0.0)
+        """verl's loss without the aux and z terms, as verl's Megatron engine reports it (the routers' terms ride
+        on the activations there, outside the loss)."""
+        if self.routers is None:
+            return loss.item()
+        counted = (("moe_aux_loss", self.routers.coeff), ("moe_z_loss", self.routers.z_coeff))
+        return loss.item() - sum(metrics[k].aggregate() * coeff for k, coeff in counted if k in metrics)
 
     def mini_batch_context(self, forward_only: bool) -> AbstractContextManager:
         """Forward-only passes keep no graph; training accumulates every micro-batch's gradients without a
@@ -188,7 +199,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         if forward_only:
             stack.enter_context(torch.no_grad())
         else:
-            stack.enter_context(self.module[0].no_sync())
+            for chunk in self.module:  # every model chunk (several under virtual pipeline stages)
+                stack.enter_context(chunk.no_sync())
         return stack
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -244,9 +256,9 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         """The data-parallel gradient reduction megatron-core's schedule runs after its last micro-batch."""
         from megatron.core.distributed import finalize_model_grads
 
-        chunk = self.module[0]
-        if getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False):
-            chunk.start_grad_sync()  # every backward ran under no_sync: launch the reduction now
+        for chunk in self.module:
+            if getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False):
+                chunk.start_grad_sync()  # every backward ran under no_sync: launch the reduction now
         finalize = getattr(self.tf_config, "finalize_model_grads_func", None) or finalize_model_grads
         finalize(self.module)
 
@@ -263,7 +275,7 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             self.postprocess_micro_batch_func, forward_only=run.forward_only, loss_function=run.loss_function
         )
         aux_on = self.moe_aux_on(run.forward_only)
-        before = aux_tracked() if aux_on else 0.0
+        before = {name: aux_tracked(name) for name in ("load_balancing_loss", "z_loss")} if aux_on else {}
         with torch.no_grad() if run.forward_only else nullcontext():
             output, loss_func = self.forward_step(
                 iter([micro]), model=self.module[0], logits_processor_func=run.loss_function,
@@ -273,9 +285,14 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             if not run.forward_only:
                 self.backward(loss)
         metrics = dict(meta["metrics"])
-        if aux_on:  # the routers' own aux of this chunk (megatron-core's tracker logs it without the coefficient)
-            value = torch.tensor((aux_tracked() - before) / self.aux_micro_batches)
-            metrics["moe_aux_loss"] = Metric(value=value, aggregation=AggregationType.SUM)
+        if aux_on:  # the routers' own terms of this chunk (megatron-core's tracker logs them without coefficients)
+            for key, name, coeff in (
+                ("moe_aux_loss", "load_balancing_loss", self.routers.coeff),
+                ("moe_z_loss", "z_loss", self.routers.z_coeff),
+            ):
+                if coeff:
+                    value = torch.tensor((aux_tracked(name) - before[name]) / self.aux_micro_batches)
+                    metrics[key] = Metric(value=value, aggregation=AggregationType.SUM)
         run.record(rows, meta.get("model_output", {}), meta["loss"], metrics)
 
     def _pipelined_dense(self, run: MiniBatchRun, rows: list[int]) -> None:
@@ -288,9 +305,9 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         )
         held: dict = {}
 
-        def call() -> torch.Tensor:
+        def call(chunk: nn.Module) -> torch.Tensor:
             output, held["loss_func"] = self.forward_step(
-                iter([micro]), model=self.module[0], logits_processor_func=run.loss_function,
+                iter([micro]), model=chunk, logits_processor_func=run.loss_function,
                 postprocess_micro_batch_func=post,
             )  # fmt: skip
             return output
@@ -300,7 +317,7 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
             run.record(rows, meta.get("model_output", {}), meta["loss"], dict(meta["metrics"]))
             return None if run.forward_only else self._loss_scale(loss)
 
-        step = StageStep(torch.empty(0), self._stage_forward(call), score)
+        step = StageStep(torch.empty(0), self._stage_forward(lambda: self.causal_lm.through_chunks(call)), score)
         run_micro_batches(self.link, [step], backward=not run.forward_only)
 
     def run_dense_filler(self, run: MiniBatchRun) -> None:
@@ -324,4 +341,8 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         own_aux = self.routers.own_aux_off() if self.routers is not None else nullcontext()
         uncounted = self.expert_counts.weighted(0.0) if self.expert_counts is not None else nullcontext()
         with own_aux, uncounted:
-            return self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)
+            if self.causal_lm is None:
+                return self.module[0](input_ids=ids, position_ids=positions, attention_mask=None)
+            return self.causal_lm.through_chunks(
+                lambda chunk: chunk(input_ids=ids, position_ids=positions, attention_mask=None)
+            )

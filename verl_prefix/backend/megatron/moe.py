@@ -53,12 +53,25 @@ def aux_coefficient(tf_config: Any) -> float:
     return float(sum(c for k, c in zip(kinds, coeffs) if k == "aux_loss" and c))
 
 
+def z_coefficient(tf_config: Any) -> float:
+    """``moe_z_loss_coeff`` (0: no router z-loss)."""
+    return float(getattr(tf_config, "moe_z_loss_coeff", None) or 0.0)
+
+
+def counted_coefficients(tf_config: Any) -> tuple[float, float]:
+    """The aux loss's and the z-loss's coefficients of an MoE model (both 0 for a dense one): what the schedule
+    counts per logical micro-batch (``McoreRouters``)."""
+    if not getattr(tf_config, "num_moe_experts", None):
+        return 0.0, 0.0
+    return aux_coefficient(tf_config), z_coefficient(tf_config)
+
+
 def router_refusal(tf_config: Any) -> str | None:
     """Why reuse cannot run the MoE routing of the model verl built, or None (a dense model: None).
 
-    Served: top-k routing with no load-balancing loss, megatron-core's per-micro-batch ``aux_loss`` and expert bias
-    (both counted per row, under sequence parallelism too). What depends on which tokens share a call other than
-    through those is refused."""
+    Served: top-k routing with no load-balancing loss, megatron-core's per-micro-batch ``aux_loss``, the router
+    z-loss and expert bias (each counted per row, under sequence parallelism too). What depends on which tokens share
+    a call other than through those is refused."""
     if not getattr(tf_config, "num_moe_experts", None):
         return None
     kind = tf_config.moe_router_load_balancing_type
@@ -69,7 +82,6 @@ def router_refusal(tf_config: Any) -> str | None:
             [k for k in kinds if k not in ("none", "aux_loss")],
             "per-sequence, global-batch and sinkhorn balancing are not counted logically yet (served: none, aux_loss)",
         ),
-        ("moe_z_loss_coeff", tf_config.moe_z_loss_coeff, "the router z-loss is a mean over each call's tokens"),
         ("moe_input_jitter_eps", tf_config.moe_input_jitter_eps, "input jitter samples noise per forward"),
         (
             "moe_expert_capacity_factor",
@@ -90,12 +102,13 @@ def router_refusal(tf_config: Any) -> str | None:
 def pipeline_refusal(tf_config: Any, pipeline_stages: int) -> str | None:
     """The router aux loss under pipeline stages, or None: a stage before the last would have to add its own layers'
     aux to a loss only the last stage holds (expert bias is served: its counts are each stage's own)."""
-    if pipeline_stages <= 1 or not getattr(tf_config, "num_moe_experts", None) or not aux_coefficient(tf_config):
+    aux, z = counted_coefficients(tf_config)
+    if pipeline_stages <= 1 or not (aux or z):
         return None
+    key, value = ("moe_aux_loss_coeff", aux) if aux else ("moe_z_loss_coeff", z)
     return (
-        f"prefix_megatron: moe_aux_loss_coeff={aux_coefficient(tf_config)} with pipeline_model_parallel_size="
-        f"{pipeline_stages} is refused with reuse on (a stage before the last would add its layers' aux to a loss "
-        "only the last stage holds); "
+        f"prefix_megatron: {key}={value} with pipeline_model_parallel_size={pipeline_stages} is refused with reuse "
+        "on (a stage before the last would add its layers' aux or z-loss to a loss only the last stage holds); "
         f"set {OVERRIDE}.moe_router_load_balancing_type=none (verl's Megatron-Bridge loader sets it), "
         f"pipeline_model_parallel_size=1, or {MEGATRON_REUSE_OFF}"
     )
@@ -127,7 +140,7 @@ def aux_loss(stats: RouterStats, num_experts: int, topk: int, coeff: float) -> t
 class McoreRouters:
     """The ``TopKRouter`` modules of one megatron-core model in forward order, as the schedule's ``routers``."""
 
-    def __init__(self, model: nn.Module, coeff: float) -> None:
+    def __init__(self, model: nn.Module, coeff: float, z_coeff: float = 0.0) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.modules: list[nn.Module] = [m for m in model.modules() if isinstance(m, TopKRouter)]
@@ -138,12 +151,17 @@ class McoreRouters:
         self.top_k = int(first.topk)
         self.score_function = first.score_function
         self.coeff = coeff
+        self.z_coeff = z_coeff
         self.model_name = type(model).__name__
-        self.own_aux = True  # megatron-core's per-call aux: off inside schedule calls
+        self.own_aux = True  # megatron-core's per-call aux and z-loss: off inside schedule calls
         self.real_length: int | None = None  # a call padded at the end: its real positions (sequence parallel)
         for router in self.modules:
             stock = router.is_aux_loss_enabled
             router.is_aux_loss_enabled = lambda stock=stock: self.own_aux and stock()
+            stock_z = router.apply_z_loss
+            router.apply_z_loss = lambda logits, padding_mask=None, stock=stock_z: (
+                stock(logits, padding_mask=padding_mask) if self.own_aux else logits
+            )
 
     @contextmanager
     def own_aux_off(self, real_length: int | None = None) -> Iterator[None]:
@@ -191,16 +209,29 @@ class McoreRouters:
         """Sums over the tokens ``valid`` marks (row-major over the call's ``[B, L]``; None: all), per layer."""
         from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 
-        counts, sums, tokens = [], [], 0
+        counts, sums, z_sums, tokens = [], [], [], 0
         for layer_logits in valid_router_rows(logits, valid, self.model_name):
             routing_map, scores = compute_routing_scores_for_aux_loss(layer_logits, self.top_k, self.score_function)
             counts.append(routing_map.sum(dim=0))
             sums.append(scores.sum(dim=0))
+            if self.z_coeff:  # megatron-core's z_loss_func, as a sum over the call's tokens
+                z_sums.append(torch.square(torch.logsumexp(layer_logits, dim=-1)).sum())
             tokens = layer_logits.shape[0]
-        return RouterStats(counts=torch.stack(counts), prob_sum=torch.stack(sums), tokens=tokens, layers=len(logits))
+        z_sum = torch.stack(z_sums) if z_sums else None
+        return RouterStats(torch.stack(counts), torch.stack(sums), tokens, len(logits), z_sum)
 
     def loss(self, stats: RouterStats) -> torch.Tensor:
+        """The aux of one logical micro-batch (0 without it)."""
+        if not self.coeff:
+            return stats.prob_sum.sum() * 0.0
         return aux_loss(stats, self.num_experts, self.top_k, self.coeff)
+
+    def z_loss(self, stats: RouterStats) -> torch.Tensor | None:
+        """megatron-core's router z-loss of one logical micro-batch, summed over the layers: each layer's
+        ``coeff * mean(logsumexp(logits)^2)`` over the micro-batch's tokens (None without it)."""
+        if stats.z_sum is None:
+            return None
+        return stats.z_sum.sum() * (self.z_coeff / max(stats.tokens, 1))
 
 
 def set_aux_scale(scale: torch.Tensor) -> None:
@@ -211,11 +242,12 @@ def set_aux_scale(scale: torch.Tensor) -> None:
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
-def aux_tracked() -> float:
-    """megatron-core's logged aux so far (``load_balancing_loss``, summed over layers, without the coefficient)."""
+def aux_tracked(name: str = "load_balancing_loss") -> float:
+    """megatron-core's logged aux so far (``load_balancing_loss``, or ``z_loss``: summed over layers, without the
+    coefficient)."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    entry = get_moe_layer_wise_logging_tracker().get(name)
     return float(entry["values"].sum()) if entry is not None else 0.0
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from verl_prefix.backend.config import PrefixReuseConfig
 from verl_prefix.backend.megatron.config import model_refusal, refusal
-from verl_prefix.backend.megatron.moe import aux_coefficient, pipeline_refusal, replay_refusal, router_refusal
+from verl_prefix.backend.megatron.moe import counted_coefficients, pipeline_refusal, replay_refusal, router_refusal
 from verl_prefix.backend.megatron.recompute import recompute_refusal
 from verl_prefix.backend.recipe_keys import between_markers
 
@@ -156,7 +156,7 @@ def stops(recipe: MegatronRecipe) -> list[str]:
     tf = built_config(recipe)
     found.append(router_refusal(tf))
     found.append(pipeline_refusal(tf, recipe.engine.get("pipeline_model_parallel_size", 1)))
-    found.append(recompute_refusal(tf, aux_counted=bool(tf.num_moe_experts) and aux_coefficient(tf) > 0))
+    found.append(recompute_refusal(tf, aux_counted=any(counted_coefficients(tf))))
     return [reason for reason in found if reason]
 
 

@@ -127,9 +127,9 @@ def recompute_refusal(tf_config: Any, aux_counted: bool) -> str | None:
         )
     if aux_counted:
         return (
-            f"prefix_megatron: recompute_granularity={granularity!r} with the MoE router aux loss: the schedule "
-            "takes a suffix call's aux from its router logits in the forward, which recompute runs without a graph; "
-            f"set {override}, the aux loss off (moe_router_load_balancing_type=none, as verl's Megatron-Bridge "
-            f"loader sets it), or {MEGATRON_REUSE_OFF}"
+            f"prefix_megatron: recompute_granularity={granularity!r} with the MoE router aux loss or z-loss: the "
+            "schedule takes a suffix call's terms from its router logits in the forward, which recompute runs "
+            f"without a graph; set {override}, the aux loss and z-loss off (moe_router_load_balancing_type=none, as "
+            f"verl's Megatron-Bridge loader sets it; moe_z_loss_coeff=null), or {MEGATRON_REUSE_OFF}"
         )
     return None

@@ -75,10 +75,11 @@ class PrefixKV:
         return self.keys[layer], self.values[layer]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every boundary tensor: two per layer (``layer_tensors``), then the router probability sum if any."""
+        """Every boundary tensor: two per layer (``layer_tensors``), then the router sums if any
+        (``RouterStats.boundary``)."""
         out = [t for layer in range(len(self.keys)) for t in self.layer_tensors(layer)]
         if self.router_stats is not None:
-            out.append(self.router_stats.prob_sum)
+            out.extend(self.router_stats.boundary())
         return out
 
     def describe(self, index: int) -> str:

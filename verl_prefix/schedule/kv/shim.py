@@ -39,8 +39,12 @@ class Handoff(Protocol):
     - ``backward()``: phase B, after the node's last suffix micro-batch (GPipe order: every forward first), this
       stage's backward of the micro-batch seeded with what the next stage sends back;
     - ``roots()``: phase C, the (output, gradient from the next stage) pair that joins the node's seeded backward
-      (``executor.seeded_backward``): the next stage's phase C reached this node's K/V through its output.
+      (``executor.seeded_backward``): the next stage's phase C reached this node's K/V through its output;
+    - ``eager``: phase B's ``backward()`` runs right after the micro-batch's forward instead (virtual pipeline
+      stages, whose backward crosses the ring of ranks inside autograd: ``executor.handed_off``).
     """
+
+    eager: bool
 
     def backward(self) -> None: ...
 

@@ -92,27 +92,39 @@ class RouterStats:
     ``counts[k, e]``: (token, layer) pairs whose k-th choice is expert e (integer, no gradient).
     ``prob_sum[e]``: router probabilities summed over tokens and layers (carries the gradient).
     ``tokens``: tokens per layer; the denominators are ``tokens * layers``.
+    ``z_sum[l]``: under a router z-loss (megatron-core's ``moe_z_loss_coeff``), each layer's squared log-sum-exp of the
+    router logits summed over the tokens (carries the gradient); None without one.
     """
 
     counts: torch.Tensor
     prob_sum: torch.Tensor
     tokens: int
     layers: int
+    z_sum: torch.Tensor | None = None
+
+    def boundary(self) -> list[torch.Tensor]:
+        """The sums whose gradient crosses the phase-B boundary into phase C: the probability sum, the z sum."""
+        return [self.prob_sum] if self.z_sum is None else [self.prob_sum, self.z_sum]
 
     def detached_leaf(self, requires_grad: bool) -> RouterStats:
-        """The phase-B boundary: a leaf that collects d(aux)/d(prefix probability sums)."""
-        return RouterStats(self.counts, self.prob_sum.detach().requires_grad_(requires_grad), self.tokens, self.layers)
+        """The phase-B boundary: leaves that collect d(aux)/d(prefix probability sums) (and d(z)/d(z sums))."""
+        z_sum = None if self.z_sum is None else self.z_sum.detach().requires_grad_(requires_grad)
+        prob_sum = self.prob_sum.detach().requires_grad_(requires_grad)
+        return RouterStats(self.counts, prob_sum, self.tokens, self.layers, z_sum)
 
 
 def logical_stats(prefix: RouterStats, suffix: RouterStats, copies: int) -> RouterStats:
     """What a dense micro-batch of ``copies`` full sequences sees: the prefix counted once per row."""
     if prefix.layers != suffix.layers:
         raise ValueError(f"prefix has {prefix.layers} MoE layers of router statistics, suffix {suffix.layers}")
+    if (prefix.z_sum is None) != (suffix.z_sum is None):
+        raise ValueError("router z sums on one side of the prefix boundary only")
     return RouterStats(
         counts=prefix.counts * copies + suffix.counts,
         prob_sum=prefix.prob_sum * copies + suffix.prob_sum,
         tokens=prefix.tokens * copies + suffix.tokens,
         layers=suffix.layers,
+        z_sum=None if suffix.z_sum is None else prefix.z_sum * copies + suffix.z_sum,
     )
 
 

@@ -58,6 +58,7 @@ from verl_prefix.schedule.executor import (
     LossFn,
     build_suffix_batch,
     filler_step,
+    handed_off,
     handoffs_backward,
     infer_suffixes,
     join_path,
@@ -137,10 +138,10 @@ def run_filler_micro_batches(
     model: nn.Module, node: TrieNode, path: list[PrefixKV], options: ScheduleOptions, train: bool
 ) -> None:
     """``node.filler_micro_batches`` zero-loss suffix micro-batches under ``path`` (``node.end`` tokens)."""
-    handoffs = [
-        filler_step(model, join_path(path), filler_suffix(node.end, options), options, train, "lockstep")
-        for _ in range(node.filler_micro_batches)
-    ]
+    handoffs = []
+    for _ in range(node.filler_micro_batches):
+        handoff = filler_step(model, join_path(path), filler_suffix(node.end, options), options, train, "lockstep")
+        handoffs.append(handed_off(handoff, options, "lockstep") if train else handoff)
     if train and not scores(model):  # a pipeline stage before the last: their backward once all went forward
         handoffs_backward(handoffs, options, "lockstep")
 
