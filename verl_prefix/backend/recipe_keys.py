@@ -56,7 +56,9 @@ _ULYSSES = _fx(
 _OFFLOAD = _fx("gpu_check", "parameter/optimizer offload between steps; verl skips it on CPU")
 _QAT = _fx("gpu_check", "verl's quantisation-aware training needs its triton fake-quant kernels")
 _COMPILE = _fx(
-    "gpu_check", "torch.compile of verl's entropy function, which reuse calls too; minutes of inductor on CPU"
+    "served",
+    "torch.compile of verl's entropy function, which reuse calls too (inductor on CPU, the e2e tier)",
+    "tests/backend/test_torch_compile_engine.py::test_compiled_entropy_function_reuses_and_matches_the_stock_engine",
 )
 _NONE = _fx("no_effect", "outside the update's maths (paths, seeds of the data loader, logging)")
 _PAD = _fx("served", "verl's bucketed padding of packed rows", f"{R}::test_served_keys_reuse")
@@ -445,9 +447,10 @@ MATRIX: tuple[tuple[str, dict[str, Cell]], ...] = (
         {
             "prefix_fsdp2": Cell(
                 "reuses",
-                "torch backend tested; triton/liger on GPU",
+                "torch backend tested, text and vision-language (images in the prefix); triton/liger on GPU",
                 (
                     "tests/backend/test_fused_kernels_engine.py::test_tied_embeddings_match_the_stock_engine_with_fused_kernels",
+                    "tests/backend/test_fused_kernels_vl_engine.py::test_images_in_the_prefix_with_fused_kernels_match_the_stock_engine",
                 ),
             ),
             "prefix_torchtitan": Cell("absent", "verl's TorchTitan engine has none"),

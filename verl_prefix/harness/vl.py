@@ -59,6 +59,7 @@ def write_tiny_vl_model(
     intermediate_size: int | None = None,
     vocab_size: int = VL_VOCAB,
     vision_heads: int = 2,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """A random-init vision-language model of ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` or
     ``qwen3_vl_moe``, the Qwen3-VL ones with deepstack features feeding the first decoder layer; the MoE ones with
@@ -67,7 +68,7 @@ def write_tiny_vl_model(
     checkpoints, no deepstack) and its tokenizer in ``dir``; returns ``dir``. The decoder has ``heads`` query and
     ``kv_heads`` KV heads, an MLP of ``intermediate_size`` (twice the width by default) and ``vocab_size`` ids
     (at least ``VL_VOCAB``; the vision tokens keep their ids), the tower ``vision_heads`` heads: the bench's
-    larger shapes; tests keep the defaults."""
+    larger shapes; tests keep the defaults. ``tie_word_embeddings``: the LM head shares the embedding's weight."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     if family not in PATCH:
@@ -96,7 +97,7 @@ def write_tiny_vl_model(
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     vision = dict(
         depth=vision_depth,
@@ -155,7 +156,7 @@ def write_tiny_vl_model(
         vision_end_token_id=VISION_END,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).to(dtype).save_pretrained(out)

@@ -15,9 +15,11 @@ HF's own forwards back for the call (``hf_own_forwards``).
 With ``model.use_fused_kernels`` verl replaces the causal LM's own class forward (whatever the family) with its fused
 forward (``verl.models.transformers.*.forward_with_{torch,triton}_backend``: log-probs and entropy from the hidden
 states, no logits), which calls the decoder without the forward keywords the schedule's prefix context travels in.
-``remember_fused_forwards`` wraps verl's ``patch_forward_with_backends`` so that the class's HF forward is remembered
-before it is replaced (nothing else changes), and ``hf_causal_forward`` puts it back while the schedule runs; the
-schedule then computes verl's fused log-probs itself (``schedule.fused_head``).
+``remember_fused_forwards`` wraps verl's ``patch_forward_with_backends`` so that the class's forward is remembered
+before it is replaced (nothing else changes): HF's own, or for the vision-language families verl's unfused
+``forward_with_normal_backend`` that its visual patch installed first. ``hf_causal_forward`` puts it back while the
+schedule runs; the schedule then computes verl's fused log-probs itself (``schedule.fused_head``), inside the LM
+head's own call.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ VISUAL_PATCHED_CLASSES: tuple[type[nn.Module], ...] = (
 
 # HF's own forward of each class above, by class (``remember_hf_forwards``)
 _HF_FORWARDS: dict[type, Callable] = {}
+# the forward a causal LM's class had just before verl's fused forward replaced it (``remember_fused_forwards``):
+# HF's own, or, for the vision-language families, verl's unfused ``forward_with_normal_backend`` of its visual patch
+_UNFUSED_FORWARDS: dict[type, Callable] = {}
 
 
 def patched_by_verl(cls: type) -> bool:
@@ -127,6 +132,8 @@ def remember_fused_forwards() -> None:
         cls = model.__class__
         if not patched_by_verl(cls):
             _HF_FORWARDS.setdefault(cls, cls.forward)
+        if not is_fused_forward(cls.forward):
+            _UNFUSED_FORWARDS[cls] = cls.forward
         return original(model, *args, **kwargs)
 
     patch_forward_with_backends._verl_prefix = True
@@ -134,17 +141,25 @@ def remember_fused_forwards() -> None:
     monkey_patch.patch_forward_with_backends = patch_forward_with_backends
 
 
+def is_fused_forward(forward: Callable) -> bool:
+    """Whether ``forward`` is one of verl's fused-kernel forwards (``forward_with_{torch,triton}_backend``)."""
+    return getattr(forward, "__module__", "").startswith("verl.") and getattr(forward, "__name__", "") in (
+        "forward_with_torch_backend",
+        "forward_with_triton_backend",
+    )
+
+
 @contextmanager
 def hf_causal_forward(model: nn.Module) -> Iterator[None]:
-    """HF's own forward of ``model``'s causal-LM class where verl's fused-kernel patch replaced it, for the block
-    (FSDP2 wraps the model in a subclass: the patched class is found along its MRO)."""
+    """The unfused forward of ``model``'s causal-LM class where verl's fused-kernel patch replaced it, for the block:
+    HF's own, or a vision-language family's ``forward_with_normal_backend`` (verl's packed-row forward, which calls
+    the LM head as a module, so that ``schedule.fused_head`` and FSDP2's hooks run around it; verl's fused forwards
+    of every family read ``lm_head.weight`` directly). FSDP2 wraps the model in a subclass: the patched class is found
+    along its MRO."""
     swaps = [
-        (cls, _HF_FORWARDS[cls])
+        (cls, _UNFUSED_FORWARDS[cls])
         for cls in type(model).__mro__
-        if "forward" in vars(cls)
-        and patched_by_verl(cls)
-        and cls in _HF_FORWARDS
-        and cls not in PATCHED_CLASSES + VISUAL_PATCHED_CLASSES
+        if "forward" in vars(cls) and is_fused_forward(cls.forward) and cls in _UNFUSED_FORWARDS
     ]
     with class_forwards(swaps):
         yield
