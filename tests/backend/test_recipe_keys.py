@@ -271,6 +271,8 @@ CHECKED_ELSEWHERE = {
     "actor.fsdp_config.model_dtype": "fp32/fp64 in every engine test; bf16: test_cuda.py",
     "actor.fsdp_config.dtype": "fp32/fp64 in every engine test; bf16: test_cuda.py",
     "model.fused_kernel_options.impl_backend": "torch in the fused build (verl's default); triton/liger: GPU kernels",
+    "actor.use_torch_compile": "inductor on CPU, the e2e tier: test_torch_compile_engine.py",
+    "actor.fsdp_config.use_torch_compile": "inductor on CPU, the e2e tier: test_torch_compile_engine.py",
 }
 # loss keys the loss settings above set
 LOSS_KEYS = {s.split("=", 1)[0] for settings in LOSS_SETTINGS for s in settings}
