@@ -48,6 +48,7 @@ from verl_prefix.backend.distributed.mini_batch import (
     model_head_dim,
 )
 from verl_prefix.backend.distributed.once import AgreedDormant
+from verl_prefix.backend.distributed.stages import StageLink, batch_fingerprint
 from verl_prefix.backend.dormant import agree_on_node_policies, group_policies, slot_policies
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.outputs import (
@@ -121,6 +122,10 @@ class ReuseDriver:
     dormant_prefix: str = "keep"  # ``dormant_prefix`` and its ``auto`` budget (engines that serve the policies)
     dormant_prefix_budget_bytes: int | None = None
     offload_store_factory: Callable = staticmethod(default_store)  # offload's saved-tensor store (tests inject one)
+    # this rank's link to its pipeline stages (``distributed.stages``), set by an engine whose model is split into
+    # stages: the stages check they hold the same rows, flush their sends after each group and share the last
+    # stage's outputs
+    link: StageLink | None = None
     _optimizer_seconds: float = 0.0
 
     # -- what the engine supplies -------------------------------------------------------------------
@@ -177,7 +182,10 @@ class ReuseDriver:
         return nullcontext()
 
     def before_mini_batch(self, data: TensorDict) -> None:
-        """What the engine checks before the mini-batch's first collective."""
+        """What the engine checks before the mini-batch's first collective: under pipeline stages, that every
+        stage holds the same rows (each receive must match a send)."""
+        if self.link is not None:
+            self.link.check_same(batch_fingerprint(data), "rows (token ids hashed)")
 
     # -- groups through the one schedule (``schedule.executor``, ``schedule.tree.schedule``) --------------------
 
@@ -272,9 +280,11 @@ class ReuseDriver:
         state, model = run.state, self.schedule_model()
         if run.forward_only:
             self._record_inferred(run, group, infer_group(model, run.layout, group, state.options))
+            self._flush_stages()
             return
         dormant = self._dormant(run, slot, counted=True)
         state.record_pending(run, train_group(model, run.layout, group, state.loss_fn, state.options, dormant))
+        self._flush_stages()
 
     def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
         """A group slot this rank has no group for, run with the filler options. With the aux on, real groups'
@@ -287,6 +297,7 @@ class ReuseDriver:
             infer_group(model, layout, group, options)
         else:
             train_group(model, layout, group, no_loss, options, self._dormant(run, slot, counted=False))
+        self._flush_stages()
 
     def run_tree(self, run: MiniBatchRun) -> None:
         """Every reuse group of the mini-batch through the tree schedule (``prefix_reuse.tree``), recorded per
@@ -297,13 +308,23 @@ class ReuseDriver:
             results = infer_tree(model, run.layout, run.roots, state.options)
             for group in run.plan.groups:
                 self._record_inferred(run, group, results)
+            self._flush_stages()
             return
         policies = self._node_policies(run.roots, run.meter.device, state.dormant_stats)
         state.record_pending(run, train_tree(model, run.layout, run.roots, state.loss_fn, state.options, policies))
+        self._flush_stages()
+
+    def _flush_stages(self) -> None:
+        """Under pipeline stages: every send of the group in flight waited for (their tensors kept alive till then)."""
+        if self.link is not None:
+            self.link.flush()
 
     def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
         """The engine's own metrics of the mini-batch, before the output is assembled from ``run.outputs``: the
-        tree's (``prefix/tree_*``)."""
+        tree's (``prefix/tree_*``). Under pipeline stages the last stage scored the rows: every stage returns its
+        outputs."""
+        if self.link is not None:
+            run.outputs.replace(self.link.share((run.outputs.outputs, run.outputs.order)))
         if run.roots is not None:
             stats = {**tree_metrics(trie_stats(run.roots)), "prefix/tree_lockstep_fillers": filler_passes(run.roots)}
             metrics.update({k: float(v) for k, v in stats.items()})

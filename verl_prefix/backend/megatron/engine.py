@@ -35,7 +35,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-from verl_prefix.backend.distributed.stages import StageLink, StageStep, batch_fingerprint, run_micro_batches
+from verl_prefix.backend.distributed.stages import StageLink, StageStep, run_micro_batches
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.megatron.causal_lm import MegatronCausalLM
 from verl_prefix.backend.megatron.config import (
@@ -214,32 +214,10 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
     def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
         if not run.forward_only:
             self._finalize_grads()
-        if self.link is not None:  # the last stage scored the rows: every stage returns its outputs
-            run.outputs.replace(self.link.share((run.outputs.outputs, run.outputs.order)))
         super().before_finish(run, metrics)
 
-    # -- pipeline stages: each runs the schedule on its own layers, the sends matched (``distributed.stages``) --
-
-    def before_mini_batch(self, data: Any) -> None:
-        super().before_mini_batch(data)
-        if self.link is not None:
-            self.link.check_same(batch_fingerprint(data), "rows (token ids hashed)")
-
-    def run_group(self, run: MiniBatchRun, slot: int, group: Any) -> None:
-        super().run_group(run, slot, group)
-        self._flush()
-
-    def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
-        super().run_filler_group(run, slot)
-        self._flush()
-
-    def run_tree(self, run: MiniBatchRun) -> None:
-        super().run_tree(run)
-        self._flush()
-
-    def _flush(self) -> None:
-        if self.link is not None:
-            self.link.flush()
+    # -- pipeline stages: each runs the schedule on its own layers (the driver matches their sends and shares the
+    # last stage's outputs, ``distributed.stages``) --
 
     def _stage_forward(self, call: Any) -> Any:
         """A pipeline micro-batch's forward on this stage: ``call()`` on the previous stage's output (set as the

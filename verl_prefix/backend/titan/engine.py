@@ -44,7 +44,7 @@ from verl.workers.engine.utils import prepare_micro_batches
 
 from verl_prefix.backend.config import TITAN_REUSE_OFF, PrefixReuseConfig
 from verl_prefix.backend.distributed.collectives import is_distributed
-from verl_prefix.backend.distributed.stages import StageLink, StageStep, batch_fingerprint, run_micro_batches
+from verl_prefix.backend.distributed.stages import StageLink, StageStep, run_micro_batches
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.outputs import MiniBatchOutputs
 from verl_prefix.backend.titan import platform as titan_platform
@@ -55,7 +55,6 @@ from verl_prefix.backend.titan.flavor import check_flavor
 from verl_prefix.backend.titan.moe import ExpertCounts
 from verl_prefix.backend.titan.sequence import padded_length, sequence_multiple
 from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
-from verl_prefix.schedule.grouping import GroupPlan
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 
@@ -132,9 +131,6 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
 
     # -- the driver's hooks ---------------------------------------------------------------------------
 
-    def before_mini_batch(self, data: TensorDict) -> None:
-        self.link.check_same(batch_fingerprint(data), "rows (token ids hashed)")
-
     def sequence_parallel_size(self) -> int:
         return self.engine_config.tensor_parallel_size
 
@@ -171,18 +167,6 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
 
     # -- pipeline stages: each runs the schedule on its own part, the sends matched (``distributed.stages``) -------
 
-    def run_group(self, run: MiniBatchRun, slot: int, group: GroupPlan) -> None:
-        super().run_group(run, slot, group)
-        self.link.flush()
-
-    def run_filler_group(self, run: MiniBatchRun, slot: int) -> None:
-        super().run_filler_group(run, slot)
-        self.link.flush()
-
-    def run_tree(self, run: MiniBatchRun) -> None:
-        super().run_tree(run)
-        self.link.flush()
-
     def run_dense_chunks(self, run: MiniBatchRun) -> None:
         if self.link.num_stages == 1:
             super().run_dense_chunks(run)
@@ -197,10 +181,6 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         pos = torch.arange(length, device=device)[None]
         with self._counted(0.0):
             return self.module[0](ids, positions=pos, attention_masks=causal_mask(length, device))
-
-    def before_finish(self, run: MiniBatchRun, metrics: dict) -> None:
-        run.outputs.replace(self.link.share((run.outputs.outputs, run.outputs.order)))  # the last stage's
-        super().before_finish(run, metrics)
 
     def dense_refusal(self, data: TensorDict, chunks: list[list[int]]) -> str | None:
         """verl's ``forward_step`` packs a dense chunk into one sequence; under TP x EP torchtitan's MoE needs
