@@ -62,7 +62,14 @@ from verl_prefix.backend.outputs import (
 )
 from verl_prefix.backend.trees import local_trie, padded_trie
 from verl_prefix.backend.validation import check_batch
-from verl_prefix.schedule.dormant import Dormant, DormantStats, default_store, release_pinned_memory
+from verl_prefix.schedule.dormant import (
+    Dormant,
+    DormantStats,
+    default_store,
+    refuse_offload_on,
+    release_pinned_memory,
+    validate_policy,
+)
 from verl_prefix.schedule.executor import LossFn, infer_group, train_group
 from verl_prefix.schedule.flop_model import ModelShape
 from verl_prefix.schedule.grouping import BatchPlan, GroupPlan, RowLayout, plan_batch
@@ -180,6 +187,16 @@ class ReuseDriver:
     def mini_batch_context(self, forward_only: bool) -> AbstractContextManager:
         """What the reuse path runs inside (an engine's train context, grad mode, autocast)."""
         return nullcontext()
+
+    def read_dormant(self, engine_config: Any) -> None:
+        """The dormant policy and its ``auto`` budget from the engine's config, checked once for every engine
+        (``schedule.dormant.validate_policy``); ``offload`` under reuse needs an accelerator to offload from."""
+        budget = getattr(engine_config, "dormant_prefix_budget_bytes", None)
+        self.dormant_prefix = validate_policy(getattr(engine_config, "dormant_prefix", "keep"), budget)
+        self.dormant_prefix_budget_bytes = budget
+        self.offload_store_factory = default_store
+        if self.reuse_config.enable and self.dormant_prefix == "offload":
+            refuse_offload_on(self.device())
 
     def before_mini_batch(self, data: TensorDict) -> None:
         """What the engine checks before the mini-batch's first collective: under pipeline stages, that every

@@ -35,11 +35,6 @@ from verl_prefix.backend.config import PREFIX_BACKEND, PrefixReuseConfig, valida
 from verl_prefix.backend.distributed.once import agree_on_structure
 from verl_prefix.backend.driver import MiniBatchRun, ReuseDriver
 from verl_prefix.backend.fsdp import refusals
-from verl_prefix.schedule.dormant import (
-    default_store,
-    refuse_offload_on,
-    validate_policy,
-)
 from verl_prefix.schedule.fused_head import FUSED_BACKENDS, fused_backend, scalar_temperature
 from verl_prefix.schedule.models import moe
 from verl_prefix.schedule.models.hf_forwards import hf_causal_forward, remember_hf_forwards
@@ -95,16 +90,9 @@ class PrefixFSDPEngineWithLMHead(ReuseDriver, FSDPEngineWithLMHead):
         self._trace_writer: Any = None
         self._moe_routers_cache: tuple[int, moe.MoeRouters] | None = None
         self._layer_roles_cache: tuple[int, LayerRoles] | None = None
-        self.dormant_prefix = validate_policy(
-            getattr(engine_config, "dormant_prefix", "keep"),
-            getattr(engine_config, "dormant_prefix_budget_bytes", None),
-        )
-        self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
         self.freeze_vision_tower = bool(getattr(engine_config, "freeze_vision_tower", False))
         self.unpacked_dense_rows: str | None = None  # a decoder whose packed rows would cross (``_unpack_dense_rows``)
-        if self.dormant_prefix == "offload":
-            refuse_offload_on(self.device())
-        self.offload_store_factory = default_store  # offload's saved-tensor store (tests inject a CPU one)
+        self.read_dormant(engine_config)
         # ((the module's id, unsupported_model), the reason every rank runs it dense) once decided
         self._structure_decision: tuple[tuple[int, str], str | None] | None = None
 

@@ -57,7 +57,6 @@ from verl_prefix.backend.megatron.moe import (
 )
 from verl_prefix.backend.megatron.recompute import install as install_recompute
 from verl_prefix.backend.megatron.recompute import recompute_refusal
-from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.models.moe import RouterStats
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
@@ -78,18 +77,13 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         if reason is not None:
             raise ValueError(reason)
         self.reuse_config = reuse_of(engine_config)
-        budget = getattr(engine_config, "dormant_prefix_budget_bytes", None)
-        self.dormant_prefix = validate_policy(getattr(engine_config, "dormant_prefix", "keep"), budget)
-        self.dormant_prefix_budget_bytes = budget
-        self.offload_store_factory = default_store
         self.causal_lm: MegatronCausalLM | None = None
         self.routers: McoreRouters | None = None  # megatron-core's MoE routers, under the aux loss
         self.expert_counts: ExpertCounts | None = None  # expert-biased routers' load counts
         self.aux_micro_batches = 1  # the mini-batch's logical micro-batches on this rank (the aux's 1/N)
         self.link: StageLink | None = None  # pipeline stages under reuse (``distributed.stages``)
         super().__init__(model_config, engine_config, *args, **kwargs)
-        if self.reuse_config.enable and self.dormant_prefix == "offload":
-            refuse_offload_on(self.device())
+        self.read_dormant(engine_config)
 
     def initialize(self) -> None:
         super().initialize()

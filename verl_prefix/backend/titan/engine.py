@@ -54,7 +54,6 @@ from verl_prefix.backend.titan.config import model_refusal, refusal
 from verl_prefix.backend.titan.flavor import check_flavor
 from verl_prefix.backend.titan.moe import ExpertCounts
 from verl_prefix.backend.titan.sequence import padded_length, sequence_multiple
-from verl_prefix.schedule.dormant import default_store, refuse_offload_on, validate_policy
 from verl_prefix.schedule.models.structure import LayerRoles
 from verl_prefix.schedule.options import AuxFn, ScheduleOptions
 
@@ -85,14 +84,7 @@ class PrefixTorchtitanEngineWithLMHead(ReuseDriver, _impl.TorchTitanEngineWithLM
         self.hooks: InnerAttentionHooks | None = None
         self.expert_counts: ExpertCounts | None = None
         self.causal_lm: TitanCausalLM | None = None  # the one schedule's model (``scheduled``)
-        self.dormant_prefix = validate_policy(
-            getattr(engine_config, "dormant_prefix", "keep"),
-            getattr(engine_config, "dormant_prefix_budget_bytes", None),
-        )
-        self.dormant_prefix_budget_bytes: int | None = getattr(engine_config, "dormant_prefix_budget_bytes", None)
-        if self.reuse_config.enable and self.dormant_prefix == "offload":
-            refuse_offload_on(self.device())
-        self.offload_store_factory = default_store
+        self.read_dormant(engine_config)
 
     def initialize(self) -> None:
         super().initialize()
