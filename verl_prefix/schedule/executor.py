@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +57,7 @@ from verl_prefix.schedule.models.multimodal import (
     text_only_call,
     visual_kwargs,
 )
-from verl_prefix.schedule.models.structure import layer_roles
+from verl_prefix.schedule.models.structure import LayerRoles, layer_roles
 from verl_prefix.schedule.models.visual_chunks import EncodedVisuals
 from verl_prefix.schedule.options import ScheduleOptions
 from verl_prefix.schedule.telemetry import NullMeter, PhaseMeter
@@ -144,7 +144,6 @@ def prefix_forward(
     ``schedule.models.visual_chunks``, runs without a meter: the encoding counts)."""
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
-    sources = roles.sources  # KV-shared layers: their prefix K/V are their source layer's
     early_exit = options.exits_early and scores(model)  # a pipeline stage before the last feeds the next one
 
     def routers_done(module: nn.Module) -> None:
@@ -154,46 +153,12 @@ def prefix_forward(
 
     capture = routers.capture(on_complete=routers_done) if routers is not None else nullcontext([])
     with capture as router_logits:
-        ready = lambda: all(lg is not None for lg in router_logits)  # noqa: E731
         length = prefix_ids.shape[-1]
-        if earlier is None:
-            ctx = CaptureContext(
-                _num_decoder_layers(model),
-                early_exit=early_exit,
-                ready=ready,
-                ulysses=ulysses,
-                length=length if ulysses is not None else None,
-                sources=sources,
-                recurrent_layers=roles.recurrent,
-            )
-        else:
-            ctx = ChunkCaptureContext(
-                _num_decoder_layers(model),
-                early_exit,
-                earlier,
-                length,
-                prefix_ids.device,
-                options.phase_b_attention,
-                ready,
-                ulysses,
-                options.phase_b_refusal,
-                sources,
-            )
+        ctx = _capture_context(model, options, roles, early_exit, router_logits, length, earlier, prefix_ids.device)
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
-        # verl's vision-language forwards hand unknown keywords on to attention: no logits_to_keep there. Under
-        # Ulysses the last ``keep_logits`` positions are spread over the slices: this slice's share of them
-        to_keep = options.keep_logits or 1
-        if ulysses is not None and options.keep_logits:
-            to_keep = ulysses.kept_in_slice(length, options.keep_logits)
-        keep = {} if is_visual_model(model) else {"logits_to_keep": to_keep}
+        to_keep, keep, fused = _kept_outputs(model, options, length, prefix_ids.device)
         encoder = counting_encoder_calls(model) if visual else text_only_call(model)
-        fused = nullcontext()
-        if options.fused_backend and options.keep_logits:  # a loss-carrying trie node: fused values, no logits
-            if options.keep_labels is None:
-                raise ValueError("a loss-carrying node under fused kernels needs its labels (options.keep_labels)")
-            labels = kept_labels(options, options.keep_labels, length, to_keep).to(prefix_ids.device)
-            fused = fused_head(model, labels, options.fused_temperature, options.fused_backend)
         with encoder as encoder_calls, fused as call:
             try:
                 out = model(
@@ -216,7 +181,7 @@ def prefix_forward(
                 pass
         if visual and options.meter is not None and encoder_calls is not None:
             options.meter.count("prefix/vision_encoder_calls", encoder_calls[0])
-    ctx.kv.share(sources)
+    ctx.kv.share(roles.sources)
     if not ctx.kv.complete:
         missing = [layer for layer in range(len(ctx.kv.keys)) if not ctx.kv.captured(layer)]
         raise RuntimeError(
@@ -230,6 +195,63 @@ def prefix_forward(
             local = routers.stats(router_logits, ulysses.real_tokens(length, prefix_ids.device))
             ctx.kv.router_stats = ulysses.sum_stats(local)
     return ctx.kv
+
+
+def _capture_context(
+    model: nn.Module,
+    options: ScheduleOptions,
+    roles: LayerRoles,
+    early_exit: bool,
+    router_logits: list,
+    length: int,
+    earlier: PrefixKV | None,
+    device: torch.device,
+) -> CaptureContext:
+    """Phase A's attention context: a whole prefix's capture, or a later chunk's over ``earlier`` chunks' K/V (as
+    phase B's rows attend). Early exit waits for the last router too (``router_logits`` all captured)."""
+    ready = lambda: all(lg is not None for lg in router_logits)  # noqa: E731
+    if earlier is None:
+        return CaptureContext(
+            _num_decoder_layers(model),
+            early_exit=early_exit,
+            ready=ready,
+            ulysses=options.ulysses,
+            length=length if options.ulysses is not None else None,
+            sources=roles.sources,  # KV-shared layers: their prefix K/V are their source layer's
+            recurrent_layers=roles.recurrent,
+        )
+    return ChunkCaptureContext(
+        _num_decoder_layers(model),
+        early_exit,
+        earlier,
+        length,
+        device,
+        options.phase_b_attention,
+        ready,
+        options.ulysses,
+        options.phase_b_refusal,
+        roles.sources,
+    )
+
+
+def _kept_outputs(
+    model: nn.Module, options: ScheduleOptions, length: int, device: torch.device
+) -> tuple[int, dict, AbstractContextManager]:
+    """What phase A keeps of the model's output: how many last positions (``to_keep``), the call's keyword for it,
+    and, for a loss-carrying trie node under fused kernels, the fused head that computes their values instead of
+    logits. verl's vision-language forwards hand unknown keywords on to attention: no ``logits_to_keep`` there.
+    Under Ulysses the last ``keep_logits`` positions are spread over the slices: this slice's share of them."""
+    to_keep = options.keep_logits or 1
+    if options.ulysses is not None and options.keep_logits:
+        to_keep = options.ulysses.kept_in_slice(length, options.keep_logits)
+    keep = {} if is_visual_model(model) else {"logits_to_keep": to_keep}
+    fused: AbstractContextManager = nullcontext()
+    if options.fused_backend and options.keep_logits:
+        if options.keep_labels is None:
+            raise ValueError("a loss-carrying node under fused kernels needs its labels (options.keep_labels)")
+        labels = kept_labels(options, options.keep_labels, length, to_keep).to(device)
+        fused = fused_head(model, labels, options.fused_temperature, options.fused_backend)
+    return to_keep, keep, fused
 
 
 def kept_labels(options: ScheduleOptions, labels: torch.Tensor, length: int, kept: int) -> torch.Tensor:
