@@ -250,7 +250,7 @@ elif [ "$SP_TESTS" = 1 ]; then
 fi
 
 if [ "$SP_TESTS" = 1 ] && [ "$gpus" -ge 2 ] && "$PY" -c "import megatron.core" 2>/dev/null; then
-  step "prefix_megatron on 2 of the $gpus GPUs, bf16, TE where installed (NCCL): TP=2 + sequence parallel; Qwen3-MoE at EP=2 (aux loss, expert bias) and TP=2 + SP; DeepSeek-V3 MLA at TP=2 + SP; PP=2 with full recompute and offload; selective recompute under SP"
+  step "prefix_megatron on 2 of the $gpus GPUs, bf16, TE where installed (NCCL): TP=2 + sequence parallel; Qwen3-MoE at EP=2 (aux loss, expert bias) and TP=2 + SP; DeepSeek-V3 MLA at TP=2 + SP; PP=2 with full recompute and offload; selective recompute under SP; PP=2 with two virtual stages; Qwen3-MoE at TP=2 + SP x EP=2 with the aux loss, z-loss and expert bias"
   rc=0
   VERL_PLATFORM=nvidia timeout --signal=INT --kill-after=15 "$(cap 240)" \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/backend/test_megatron_cuda.py 2>&1 \

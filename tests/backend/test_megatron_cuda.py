@@ -58,6 +58,17 @@ LAYOUTS = {
     "tp2_sp_selective_recompute": (
         "qwen3", SP, {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}, None,
     ),
+    # virtual pipeline stages (two chunks per rank; CPU reference: test_megatron_pipeline.py pp2_vpp2), and MoE under
+    # sequence parallelism with the aux loss, the z-loss and expert bias (CPU reference: test_megatron_moe.py,
+    # the pp2_tp2_ep2_moe layout)
+    "pp2_vpp2": ("qwen3", dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), {},
+                 {"num_hidden_layers": 4}),
+    "moe_tp2_sp_aux_z_bias": (
+        "qwen3_moe", {**SP, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+        {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001,
+         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+        None,
+    ),
 }  # fmt: skip
 
 

@@ -125,6 +125,13 @@ def _reuse_body(rank: int, model_dir: str, name: str) -> dict:
             prefix.reuse_config = dataclasses.replace(base, **cases[case][0])
             got = megatron_counted_step(prefix, loss_fn, batch)
             out[case]["counts"] = (want["counts"], got["counts"])
+    if name == "pp2_vpp2":  # verl's dynamic batch size (the PP recipes set it): micro-batches by a token budget
+        dynamic = dict(pp, use_dynamic_bsz=True, max_token_len_per_gpu=48, infer_max_token_len_per_gpu=48)
+        stock_dynamic = build_megatron_engine(model_dir, lr=0.0, **dynamic)
+        prefix_dynamic = build_megatron_engine(
+            model_dir, backend="prefix_megatron", lr=0.0, prefix_reuse=base, **dynamic
+        )
+        out["dynamic"] = megatron_cases(stock_dynamic, prefix_dynamic, loss_fn, batch, base, TWO, {})
     if name == "pp2":  # megatron-core's full recompute under pipeline stages (phase B's re-entered in backward)
         over = {"attention_backend": "local", "recompute_granularity": "full", "recompute_method": "uniform"}
         recomputing = build_megatron_engine(
@@ -184,6 +191,21 @@ def _check(results: dict, name: str, case: str) -> None:
 def test_pipeline_stages_reuse_exactly(two_ranks, name, case):
     assert sorted(r["stage"] for r in two_ranks[name].values()) == [0, 1]
     _check(two_ranks[name], name, case)
+
+
+def test_virtual_stages_with_dynamic_batch_size(two_ranks):
+    """verl's dynamic batch size (``use_dynamic_bsz``, which the Qwen3-8B, Qwen3-235B and DeepSeek-V3 Megatron
+    recipes set) under virtual pipeline stages: verl's engine packs its micro-batches by a token budget, the
+    schedule its suffix micro-batches; exact all the same, one-level and tree."""
+    for rank, result in two_ranks["pp2_vpp2"].items():
+        for case in TWO:
+            r = result["dynamic"][case]
+            assert r["worst"] < TOL, (rank, case, r["name"], r["worst"])
+            assert_reuse_ran(r["metrics"], groups=2)
+            if result["last"]:
+                want, got = r["infer"]
+                diff = (got["response_log_probs"].values() - want["response_log_probs"].values()).abs().max().item()
+                assert diff < TOL, (rank, case, diff)
 
 
 def test_pipeline_stages_with_megatron_full_recompute(two_ranks):

@@ -144,7 +144,6 @@ def prefix_forward(
     ``schedule.models.visual_chunks``, runs without a meter: the encoding counts)."""
     routers, ulysses = options.routers, options.ulysses
     roles = options.layer_roles or layer_roles(model)
-    early_exit = options.exits_early and scores(model)  # a pipeline stage before the last feeds the next one
 
     def routers_done(module: nn.Module) -> None:
         if ctx.early_exit and ctx.kv.complete:
@@ -154,7 +153,7 @@ def prefix_forward(
     capture = routers.capture(on_complete=routers_done) if routers is not None else nullcontext([])
     with capture as router_logits:
         length = prefix_ids.shape[-1]
-        ctx = _capture_context(model, options, roles, early_exit, router_logits, length, earlier, prefix_ids.device)
+        ctx = _capture_context(model, options, roles, router_logits, prefix_ids, earlier)
         if ulysses is not None:
             prefix_ids, prefix_positions = ulysses.shard(prefix_ids), ulysses.shard(prefix_positions, True)
         to_keep, keep, fused = _kept_outputs(model, options, length, prefix_ids.device)
@@ -201,15 +200,16 @@ def _capture_context(
     model: nn.Module,
     options: ScheduleOptions,
     roles: LayerRoles,
-    early_exit: bool,
     router_logits: list,
-    length: int,
+    prefix_ids: torch.Tensor,
     earlier: PrefixKV | None,
-    device: torch.device,
 ) -> CaptureContext:
     """Phase A's attention context: a whole prefix's capture, or a later chunk's over ``earlier`` chunks' K/V (as
-    phase B's rows attend). Early exit waits for the last router too (``router_logits`` all captured)."""
+    phase B's rows attend). Early exit waits for the last router too (``router_logits`` all captured); a pipeline
+    stage before the last never exits early (its output feeds the next stage)."""
     ready = lambda: all(lg is not None for lg in router_logits)  # noqa: E731
+    early_exit = options.exits_early and scores(model)
+    length, device = prefix_ids.shape[-1], prefix_ids.device
     if earlier is None:
         return CaptureContext(
             _num_decoder_layers(model),
@@ -235,7 +235,7 @@ def _capture_context(
 
 
 def _kept_outputs(
-    model: nn.Module, options: ScheduleOptions, length: int, device: torch.device
+    model: nn.Module, options: ScheduleOptions, length: int, labels_device: torch.device
 ) -> tuple[int, dict, AbstractContextManager]:
     """What phase A keeps of the model's output: how many last positions (``to_keep``), the call's keyword for it,
     and, for a loss-carrying trie node under fused kernels, the fused head that computes their values instead of
@@ -249,7 +249,7 @@ def _kept_outputs(
     if options.fused_backend and options.keep_logits:
         if options.keep_labels is None:
             raise ValueError("a loss-carrying node under fused kernels needs its labels (options.keep_labels)")
-        labels = kept_labels(options, options.keep_labels, length, to_keep).to(device)
+        labels = kept_labels(options, options.keep_labels, length, to_keep).to(labels_device)
         fused = fused_head(model, labels, options.fused_temperature, options.fused_backend)
     return to_keep, keep, fused
 
