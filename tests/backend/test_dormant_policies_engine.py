@@ -185,7 +185,7 @@ def test_auto_picks_by_the_compute_dtype_and_the_peak(tiny_model):
     from helpers.layouts import make_layout
     from transformers import AutoModelForCausalLM
 
-    from verl_prefix.backend import dormant as backend_dormant
+    from verl_prefix.backend.distributed import dormant_agreement as backend_dormant
     from verl_prefix.schedule.grouping import plan_batch
 
     cuda = torch.device("cuda", 0)
@@ -273,7 +273,7 @@ def test_auto_says_what_its_budget_bounds(tiny_model, monkeypatch, caplog):
     from helpers.layouts import make_layout
     from transformers import AutoModelForCausalLM
 
-    from verl_prefix.backend import dormant as backend_dormant
+    from verl_prefix.backend.distributed import dormant_agreement as backend_dormant
     from verl_prefix.schedule.grouping import plan_batch
 
     monkeypatch.setattr(backend_dormant, "LOGGED_REASONS", set())

@@ -37,6 +37,7 @@ from verl.utils.device import get_device_id, get_device_name
 
 from verl_prefix.backend import fallbacks
 from verl_prefix.backend.config import PrefixReuseConfig
+from verl_prefix.backend.distributed.dormant_agreement import agree_on_node_policies, group_policies, slot_policies
 from verl_prefix.backend.distributed.lockstep import LockstepPlan, filler_group, in_lockstep
 from verl_prefix.backend.distributed.mini_batch import (
     Agreement,
@@ -49,7 +50,6 @@ from verl_prefix.backend.distributed.mini_batch import (
 )
 from verl_prefix.backend.distributed.once import AgreedDormant
 from verl_prefix.backend.distributed.stages import StageLink, batch_fingerprint
-from verl_prefix.backend.dormant import agree_on_node_policies, group_policies, slot_policies
 from verl_prefix.backend.inputs import per_row_temperature
 from verl_prefix.backend.outputs import (
     MiniBatchOutputs,
@@ -276,8 +276,8 @@ class ReuseDriver:
         return self.dormant_prefix
 
     def group_policies(self, plan: BatchPlan, device: torch.device, forward_only: bool) -> list[tuple[str, str]]:
-        """``(dormant policy, reason)`` per own group (``backend.dormant.group_policies``; ``auto`` estimates each
-        group's graph in the compute dtype)."""
+        """``(dormant policy, reason)`` per own group (``distributed.dormant_agreement.group_policies``; ``auto``
+        estimates each group's graph in the compute dtype)."""
         knob, budget = self.dormant_prefix, self.dormant_prefix_budget_bytes
         return group_policies(knob, budget, self.schedule_model(), plan, device, self.compute_dtype())
 

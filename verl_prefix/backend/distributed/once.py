@@ -71,10 +71,9 @@ class RecomputeMismatch(RuntimeError):
 @dataclass
 class AgreedDormant(Dormant):
     """``Dormant`` whose recompute check is agreed over ``group``: ranks recompute the same group slots and
-    chunks (``backend.dormant.slot_policies``, lockstep chunk counts), so each recompute's verdict is one
-    flag all-reduce (the messages are gathered only on a mismatch), and every rank raises the same
-    ``RecomputeMismatch`` naming the ranks, before phase C's backward and its reduce-scatters; none is left
-    waiting in them."""
+    chunks (``dormant_agreement.slot_policies``, lockstep chunk counts), so each recompute's verdict is one flag
+    all-reduce (the messages are gathered only on a mismatch), and every rank raises the same ``RecomputeMismatch``
+    naming the ranks, before phase C's backward and its reduce-scatters; none is left waiting in them."""
 
     group: Any = None
 

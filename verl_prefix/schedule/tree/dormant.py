@@ -1,4 +1,5 @@
-"""Dormant-prefix policies per tree node (``prefix_reuse.tree`` with ``dormant_prefix``).
+"""Dormant-prefix policies per tree node (``prefix_reuse.tree`` with ``dormant_prefix``): ``schedule.dormant``'s
+concern at the tree's layer, hence the same module name.
 
 Under the tree schedule (``schedule.tree.schedule``) a node's phase-A graph waits from its forward until its phase C,
 while its whole subtree runs: with ``keep`` every node on the path to the micro-batch running holds its graph.
@@ -13,7 +14,7 @@ The policies of ``schedule.dormant`` apply per node, each with a ``Dormant`` of 
 - ``offload``: the node's phase A (LM head and log-softmax included) saves to the node's own host store and
   its phase C restores layer by layer, as a group's does.
 - ``auto``: the policy chosen per node from its graph estimate (``node_estimate``; the engine agrees the
-  recomputed nodes across data-parallel ranks, ``backend.dormant.agree_on_node_policies``).
+  recomputed nodes across data-parallel ranks, ``backend.distributed.dormant_agreement.agree_on_node_policies``).
 """
 
 from __future__ import annotations
