@@ -9,7 +9,8 @@ stage. Cases: one-level, the token trie, a chunked prefix, merged phase B, ``dor
 megatron-core's full recompute. Negative controls: phase C skipped on every stage, phase B's RoPE one position late.
 Layouts on two ranks: PP=2, and PP=2 with virtual stages (``virtual_pipeline_model_parallel_size=2``: two model
 chunks per rank of a 4-layer model, a sequence going around the ring of ranks twice; verl's engine runs megatron-core's
-interleaved schedule). On four ranks (about a minute each, kept out of the e2e tier, whose ``main_ppo`` launches
+interleaved schedule), there also with verl's dynamic batch size, and a tiny Qwen3-MoE with expert bias under virtual
+stages (both chunks' routers counted exactly as verl's engine counts them). On four ranks (about a minute each, kept out of the e2e tier, whose ``main_ppo`` launches
 would share the host's memory with them): PP=2 x DP=2, with and without virtual stages (data-parallel rank 1 with
 dense rows and lockstep fillers through the pipeline), PP=2 x TP=2 with sequence parallelism
 (``run_qwen3_8b_megatron.sh`` scaled down), a tiny
@@ -76,10 +77,21 @@ VPP_MOE_RECIPE = dict(
     },
 )
 FOUR_LAYERS = dict(num_layers=4)  # two virtual stages of one layer on each of two ranks
+VPP_BIAS = dict(
+    virtual_pipeline_model_parallel_size=2,
+    override_transformer_config={
+        "attention_backend": "local",
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0.0,
+    },
+)
 # name -> (ranks, layout, cases, tiny model family, its size)
 LAYOUTS = {
     "pp2": (2, dict(), MEGATRON_CASES, "qwen3", {}),
     "pp2_vpp2": (2, dict(virtual_pipeline_model_parallel_size=2), MEGATRON_CASES, "qwen3", FOUR_LAYERS),
+    # expert bias counted over a rank's two chunks' routers (DeepSeek-V3's balancing under virtual stages)
+    "pp2_vpp2_bias": (2, VPP_BIAS, TWO, "qwen3_moe", FOUR_LAYERS),
     "pp2_dp2": (4, dict(), TWO, "qwen3", {}),
     "pp2_vpp2_dp2": (4, dict(virtual_pipeline_model_parallel_size=2), TWO, "qwen3", FOUR_LAYERS),
     "pp2_tp2": (4, dict(tensor_parallel_size=2, sequence_parallel=True), TWO, "qwen3", {}),
@@ -155,7 +167,8 @@ def _model(tiny_model, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model) -> dict:
-    return {n: run_two_ranks(_reuse_body, _model(tiny_model, n), n, timeout=900) for n in ("pp2", "pp2_vpp2")}
+    names = [n for n, spec in LAYOUTS.items() if spec[0] == 2]
+    return {n: run_two_ranks(_reuse_body, _model(tiny_model, n), n, timeout=900) for n in names}
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +204,15 @@ def _check(results: dict, name: str, case: str) -> None:
 def test_pipeline_stages_reuse_exactly(two_ranks, name, case):
     assert sorted(r["stage"] for r in two_ranks[name].values()) == [0, 1]
     _check(two_ranks[name], name, case)
+
+
+@pytest.mark.parametrize("case", list(TWO))
+def test_virtual_stages_count_expert_bias_over_every_chunk(two_ranks, case):
+    """Expert bias under virtual stages: every router of a rank's chunks counted as verl's engine counts them."""
+    _check(two_ranks["pp2_vpp2_bias"], "pp2_vpp2_bias", case)
+    for result in two_ranks["pp2_vpp2_bias"].values():
+        want, _ = result[case]["counts"]
+        assert want[0].shape[0] == 2, want  # the rank's two chunks' routers, one row each, all counted
 
 
 def test_virtual_stages_with_dynamic_batch_size(two_ranks):
