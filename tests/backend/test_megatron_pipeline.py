@@ -7,21 +7,20 @@ Per stage, every parameter's gradient as megatron-core's DDP accumulates it (``m
 ``finalize_model_grads``), the last stage's loss and grad norm, the forward-only log-probs; reuse asserted on every
 stage. Cases: one-level, the token trie, a chunked prefix, merged phase B, ``dormant_prefix=recompute``, and
 megatron-core's full recompute. Negative controls: phase C skipped on every stage, phase B's RoPE one position late.
-Layouts on two ranks: PP=2, and PP=2 with virtual stages (``virtual_pipeline_model_parallel_size=2``: two model
-chunks per rank of a 4-layer model, a sequence going around the ring of ranks twice; verl's engine runs megatron-core's
+Layouts on two ranks: PP=2, and PP=2 with virtual stages (``virtual_pipeline_model_parallel_size=2``: two model chunks
+per rank of a 4-layer model, a sequence going around the ring of ranks twice; verl's engine runs megatron-core's
 interleaved schedule), there also with verl's dynamic batch size, and a tiny Qwen3-MoE with expert bias under virtual
-stages (both chunks' routers counted exactly as verl's engine counts them). On four ranks (about a minute each, kept out of the e2e tier, whose ``main_ppo`` launches
-would share the host's memory with them): PP=2 x DP=2, with and without virtual stages (data-parallel rank 1 with
-dense rows and lockstep fillers through the pipeline), PP=2 x TP=2 with sequence parallelism
-(``run_qwen3_8b_megatron.sh`` scaled down), a tiny
-Qwen3-MoE at PP=2 x TP=2 (sequence parallel) x EP=2 with DeepSeek-V3's expert bias, full recompute and offload (the
-DeepSeek-V3 671B, Moonlight and Qwen3-235B recipes scaled down; verl's loader turns the aux loss off), where every
-stage's expert load counts equal verl's engine's exactly, and the same with virtual stages and softmax routing
-(``run_qwen3_30b_a3b_megatron.sh`` scaled down). Rows are aligned to the TP size (verl's engine pads each row to it
-under sequence parallelism, and its routers count that padding; reuse counts real tokens only). With reuse off the
-engine trains as verl's (every refusal tells users to do that, and that advice must run: verl's engine returns
-``{}`` on every stage but the last, which the driver passes through).
-"""
+stages (both chunks' routers counted exactly as verl's engine counts them). On four ranks (about a minute each, kept out
+of the e2e tier, whose ``main_ppo`` launches would share the host's memory with them): PP=2 x DP=2, with and without
+virtual stages (data-parallel rank 1 with dense rows and lockstep fillers through the pipeline), PP=2 x TP=2 with
+sequence parallelism (``run_qwen3_8b_megatron.sh`` scaled down), a tiny Qwen3-MoE at PP=2 x TP=2 (sequence parallel) x
+EP=2 with DeepSeek-V3's expert bias, full recompute and offload (the DeepSeek-V3 671B, Moonlight and Qwen3-235B recipes
+scaled down; verl's loader turns the aux loss off), where every stage's expert load counts equal verl's engine's
+exactly, and the same with virtual stages and softmax routing (``run_qwen3_30b_a3b_megatron.sh`` scaled down). Rows are
+aligned to the TP size (verl's engine pads each row to it under sequence parallelism, and its routers count that
+padding; reuse counts real tokens only). With reuse off the engine trains as verl's (every refusal tells users to do
+that, and that advice must run: verl's engine returns ``{}`` on every stage but the last, which the driver passes
+through)."""
 
 from __future__ import annotations
 
