@@ -139,7 +139,10 @@ class StageLink:
 
     def recv_grad(self, output: torch.Tensor) -> torch.Tensor:
         """The gradient of ``output`` (sent on to the next stage) that the next stage computed."""
-        grad = torch.empty_like(output, memory_format=torch.contiguous_format)
+        return self._recv_from_next(output.shape, output.dtype, output.device)
+
+    def _recv_from_next(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        grad = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(grad, src=self.ranks[(self.stage + 1) % self.num_stages], group=self.group)
         return grad
 
@@ -242,11 +245,8 @@ class _Relay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        link = ctx.link
-        link._isend(grad, link.stage - 1)
-        received = torch.empty(ctx.shape, dtype=ctx.dtype, device=link.device)
-        dist.recv(received, src=link.ranks[(link.stage + 1) % link.num_stages], group=link.group)
-        return received, None
+        ctx.link._send_back(grad)
+        return ctx.link._recv_from_next(ctx.shape, ctx.dtype, grad.device), None
 
 
 @dataclass

@@ -81,7 +81,6 @@ class PrefixMegatronEngineWithLMHead(ReuseDriver, MegatronEngineWithLMHead):
         self.routers: McoreRouters | None = None  # megatron-core's MoE routers, under the aux loss
         self.expert_counts: ExpertCounts | None = None  # expert-biased routers' load counts
         self.aux_micro_batches = 1  # the mini-batch's logical micro-batches on this rank (the aux's 1/N)
-        self.link: StageLink | None = None  # pipeline stages under reuse (``distributed.stages``)
         super().__init__(model_config, engine_config, *args, **kwargs)
         self.read_dormant(engine_config)
 

@@ -100,8 +100,9 @@ def router_refusal(tf_config: Any) -> str | None:
 
 
 def pipeline_refusal(tf_config: Any, pipeline_stages: int) -> str | None:
-    """The router aux loss under pipeline stages, or None: a stage before the last would have to add its own layers'
-    aux to a loss only the last stage holds (expert bias is served: its counts are each stage's own)."""
+    """Why the router aux loss or z-loss cannot run under pipeline stages, or None: a stage before the last would
+    have to add its own layers' terms to a loss only the last stage holds (expert bias is served: its counts are each
+    stage's own)."""
     aux, z = counted_coefficients(tf_config)
     if pipeline_stages <= 1 or not (aux or z):
         return None
